@@ -1,0 +1,51 @@
+# kvstore — set-up, demo, tests and benchmarks.
+# `make demo` and `make test` work on a fresh Debian-like machine with Python 3.11+.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/*.proto)
+PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+REQUESTS ?= 100
+
+.PHONY: setup demo test bench clean system-deps protos
+
+setup: $(STAMP) $(PROTO_OUT)
+
+# libibverbs1 is what `import mooncake` needs (the transfer engine links it).
+system-deps:
+	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then \
+	  echo "installing Debian package libibverbs1 (needed by mooncake-transfer-engine)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1; \
+	fi
+
+$(STAMP): pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Pinned first, so that nothing later pulls a multi-GB CUDA build of torch.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+protos/%_pb2.py: protos/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $<
+
+protos: $(PROTO_OUT)
+
+demo: setup
+	$(VENV)/bin/kvstore up --replay data/traces/conversation_trace.jsonl \
+	  --requests $(REQUESTS) --json benchmarks/results/demo.json
+
+# pytest exits 5 when it collected no test: that is a failure here, not green.
+test: setup
+	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+bench: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2.pyi var/ build/ *.egg-info

@@ -1,0 +1,81 @@
+"""Async gRPC client of an engine (prefill or decode), for the scheduler."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from engines.types import DecodeStep, EngineInfo, EngineLoad, PrefillResult
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.index.keys import KVLayout
+from kvstore.service import GRPC_OPTIONS
+from protos import engine_pb2 as pb
+from protos import engine_pb2_grpc as pb_grpc
+
+
+class EngineClient:
+    """Calls one engine at ``address`` (host:port). Must be created inside a running event
+    loop. Raises :class:`Unavailable` when the engine cannot be reached or fails, and
+    :class:`InvalidArgument` when it rejects the request."""
+
+    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.EngineStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        try:
+            import asyncio
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except Exception:
+            raise Unavailable(f"engine at {self.address} not ready after {timeout_s} s") from None
+
+    async def info(self) -> EngineInfo:
+        r = await self._unary(self._stub.Info, pb.InfoRequest())
+        return EngineInfo(r.engine_id, r.role, r.model_id, r.revision, KVLayout.from_json(r.layout_json),
+                          r.block_size, r.vocab_size, r.eos_token_id, r.device, r.max_model_len)
+
+    async def load(self) -> EngineLoad:
+        r = await self._unary(self._stub.Load, pb.LoadRequest())
+        return EngineLoad(r.queued, r.running, r.queued_tokens)
+
+    async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str) -> PrefillResult:
+        r = await self._unary(self._stub.Prefill, pb.PrefillRequest(
+            request_id=request_id, prompt=list(prompt), namespace=namespace))
+        return PrefillResult(r.request_id, r.first_token, tuple(r.block_keys), r.cached_tokens,
+                             r.computed_tokens, r.tail_kv, r.tail_tokens, r.prefill_s,
+                             r.loaded_blocks, r.stored_blocks)
+
+    async def decode(self, request_id: str, prompt: Sequence[int], namespace: str,
+                     prefill: PrefillResult, max_tokens: int,
+                     stop_token_ids: Sequence[int] = ()) -> AsyncIterator[DecodeStep]:
+        """Stream the generated tokens, the prefill's first token included (index 0).
+        Cancelling the iteration (or the task running it) cancels the call on the engine."""
+        call = self._stub.Decode(pb.DecodeRequest(
+            request_id=request_id, prompt=list(prompt), namespace=namespace,
+            first_token=prefill.first_token, block_keys=list(prefill.block_keys),
+            tail_kv=prefill.tail_kv, tail_tokens=prefill.tail_tokens, max_tokens=max_tokens,
+            stop_token_ids=list(stop_token_ids)), timeout=self.timeout_s)
+        try:
+            async for m in call:
+                yield DecodeStep(m.token, m.index, m.finished, m.finish_reason)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, self.address) from None
+        finally:
+            call.cancel()
+
+    async def _unary(self, fn, request):  # type: ignore[no-untyped-def]
+        try:
+            return await fn(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, self.address) from None
+
+
+def _translate(exc: grpc.aio.AioRpcError, address: str) -> Exception:
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(exc.details() or "invalid argument")
+    return Unavailable(f"engine at {address}: {exc.code().name}: {exc.details()}")

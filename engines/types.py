@@ -1,0 +1,52 @@
+"""Domain types the engines exchange with the scheduler (protobuf stops at the edge)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.index.keys import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine_id: str
+    role: str                 # "prefill" or "decode"
+    model_id: str
+    revision: str
+    layout: KVLayout
+    block_size: int           # tokens per block
+    vocab_size: int
+    eos_token_id: int
+    device: str               # "cpu", "cuda:0", ...
+    max_model_len: int        # tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What a prefill hands to decode: the first token, the prompt's block keys (the full
+    blocks are in the pool) and the KV of the partial tail block (bytes, see engines/kv.py)."""
+
+    request_id: str
+    first_token: int
+    block_keys: tuple[bytes, ...]
+    cached_tokens: int        # prompt tokens whose KV was loaded, not computed
+    computed_tokens: int
+    tail_kv: bytes
+    tail_tokens: int
+    prefill_s: float          # seconds spent in the engine
+    loaded_blocks: int
+    stored_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    token: int
+    index: int                # 0 is the first token (from prefill)
+    finished: bool
+    finish_reason: str        # "" until finished, then "length" or "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    queued: int               # requests waiting
+    running: int              # requests being served
+    queued_tokens: int        # tokens still to compute for queued requests

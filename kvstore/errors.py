@@ -1,0 +1,27 @@
+"""The one error hierarchy of kvstore. Only the edges (gRPC servicers, the HTTP front
+door, the CLIs) map these to status codes; a cache miss is ``None`` or 0, never an error."""
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+
+class CapacityError(KVStoreError):
+    """A tier cannot make room for a block (too large, or everything left is leased/pinned)."""
+
+
+class IntegrityError(KVStoreError):
+    """Block bytes do not match the checksum taken at put."""
+
+
+class LeaseExpired(KVStoreError):
+    """A read outlived its lease; the bytes it would return cannot be trusted."""
+
+
+class InvalidArgument(KVStoreError):
+    """A caller passed a value outside what the API accepts; the message says which."""
+
+
+class Unavailable(KVStoreError):
+    """A service kvstore depends on (a store node, an engine) cannot be reached."""
