@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.index.keys import KVLayout
+from kvstore.index.keys import KeyExtras, KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +50,9 @@ class EngineLoad:
     queued: int               # requests waiting
     running: int              # requests being served
     queued_tokens: int        # tokens still to compute for queued requests
+
+
+def extras_for(model_id: str, revision: str, layout: KVLayout, namespace: str) -> KeyExtras:
+    """The key extras of a request: the one place engines and the scheduler build them, so
+    both compute the same block keys for the same tokens and tenant."""
+    return KeyExtras(model=model_id, revision=revision, layout=layout, namespace=namespace)

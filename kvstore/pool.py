@@ -91,6 +91,8 @@ class KVPool:
 
         Raises IntegrityError when ``checksum`` is given and does not match ``data``.
         """
+        if isinstance(data, memoryview) and data.itemsize != 1:
+            data = data.cast("B")
         if checksum is None:
             checksum = checksum_of(data)
         elif checksum_of(data) != checksum:
@@ -140,9 +142,10 @@ class KVPool:
         counters = self._counters[tier.name]
         if level + 1 < len(self.tiers) and key not in self._lru[self.tiers[level + 1].name]:
             data = tier.get(key)
-            if data is not None:
-                try:
-                    self._store(level + 1, key, data, checksum_of(data))
+            entry = self.index.entry(key)
+            if data is not None and entry is not None:
+                try:  # the checksum taken at put travels with the block
+                    self._store(level + 1, key, data, entry.checksum)
                     counters.demotions += 1
                 except (CapacityError, OSError):
                     pass
@@ -185,8 +188,9 @@ class KVPool:
         return out
 
     def _promote(self, level: int, key: bytes, data: bytes) -> None:
+        entry = self.index.entry(key)
         try:
-            self._store(0, key, data, checksum_of(data))
+            self._store(0, key, data, entry.checksum if entry else checksum_of(data))
             self._counters[self.tiers[level].name].promotions += 1
         except (CapacityError, OSError):
             pass

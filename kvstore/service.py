@@ -2,6 +2,7 @@
 kvstore errors to gRPC status codes. Block bytes travel in chunks of ``CHUNK_BYTES``."""
 from __future__ import annotations
 
+import hmac
 import logging
 from concurrent import futures
 from typing import Iterator
@@ -117,7 +118,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         meta = dict(handler_call_details.invocation_metadata or ())
-        if meta.get("authorization") != self._expected:
+        if not hmac.compare_digest(str(meta.get("authorization", "")).encode(), self._expected.encode()):
             return self._deny
         return continuation(handler_call_details)
 

@@ -58,6 +58,9 @@ class SsdTier(Tier):
         size = len(data)
         if size > self.capacity_bytes:
             raise CapacityError(f"ssd: a {size}-byte block exceeds the tier's capacity")
+        if self._used + size > self.capacity_bytes:
+            raise CapacityError(f"ssd: {size} bytes do not fit; {self._used} of "
+                                f"{self.capacity_bytes} bytes used")
         self._seq += 1
         try:
             with self._env.begin(write=True) as txn:

@@ -1,0 +1,108 @@
+"""The decode engine: loads the prompt's blocks from the pool, appends the tail KV handed over
+by prefill, and continues greedy generation token by token (DESIGN.md §6)."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from engines.kv import append, build_cache, to_tensor
+from engines.model import LoadedModel
+from engines.prefill import validate_prompt
+from engines.types import DecodeStep, EngineLoad
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument, KVStoreError
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    """Runs many requests at once, interleaved one model step at a time (a lock around the
+    model). Output is greedy and token-identical to an uninterrupted ``generate``."""
+
+    role = "decode"
+
+    def __init__(self, lm: LoadedModel, store: StoreClient | None, engine_id: str = "decode-0") -> None:
+        self.lm = lm
+        self.store = store
+        self.engine_id = engine_id
+        self.block_size = lm.layout.block_size
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._running = 0
+        self.recomputed_tokens = 0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, self._running, 0)
+
+    def decode(self, request_id: str, prompt: Sequence[int], first_token: int,
+               block_keys: Sequence[bytes], tail_kv: bytes, max_tokens: int,
+               stop_token_ids: Sequence[int] = (),
+               is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[DecodeStep]:
+        """Yield ``max_tokens`` tokens at most (index 0 is ``first_token``), stopping early at a
+        stop token. Blocks missing from the pool are recomputed from the prompt (and counted
+        in ``recomputed_tokens``), never a failed request. Raises InvalidArgument for a bad
+        request."""
+        if max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
+        validate_prompt(prompt, self.lm, max_tokens)
+        if len(block_keys) != len(prompt) // self.block_size:
+            raise InvalidArgument(f"{len(block_keys)} block keys for a prompt of {len(prompt)} tokens "
+                                  f"(block size {self.block_size})")
+        with self._stats_lock:
+            self._running += 1
+        try:
+            yield from self._decode(list(prompt), first_token, list(block_keys), tail_kv,
+                                    max_tokens, set(stop_token_ids), is_cancelled)
+        finally:
+            with self._stats_lock:
+                self._running -= 1
+
+    def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
+                max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool]) -> Iterator[DecodeStep]:
+        lm, bs = self.lm, self.block_size
+        blocks = self._fetch(keys)
+        with self._lock:
+            cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
+            have = len(blocks) * bs
+            if len(blocks) < len(keys) or (not tail_kv and have < len(prompt)):
+                # Missing blocks: recompute the rest of the prompt's KV (all but the last
+                # token's logits are discarded; the first token came from prefill).
+                with torch.inference_mode():
+                    ids = torch.tensor([prompt[have:]], dtype=torch.long, device=lm.device)
+                    lm.model(input_ids=ids, cache=cache, use_cache=True)
+                self.recomputed_tokens += len(prompt) - have
+                log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
+                            len(prompt) - have)
+            elif tail_kv:
+                append(cache, [to_tensor(tail_kv, lm.layout, lm.dtype)], lm.device)
+        if cache.get_seq_length() != len(prompt):
+            raise InvalidArgument(f"KV for {cache.get_seq_length()} tokens, prompt has {len(prompt)}")
+        token = first
+        for index in range(max_tokens):
+            finished = token in stops or index == max_tokens - 1
+            reason = ("stop" if token in stops else "length") if finished else ""
+            yield DecodeStep(token, index, finished, reason)
+            if finished or is_cancelled():
+                return
+            with self._lock, torch.inference_mode():
+                ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
+                out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+
+    def _fetch(self, keys: list[bytes]) -> list[bytes]:
+        if not keys or self.store is None:
+            return []
+        try:
+            got = self.store.get_blocks(keys, stop_at_miss=True)
+        except KVStoreError as exc:
+            log.warning("pool unavailable, recomputing the prompt: %s", exc)
+            return []
+        out = []
+        for data in got:
+            if data is None:
+                break
+            out.append(data)
+        return out

@@ -1,0 +1,91 @@
+"""The model an engine runs: a tiny Llama-architecture causal LM built from a config with
+seeded random weights (no download), or a local Hugging Face checkpoint (``model_dir``)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from kvstore.index.keys import KVLayout
+
+log = logging.getLogger(__name__)
+TINY_MODEL_ID = "kvstore/tiny-llama"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """``model_dir``: a local checkpoint, or None for the tiny seeded model. ``device``:
+    ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda[:i]"``. ``block_size`` in
+    tokens."""
+
+    model_dir: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not supported; valid: {sorted(DTYPES)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0 tokens, got {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    model_id: str
+    revision: str
+    layout: KVLayout
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    eos_token_id: int
+    max_model_len: int
+
+
+def tiny_llama_config(max_model_len: int = 4096) -> LlamaConfig:
+    """2 layers, hidden 64, 4 attention heads, 2 KV heads (head dim 16), vocab 512."""
+    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=max_model_len, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Build or load the model, in eval mode on the chosen device; logs which device."""
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.model_dir:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype)
+        model_id = os.path.basename(os.path.normpath(cfg.model_dir))
+        with open(os.path.join(cfg.model_dir, "config.json"), "rb") as f:
+            revision = hashlib.sha256(f.read()).hexdigest()[:16]
+        max_len = min(cfg.max_model_len, getattr(model.config, "max_position_embeddings", cfg.max_model_len))
+    else:
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(tiny_llama_config(cfg.max_model_len)).to(dtype)
+        model_id, revision, max_len = TINY_MODEL_ID, f"seed-{cfg.seed}", cfg.max_model_len
+    model = model.to(device).eval()
+    c = model.config
+    num_heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+    layout = KVLayout(dtype=cfg.dtype, num_layers=c.num_hidden_layers,
+                      num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+                      head_dim=head_dim, block_size=cfg.block_size)
+    eos = c.eos_token_id if isinstance(c.eos_token_id, int) else (c.eos_token_id or [0])[0]
+    log.info("model %s (%s) on %s, dtype %s", model_id, revision, device, cfg.dtype)
+    return LoadedModel(model, model_id, revision, layout, device, dtype, c.vocab_size, eos, max_len)

@@ -1,0 +1,131 @@
+"""The prefill engine: keys the prompt, loads the longest cached prefix (its own HBM cache
+first, then the pool), computes only the rest, publishes the new full blocks to the pool and
+hands the first token, the block keys and the tail KV to decode (DESIGN.md §6)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from engines.kv import append, build_cache, slice_bytes, to_tensor
+from engines.local_cache import LocalBlockCache
+from engines.model import LoadedModel
+from engines.types import EngineLoad, PrefillResult, extras_for
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.index.keys import block_keys, usable_prefix_tokens
+
+log = logging.getLogger(__name__)
+
+
+def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 0) -> None:
+    """Raises InvalidArgument for an empty prompt, ids outside the vocabulary, or a prompt
+    (plus ``extra_tokens`` to generate) longer than the model's limit."""
+    if not prompt:
+        raise InvalidArgument("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < lm.vocab_size]
+    if bad:
+        raise InvalidArgument(f"token id {bad[0]} outside the vocabulary [0, {lm.vocab_size})")
+    if len(prompt) + extra_tokens > lm.max_model_len:
+        raise InvalidArgument(f"prompt of {len(prompt)} tokens + {extra_tokens} to generate exceeds "
+                              f"the model's limit of {lm.max_model_len} tokens")
+
+
+class PrefillEngine:
+    """Serves prefills one at a time (a lock around the model); ``load()`` reports the queue."""
+
+    role = "prefill"
+
+    def __init__(self, lm: LoadedModel, store: StoreClient | None, engine_id: str = "prefill-0",
+                 local_cache_blocks: int = 4096) -> None:
+        self.lm = lm
+        self.store = store
+        self.engine_id = engine_id
+        self.block_size = lm.layout.block_size
+        self.local = LocalBlockCache(local_cache_blocks)
+        self._lock = threading.Lock()  # one prefill on the model at a time
+        self._stats_lock = threading.Lock()
+        self._queued = 0
+        self._queued_tokens = 0
+        self._running = 0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self._queued, self._running, self._queued_tokens)
+
+    def prefill(self, request_id: str, prompt: Sequence[int], namespace: str) -> PrefillResult:
+        """Raises InvalidArgument for a bad prompt. A pool that cannot be reached is a miss
+        (the prefix is recomputed), never a failed request."""
+        validate_prompt(prompt, self.lm)
+        with self._stats_lock:
+            self._queued += 1
+            self._queued_tokens += len(prompt)
+        with self._lock:
+            with self._stats_lock:
+                self._queued -= 1
+                self._queued_tokens -= len(prompt)
+                self._running += 1
+            try:
+                return self._prefill(request_id, list(prompt), namespace)
+            finally:
+                with self._stats_lock:
+                    self._running -= 1
+
+    def _prefill(self, request_id: str, prompt: list[int], namespace: str) -> PrefillResult:
+        t0 = time.perf_counter()
+        lm, bs = self.lm, self.block_size
+        keys = block_keys(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        want = -(-usable_prefix_tokens(len(keys), bs, len(prompt)) // bs)  # blocks worth loading
+        tensors = self.local.prefix(keys[:want])
+        from_local = len(tensors)
+        fetched = [to_tensor(b, lm.layout, lm.dtype) for b in self._fetch(keys[from_local:want])]
+        tensors += fetched
+        loaded = len(tensors)
+        cached = usable_prefix_tokens(loaded, bs, len(prompt))
+        cache = build_cache([], lm.layout, lm.dtype, lm.device)
+        if tensors:
+            append(cache, tensors, lm.device)
+            excess = cache.get_seq_length() - cached
+            if excess:  # never reuse the last prompt token: it must be computed for logits
+                cache.crop(-excess)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=lm.device)
+            out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+        first = int(out.logits[0, -1].argmax())
+        n_full = len(prompt) // bs
+        new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
+        stored = self._publish(new)
+        # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
+        self.local.put_chain(list(zip(keys[from_local:loaded], fetched))
+                             + [(k, to_tensor(b, lm.layout, lm.dtype)) for k, b in new])
+        return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
+                             slice_bytes(cache, n_full * bs, len(prompt)), len(prompt) - n_full * bs,
+                             time.perf_counter() - t0, loaded, stored)
+
+    def _fetch(self, keys: list[bytes]) -> list[bytes]:
+        if not keys or self.store is None:
+            return []
+        try:
+            hit = self.store.lookup(keys).blocks
+            got = self.store.get_blocks(keys[:hit], stop_at_miss=True) if hit else []
+        except KVStoreError as exc:
+            log.warning("pool unavailable, recomputing the prefix: %s", exc)
+            return []
+        out = []
+        for data in got:
+            if data is None:
+                break
+            out.append(data)
+        return out
+
+    def _publish(self, blocks: list[tuple[bytes, bytes]]) -> int:
+        if not blocks or self.store is None:
+            return 0
+        try:
+            results = self.store.put_blocks(blocks)
+        except KVStoreError as exc:
+            log.warning("pool unavailable, %d blocks not published: %s", len(blocks), exc)
+            return 0
+        return sum(1 for r in results if r.ok and not r.existed)

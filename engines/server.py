@@ -1,0 +1,95 @@
+"""The engines' gRPC service (protos/engine.proto) and ``start_engine``, which builds the
+model, the engine and its server in one call."""
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import torch
+
+from engines.decode import DecodeEngine
+from engines.model import LoadedModel, ModelConfig, load_model
+from engines.prefill import PrefillEngine
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.service import GRPC_OPTIONS
+from protos import engine_pb2 as pb
+from protos import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: PrefillEngine | DecodeEngine) -> None:
+        self.engine = engine
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.EngineInfo:
+        lm: LoadedModel = self.engine.lm
+        return pb.EngineInfo(engine_id=self.engine.engine_id, role=self.engine.role,
+                             model_id=lm.model_id, revision=lm.revision,
+                             layout_json=lm.layout.to_json(), block_size=lm.layout.block_size,
+                             vocab_size=lm.vocab_size, eos_token_id=lm.eos_token_id,
+                             device=str(lm.device), max_model_len=lm.max_model_len)
+
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.EngineLoad:
+        load = self.engine.load()
+        return pb.EngineLoad(queued=load.queued, running=load.running, queued_tokens=load.queued_tokens)
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        if not isinstance(self.engine, PrefillEngine):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a decode engine")
+        try:
+            r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVStoreError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        return pb.PrefillResponse(request_id=r.request_id, first_token=r.first_token,
+                                  block_keys=list(r.block_keys), cached_tokens=r.cached_tokens,
+                                  computed_tokens=r.computed_tokens, tail_kv=r.tail_kv,
+                                  tail_tokens=r.tail_tokens, prefill_s=r.prefill_s,
+                                  loaded_blocks=r.loaded_blocks, stored_blocks=r.stored_blocks)
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeToken]:
+        if not isinstance(self.engine, DecodeEngine):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a prefill engine")
+        steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
+                                   list(request.block_keys), request.tail_kv, request.max_tokens,
+                                   list(request.stop_token_ids), lambda: not context.is_active())
+        try:
+            for step in steps:
+                yield pb.DecodeToken(token=step.token, index=step.index, finished=step.finished,
+                                     finish_reason=step.finish_reason)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,
+                 block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
+                 dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
+                 store_token: str | None = None, workers: int = 16) -> tuple[grpc.Server, int]:
+    """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
+    ``store_address`` (None: no pool), and serve it on ``address``. Returns (server, port).
+    Raises ValueError for an unknown role, RuntimeError when the address cannot be bound."""
+    if role not in ROLES:
+        raise ValueError(f"engine role must be one of {ROLES}, got {role!r}")
+    lm = load_model(ModelConfig(model_dir=model_dir, dtype=dtype, device=device, block_size=block_size))
+    if lm.device.type == "cpu":
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    store = StoreClient(store_address, auth_token=store_token) if store_address else None
+    engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:6]}"
+    engine: PrefillEngine | DecodeEngine = (
+        PrefillEngine(lm, store, engine_id, local_cache_blocks) if role == "prefill"
+        else DecodeEngine(lm, store, engine_id))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"engine: cannot listen on {address}")
+    server.start()
+    log.info("%s engine %s on %s (port %d), model on %s", role, engine_id, address, port, lm.device)
+    return server, port

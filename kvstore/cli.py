@@ -1,0 +1,181 @@
+"""kvstore: run a store node, an engine, the scheduler, or the whole stack on one host.
+
+    kvstore serve      a store node (DRAM + SSD tiers) with its gRPC API
+    kvstore engine     a prefill or decode engine (gRPC) around a torch model
+    kvstore scheduler  the HTTP front door (OpenAI-compatible) and router
+    kvstore up         all of the above on one host; with --replay, replay a trace and report
+    kvstore replay     replay a trace against a running front door and report
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from kvstore import __version__
+
+log = logging.getLogger("kvstore")
+DEFAULT_TRACE = "data/traces/conversation_trace.jsonl"
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=36)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import StoreConfig
+    from kvstore.node import start_node
+    cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
+                           dram_bytes=args.dram, ssd_bytes=args.ssd, data_dir=args.data_dir,
+                           ssd_fsync=args.ssd_fsync, auth_token=args.auth_token)
+    server, port, pool = start_node(cfg)
+    tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
+                      for s in pool.stats())
+    print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
+    _wait_for_signal()
+    server.stop(grace=2).wait()
+    pool.close()
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from engines.server import start_engine
+    server, port = start_engine(args.role, args.store, model_dir=args.model, block_size=args.block_size,
+                                address=f"{args.host}:{args.port}", engine_id=args.engine_id,
+                                dtype=args.dtype, device=args.device,
+                                local_cache_blocks=args.local_cache_blocks, store_token=args.store_token)
+    print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
+    _wait_for_signal()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler.app import serve_frontdoor_forever
+    return serve_frontdoor_forever(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvstore.stack import run_up
+    return run_up(args)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from scheduler.app import replay_command
+    return replay_command(args)
+
+
+def add_replay_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=100, help="replay the first N requests of the trace")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (timestamps are divided by it)")
+    p.add_argument("--tokens-per-block", type=int, default=16,
+                   help="tokens each trace hash id (a 512-token block) becomes")
+    p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's output_length")
+    p.add_argument("--ttft-slo-s", type=float, default=2.0, help="TTFT SLO for goodput (seconds)")
+    p.add_argument("--tbt-slo-s", type=float, default=0.2, help="TBT SLO for goodput (seconds)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-inflight", type=int, default=64,
+                   help="admission bound: requests in flight before new ones get HTTP 429")
+    p.add_argument("--admit-ttft-s", type=float, default=30.0,
+                   help="admission bound: reject (429) when the predicted TTFT exceeds this")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run a store node",
+                       description="Run a store node: a DRAM tier (shared-memory slab) over an SSD "
+                                   "tier (LMDB), behind the gRPC API of protos/kvstore.proto.")
+    p.add_argument("--config", metavar="TOML", help="settings file (keys: the StoreConfig fields); flags win")
+    p.add_argument("--node-id", help="node id (default node-0)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--dram", help="DRAM tier capacity, e.g. 1GiB (default 1GiB)")
+    p.add_argument("--ssd", help="SSD tier capacity, e.g. 4GiB (default 4GiB)")
+    p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
+    p.add_argument("--ssd-fsync", choices=["never", "commit"], help="SSD durability (default never)")
+    p.add_argument("--auth-token", help="require this bearer token from clients")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
+                       description="Run a prefill or decode engine around a transformers causal LM "
+                                   "(the tiny seeded Llama unless --model is given).")
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
+    p.add_argument("--store-token", help="bearer token for the store node")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks a free one)")
+    p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--local-cache-blocks", type=int, default=4096, help="blocks in the engine's own prefix cache")
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
+                       description="Run the scheduler's HTTP front door (OpenAI-compatible "
+                                   "/v1/completions, /health, /metrics) over running engines.")
+    p.add_argument("--prefill", required=True, help="prefill engine addresses, comma-separated")
+    p.add_argument("--decode", required=True, help="decode engine addresses, comma-separated")
+    p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
+    add_scheduler_flags(p)
+    p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser("up", help="run the whole stack on this host", formatter_class=_formatter,
+                       description="Start a store node, a prefill engine, a decode engine and the "
+                                   "front door on this host. With --replay, replay a trace through "
+                                   "the front door, print a report and stop; without, serve until Ctrl-C.")
+    p.add_argument("--replay", metavar="TRACE", help=f"Mooncake-format trace to replay (e.g. {DEFAULT_TRACE})")
+    add_replay_flags(p)
+    add_scheduler_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="front door port (0 picks a free one)")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
+    p.add_argument("--dram", default="256MiB", help="store node DRAM tier capacity")
+    p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")
+    p.add_argument("--data-dir", default="var/up", help="store node data directory (wiped at start)")
+    p.add_argument("--keep-data", action="store_true", help="do not wipe --data-dir at start")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
+                       description="Send a Mooncake-format trace's requests to a running front door "
+                                   "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
+    p.add_argument("--target", required=True, help="front door URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--trace", default=DEFAULT_TRACE)
+    add_replay_flags(p)
+    p.set_defaults(func=cmd_replay)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

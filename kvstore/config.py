@@ -1,0 +1,63 @@
+"""Store node configuration: one frozen dataclass, built in one place from a TOML file and
+command-line flags (flags win)."""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MiB"``, ``"2GB"``, ``"1048576"`` → bytes. Raises ValueError naming the units."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; use a number with an optional unit "
+                         f"({', '.join(u for u in _UNITS if u)})")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """A store node. Sizes in bytes; ``ssd_fsync`` is ``never`` or ``commit``."""
+
+    node_id: str = "node-0"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    dram_bytes: int = 1 << 30
+    ssd_bytes: int = 4 << 30
+    data_dir: str = "var/store"
+    ssd_fsync: str = "never"
+    promote_on_hit: bool = True
+    auth_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0 and self.ssd_bytes <= 0:
+            raise ValueError("a store node needs dram_bytes > 0 or ssd_bytes > 0")
+        if self.ssd_fsync not in ("never", "commit"):
+            raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    @classmethod
+    def load(cls, path: str | None = None, **overrides: Any) -> "StoreConfig":
+        """Defaults, then the TOML file at ``path`` (keys = field names), then ``overrides``
+        whose value is not None. Raises ValueError for unknown keys, naming the valid ones."""
+        values: dict[str, Any] = {}
+        if path:
+            with open(path, "rb") as f:
+                values.update(tomllib.load(f))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown store settings {unknown}; valid: {sorted(known)}")
+        for key in ("dram_bytes", "ssd_bytes"):
+            if key in values:
+                values[key] = parse_bytes(values[key])
+        return replace(cls(), **values)

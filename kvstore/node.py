@@ -1,0 +1,32 @@
+"""A store node: builds the tiers and the pool from a :class:`StoreConfig` and serves them."""
+from __future__ import annotations
+
+import logging
+import os
+
+import grpc
+
+from kvstore.config import StoreConfig
+from kvstore.pool import KVPool
+from kvstore.service import serve_store
+from kvstore.tiers import TIERS
+
+log = logging.getLogger(__name__)
+
+
+def build_pool(cfg: StoreConfig) -> KVPool:
+    """DRAM (if ``dram_bytes`` > 0) over SSD (if ``ssd_bytes`` > 0, LMDB under
+    ``data_dir/<node_id>/ssd``)."""
+    tiers = []
+    if cfg.dram_bytes > 0:
+        tiers.append(TIERS["dram"](cfg.dram_bytes))
+    if cfg.ssd_bytes > 0:
+        tiers.append(TIERS["ssd"](cfg.ssd_bytes, path=os.path.join(cfg.data_dir, cfg.node_id, "ssd"),
+                                  fsync=cfg.ssd_fsync))
+    return KVPool(tiers, node_id=cfg.node_id, promote_on_hit=cfg.promote_on_hit)
+
+
+def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
+    pool = build_pool(cfg)
+    server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token)
+    return server, port, pool

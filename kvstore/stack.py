@@ -1,0 +1,149 @@
+"""``kvstore up``: the whole stack on one host, as separate processes — a store node, a
+prefill engine, a decode engine and the scheduler's front door — then a trace replay through
+the front door (``--replay``) or serving until Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvstore.errors import Unavailable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    """Child processes of one ``kvstore up``; stopped in reverse start order."""
+
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    log_dir: str = "var/up/logs"
+
+    def start(self, name: str, *argv: str) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append((name, proc))
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = self.log_tail(name)
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_grpc(stack: Stack, address: str, timeout_s: float) -> None:
+    import grpc
+    deadline = time.monotonic() + timeout_s
+    channel = grpc.insecure_channel(address)
+    try:
+        while True:
+            stack.check_alive()
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.5)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{address} not ready after {timeout_s} s") from None
+    finally:
+        channel.close()
+
+
+def _wait_http(stack: Stack, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stack.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise Unavailable(f"{url} not ready after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    host = args.host
+    if not args.keep_data:
+        shutil.rmtree(args.data_dir, ignore_errors=True)
+    stack = Stack(log_dir=os.path.join(args.data_dir, "logs"))
+    store_port, prefill_port, decode_port = free_port(host), free_port(host), free_port(host)
+    http_port = args.port or free_port(host)
+    store = f"{host}:{store_port}"
+    model = ["--model", args.model] if args.model else []
+    t0 = time.monotonic()
+    try:
+        stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
+                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"))
+        stack.start("prefill", "engine", "--role", "prefill", "--store", store, "--host", host,
+                    "--port", str(prefill_port), "--engine-id", "prefill-0", *model)
+        stack.start("decode", "engine", "--role", "decode", "--store", store, "--host", host,
+                    "--port", str(decode_port), "--engine-id", "decode-0", *model)
+        _wait_grpc(stack, store, 60)
+        print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd} under {args.data_dir}/store)", flush=True)
+        _wait_grpc(stack, f"{host}:{prefill_port}", 180)
+        print(f"prefill engine {host}:{prefill_port}", flush=True)
+        _wait_grpc(stack, f"{host}:{decode_port}", 180)
+        print(f"decode engine  {host}:{decode_port}", flush=True)
+        stack.start("scheduler", "scheduler", "--prefill", f"{host}:{prefill_port}",
+                    "--decode", f"{host}:{decode_port}", "--store", store, "--host", host,
+                    "--port", str(http_port), "--max-inflight", str(args.max_inflight),
+                    "--admit-ttft-s", str(args.admit_ttft_s), *model)
+        url = f"http://{host}:{http_port}"
+        _wait_http(stack, f"{url}/health", 120)
+        print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics)", flush=True)
+        print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
+        if not args.replay:
+            print("serving; Ctrl-C stops everything", flush=True)
+            _serve_until_signal(stack)
+            return 0
+        from scheduler.app import replay_and_report
+        return replay_and_report(url, args.replay, args)
+    except (RuntimeError, Unavailable) as exc:
+        print(f"kvstore up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        print("stopped all services", flush=True)
+
+
+def _serve_until_signal(stack: Stack) -> None:
+    stopped = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.append(True))
+    while not stopped:
+        stack.check_alive()
+        time.sleep(0.5)

@@ -1,0 +1,181 @@
+"""The store node's gRPC service and its client (kvstore/service.py, kvstore/client.py): a real
+server on 127.0.0.1 (port 0) over real DRAM + SSD tiers."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.pool import KVPool, checksum_of
+from kvstore.service import CHUNK_BYTES, MAX_KEY_BYTES, serve_store
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def _block(i: int, size: int = 4096) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size=size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def client(store_node):
+    _, address = store_node
+    with StoreClient(address, timeout_s=30) as c:
+        c.wait_ready(10)
+        yield c
+
+
+@pytest.fixture
+def stub(store_node):
+    _, address = store_node
+    channel = grpc.insecure_channel(address)
+    yield pb_grpc.KVStoreStub(channel)
+    channel.close()
+
+
+def test_health(client: StoreClient) -> None:
+    assert client.health() == "SERVING"
+
+
+def test_16mib_block_roundtrip_is_byte_identical(client: StoreClient) -> None:
+    data = _block(16, 16 << 20)
+    assert client.put(_key(16), data).ok
+    got = client.get(_key(16))
+    assert got is not None and len(got) == len(data) and got == data
+    assert client.lookup([_key(16)]).blocks == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1])
+def test_roundtrip_around_chunk_boundaries(client: StoreClient, size: int) -> None:
+    data = _block(size, size)
+    assert client.put(b"k%d" % size, data).ok
+    assert client.get(b"k%d" % size) == data
+
+
+def test_batched_put_and_get(client: StoreClient) -> None:
+    blocks = [(_key(i), _block(i, 1000 + i * 37)) for i in range(64)]
+    results = client.put_blocks(blocks)
+    assert [r.key for r in results] == [k for k, _ in blocks]
+    assert all(r.ok and not r.existed for r in results)
+    assert client.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+    fresh = [(_key(100 + i), _block(100 + i)) for i in range(2)]
+    mixed = client.put_blocks([fresh[0], blocks[5], fresh[1]])  # one key already exists
+    assert [(r.ok, r.existed) for r in mixed] == [(True, False), (True, True), (True, False)]
+    assert client.get_blocks([k for k, _ in fresh]) == [d for _, d in fresh]
+    assert client.put_blocks([]) == [] and client.get_blocks([]) == []
+
+
+def test_get_with_a_missing_key_in_the_middle(client: StoreClient) -> None:
+    client.put_blocks([(_key(1), _block(1)), (_key(3), _block(3))])
+    keys = [_key(1), _key(2), _key(3)]
+    assert client.get_blocks(keys) == [_block(1), None, _block(3)]
+    assert client.get_blocks(keys, stop_at_miss=True) == [_block(1), None]
+    assert client.get_blocks([_key(2), _key(1)], stop_at_miss=True) == [None]
+
+
+def test_lookup(client: StoreClient) -> None:
+    chain = [(_key(i), _block(i)) for i in range(4)]
+    client.put_blocks(chain[:3])
+    r = client.lookup([k for k, _ in chain])
+    assert r.blocks == 3 and r.tiers == ("dram",) * 3
+    assert client.lookup([_key(9)] + [k for k, _ in chain]).blocks == 0
+    assert client.lookup([]).blocks == 0
+
+
+def test_stats_and_evict(store_node, client: StoreClient) -> None:
+    pool, _ = store_node
+    client.put_blocks([(_key(i), _block(i)) for i in range(3)])
+    client.get(_key(0))
+    node, stats = client.stats()
+    assert node == pool.node_id
+    by = {s.name: s for s in stats}
+    assert list(by) == ["dram", "ssd"]
+    assert (by["dram"].blocks, by["dram"].used_bytes, by["dram"].hits) == (3, 3 * 4096, 1)
+    assert by["dram"].capacity_bytes == 64 << 20 and by["dram"].device == "cpu"
+    assert client.evict("dram", 4096) == (4096, 1)  # LRU first: block 1, demoted to SSD
+    assert client.lookup([_key(0), _key(1), _key(2)]).tiers == ("dram", "ssd", "dram")
+    by = {s.name: s for s in client.stats()[1]}
+    assert (by["dram"].evictions, by["dram"].demotions, by["ssd"].blocks) == (1, 1, 1)
+    assert client.evict("ssd", 1 << 30) == (4096, 1)
+    assert client.lookup([_key(0), _key(1)]).blocks == 1
+
+
+def test_evict_unknown_tier_is_invalid_argument(client: StoreClient) -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        client.evict("nvme", 1)
+    assert "dram" in str(exc.value) and "ssd" in str(exc.value)
+
+
+def test_key_longer_than_64_bytes_is_rejected(store_node, client: StoreClient, stub) -> None:
+    pool, _ = store_node
+    long_key = b"k" * (MAX_KEY_BYTES + 1)
+    with pytest.raises(InvalidArgument, match=str(MAX_KEY_BYTES)):
+        client.put(long_key, b"data")
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.Put(iter([pb.PutChunk(key=long_key, size=4, checksum=checksum_of(b"data"), data=b"data")]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.lookup([long_key]).blocks == 0 and client.get(long_key) is None
+    assert sum(s.blocks for s in pool.stats()) == 0
+    assert client.put(b"k" * MAX_KEY_BYTES, b"data").ok  # exactly 64 bytes is fine
+
+
+def test_wrong_checksum_is_not_stored(client: StoreClient, stub) -> None:
+    good, bad = _block(1), _block(2)
+    chunks = [pb.PutChunk(key=_key(1), size=len(good), checksum=checksum_of(good), data=good),
+              pb.PutChunk(key=_key(2), size=len(bad), checksum=checksum_of(bad) ^ 1, data=bad[:1000]),
+              pb.PutChunk(data=bad[1000:])]
+    resp = stub.Put(iter(chunks))
+    assert [(r.key, r.ok) for r in resp.results] == [(_key(1), True), (_key(2), False)]
+    assert resp.results[1].error
+    assert client.lookup([_key(2)]).blocks == 0 and client.get(_key(2)) is None
+    assert client.get(_key(1)) == good
+
+
+def test_short_block_is_not_stored(client: StoreClient, stub) -> None:
+    data = _block(1)
+    resp = stub.Put(iter([pb.PutChunk(key=_key(1), size=len(data) + 10, checksum=checksum_of(data),
+                                      data=data)]))
+    assert not resp.results[0].ok and "bytes" in resp.results[0].error
+    assert client.get(_key(1)) is None
+
+
+@pytest.mark.parametrize("chunks", [
+    [pb.PutChunk(data=b"no key")],
+    [pb.PutChunk(key=b"k", size=2, checksum=0, data=b"too many bytes")],
+], ids=["no-key", "oversize"])
+def test_malformed_put_stream_is_invalid_argument(client: StoreClient, stub, chunks) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.Put(iter(chunks))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.get(b"k") is None
+
+
+def test_auth_token(make_dram) -> None:
+    pool = KVPool([make_dram(1 << 20)])
+    server, port = serve_store(pool, auth_token="s3cret")
+    address = f"127.0.0.1:{port}"
+    try:
+        for token in (None, "wrong"):
+            with StoreClient(address, auth_token=token, timeout_s=10) as c:
+                for call in (c.health, lambda: c.put(b"k", b"v"), lambda: c.get(b"k"),
+                             lambda: c.lookup([b"k"]), c.stats):
+                    with pytest.raises(Unavailable, match="UNAUTHENTICATED"):
+                        call()
+        assert pool.lookup([b"k"])[0] == 0
+        with StoreClient(address, auth_token="s3cret", timeout_s=10) as c:
+            assert c.health() == "SERVING"
+            assert c.put(b"k", b"v").ok and c.get(b"k") == b"v"
+    finally:
+        server.stop(grace=None).wait()
+        pool.close()
+
+
+def test_unreachable_node_is_unavailable() -> None:
+    with StoreClient("127.0.0.1:1", timeout_s=2) as c:
+        with pytest.raises(Unavailable):
+            c.health()
