@@ -1,0 +1,147 @@
+"""Entry points the CLI calls: start (and stop) the front door, serve it until a signal,
+replay a trace against it and print the report."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from aiohttp import web
+
+from engines.tokenizer import load_tokenizer
+from kvstore.errors import KVStoreError
+from scheduler.admission import AdmissionConfig
+from scheduler.config import FrontdoorConfig
+from scheduler.frontdoor import Frontdoor
+from scheduler.replay import run_replay
+from scheduler.report import format_report
+from scheduler.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningFrontdoor:
+    """A started front door: ``runner`` (aiohttp), ``port`` (bound), ``frontdoor`` (its state),
+    ``url`` (``http://host:port``)."""
+
+    runner: web.AppRunner
+    port: int
+    frontdoor: Frontdoor
+    url: str
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        """Unpacks as ``(runner, port)``."""
+        return iter((self.runner, self.port))
+
+    async def stop(self) -> None:
+        """Stop serving, then close the engine and store clients."""
+        await self.runner.cleanup()
+        await self.frontdoor.router.close()
+
+
+async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
+                          store_address: str | None, host: str = "127.0.0.1", port: int = 0,
+                          config: FrontdoorConfig | None = None) -> RunningFrontdoor:
+    """Connect to the engines and the store node and serve HTTP on ``host:port`` (port 0 picks
+    a free one). Must be awaited inside the event loop that will serve it.
+
+    Args:
+        prefill_addresses, decode_addresses: engine gRPC addresses (``host:port``), at least
+            one of each.
+        store_address: the store node's gRPC address (None: no pool lookups, local hits only).
+
+    Raises:
+        Unavailable: an engine did not answer within ``config.ready_timeout_s``.
+        InvalidArgument: engine roles, models or layouts disagree; bad config.
+        OSError: the port cannot be bound.
+    """
+    config = config or FrontdoorConfig()
+    router = await Router.connect(prefill_addresses, decode_addresses, store_address, policy=config.policy,
+                                  predictor=config.predictor, store_auth_token=config.store_auth_token,
+                                  local_cache_blocks=config.local_cache_blocks,
+                                  ready_timeout_s=config.ready_timeout_s)
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir, router.info.vocab_size)
+        frontdoor = Frontdoor(router, tokenizer, config)
+        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await router.close()
+        raise
+    bound = runner.addresses[0][1]
+    log.info("front door on http://%s:%d: %d prefill, %d decode engines (model %s)", host, bound,
+             len(router.prefill), len(router.decode), router.info.model_id)
+    return RunningFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}")
+
+
+# ---- adapters for kvstore/cli.py (argparse namespaces in, exit codes out) ----
+
+def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
+    """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
+    (``--model``, ``--max-inflight``, ``--admit-ttft-s``)."""
+    return FrontdoorConfig(model_dir=getattr(args, "model", None),
+                           admission=AdmissionConfig(ttft_slo_s=getattr(args, "admit_ttft_s", 30.0),
+                                                     max_inflight=getattr(args, "max_inflight", 64)),
+                           store_auth_token=getattr(args, "store_token", None))
+
+
+def serve_frontdoor_forever(args: argparse.Namespace) -> int:
+    """``kvstore scheduler``: serve until SIGINT/SIGTERM. Reads ``args.prefill`` and
+    ``args.decode`` (comma-separated host:port), ``args.store``, ``args.host``, ``args.port``
+    and the flags of :func:`config_from_args`. Returns 0, or 1 when it cannot start."""
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        running = await start_frontdoor(_split(args.prefill), _split(args.decode), args.store or None,
+                                        args.host, args.port, config_from_args(args))
+        print(f"front door serving on {running.url}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except KVStoreError as exc:
+        print(f"kvstore scheduler: {exc}", file=sys.stderr)
+        return 1
+
+
+def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> int:
+    """Replay ``trace_path`` against the front door at ``url`` with the replay flags in ``args``
+    (``--requests``, ``--speed``, ``--tokens-per-block``, ``--max-output-tokens``,
+    ``--ttft-slo-s``, ``--tbt-slo-s``, ``--json``), print the report. Returns 0, or 1 when the
+    replay could not run or no request completed."""
+    try:
+        report = asyncio.run(run_replay(
+            url, trace_path, requests=args.requests, speed=args.speed,
+            max_output_tokens=args.max_output_tokens, tokens_per_block=args.tokens_per_block,
+            ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, json_path=getattr(args, "json", None)))
+    except KVStoreError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(report), flush=True)
+    if getattr(args, "json", None):
+        print(f"report written to {args.json}", flush=True)
+    return 0 if report.completed or not report.requests_sent else 1
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    """``kvstore replay --target URL --trace PATH``: see :func:`replay_and_report`."""
+    return replay_and_report(args.target, args.trace, args)
+
+
+def _split(addresses: str | Sequence[str]) -> list[str]:
+    if isinstance(addresses, str):
+        return [a.strip() for a in addresses.split(",") if a.strip()]
+    return list(addresses)

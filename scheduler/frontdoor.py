@@ -1,0 +1,241 @@
+"""The HTTP front door: an aiohttp app serving OpenAI-compatible completions over the
+disaggregated engines (DESIGN.md §2).
+
+Per request: validate and tokenize, take the tenant from ``Authorization``, route (the
+:class:`Router`), admit or reject with 429 (:class:`Admission`), prefill, then stream the
+decode engine's tokens to the client. The first token is sent as soon as prefill returns it.
+A client that disconnects cancels its request (the engine calls are cancelled with it).
+
+Errors map to statuses here and only here: bad request 400, prompt too long 413, admission
+429 (with ``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from engines.tokenizer import Tokenizer
+from engines.types import PrefillResult
+from kvstore.errors import InvalidArgument, KVStoreError
+from scheduler.admission import Admission
+from scheduler.config import FrontdoorConfig
+from scheduler.keys import namespace_from_authorization
+from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
+from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, TextStream, chunk_body,
+                                  parse_chat, parse_completion, response_body, usage)
+from scheduler.router import RoutePlan, Router
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[int], Awaitable[None]]
+MAX_BODY_BYTES = 32 << 20
+
+
+class Frontdoor:
+    """Holds the router, tokenizer, admission and metrics; :meth:`app` builds the web app."""
+
+    def __init__(self, router: Router, tokenizer: Tokenizer, config: FrontdoorConfig) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.config = config
+        self.admission = Admission(config.admission)
+        self.metrics = FrontdoorMetrics()
+        infos = [p.info for p in router.prefill.values()] + [d.info for d in router.decode.values()]
+        self.info = router.info
+        self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos))
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "prefill": len(self.router.prefill),
+                                  "decode": len(self.router.decode), "model": self.info.model_id,
+                                  "block_size": self.info.block_size, "vocab_size": self.limits.vocab_size,
+                                  "max_model_len": self.limits.max_model_len})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.info.model_id, "object": "model", "created": 0, "owned_by": "kvstore",
+            "max_model_len": self.limits.max_model_len}]})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
+                                   self.router.inflight)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_chat)
+
+    async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+            req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
+            plan = await self._admit(request, req)
+        except APIError as exc:
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        self.router.begin(plan)
+        self.metrics.admitted.inc()
+        self.metrics.prompt_tokens.inc(len(req.prompt))
+        outcome = "error"
+        try:
+            if req.stream:
+                resp, outcome = await self._stream(request, req, plan, t0)
+            else:
+                resp = await self._whole(req, plan, t0)
+                outcome = "ok"
+            return resp
+        except APIError as exc:
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.router.finished(plan)
+            self.metrics.finished.labels(outcome=outcome).inc()
+
+    async def _admit(self, request: web.Request, req: GenerationRequest) -> RoutePlan:
+        namespace = namespace_from_authorization(request.headers.get("Authorization"))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            plan = await self.router.plan(request_id, req.prompt, namespace)
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc)) from None
+        # No await between here and Router.begin: admission sees the state it admits into.
+        rejection = self.admission.check(plan.predicted_ttft_s, plan.prefill.queue_s, self.router.inflight)
+        if rejection is not None:
+            self.metrics.rejected.labels(reason=rejection.reason).inc()
+            raise APIError(429, rejection.message, "rate_limit", rejection.reason,
+                           {"Retry-After": str(rejection.retry_after_s)})
+        return plan
+
+    async def _generate(self, req: GenerationRequest, plan: RoutePlan, emit: Emit) -> tuple[PrefillResult, str]:
+        """Prefill, then decode; ``emit`` is awaited with each token id in order (the first from
+        prefill). Returns the prefill result and the finish reason. Raises APIError 503 when an
+        engine fails, 400 when it rejects the request."""
+        result = None
+        try:
+            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace)
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc)) from None
+        except KVStoreError as exc:
+            raise APIError(503, f"prefill failed: {exc}", "service_unavailable", "engine_unavailable") from None
+        finally:
+            self.router.prefill_finished(plan, result)
+        stop = () if req.ignore_eos else (self.info.eos_token_id,)
+        await emit(result.first_token)
+        if result.first_token in stop:
+            return result, "stop"
+        if req.max_tokens == 1:
+            return result, "length"
+        steps = self.router.decode_client(plan).decode(plan.request_id, req.prompt, plan.namespace,
+                                                       result, req.max_tokens, stop)
+        sent = 1
+        try:
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    if step.index > 0:
+                        await emit(step.token)
+                        sent += 1
+                    if step.finished:
+                        return result, step.finish_reason or "length"
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc)) from None
+        except KVStoreError as exc:
+            raise APIError(503, f"decode failed: {exc}", "service_unavailable", "engine_unavailable") from None
+        if sent < req.max_tokens:
+            raise APIError(503, f"decode stream ended after {sent} of {req.max_tokens} tokens",
+                           "service_unavailable", "engine_unavailable")
+        return result, "length"
+
+    def _timer(self, t0: float) -> Callable[[], None]:
+        """A callable to call at each token sent; observes TTFT once, then TBT."""
+        last = [0.0]
+
+        def tick() -> None:
+            now = time.perf_counter()
+            if last[0] == 0.0:
+                self.metrics.ttft.observe(now - t0)
+            else:
+                self.metrics.tbt.observe(now - last[0])
+            last[0] = now
+            self.metrics.generated_tokens.inc()
+        return tick
+
+    async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:
+        ids: list[int] = []
+        tick = self._timer(t0)
+
+        async def emit(token: int) -> None:
+            ids.append(token)
+            tick()
+
+        result, finish = await self._generate(req, plan, emit)
+        self.metrics.cached_tokens.inc(result.cached_tokens)
+        body = response_body(req, plan.request_id, int(time.time()), self.info.model_id,
+                             self.tokenizer.decode(ids), ids, finish,
+                             usage(len(req.prompt), len(ids), result.cached_tokens))
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, plan: RoutePlan,
+                      t0: float) -> tuple[web.StreamResponse, str]:
+        """Server-sent events: one per token, a last one with finish_reason and usage, then
+        ``[DONE]``. Headers go out with the first token, so a failed prefill is still a 503."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0)
+        count = 0
+
+        async def send(obj: dict[str, Any] | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        async def emit(token: int) -> None:
+            nonlocal count
+            if not resp.prepared:
+                await resp.prepare(request)
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.push(token),
+                                  [token], first=count == 0))
+            count += 1
+            tick()
+
+        try:
+            result, finish = await self._generate(req, plan, emit)
+        except APIError as exc:
+            if not resp.prepared:
+                raise
+            with contextlib.suppress(ConnectionResetError):
+                await send(exc.body())
+                await send("[DONE]")
+                await resp.write_eof()
+            return resp, "error"
+        except ConnectionResetError:
+            log.info("client went away, request %s cancelled", plan.request_id)
+            return resp, "cancelled"
+        self.metrics.cached_tokens.inc(result.cached_tokens)
+        try:
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.flush(), [],
+                                  finish, usage(len(req.prompt), count, result.cached_tokens)))
+            await send("[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, "cancelled"
+        return resp, "ok"

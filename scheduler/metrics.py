@@ -1,0 +1,49 @@
+"""Prometheus metrics of the front door, on a registry of its own (never the global one, so
+several front doors can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds; TTFT spans a tiny CPU model to long prompts, TBT a few ms to a second.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FrontdoorMetrics:
+    """The front door's series. Names carry the ``kvstore_scheduler_`` prefix; times are
+    seconds, counts are requests or tokens."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        p, r = "kvstore_scheduler_", self.registry
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token, request arrival to first token sent",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tbt = Histogram(p + "tbt_seconds", "Time between tokens sent to a client",
+                             buckets=TBT_BUCKETS, registry=r)
+        self.admitted = Counter(p + "requests_admitted", "Requests admitted", registry=r)
+        self.rejected = Counter(p + "requests_rejected", "Requests rejected by admission",
+                                ["reason"], registry=r)
+        self.finished = Counter(p + "requests_finished", "Admitted requests by outcome",
+                                ["outcome"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter(p + "cached_prompt_tokens",
+                                     "Prompt tokens loaded from a cache instead of computed", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens sent to clients", registry=r)
+        self.queue_depth = Gauge(p + "prefill_queue_depth",
+                                 "Requests routed to a prefill instance and not yet prefilled",
+                                 ["instance"], registry=r)
+        self.decode_running = Gauge(p + "decode_running", "Requests routed to a decode instance and running",
+                                    ["instance"], registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests admitted and not finished", registry=r)
+
+    def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int) -> bytes:
+        """The text exposition format, with the gauges set from the router's current state."""
+        for name, depth in queue_depths.items():
+            self.queue_depth.labels(instance=name).set(depth)
+        for name, running in decode_running.items():
+            self.decode_running.labels(instance=name).set(running)
+        self.inflight.set(inflight)
+        return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""The command lines as a user runs them: ``kvstore up --replay`` end to end on the vendored
+trace, ``kvstore serve`` with ``kvctl`` against it, and ``--help``."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.stack import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
+
+
+def run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_up_replays_20_requests_of_the_trace(tmp_path):
+    out = tmp_path / "report.json"
+    proc = run("kvstore.cli", "up", "--replay", str(TRACE), "--requests", "20", "--speed", "4",
+               "--port", "0", "--data-dir", str(tmp_path / "up"), "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["requests_sent"] == 20
+    assert report["completed"] + report["rejected"] == 20 and report["failed"] == 0
+    assert report["hit_ratio"] > 0
+    assert report["hit_ratio"] <= report["best_possible_hit_ratio"] + 1e-9
+    assert "prefix hit ratio" in proc.stdout and "stopped all services" in proc.stdout
+
+
+@pytest.fixture()
+def store_node(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
+                             "--dram", "4MiB", "--ssd", "16MiB", "--data-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()                               # logs go to stderr
+    assert "serving on" in line, line
+    yield f"127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+
+
+def test_kvctl_tiers_and_evict(store_node):
+    from kvstore.client import StoreClient
+    with StoreClient(store_node) as client:
+        for i in range(6):
+            assert client.put(b"block-%d" % i, os.urandom(1 << 20)).ok
+    tiers = run("kvstore.kvctl", "--store", store_node, "tiers", "--json")
+    assert tiers.returncode == 0, tiers.stderr
+    stats = {t["name"]: t for t in json.loads(tiers.stdout)["tiers"]}
+    assert stats["dram"]["capacity_bytes"] == 4 << 20
+    assert stats["dram"]["blocks"] + stats["ssd"]["blocks"] >= 6
+    assert stats["dram"]["demotions"] >= 2                      # 6 MiB through a 4 MiB DRAM tier
+    evict = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "dram", "--bytes", "1MiB")
+    assert evict.returncode == 0 and "evicted 1 blocks" in evict.stdout, evict.stdout + evict.stderr
+    table = run("kvstore.kvctl", "--store", store_node, "tiers")
+    assert table.returncode == 0 and "dram" in table.stdout and "evictions" in table.stdout
+    bad = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "tape", "--bytes", "1")
+    assert bad.returncode == 1 and "no tier 'tape'" in bad.stderr
+
+
+def test_kvctl_reports_an_unreachable_node():
+    proc = run("kvstore.kvctl", "--store", f"127.0.0.1:{free_port()}", "--timeout", "2", "tiers")
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
+
+
+def test_serve_rejects_a_bad_size(tmp_path):
+    proc = run("kvstore.cli", "serve", "--dram", "lots", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2 and "cannot read 'lots' as a size" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "scheduler", "up", "replay"])
+def test_help_explains_each_command(command):
+    proc = run("kvstore.cli", command, "--help")
+    assert proc.returncode == 0 and "usage: kvstore " + command in proc.stdout

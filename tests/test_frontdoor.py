@@ -1,0 +1,279 @@
+"""The HTTP front door over a real store node, real prefill and decode engines (the tiny
+model) and a real aiohttp server on 127.0.0.1: validation, streamed and whole answers,
+prefix hits per tenant, admission (429), limits (413), engine failure (503), cancellation,
+/health and /metrics."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Coroutine, Iterator
+
+import pytest
+import torch
+
+from engines.client import EngineClient
+from engines.model import ModelConfig, load_model
+from engines.server import start_engine
+from kvstore.pool import KVPool
+from kvstore.service import serve_store
+from kvstore.tiers import TIERS
+from scheduler.admission import AdmissionConfig
+from scheduler.app import RunningFrontdoor, start_frontdoor
+from scheduler.config import FrontdoorConfig
+from scheduler.keys import namespace_from_authorization
+
+BS = 16
+
+
+class LoopThread:
+    """An event loop in a daemon thread: the front door lives there, tests call it over HTTP."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class Cluster:
+    """A store node, one prefill and one decode engine, and a front door on each config asked
+    for (:meth:`frontdoor`), all on 127.0.0.1."""
+
+    def __init__(self, tmp: str) -> None:
+        self.pool = KVPool([TIERS["dram"](32 << 20), TIERS["ssd"](64 << 20, path=f"{tmp}/ssd")])
+        self.store_server, port = serve_store(self.pool)
+        self.store = f"127.0.0.1:{port}"
+        self.servers = []
+        self.prefill = self.engine("prefill", "prefill-0")
+        self.decode = self.engine("decode", "decode-0")
+        self.loop = LoopThread()
+        self.doors: list[RunningFrontdoor] = []
+
+    def engine(self, role: str, engine_id: str) -> str:
+        server, port = start_engine(role, self.store, block_size=BS, engine_id=engine_id)
+        self.servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    def frontdoor(self, config: FrontdoorConfig | None = None, prefill: str | None = None) -> str:
+        door = self.loop.run(start_frontdoor([prefill or self.prefill], [self.decode], self.store,
+                                             config=config))
+        self.doors.append(door)
+        return door.url
+
+    def close(self) -> None:
+        for door in self.doors:
+            self.loop.run(door.stop())
+        self.loop.close()
+        for server in self.servers:
+            server.stop(None).wait()
+        self.store_server.stop(None).wait()
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path_factory.mktemp("frontdoor")))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def url(cluster: Cluster) -> str:
+    return cluster.frontdoor()
+
+
+def call(url: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+         raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """POST (GET when no body) and return (status, headers, body bytes), errors included."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",
+                                                                 **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def complete(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    status, _, data = call(url, "/v1/completions", body, headers)
+    assert status == 200, data
+    return json.loads(data)
+
+
+def sse_events(data: bytes) -> list[Any]:
+    lines = [ln[len(b"data: "):] for ln in data.split(b"\n") if ln.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("raw,body,needle", [
+    (b"{not json", None, "JSON"),
+    (None, [1, 2, 3], "object"),
+    (None, {"max_tokens": 4}, "prompt"),
+    (None, {"prompt": ""}, "empty"),
+    (None, {"prompt": []}, "empty"),
+    (None, {"prompt": 42}, "prompt"),
+    (None, {"prompt": [5, "x"]}, "integer"),
+    (None, {"prompt": [5, True]}, "integer"),
+    (None, {"prompt": [5, 512]}, "512"),
+    (None, {"prompt": [-1, 5]}, "-1"),
+    (None, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (None, {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    (None, {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
+    (None, {"prompt": "hi", "stream": "yes"}, "stream"),
+])
+def test_malformed_request_is_400_with_a_message(url, raw, body, needle):
+    status, _, data = call(url, "/v1/completions", body, raw=raw)
+    assert status == 400
+    err = json.loads(data)["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_chat_with_bad_messages_is_400(url):
+    status, _, data = call(url, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert status == 400 and "role" in json.loads(data)["error"]["message"]
+
+
+def test_prompt_over_the_limit_is_413(url):
+    status, _, data = call(url, "/v1/completions", {"prompt": [7] * 4090, "max_tokens": 16})
+    assert status == 413 and "4106" in json.loads(data)["error"]["message"]
+
+
+def test_whole_and_streamed_answers_agree_and_match_generate(url):
+    prompt = prompt_of(1, 3 * BS + 5)
+    whole = complete(url, {"prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+    status, headers, data = call(url, "/v1/completions",
+                                 {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(data)
+    streamed = [t for e in events for t in e["choices"][0]["token_ids"]]
+    choice = whole["choices"][0]
+    assert streamed == choice["token_ids"] and len(streamed) == 6
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 6
+    assert all("usage" not in e for e in events[:-1])
+    assert whole["object"] == "text_completion" and whole["usage"]["prompt_tokens"] == len(prompt)
+    # Token-identical to one uninterrupted greedy generate of the same model.
+    lm = load_model(ModelConfig(block_size=BS))
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert choice["token_ids"] == out[0, len(prompt):].tolist()
+
+
+def test_second_identical_request_reports_cached_tokens(url):
+    body = {"prompt": "the quick brown fox jumps over the lazy dog, twice over", "max_tokens": 3}
+    first = complete(url, body)
+    second = complete(url, body)
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BS * BS > 0
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_namespace_comes_from_the_authorization_header_only(url):
+    prompt = prompt_of(2, 4 * BS)
+    a, b = {"Authorization": "Bearer tenant-a-key"}, {"Authorization": "Bearer tenant-b-key"}
+    complete(url, {"prompt": prompt, "max_tokens": 2}, a)
+    hit = complete(url, {"prompt": prompt, "max_tokens": 2}, a)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    ns_a = namespace_from_authorization(a["Authorization"])
+    miss = complete(url, {"prompt": prompt, "max_tokens": 2, "namespace": ns_a, "user": ns_a}, b)
+    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    public = complete(url, {"prompt": prompt, "max_tokens": 2, "namespace": ns_a})
+    assert public["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ns_a.startswith("key-") and len(ns_a) == 20 and namespace_from_authorization(None) == "public"
+
+
+@pytest.mark.parametrize("admission,reason", [
+    (AdmissionConfig(max_inflight=0), "max_inflight"),
+    (AdmissionConfig(ttft_slo_s=1e-9), "ttft_slo"),
+])
+def test_admission_bound_gives_429_with_retry_after_and_reason(cluster, admission, reason):
+    door = cluster.frontdoor(FrontdoorConfig(admission=admission))
+    status, headers, data = call(door, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    err = json.loads(data)["error"]
+    assert err["type"] == "rate_limit" and err["code"] == reason and err["message"]
+    _, _, metrics = call(door, "/metrics")
+    assert f'kvstore_scheduler_requests_rejected_total{{reason="{reason}"}} 1.0' in metrics.decode()
+
+
+def test_engine_failure_is_503(cluster):
+    address = cluster.engine("prefill", "prefill-doomed")
+    door = cluster.frontdoor(prefill=address)
+    cluster.servers.pop().stop(None).wait()
+    status, _, data = call(door, "/v1/completions", {"prompt": "hello there", "max_tokens": 2})
+    assert status == 503 and "prefill" in json.loads(data)["error"]["message"]
+
+
+def test_client_disconnect_cancels_the_decode(cluster, url):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"prompt": prompt_of(3, 20), "max_tokens": 3000, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    resp.readline()
+    assert resp.readline().startswith(b"data: ")    # decode is streaming
+    conn.sock.close()
+    conn.close()
+
+    async def decode_running() -> int:
+        client = EngineClient(cluster.decode)
+        try:
+            return (await client.load()).running
+        finally:
+            await client.close()
+
+    deadline = time.monotonic() + 10
+    while cluster.loop.run(decode_running()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.loop.run(decode_running()) == 0
+    _, _, metrics = call(url, "/metrics")
+    assert 'kvstore_scheduler_requests_finished_total{outcome="cancelled"} 1.0' in metrics.decode()
+    assert "kvstore_scheduler_inflight_requests 0.0" in metrics.decode()
+
+
+def test_chat_completion(url):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+    whole = json.loads(call(url, "/v1/chat/completions", body)[2])
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    events = sse_events(call(url, "/v1/chat/completions", {**body, "stream": True})[2])
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+
+
+def test_health_and_metrics(url):
+    status, _, data = call(url, "/health")
+    health = json.loads(data)
+    assert status == 200 and health["status"] == "ok" and health["prefill"] == 1 and health["decode"] == 1
+    complete(url, {"prompt": "metrics please", "max_tokens": 2})
+    status, headers, data = call(url, "/metrics")
+    text = data.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for series in ("kvstore_scheduler_ttft_seconds_count", "kvstore_scheduler_tbt_seconds_bucket",
+                   "kvstore_scheduler_requests_admitted_total", "kvstore_scheduler_prompt_tokens_total",
+                   "kvstore_scheduler_cached_prompt_tokens_total",
+                   'kvstore_scheduler_prefill_queue_depth{instance="prefill-0"}'):
+        assert series in text, series
