@@ -10,10 +10,10 @@ import torch
 
 from engines.kv import append, build_cache, to_tensor
 from engines.model import LoadedModel
-from engines.prefill import validate_prompt
+from engines.prefill import read_prefix, validate_prompt
 from engines.types import DecodeStep, EngineLoad
 from kvstore.client import StoreClient
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class DecodeEngine:
     def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
                 max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool]) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
-        blocks = self._fetch(keys)
+        blocks = read_prefix(self.store, keys)
         with self._lock:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs
@@ -91,18 +91,3 @@ class DecodeEngine:
                 ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
                 out = lm.model(input_ids=ids, cache=cache, use_cache=True)
             token = int(out.logits[0, -1].argmax())
-
-    def _fetch(self, keys: list[bytes]) -> list[bytes]:
-        if not keys or self.store is None:
-            return []
-        try:
-            got = self.store.get_blocks(keys, stop_at_miss=True)
-        except KVStoreError as exc:
-            log.warning("pool unavailable, recomputing the prompt: %s", exc)
-            return []
-        out = []
-        for data in got:
-            if data is None:
-                break
-            out.append(data)
-        return out

@@ -34,6 +34,24 @@ def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 
                               f"the model's limit of {lm.max_model_len} tokens")
 
 
+def read_prefix(store: StoreClient | None, keys: Sequence[bytes]) -> list[bytes]:
+    """Bytes of the longest prefix of ``keys`` the pool returns (one batched, streamed get
+    that stops at the first miss). A pool that cannot be reached is a miss, logged."""
+    if not keys or store is None:
+        return []
+    try:
+        got = store.get_blocks(list(keys), stop_at_miss=True)
+    except KVStoreError as exc:
+        log.warning("pool unavailable, recomputing: %s", exc)
+        return []
+    out = []
+    for data in got:
+        if data is None:
+            break
+        out.append(data)
+    return out
+
+
 class PrefillEngine:
     """Serves prefills one at a time (a lock around the model); ``load()`` reports the queue."""
 
@@ -96,7 +114,7 @@ class PrefillEngine:
         first = int(out.logits[0, -1].argmax())
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
-        stored = self._publish(new)
+        stored = self._publish(new, keys[loaded - 1] if loaded else None)
         # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
         self.local.put_chain(list(zip(keys[from_local:loaded], fetched))
                              + [(k, to_tensor(b, lm.layout, lm.dtype)) for k, b in new])
@@ -109,22 +127,18 @@ class PrefillEngine:
             return []
         try:
             hit = self.store.lookup(keys).blocks
-            got = self.store.get_blocks(keys[:hit], stop_at_miss=True) if hit else []
         except KVStoreError as exc:
             log.warning("pool unavailable, recomputing the prefix: %s", exc)
             return []
-        out = []
-        for data in got:
-            if data is None:
-                break
-            out.append(data)
-        return out
+        return read_prefix(self.store, keys[:hit])
 
-    def _publish(self, blocks: list[tuple[bytes, bytes]]) -> int:
+    def _publish(self, blocks: list[tuple[bytes, bytes]], parent: bytes | None) -> int:
+        """Put the new blocks as one chain extending ``parent`` (so the pool evicts the
+        chain's tail before its head); returns how many were newly stored."""
         if not blocks or self.store is None:
             return 0
         try:
-            results = self.store.put_blocks(blocks)
+            results = self.store.put_blocks(blocks, chain=True, parent=parent)
         except KVStoreError as exc:
             log.warning("pool unavailable, %d blocks not published: %s", len(blocks), exc)
             return 0

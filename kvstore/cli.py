@@ -5,6 +5,7 @@
     kvstore scheduler  the HTTP front door (OpenAI-compatible) and router
     kvstore up         all of the above on one host; with --replay, replay a trace and report
     kvstore replay     replay a trace against a running front door and report
+    kvstore simulate   replay a trace on a simulated cluster (cost-model engines, real scheduler)
 """
 from __future__ import annotations
 
@@ -33,17 +34,19 @@ def _wait_for_signal() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.config import StoreConfig
-    from kvstore.node import start_node
+    from kvstore.node import start_node, stop_node
     cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
                            dram_bytes=args.dram, ssd_bytes=args.ssd, data_dir=args.data_dir,
-                           ssd_fsync=args.ssd_fsync, auth_token=args.auth_token)
+                           ssd_fsync=args.ssd_fsync, auth_token=args.auth_token, redis_url=args.redis,
+                           hbm_bytes=args.hbm, hbm_device=args.hbm_device, eviction_policy=args.policy,
+                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
+                           lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout)
     server, port, pool = start_node(cfg)
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
     print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
     _wait_for_signal()
-    server.stop(grace=2).wait()
-    pool.close()
+    stop_node(server, pool)
     return 0
 
 
@@ -74,6 +77,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from scheduler.sim.command import simulate_command
+    return simulate_command(args)
+
+
 def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=100, help="replay the first N requests of the trace")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (timestamps are divided by it)")
@@ -90,6 +98,15 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="admission bound: requests in flight before new ones get HTTP 429")
     p.add_argument("--admit-ttft-s", type=float, default=30.0,
                    help="admission bound: reject (429) when the predicted TTFT exceeds this")
+    p.add_argument("--admit-tbt-s", type=float, default=0.0,
+                   help="admission bound: reject (429) when the predicted TBT exceeds this (0: no TBT SLO)")
+    p.add_argument("--policy", default="conductor",
+                   choices=["conductor", "random", "round_robin", "least_loaded", "local_cache_aware"],
+                   help="scheduling policy: the Conductor or a baseline")
+    p.add_argument("--decode-max-running", type=int, default=64,
+                   help="requests one decode instance takes at once (admission's decode capacity)")
+    p.add_argument("--balancing-threshold", type=float, default=1.0,
+                   help="fetch a better cached prefix only when it saves this many times its transfer time")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 4GiB (default 4GiB)")
     p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
     p.add_argument("--ssd-fsync", choices=["never", "commit"], help="SSD durability (default never)")
+    p.add_argument("--hbm", help="HBM tier capacity above DRAM, e.g. 2GiB (default 0: none)")
+    p.add_argument("--hbm-device", help="HBM tier device: auto (CUDA if present, else cpu), cpu, cuda:0, ...")
+    p.add_argument("--policy", choices=["lru", "lfu", "fifo", "s3fifo"], help="eviction policy (default lru)")
+    p.add_argument("--high-watermark", type=float, help="evict once a put would fill a tier above this "
+                   "fraction of its capacity (default 0.95)")
+    p.add_argument("--low-watermark", type=float, help="... down to this fraction (default 0.90)")
+    p.add_argument("--lease-ttl", type=float, metavar="S", help="read lease TTL, seconds (default 5)")
+    p.add_argument("--reservation-timeout", type=float, metavar="S",
+                   help="an unfinished put frees its space after this many seconds (default 30)")
     p.add_argument("--auth-token", help="require this bearer token from clients")
+    p.add_argument("--redis", metavar="URL", help="publish KV events to this Redis (redis://host:port/db); "
+                   "default: an in-process channel")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
@@ -154,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")
     p.add_argument("--data-dir", default="var/up", help="store node data directory (wiped at start)")
     p.add_argument("--keep-data", action="store_true", help="do not wipe --data-dir at start")
+    p.add_argument("--prefill-instances", type=int, default=1, help="prefill engines to start")
+    p.add_argument("--decode-instances", type=int, default=1, help="decode engines to start")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
@@ -163,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=DEFAULT_TRACE)
     add_replay_flags(p)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("simulate", help="replay a trace on a simulated cluster", formatter_class=_formatter,
+                       description="Replay a Mooncake-format trace in virtual time on a simulated cluster: "
+                                   "cost-model engines (configs/), the real scheduler policies, prefix index "
+                                   "and cache accounting. Prints one table of every policy x topology x "
+                                   "admission; optional JSON and PNG plots.")
+    from scheduler.sim.command import add_simulate_flags
+    add_simulate_flags(p, DEFAULT_TRACE)
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -7,6 +7,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.events.event import NodeSnapshot
 from kvstore.pool import PutResult, TierStats, checksum_of
 from kvstore.service import CHUNK_BYTES, GRPC_OPTIONS
 from protos import kvstore_pb2 as pb
@@ -65,11 +66,14 @@ class StoreClient:
         resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
         return LookupResult(resp.prefix_blocks, tuple(resp.tiers))
 
-    def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]]) -> list[PutResult]:
-        """Put several blocks in one streamed call; one result per block, in order."""
+    def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
+                   parent: bytes | None = None) -> list[PutResult]:
+        """Put several blocks in one streamed call; one result per block, in order.
+        ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
+        head extends), so the node evicts its tail before its head."""
         if not blocks:
             return []
-        resp = self._call(self._stub.Put, _put_chunks(blocks))
+        resp = self._call(self._stub.Put, _put_chunks(blocks, chain, parent))
         return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
 
     def put(self, key: bytes, data: bytes) -> PutResult:
@@ -116,17 +120,55 @@ class StoreClient:
         resp = self._call(self._stub.Stats, pb.StatsRequest())
         return resp.node_id, [TierStats(t.name, t.device or "cpu", t.capacity_bytes, t.used_bytes, t.blocks,
                                         t.hits, t.misses, t.evictions, t.demotions, t.promotions,
-                                        t.integrity_failures) for t in resp.tiers]
+                                        t.integrity_failures, leased_bytes=t.leased_bytes,
+                                        pinned_bytes=t.pinned_bytes, reserved_bytes=t.reserved_bytes,
+                                        policy=t.policy) for t in resp.tiers]
 
     def evict(self, tier: str, nbytes: int) -> tuple[int, int]:
         resp = self._call(self._stub.Evict, pb.EvictRequest(tier=tier, bytes=nbytes))
         return resp.evicted_bytes, resp.evicted_blocks
 
+    def pin(self, keys: Sequence[bytes], hard: bool = False, ttl_s: float | None = None,
+            prefix: bool = False) -> int:
+        """Pin blocks (``prefix``: the longest held prefix of the chain ``keys``): hard pins
+        are never evicted, soft ones (``ttl_s``; default the node's) only as a last resort.
+        Returns blocks pinned."""
+        req = pb.PinRequest(keys=list(keys), prefix=prefix, hard=hard, ttl_s=ttl_s or 0.0)
+        return self._call(self._stub.Pin, req).blocks
 
-def _put_chunks(blocks: Sequence[tuple[bytes, bytes]]) -> Iterator[pb.PutChunk]:
-    for key, data in blocks:
+    def unpin(self, keys: Sequence[bytes], prefix: bool = False) -> int:
+        """Drop pins (``prefix``: along the chain ``keys``); returns pins dropped."""
+        return self._call(self._stub.Unpin, pb.UnpinRequest(keys=list(keys), prefix=prefix)).blocks
+
+    def set_policy(self, policy: str, tier: str | None = None) -> dict[str, str]:
+        """Switch the eviction policy of ``tier`` (default every tier); returns tier →
+        previous policy. Raises InvalidArgument for an unknown policy or tier."""
+        resp = self._call(self._stub.SetPolicy, pb.SetPolicyRequest(tier=tier or "", policy=policy))
+        return dict(resp.previous)
+
+    def snapshot(self) -> NodeSnapshot:
+        """The node's index (every copy it holds) as of its KV event seq: what an index
+        replica resynchronises from after a gap (kvstore/events)."""
+        entries: list[tuple[bytes, str, int]] = []
+        node, epoch, seq = "", 0, 0
+        try:
+            for i, chunk in enumerate(self._stub.Snapshot(pb.SnapshotRequest(), timeout=self.timeout_s,
+                                                          metadata=self._meta)):
+                if i == 0:
+                    node, epoch, seq = chunk.node_id, chunk.epoch, chunk.seq
+                entries.extend(zip(chunk.keys, chunk.tiers, chunk.sizes))
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from None
+        return NodeSnapshot(node, epoch, seq, tuple(entries))
+
+
+def _put_chunks(blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
+                parent: bytes | None = None) -> Iterator[pb.PutChunk]:
+    for i, (key, data) in enumerate(blocks):
         view = memoryview(data)
-        yield pb.PutChunk(key=key, size=len(data), checksum=checksum_of(data), data=bytes(view[:CHUNK_BYTES]))
+        link = (blocks[i - 1][0] if i else parent) if chain else None
+        yield pb.PutChunk(key=key, size=len(data), checksum=checksum_of(data), data=bytes(view[:CHUNK_BYTES]),
+                          parent=link or b"")
         for off in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
             yield pb.PutChunk(data=bytes(view[off:off + CHUNK_BYTES]))
 

@@ -7,6 +7,8 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvstore.pool_types import PoolSettings
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -24,7 +26,10 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """A store node. Sizes in bytes; ``ssd_fsync`` is ``never`` or ``commit``."""
+    """A store node. Sizes in bytes, times in seconds; ``ssd_fsync`` is ``never`` or
+    ``commit``. ``hbm_bytes`` > 0 adds an HBM tier on ``hbm_device`` (``auto``: CUDA when
+    present, else the CPU) above DRAM. Watermarks, policy, lease TTL and reservation timeout
+    are the pool's (kvstore/pool_types.py ``PoolSettings``)."""
 
     node_id: str = "node-0"
     host: str = "127.0.0.1"
@@ -35,12 +40,23 @@ class StoreConfig:
     ssd_fsync: str = "never"
     promote_on_hit: bool = True
     auth_token: str | None = None
+    redis_url: str | None = None      # KV events go to this Redis; None: an in-process channel
+    hbm_bytes: int = 0
+    hbm_device: str = "auto"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    eviction_policy: str = "lru"
+    lease_ttl_s: float = 5.0
+    reservation_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.dram_bytes <= 0 and self.ssd_bytes <= 0:
-            raise ValueError("a store node needs dram_bytes > 0 or ssd_bytes > 0")
+        if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.hbm_bytes <= 0:
+            raise ValueError("a store node needs hbm_bytes, dram_bytes or ssd_bytes > 0")
+        self.pool_settings()  # validates watermarks, policy and times
         if self.ssd_fsync not in ("never", "commit"):
             raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
@@ -57,7 +73,14 @@ class StoreConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown store settings {unknown}; valid: {sorted(known)}")
-        for key in ("dram_bytes", "ssd_bytes"):
+        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes"):
             if key in values:
                 values[key] = parse_bytes(values[key])
         return replace(cls(), **values)
+
+    def pool_settings(self) -> PoolSettings:
+        """The pool's settings. Raises ValueError naming the valid values."""
+        return PoolSettings(policy=self.eviction_policy, high_watermark=self.high_watermark,
+                            low_watermark=self.low_watermark, lease_ttl_s=self.lease_ttl_s,
+                            reservation_timeout_s=self.reservation_timeout_s,
+                            promote_on_hit=self.promote_on_hit)

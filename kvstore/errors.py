@@ -19,6 +19,11 @@ class LeaseExpired(KVStoreError):
     """A read outlived its lease; the bytes it would return cannot be trusted."""
 
 
+class ReservationExpired(KVStoreError):
+    """A two-phase put was written to or committed after its reservation timed out (or was
+    aborted); its space is already free and the key was not stored."""
+
+
 class InvalidArgument(KVStoreError):
     """A caller passed a value outside what the API accepts; the message says which."""
 

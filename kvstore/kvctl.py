@@ -1,7 +1,10 @@
 """kvctl: the admin CLI of a store node (cache tiers and eviction), over its gRPC API.
 
-    kvctl tiers                      capacity, used bytes, blocks, hits, evictions per tier
-    kvctl evict --tier T --bytes N   evict at least N bytes from tier T (LRU first, demoting)
+    kvctl tiers                      capacity, used, leased and pinned bytes, counters per tier
+    kvctl evict --tier T --bytes N   evict at least N bytes from tier T (policy order, demoting)
+    kvctl pin KEY... [--hard|--ttl S]   pin blocks by key (hex); --prefix: KEYs are one chain
+    kvctl unpin KEY... [--prefix]    drop pins
+    kvctl policy [--tier T] NAME     switch the eviction policy (lru, lfu, fifo, s3fifo)
     kvctl health                     is the node serving
 """
 from __future__ import annotations
@@ -26,13 +29,39 @@ def cmd_tiers(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
     if args.json:
         print(json.dumps({"node_id": node, "tiers": [asdict(s) for s in stats]}, indent=2))
         return 0
-    rows = [[s.name, s.device, _mib(s.capacity_bytes), _mib(s.used_bytes),
-             f"{100 * s.used_bytes / s.capacity_bytes:.1f}", s.blocks, s.hits, s.misses,
-             s.evictions, s.demotions, s.promotions, s.integrity_failures] for s in stats]
+    rows = [[s.name, s.device, s.policy, _mib(s.capacity_bytes), _mib(s.used_bytes),
+             f"{100 * s.used_bytes / s.capacity_bytes:.1f}", _mib(s.leased_bytes), _mib(s.pinned_bytes),
+             s.blocks, s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures]
+            for s in stats]
     print(f"node {node} at {args.store}")
-    print(tabulate(rows, headers=["tier", "device", "capacity MiB", "used MiB", "used %", "blocks",
-                                  "hits", "misses", "evictions", "demotions", "promotions",
-                                  "integrity failures"]))
+    print(tabulate(rows, headers=["tier", "device", "policy", "capacity MiB", "used MiB", "used %",
+                                  "leased MiB", "pinned MiB", "blocks", "hits", "misses", "evictions",
+                                  "demotions", "promotions", "integrity failures"]))
+    return 0
+
+
+def _keys(hexes: list[str]) -> list[bytes]:
+    try:
+        return [bytes.fromhex(h) for h in hexes]
+    except ValueError as exc:
+        raise ValueError(f"block keys are hex strings: {exc}") from None
+
+
+def cmd_pin(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    n = client.pin(_keys(args.keys), hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
+    kind = "hard" if args.hard else f"soft ({args.ttl or 'default'} s)"
+    print(f"pinned {n} of {len(args.keys)} blocks, {kind}")
+    return 0
+
+
+def cmd_unpin(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    print(f"unpinned {client.unpin(_keys(args.keys), prefix=args.prefix)} blocks")
+    return 0
+
+
+def cmd_policy(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    for tier, old in sorted(client.set_policy(args.name, args.tier).items()):
+        print(f"{tier}: {old} -> {args.name}")
     return 0
 
 
@@ -58,9 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_tiers)
     p = sub.add_parser("evict", help="evict bytes from a tier")
-    p.add_argument("--tier", required=True, help="tier name: dram or ssd")
+    p.add_argument("--tier", required=True, help="tier name: hbm, dram or ssd")
     p.add_argument("--bytes", required=True, help="how much to evict, e.g. 64MiB or 1048576")
     p.set_defaults(func=cmd_evict)
+    for name, func, text in (("pin", cmd_pin, "pin blocks (hard: never evicted; soft: last resort)"),
+                             ("unpin", cmd_unpin, "drop pins")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("keys", nargs="+", metavar="KEY", help="block keys in hex")
+        p.add_argument("--prefix", action="store_true",
+                       help="the KEYs are one prefix chain, head first: act on its held prefix")
+        if name == "pin":
+            g = p.add_mutually_exclusive_group()
+            g.add_argument("--hard", action="store_true", help="a hard pin (until unpinned)")
+            g.add_argument("--ttl", type=float, metavar="S", help="soft pin TTL in seconds (default: the node's)")
+        p.set_defaults(func=func)
+    p = sub.add_parser("policy", help="switch the eviction policy at run time")
+    p.add_argument("name", choices=["lru", "lfu", "fifo", "s3fifo"])
+    p.add_argument("--tier", help="tier name (default: every tier)")
+    p.set_defaults(func=cmd_policy)
     p = sub.add_parser("health", help="check that the node serves")
     p.set_defaults(func=cmd_health)
     return parser

@@ -10,13 +10,16 @@ from typing import Iterator
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import IntegrityError, InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
+from kvstore.events.publisher import snapshot_of
+from kvstore.lease import Reservation
 from kvstore.pool import KVPool, checksum_of
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
+SNAPSHOT_CHUNK_ENTRIES = 8192        # index entries per Snapshot chunk (~0.5 MiB)
 MAX_KEY_BYTES = 64
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20)]
@@ -32,47 +35,75 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.LookupResponse(prefix_blocks=n, tiers=tiers)
 
     def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext) -> pb.PutResponse:
+        """Per block: reserve at its header chunk, write each data chunk as it arrives,
+        commit at the next header or the end of the stream (the checksum sent is verified
+        there). A stream that breaks — the client died or cancelled — aborts the open
+        reservation: no visible key, and its space is free at once."""
         results: list[pb.PutResult] = []
         key: bytes | None = None
-        buf = bytearray()
-        size = checksum = 0
+        res: Reservation | None = None   # the current block's reservation; None: skip its bytes
+        size = got = 0
+        error = ""
 
         def finish() -> None:
+            nonlocal res
             if key is None:
                 return
-            if len(buf) != size:
-                results.append(pb.PutResult(key=key, ok=False,
-                                            error=f"got {len(buf)} bytes, header said {size}"))
+            if res is None:
+                results.append(pb.PutResult(key=key, ok=False, error=error))
                 return
+            open_res, res = res, None
             try:
-                r = self.pool.put(key, bytes(buf), checksum)
+                r = self.pool.commit(open_res)
                 results.append(pb.PutResult(key=key, ok=r.ok, existed=r.existed, error=r.error))
-            except IntegrityError as exc:
+            except (KVStoreError, OSError) as exc:
                 results.append(pb.PutResult(key=key, ok=False, error=str(exc)))
 
-        for chunk in request_iterator:
-            if chunk.key:
-                finish()
-                if len(chunk.key) > MAX_KEY_BYTES:
+        try:
+            for chunk in request_iterator:
+                if chunk.key:
+                    finish()
+                    if len(chunk.key) > MAX_KEY_BYTES:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"block key of {len(chunk.key)} bytes; at most {MAX_KEY_BYTES}")
+                    if chunk.size > self.max_block_bytes:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"block of {chunk.size} bytes; at most {self.max_block_bytes}")
+                    key, size, got, error = chunk.key, chunk.size, 0, ""
+                    try:
+                        res = self.pool.reserve(key, size, chunk.checksum, parent=chunk.parent or None)
+                    except (KVStoreError, OSError) as exc:
+                        res, error = None, str(exc)
+                elif key is None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first chunk of a put carries no key")
+                got += len(chunk.data)
+                if got > size:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"block key of {len(chunk.key)} bytes; at most {MAX_KEY_BYTES}")
-                if chunk.size > self.max_block_bytes:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"block of {chunk.size} bytes; at most {self.max_block_bytes}")
-                key, size, checksum = chunk.key, chunk.size, chunk.checksum
-                buf = bytearray()
-            elif key is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first chunk of a put carries no key")
-            buf += chunk.data
-            if len(buf) > size:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"block {key.hex()[:16]}: more bytes than its size {size}")
-        finish()
+                                  f"block {key.hex()[:16]}: more bytes than its size {size}")
+                if res is not None and chunk.data:
+                    try:
+                        self.pool.write(res, chunk.data)
+                    except (KVStoreError, OSError) as exc:
+                        self.pool.abort(res)
+                        res, error = None, str(exc)
+            finish()
+        finally:
+            if res is not None:  # the stream broke mid-block (or the call was aborted)
+                self.pool.abort(res)
         return pb.PutResponse(results=results)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
-        for key in request.keys:
-            data = self.pool.get(key)
+        """A prefix-chain read (``stop_at_miss``) is one leased pool read of the chain;
+        otherwise one read per block. A read whose lease expired is a miss."""
+        keys = list(request.keys)
+        if request.stop_at_miss:
+            try:
+                blocks: Iterator[bytes | None] = iter(self.pool.get_chain(keys, stop_at_miss=True))
+            except LeaseExpired:
+                blocks = iter([None])
+        else:
+            blocks = (self._get_one(key) for key in keys)
+        for key, data in zip(keys, blocks):
             if data is None:
                 yield pb.GetChunk(key=key, missing=True)
                 if request.stop_at_miss:
@@ -87,12 +118,19 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                 else:
                     yield pb.GetChunk(offset=off, data=bytes(view[off:off + CHUNK_BYTES]))
 
+    def _get_one(self, key: bytes) -> bytes | None:
+        try:
+            return self.pool.get(key)
+        except LeaseExpired:
+            return None
+
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(node_id=self.pool.node_id, tiers=[
             pb.TierStats(name=s.name, device=s.device, capacity_bytes=s.capacity_bytes,
                          used_bytes=s.used_bytes, blocks=s.blocks, hits=s.hits, misses=s.misses,
                          evictions=s.evictions, demotions=s.demotions, promotions=s.promotions,
-                         integrity_failures=s.integrity_failures)
+                         integrity_failures=s.integrity_failures, leased_bytes=s.leased_bytes,
+                         pinned_bytes=s.pinned_bytes, reserved_bytes=s.reserved_bytes, policy=s.policy)
             for s in self.pool.stats()])
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
@@ -102,8 +140,34 @@ class StoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.EvictResponse(evicted_bytes=freed, evicted_blocks=blocks)
 
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        keys, ttl = list(request.keys), request.ttl_s or None
+        pin = self.pool.pin_prefix if request.prefix else self.pool.pin
+        return pb.PinResponse(blocks=pin(keys, hard=request.hard, ttl_s=ttl))
+
+    def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+        keys = list(request.keys)
+        unpin = self.pool.unpin_prefix if request.prefix else self.pool.unpin
+        return pb.UnpinResponse(blocks=unpin(keys))
+
+    def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.ServicerContext) -> pb.SetPolicyResponse:
+        try:
+            previous = self.pool.set_policy(request.policy, request.tier or None)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.SetPolicyResponse(previous=previous)
+
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(status="SERVING", node_id=self.pool.node_id, version=__version__)
+
+    def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> Iterator[pb.SnapshotChunk]:
+        snap = snapshot_of(self.pool.index, self.pool.node_id)
+        entries = snap.entries
+        for start in range(0, max(len(entries), 1), SNAPSHOT_CHUNK_ENTRIES):
+            part = entries[start:start + SNAPSHOT_CHUNK_ENTRIES]
+            head = dict(node_id=snap.node, epoch=snap.epoch, seq=snap.seq) if start == 0 else {}
+            yield pb.SnapshotChunk(keys=[e[0] for e in part], tiers=[e[1] for e in part],
+                                   sizes=[e[2] for e in part], **head)
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):

@@ -1,5 +1,6 @@
-"""``kvstore up``: the whole stack on one host, as separate processes — a store node, a
-prefill engine, a decode engine and the scheduler's front door — then a trace replay through
+"""``kvstore up``: the whole stack on one host, as separate processes — a store node,
+``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
+scheduler's front door (``--policy``) — then a trace replay through
 the front door (``--replay``) or serving until Ctrl-C."""
 from __future__ import annotations
 
@@ -100,7 +101,13 @@ def run_up(args: argparse.Namespace) -> int:
     if not args.keep_data:
         shutil.rmtree(args.data_dir, ignore_errors=True)
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"))
-    store_port, prefill_port, decode_port = free_port(host), free_port(host), free_port(host)
+    n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
+    if n_prefill < 1 or n_decode < 1:
+        print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)
+        return 2
+    store_port = free_port(host)
+    engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
+    engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
     http_port = args.port or free_port(host)
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
@@ -108,20 +115,22 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
                     "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"))
-        stack.start("prefill", "engine", "--role", "prefill", "--store", store, "--host", host,
-                    "--port", str(prefill_port), "--engine-id", "prefill-0", *model)
-        stack.start("decode", "engine", "--role", "decode", "--store", store, "--host", host,
-                    "--port", str(decode_port), "--engine-id", "decode-0", *model)
+        for name, role, port in engines:
+            stack.start(name, "engine", "--role", role, "--store", store, "--host", host,
+                        "--port", str(port), "--engine-id", name, *model)
         _wait_grpc(stack, store, 60)
         print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd} under {args.data_dir}/store)", flush=True)
-        _wait_grpc(stack, f"{host}:{prefill_port}", 180)
-        print(f"prefill engine {host}:{prefill_port}", flush=True)
-        _wait_grpc(stack, f"{host}:{decode_port}", 180)
-        print(f"decode engine  {host}:{decode_port}", flush=True)
-        stack.start("scheduler", "scheduler", "--prefill", f"{host}:{prefill_port}",
-                    "--decode", f"{host}:{decode_port}", "--store", store, "--host", host,
+        for name, role, port in engines:
+            _wait_grpc(stack, f"{host}:{port}", 180)
+            print(f"{role} engine {name} {host}:{port}", flush=True)
+        prefill = ",".join(f"{host}:{port}" for _, role, port in engines if role == "prefill")
+        decode = ",".join(f"{host}:{port}" for _, role, port in engines if role == "decode")
+        stack.start("scheduler", "scheduler", "--prefill", prefill,
+                    "--decode", decode, "--store", store, "--host", host,
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
-                    "--admit-ttft-s", str(args.admit_ttft_s), *model)
+                    "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
+                    "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
+                    "--balancing-threshold", str(args.balancing_threshold), *model)
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics)", flush=True)

@@ -55,3 +55,53 @@ def store_node(make_dram, make_ssd) -> Iterator[tuple["object", str]]:
     server, port = serve_store(pool)
     yield pool, f"127.0.0.1:{port}"
     server.stop(grace=None).wait()
+
+
+# -- KV events: a private Redis ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """A private ``redis-server`` on a free 127.0.0.1 port (no persistence), killed at the end
+    of the session. Yields its URL. Skips when no redis-server binary is installed."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not Path(binary).exists():
+        pytest.skip("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--protected-mode", "yes"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The private Redis, emptied before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return redis_server

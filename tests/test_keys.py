@@ -2,7 +2,9 @@
 usable-prefix rule of DESIGN.md §3."""
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.index.keys import KeyExtras, block_keys, encode_extras, usable_prefix_tokens
+from kvstore.index.keys import KeyExtras, KVLayout, block_keys, encode_extras, usable_prefix_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZES = [16, 256]
@@ -23,6 +25,100 @@ extras = KeyExtras(model="m", namespace="tenant", other=(None, (), (1, "a")))
 keys = block_keys(list(range(int(sys.argv[1]) * 3 + 7)), int(sys.argv[1]), extras)
 print(",".join(k.hex() for k in keys))
 """
+
+
+_WRITER = """
+import sys
+from kvstore.client import StoreClient
+from kvstore.index.keys import KeyExtras, block_keys
+address, namespace = sys.argv[1], sys.argv[2]
+extras = KeyExtras(model="m", namespace=namespace, other=(None, (), (1, "a", b"b")))
+keys = block_keys(list(range(16 * 3 + 5)), 16, extras)
+with StoreClient(address) as client:
+    results = client.put_blocks([(k, bytes([i]) * 64) for i, k in enumerate(keys)])
+print(hash("kvstore"), sum(r.ok and not r.existed for r in results))
+"""
+
+_READER = """
+import sys
+from kvstore.client import StoreClient
+from kvstore.index.keys import KeyExtras, block_keys
+address, namespace = sys.argv[1], sys.argv[2]
+extras = KeyExtras(model="m", namespace=namespace, other=(None, (), (1, "a", b"b")))
+keys = block_keys(list(range(16 * 3 + 5)), 16, extras)
+other = block_keys(list(range(16 * 3 + 5)), 16, KeyExtras(model="m", namespace=namespace + "-x"))
+with StoreClient(address) as client:
+    print(hash("kvstore"), client.lookup(keys).blocks, client.lookup(other).blocks)
+"""
+
+
+def _run(script: str, hashseed: str | None, *args: str) -> list[int]:
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    if hashseed is not None:
+        env["PYTHONHASHSEED"] = hashseed
+    out = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [int(x) for x in out.stdout.split()]
+
+
+@pytest.mark.parametrize("writer_seed, reader_seed", [(None, "random"), ("random", "1"), ("1", "2"),
+                                                      ("2", None)])
+def test_writer_and_reader_processes_agree_over_grpc(store_node, writer_seed, reader_seed) -> None:
+    """Case 4: a writer process puts 3 blocks into a real store node over gRPC; a reader
+    process with another PYTHONHASHSEED keys the same tokens and extras (None, (), a tuple):
+    3 hits. Each pair has its own namespace, so only its own writer can give those hits."""
+    _, address = store_node
+    namespace = f"tenant-{writer_seed}-{reader_seed}"
+    w_hash, stored = _run(_WRITER, writer_seed, address, namespace)
+    r_hash, hits, other_hits = _run(_READER, reader_seed, address, namespace)
+    assert stored == 3 and hits == 3 and other_hits == 0
+    if {writer_seed, reader_seed} == {"1", "2"}:
+        assert w_hash != r_hash  # the seeds really differ: Python's hash() does
+
+
+def _reference_keys(tokens: list[int], block_size: int, extras_bytes: bytes) -> list[bytes]:
+    """The key spec written again from README.md ("Block keys (key spec v1)"), SHA-256."""
+    parent = hashlib.sha256(b"kvstore.root.v1" + extras_bytes).digest()
+    keys = []
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        data = b"kvstore.block.v1" + parent + struct.pack("<I", block_size)
+        data += b"".join(struct.pack("<I", t) for t in block)
+        parent = hashlib.sha256(data).digest()
+        keys.append(parent)
+    return keys
+
+
+def _lp(tag: bytes, raw: bytes) -> bytes:
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+def _str_value(v: str) -> bytes:
+    return _lp(b"\x01", v.encode())
+
+
+def _int_value(v: int) -> bytes:
+    return _lp(b"\x03", str(v).encode())
+
+
+def test_readme_layout_reproduces_the_keys() -> None:
+    """Another implementation following the README's byte layout gets the same keys."""
+    extras = KeyExtras(model="llama", revision="r2", layout=KVLayout("bfloat16", 32, 8, 128, 16),
+                       adapter="lora-x", adapter_version=None, salt="s", mm_hashes=("img", b"\x01"),
+                       namespace="key-1", other=(None, 7, 1.5, True, ("a",)))
+    s, i = _str_value, _int_value
+    expected = (b"KVX\x01" + b"\x01" + s("sha256") + b"\x02" + i(1) + b"\x03" + s("llama") + b"\x04" + s("r2")
+                + b"\x05" + b"\x06" + struct.pack("<I", 5) + s("bfloat16") + i(32) + i(8) + i(128) + i(16)
+                + b"\x06" + s("lora-x") + b"\x07" + b"\x00" + b"\x08" + s("s")
+                + b"\x09" + b"\x06" + struct.pack("<I", 2) + s("img") + _lp(b"\x02", b"\x01")
+                + b"\x0a" + s("key-1")
+                + b"\x0b" + b"\x06" + struct.pack("<I", 5) + b"\x00" + i(7) + b"\x05" + struct.pack("<d", 1.5)
+                + b"\x04\x01" + b"\x06" + struct.pack("<I", 1) + s("a"))
+    assert encode_extras(extras) == expected
+    toks = _tokens(16 * 4 + 3, seed=5)
+    assert block_keys(toks, 16, extras) == _reference_keys(toks, 16, expected)
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -130,6 +226,32 @@ def test_numpy_and_list_tokens_agree() -> None:
 def test_bad_input_raises_invalid_argument(tokens, block_size: int, extras: KeyExtras) -> None:
     with pytest.raises(InvalidArgument):
         block_keys(tokens, block_size, extras)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: KVLayout("float32", True, 2, 32, 16),
+    lambda: KVLayout("float32", 2, 2, 32, 0),
+    lambda: KVLayout(None, 2, 2, 32, 16),
+    lambda: KeyExtras(model=1),
+    lambda: KeyExtras(namespace=None),
+    lambda: KeyExtras(adapter=b"X"),
+    lambda: KeyExtras(mm_hashes=(1,)),
+    lambda: KeyExtras(layout=("float32", 2, 2, 32, 16)),
+], ids=["bool-layers", "zero-block", "dtype-none", "model-int", "namespace-none", "adapter-bytes",
+        "mm-hash-int", "layout-tuple"])
+def test_extras_fields_are_strictly_typed(make) -> None:
+    with pytest.raises(InvalidArgument):
+        make()
+
+
+def test_equal_but_differently_typed_extras_never_share_a_root() -> None:
+    toks = _tokens(16)
+    seen = set()
+    for other in [(1,), (True,), (1.0,), (("x", 1),), (("x", True),)]:
+        for _ in range(2):  # the second call may come from the root memo
+            seen.add(tuple(block_keys(toks, 16, KeyExtras(other=other))))
+    assert len(seen) == 5
+    assert KeyExtras(mm_hashes=["a"]).mm_hashes == ("a",)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -1,19 +1,26 @@
-"""Byte tiers (kvstore/tiers): the DRAM shared-memory slab and its extent allocator, the SSD
-(LMDB) tier with per-block checksums and usage that survives a restart."""
+"""Byte tiers (kvstore/tiers): the registry, the extent allocator, the two-phase put of every
+tier, the DRAM shared-memory slab (mapped by name from another process), the HBM slab on the
+CPU (and on CUDA where present), and the SSD (LMDB) tier with per-block checksums, usage that
+survives a restart, a map grown on demand and an injected write fault."""
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import sys
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import lmdb
 import numpy as np
 import pytest
+import torch
 
-from kvstore.errors import CapacityError, IntegrityError
-from kvstore.pool import checksum_of
+from kvstore.errors import CapacityError, IntegrityError, InvalidArgument
+from kvstore.integrity import checksum_of
 from kvstore.tiers import TIERS
-from kvstore.tiers.dram import PAGE_BYTES, DramTier, ExtentAllocator
+from kvstore.tiers.dram import PAGE_BYTES, DramTier, ExtentAllocator, SlabReader
+from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.ssd import SsdTier
 
 
@@ -21,8 +28,26 @@ def _block(size: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8).tobytes()
 
 
-def test_registry_names_both_tiers() -> None:
-    assert TIERS["dram"] is DramTier and TIERS["ssd"] is SsdTier
+@pytest.fixture
+def make_hbm():
+    made: list[HbmTier] = []
+
+    def make(capacity_bytes: int, device: str = "cpu") -> HbmTier:
+        made.append(HbmTier(capacity_bytes, device=device))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture(params=["dram", "hbm", "ssd"])
+def any_tier(request, make_dram, make_ssd, make_hbm):
+    return {"dram": make_dram, "hbm": make_hbm, "ssd": make_ssd}[request.param](16 * PAGE_BYTES)
+
+
+def test_registry_names_every_tier() -> None:
+    assert TIERS["dram"] is DramTier and TIERS["ssd"] is SsdTier and TIERS["hbm"] is HbmTier
 
 
 # -- extent allocator -----------------------------------------------------------------------
@@ -65,73 +90,102 @@ def test_allocator_fragmentation_then_coalesce() -> None:
     assert a.free_pages == 8 and _free_runs(a) == [(0, 8)]
 
 
-# -- DRAM tier ------------------------------------------------------------------------------
-@pytest.mark.parametrize("size", [0, 1, PAGE_BYTES - 1, PAGE_BYTES, PAGE_BYTES + 1, 5 * PAGE_BYTES + 7])
-def test_dram_put_get_get_into_remove(make_dram, size: int) -> None:
-    tier = make_dram(16 * PAGE_BYTES)
+# -- every tier: the two-phase put ------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, PAGE_BYTES, 5 * PAGE_BYTES + 7])
+def test_put_get_get_into_remove(any_tier, size: int) -> None:
+    tier = any_tier
     data = _block(size)
     tier.put(b"k", data, checksum_of(data))
-    assert tier.used_bytes == size
+    assert tier.used_bytes == size and tier.contains(b"k") and tier.info(b"k") == (size, checksum_of(data))
     assert tier.get(b"k") == data
     out = np.full(size + 8, 0xAB, dtype=np.uint8)
     assert tier.get_into(b"k", out) == size
     assert out[:size].tobytes() == data and (out[size:] == 0xAB).all()
-    assert tier.verify(b"k")
     assert list(tier.keys()) == [(b"k", size)]
-    assert tier.remove(b"k") == size
+    assert tier.remove(b"k") == size and tier.remove(b"k") == 0
     assert tier.get(b"k") is None and tier.get_into(b"k", out) is None
-    assert tier.remove(b"k") == 0
-    assert tier.used_bytes == 0 and tier._alloc.free_pages == 16
+    assert tier.usage().used_bytes == 0 and tier.usage().blocks == 0
 
 
-def test_dram_slab_is_mapped_by_name(make_dram) -> None:
-    tier = make_dram(4 * PAGE_BYTES)
-    data = _block(3000, seed=1)
-    tier.put(b"k", data, checksum_of(data))
-    peer = shared_memory.SharedMemory(name=tier.shm_name)  # a reader on the same host
-    try:
-        assert bytes(peer.buf[:3000]) == data
-    finally:
-        peer.close()
+def test_reserve_write_in_chunks_commit_and_abort(any_tier) -> None:
+    tier = any_tier
+    data = _block(3 * PAGE_BYTES + 100, 1)
+    slot = tier.reserve(len(data))
+    assert tier.usage().reserved_bytes == len(data) and tier.usage().used_bytes == len(data)
+    for off in range(0, len(data), 5000):
+        tier.write(slot, off, data[off:off + 5000])
+    assert tier.get(b"k") is None  # not readable before commit
+    tier.commit(slot, b"k", checksum_of(data))
+    assert tier.get(b"k") == data and tier.usage().reserved_bytes == 0
+    slot = tier.reserve(PAGE_BYTES)
+    tier.write(slot, 0, _block(100))
+    tier.abort(slot)
+    assert tier.usage().used_bytes == len(data) and tier.usage().reserved_bytes == 0
+    assert [k for k, _ in tier.keys()] == [b"k"]
 
 
-def test_dram_capacity_error_when_full(make_dram) -> None:
-    tier = make_dram(3 * PAGE_BYTES)
-    blocks = {bytes([i]): _block(PAGE_BYTES, i) for i in range(3)}
-    for k, v in blocks.items():
-        assert tier.fits(len(v))
-        tier.put(k, v, checksum_of(v))
-    assert not tier.fits(1)
+def test_reserve_says_none_when_full_and_raises_when_never(any_tier) -> None:
+    tier = any_tier
+    slots = [tier.reserve(4 * PAGE_BYTES) for _ in range(4)]
+    assert all(s is not None for s in slots) and tier.reserve(1) is None and not tier.fits(1)
     with pytest.raises(CapacityError):
-        tier.put(b"x", b"y", checksum_of(b"y"))
-    assert tier.get(b"x") is None and tier.used_bytes == 3 * PAGE_BYTES
-    tier.remove(b"\x01")  # a one-page hole in the middle
-    assert tier.fits(PAGE_BYTES) and not tier.fits(PAGE_BYTES + 1)
-    with pytest.raises(CapacityError):
-        big = _block(2 * PAGE_BYTES)
-        tier.put(b"big", big, checksum_of(big))
-    for k in (b"\x00", b"\x02"):
-        tier.remove(k)
-    big = _block(3 * PAGE_BYTES)
-    tier.put(b"big", big, checksum_of(big))  # the holes coalesced back to one run
-    assert tier.get(b"big") == big
+        tier.reserve(16 * PAGE_BYTES + 1)
+    tier.abort(slots[0])
+    assert tier.fits(4 * PAGE_BYTES) and not tier.fits(4 * PAGE_BYTES + 1)
 
 
-def test_dram_put_existing_key_is_a_no_op(make_dram) -> None:
-    tier = make_dram(4 * PAGE_BYTES)
+def test_put_existing_key_is_a_no_op(any_tier) -> None:
+    tier = any_tier
     tier.put(b"k", b"first", checksum_of(b"first"))
     tier.put(b"k", b"second", checksum_of(b"second"))
     assert tier.get(b"k") == b"first" and tier.used_bytes == 5
 
 
-def test_dram_verify_detects_corruption(make_dram) -> None:
+def test_write_accepts_arrays_and_tensors(any_tier) -> None:
+    tier = any_tier
+    arr = np.arange(1024, dtype=np.float32)
+    ten = torch.arange(512, dtype=torch.float16)
+    tier.put(b"a", arr, checksum_of(arr))
+    tier.put(b"t", ten, checksum_of(ten.numpy()))
+    assert tier.get(b"a") == arr.tobytes() and tier.get(b"t") == ten.numpy().tobytes()
+    out = torch.empty(512, dtype=torch.float16)
+    assert tier.get_into(b"t", out) == 1024 and torch.equal(out, ten)
+    with pytest.raises(InvalidArgument, match="holds"):
+        tier.get_into(b"a", np.empty(10, dtype=np.uint8))
+
+
+# -- DRAM ----------------------------------------------------------------------------------------
+def test_dram_slab_is_mapped_by_name_from_another_process(make_dram) -> None:
+    tier = make_dram(4 * PAGE_BYTES)
+    data = _block(3000, seed=1)
+    tier.put(b"k", data, checksum_of(data))
+    offset, size, checksum = tier.locate(b"k")
+    peer = shared_memory.SharedMemory(name=tier.shm_name)  # a reader on the same host
+    try:
+        assert bytes(peer.buf[offset:offset + 3000]) == data
+    finally:
+        peer.close()
+    code = ("import sys, numpy as np; from kvstore.tiers.dram import SlabReader\n"
+            "r = SlabReader(sys.argv[1]); out = np.empty(int(sys.argv[3]), np.uint8)\n"
+            "r.read_into(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), out)\n"
+            "sys.stdout.buffer.write(out.tobytes()); r.close()")
+    got = subprocess.run([sys.executable, "-c", code, tier.shm_name, str(offset), str(size), str(checksum)],
+                         capture_output=True, check=True, timeout=60).stdout
+    assert got == data and os.path.exists(f"/dev/shm/{tier.shm_name}")  # the reader did not unlink it
+
+
+def test_slab_reader_rejects_bytes_that_fail_their_checksum(make_dram) -> None:
     tier = make_dram(4 * PAGE_BYTES)
     data = _block(100)
     tier.put(b"k", data, checksum_of(data))
     tier._slab[10] ^= 0xFF
-    with pytest.raises(IntegrityError):
-        tier.verify(b"k")
-    assert tier.get(b"k") is None and tier.used_bytes == 0
+    assert tier.verify(b"k") is False
+    reader = SlabReader(tier.shm_name)
+    try:
+        with pytest.raises(IntegrityError):
+            reader.read_into(0, 100, checksum_of(data), np.empty(100, np.uint8))
+    finally:
+        reader.close()
 
 
 def test_dram_close_unlinks_the_slab() -> None:
@@ -143,20 +197,33 @@ def test_dram_close_unlinks_the_slab() -> None:
     tier.close()  # idempotent
 
 
-# -- SSD tier -------------------------------------------------------------------------------
-def test_ssd_put_get_remove(make_ssd) -> None:
-    tier = make_ssd(1 << 20)
-    a, b = _block(1000, 1), _block(5000, 2)
-    tier.put(b"a", a, checksum_of(a))
-    tier.put(b"b", b, checksum_of(b))
-    tier.put(b"a", b, checksum_of(b))  # existing key: no-op
-    assert tier.get(b"a") == a and tier.get(b"b") == b and tier.get(b"c") is None
-    assert tier.used_bytes == 6000
-    assert list(tier.keys()) == [(b"a", 1000), (b"b", 5000)]
-    assert tier.remove(b"a") == 1000 and tier.remove(b"a") == 0
-    assert tier.get(b"a") is None and tier.used_bytes == 5000
+# -- HBM -----------------------------------------------------------------------------------------
+def test_hbm_without_a_gpu_runs_on_the_cpu_and_says_so(make_hbm) -> None:
+    tier = make_hbm(4 * PAGE_BYTES, device="cpu")
+    assert tier.device == "cpu"
+    if not torch.cuda.is_available():
+        assert make_hbm(PAGE_BYTES, device="auto").device == "cpu"
+        with pytest.raises(InvalidArgument, match="cpu"):
+            HbmTier(PAGE_BYTES, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hbm_on_cuda(make_hbm) -> None:
+    tier = make_hbm(8 * PAGE_BYTES, device="cuda")
+    assert tier.device.startswith("cuda")
+    data = _block(5000, 3)
+    tier.put(b"k", data, checksum_of(data))
+    assert tier.get(b"k") == data and tier.verify(b"k")
+    dev = torch.empty(5000, dtype=torch.uint8, device="cuda")
+    assert tier.get_into(b"k", dev) == 5000 and dev.cpu().numpy().tobytes() == data
+    host = np.empty(5000, np.uint8)
+    assert tier.get_into(b"k", host) == 5000 and host.tobytes() == data
+    tier.put(b"d", dev, checksum_of(data))  # device to device
+    assert tier.get(b"d") == data
+
+
+# -- SSD -----------------------------------------------------------------------------------------
 def test_ssd_usage_survives_reopen(tmp_path: Path) -> None:
     path = str(tmp_path / "ssd")
     tier = SsdTier(1 << 20, path)
@@ -170,7 +237,7 @@ def test_ssd_usage_survives_reopen(tmp_path: Path) -> None:
     tier.close()
     tier = SsdTier(1 << 20, path)
     try:
-        assert tier.used_bytes == stored
+        assert tier.used_bytes == stored and tier.usage().blocks == 4
         assert [k for k, _ in tier.keys()] == [bytes([i]) * 8 for i in (0, 1, 3, 4)]  # write order
         assert tier.get(bytes([4]) * 8) == _block(500, 500)
         d = _block(10, 10)
@@ -195,34 +262,72 @@ def test_ssd_flipped_byte_is_an_integrity_error(tmp_path: Path) -> None:
     env.close()
     tier = SsdTier(1 << 20, path)
     try:
-        assert tier.used_bytes == 4096 + 4
+        out = np.zeros(4096, np.uint8)
         with pytest.raises(IntegrityError):
-            tier.get(b"k")
-        assert tier.get(b"k") is None  # the block is gone, not returned
-        assert tier.used_bytes == 4 and [k for k, _ in tier.keys()] == [b"other"]
-        assert tier.get(b"other") == b"fine"
+            tier.get_into(b"k", out)
+        assert not out.any()  # verified before the copy: no wrong byte reached the caller
+        assert tier.read_many([b"k", b"other"], [bytes, bytes])[1] == b"fine"
+        assert tier.remove(b"k") == 4096 and tier.used_bytes == 4  # the pool drops it like this
     finally:
         tier.close()
 
 
-def test_ssd_capacity_error(make_ssd) -> None:
-    tier = make_ssd(10_000)
-    with pytest.raises(CapacityError):
-        tier.put(b"huge", _block(10_001), 0)
-    d = _block(6000)
-    tier.put(b"a", d, checksum_of(d))
-    assert tier.fits(4000) and not tier.fits(4001)
-    with pytest.raises(CapacityError):
-        tier.put(b"b", d, checksum_of(d))  # 12,000 bytes would exceed the 10,000-byte capacity
-    assert tier.get(b"b") is None and tier.used_bytes == 6000
+def test_ssd_write_fault_stores_nothing(make_ssd) -> None:
+    tier = make_ssd(1 << 20)
+
+    def fault(key: bytes) -> None:
+        if key == b"b":
+            raise OSError(errno.EIO, "injected I/O error")
+
+    tier.write_fault = fault
+    slots = [tier.reserve(100) for _ in range(3)]
+    for i, slot in enumerate(slots):
+        tier.write(slot, 0, bytes([i]) * 100)
+    keys = [b"a", b"b", b"c"]
+    errors = tier.commit_many([(slots[i], keys[i], checksum_of(bytes([i]) * 100)) for i in range(3)])
+    assert [e is None for e in errors] == [True, False, True] and errors[1].errno == errno.EIO
+    assert tier.get(b"a") == bytes([0]) * 100 and tier.get(b"b") is None and tier.get(b"c") == bytes([2]) * 100
+    assert tier.usage().reserved_bytes == 100  # the failed slot stays reserved until aborted
+    tier.abort(slots[1])
+    assert tier.usage() == type(tier.usage())(1 << 20, 200, 0, 2)
 
 
-def test_ssd_rejects_bad_fsync_policy(tmp_path: Path) -> None:
+def test_ssd_map_grows_on_demand(tmp_path: Path) -> None:
+    tier = SsdTier(8 << 20, str(tmp_path / "ssd"), initial_map_bytes=1 << 20)
+    try:
+        start = tier.map_bytes
+        blocks = {bytes([i]): _block(1 << 20, i) for i in range(6)}
+        for k, d in blocks.items():
+            tier.put(k, d, checksum_of(d))
+        assert tier.map_bytes > start and tier.map_bytes <= tier.max_map_bytes
+        assert all(tier.get(k) == d for k, d in blocks.items())
+    finally:
+        tier.close()
+
+
+def test_ssd_map_full_at_its_limit_is_enospc(tmp_path: Path) -> None:
+    tier = SsdTier(8 << 20, str(tmp_path / "ssd"), max_map_bytes=1 << 20, initial_map_bytes=1 << 20)
+    try:
+        with pytest.raises(OSError) as exc:
+            tier.put(b"k", _block(2 << 20), 0)
+        assert exc.value.errno == errno.ENOSPC and tier.used_bytes == 0 and tier.get(b"k") is None
+    finally:
+        tier.close()
+
+
+def test_ssd_fsync_on_commit(tmp_path: Path) -> None:
+    tier = SsdTier(1 << 20, str(tmp_path / "ssd"), fsync="commit")
+    try:
+        tier.put(b"k", b"durable", checksum_of(b"durable"))
+        assert tier.get(b"k") == b"durable"
+    finally:
+        tier.close()
     with pytest.raises(ValueError, match="never"):
         SsdTier(1 << 20, str(tmp_path / "x"), fsync="always")
 
 
-@pytest.mark.parametrize("cls, args", [(DramTier, ()), (SsdTier, ("/nonexistent-never-created",))])
+@pytest.mark.parametrize("cls, args", [(DramTier, ()), (SsdTier, ("/nonexistent-never-created",)),
+                                       (HbmTier, ())])
 def test_tier_rejects_nonpositive_capacity(cls, args) -> None:
     with pytest.raises(ValueError):
         cls(0, *args)

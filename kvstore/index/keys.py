@@ -11,13 +11,16 @@ single-tenant deployments (16-byte keys). The hash function's name and the spec 
 fields of the extras, so keys made under different configurations never match. The extras
 encoding is tagged and length-prefixed (see :func:`encode_extras`), so two different field
 tuples never encode to the same bytes. Nothing here depends on Python's ``hash()``: keys are
-equal across processes, hosts and restarts whatever ``PYTHONHASHSEED`` is.
+equal across processes, hosts and restarts whatever ``PYTHONHASHSEED`` is. README.md,
+"Block keys (key spec v1)", documents the same bytes for other implementations.
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, NewType, Sequence
 
@@ -43,11 +46,52 @@ def _xxh3_128(data: bytes) -> bytes:
 HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
 
 
+# The chain loops: the same bytes as the spec, each in the fastest form measured for its hash
+# (benchmarks/bench_index.py). SHA-256 copies a state that already absorbed the block tag and
+# feeds the block from a memoryview (no copy of it); XXH3 is fast enough that one call on the
+# joined bytes beats several updates.
+_SHA256_BLOCK_TAG = hashlib.sha256(_BLOCK_TAG)
+
+
+def _chain_sha256(parent: bytes, count: bytes, raw: memoryview, step: int) -> list[bytes]:
+    fresh = _SHA256_BLOCK_TAG.copy
+    keys: list[bytes] = []
+    append = keys.append
+    for off in range(0, len(raw) - step + 1, step):
+        h = fresh()
+        h.update(parent + count)
+        h.update(raw[off:off + step])
+        parent = h.digest()
+        append(parent)
+    return keys
+
+
+def _chain_xxh3_128(parent: bytes, count: bytes, raw: memoryview, step: int) -> list[bytes]:
+    digest, join, tag = xxhash.xxh3_128_digest, b"".join, _BLOCK_TAG
+    keys: list[bytes] = []
+    append = keys.append
+    for off in range(0, len(raw) - step + 1, step):
+        parent = digest(join((tag, parent, count, raw[off:off + step])))
+        append(parent)
+    return keys
+
+
+_CHAINS: dict[str, Callable[[bytes, bytes, memoryview, int], list[bytes]]] = {
+    "sha256": _chain_sha256, "xxh3_128": _chain_xxh3_128}
+
+
+def _as_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgument(f"KV layout {name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What the bytes of a KV block depend on besides the tokens.
 
-    ``dtype`` is a torch dtype name (``"float32"``); ``block_size`` is in tokens.
+    ``dtype`` is a torch dtype name (``"float32"``); ``block_size`` is in tokens. Raises
+    InvalidArgument for a non-string dtype or a count that is not a positive int.
     """
 
     dtype: str
@@ -55,6 +99,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise InvalidArgument(f"KV layout dtype must be a non-empty str, got {self.dtype!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            object.__setattr__(self, name, _as_count(name, getattr(self, name)))
 
     def to_json(self) -> str:
         return json.dumps({"dtype": self.dtype, "num_layers": self.num_layers,
@@ -74,6 +124,10 @@ class KeyExtras:
     never from a request body. ``mm_hashes`` are content hashes of multimodal inputs.
     ``salt`` is a free cache salt; ``other`` carries any further values (None, str, bytes,
     int, float, bool and nested tuples/lists of them).
+
+    Invariant: the string fields hold ``str`` (the optional ones ``str`` or None) and
+    ``mm_hashes`` holds ``str``/``bytes``, so equal extras always encode to equal bytes.
+    Raises InvalidArgument otherwise, or for an unknown ``hash_name``.
     """
 
     model: str = ""
@@ -90,10 +144,27 @@ class KeyExtras:
     def __post_init__(self) -> None:
         if self.hash_name not in HASH_FUNCTIONS:
             raise InvalidArgument(f"unknown key hash {self.hash_name!r}; valid: {sorted(HASH_FUNCTIONS)}")
+        for name in ("model", "revision", "namespace"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidArgument(f"key extras {name} must be a str, got {getattr(self, name)!r}")
+        for name in ("adapter", "adapter_version", "salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"key extras {name} must be a str or None, got {value!r}")
+        if self.layout is not None and not isinstance(self.layout, KVLayout):
+            raise InvalidArgument(f"key extras layout must be a KVLayout or None, got {self.layout!r}")
+        if not isinstance(self.mm_hashes, tuple):
+            object.__setattr__(self, "mm_hashes", tuple(self.mm_hashes))
+        if not all(isinstance(h, (str, bytes)) for h in self.mm_hashes):
+            raise InvalidArgument("key extras mm_hashes must hold str or bytes content hashes")
+        if not isinstance(self.other, tuple):
+            object.__setattr__(self, "other", tuple(self.other))
 
 
 # Value type tags of the extras encoding.
 _T_NONE, _T_STR, _T_BYTES, _T_INT, _T_BOOL, _T_FLOAT, _T_SEQ = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x05", b"\x06"
+_U32 = struct.Struct("<I").pack
+_F64 = struct.Struct("<d").pack
 
 
 def _encode_value(value: Any, out: bytearray) -> None:
@@ -102,18 +173,18 @@ def _encode_value(value: Any, out: bytearray) -> None:
     elif isinstance(value, bool):
         out += _T_BOOL + (b"\x01" if value else b"\x00")
     elif isinstance(value, int):
-        raw = str(value).encode()
-        out += _T_INT + struct.pack("<I", len(raw)) + raw
+        raw = str(int(value)).encode()
+        out += _T_INT + _U32(len(raw)) + raw
     elif isinstance(value, float):
-        out += _T_FLOAT + struct.pack("<d", value)
+        out += _T_FLOAT + _F64(value)
     elif isinstance(value, str):
         raw = value.encode("utf-8")
-        out += _T_STR + struct.pack("<I", len(raw)) + raw
+        out += _T_STR + _U32(len(raw)) + raw
     elif isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
-        out += _T_BYTES + struct.pack("<I", len(raw)) + raw
+        out += _T_BYTES + _U32(len(raw)) + raw
     elif isinstance(value, (tuple, list)):
-        out += _T_SEQ + struct.pack("<I", len(value))
+        out += _T_SEQ + _U32(len(value))
         for item in value:
             _encode_value(item, out)
     else:
@@ -130,6 +201,8 @@ def encode_extras(extras: KeyExtras) -> bytes:
     length + raw bytes (bytes); u32le count + that many typed values (tuple/list). Every
     variable part is length-prefixed, so ("ab", "c") and ("a", "bc") differ, and every field
     has its own tag, so adapter "X" and salt "X" differ.
+
+    Raises InvalidArgument for a value of another type in ``other``.
     """
     layout = extras.layout
     fields: tuple[tuple[int, Any], ...] = (
@@ -142,9 +215,9 @@ def encode_extras(extras: KeyExtras) -> bytes:
         (6, extras.adapter),
         (7, extras.adapter_version),
         (8, extras.salt),
-        (9, tuple(extras.mm_hashes)),
+        (9, extras.mm_hashes),
         (10, extras.namespace),
-        (11, tuple(extras.other)),
+        (11, extras.other),
     )
     out = bytearray(b"KVX" + bytes([SPEC_VERSION]))
     for tag, value in fields:
@@ -153,20 +226,67 @@ def encode_extras(extras: KeyExtras) -> bytes:
     return bytes(out)
 
 
-def _tokens_bytes(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(tokens)
+def _type_exact(value: Any) -> bool:
+    """True when equality of ``value`` implies equality of its encoding (no int/float/bool,
+    whose equal values 1 == 1.0 == True encode differently)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return True
+    return isinstance(value, tuple) and all(_type_exact(v) for v in value)
+
+
+_ROOTS: dict[KeyExtras, bytes] = {}
+_ROOTS_MAX = 1024
+
+
+def _root(extras: KeyExtras) -> bytes:
+    """``H(root tag ‖ encode_extras(extras))``, memoised for extras whose equality implies
+    equal bytes (a cache only: the result is the same with or without it)."""
+    cacheable = _type_exact(extras.other)
+    if cacheable:
+        root = _ROOTS.get(extras)
+        if root is not None:
+            return root
+    root = HASH_FUNCTIONS[extras.hash_name](_ROOT_TAG + encode_extras(extras))
+    if cacheable:
+        if len(_ROOTS) >= _ROOTS_MAX:
+            _ROOTS.clear()
+        _ROOTS[extras] = root
+    return root
+
+
+# array("I") converts a list at C speed and range-checks it; usable where it is 4-byte u32le.
+_ARRAY_U32LE = sys.byteorder == "little" and array.array("I").itemsize == 4
+
+
+def _tokens_u32le(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """The tokens as one contiguous buffer of u32le. Raises InvalidArgument for anything but
+    a flat sequence of integers in ``[0, 2**32)``."""
+    if not isinstance(tokens, np.ndarray):
+        if _ARRAY_U32LE:
+            try:
+                return memoryview(array.array("I", tokens)).cast("B")
+            except OverflowError:
+                raise InvalidArgument("tokens must be integers in [0, 2**32)") from None
+            except TypeError:
+                pass  # not plain integers: numpy decides below (and names the problem)
+        tokens = np.asarray(tokens)
+    arr = tokens
     if arr.ndim != 1:
         raise InvalidArgument(f"tokens must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32):
-        raise InvalidArgument("tokens must be integers in [0, 2**32)")
-    return arr.astype("<u4", copy=False)
+    if arr.size and arr.dtype != np.dtype("<u4"):
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
+        if int(arr.min()) < 0 or int(arr.max()) >= 2**32:
+            raise InvalidArgument("tokens must be integers in [0, 2**32)")
+    return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
 
 
 def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras) -> list[BlockKey]:
     """The chain of block keys for the full blocks of ``tokens``.
 
     Args:
-        tokens: token ids, shape ``[n]``, integers in ``[0, 2**32)``.
+        tokens: token ids, shape ``[n]``, integers in ``[0, 2**32)`` (a list, or a numpy
+            array of any integer dtype; ``uint32`` is the fastest).
         block_size: tokens per block (> 0). A partial tail block gets no key.
         extras: model, layout, adapter, namespace, … (see :class:`KeyExtras`).
 
@@ -175,22 +295,12 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyE
         of block ``i`` and on the extras. 32 bytes each with SHA-256, 16 with XXH3-128.
 
     Raises:
-        InvalidArgument: bad block size or tokens.
+        InvalidArgument: bad block size, tokens or extras.
     """
-    if block_size <= 0:
-        raise InvalidArgument(f"block_size must be > 0, got {block_size}")
-    arr = _tokens_bytes(tokens)
-    h = HASH_FUNCTIONS[extras.hash_name]
-    parent = h(_ROOT_TAG + encode_extras(extras))
-    header = _BLOCK_TAG
-    count = struct.pack("<I", block_size)
-    raw = arr.tobytes()
-    step = block_size * 4
-    keys: list[BlockKey] = []
-    for i in range(arr.size // block_size):
-        parent = h(header + parent + count + raw[i * step:(i + 1) * step])
-        keys.append(BlockKey(parent))
-    return keys
+    if type(block_size) is not int or block_size <= 0:
+        raise InvalidArgument(f"block_size must be an int > 0, got {block_size!r}")
+    raw = _tokens_u32le(tokens)
+    return _CHAINS[extras.hash_name](_root(extras), _U32(block_size), raw, block_size * 4)  # type: ignore[return-value]
 
 
 def usable_prefix_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:

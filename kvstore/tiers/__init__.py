@@ -1,7 +1,7 @@
-"""Byte storage per tier, picked by name from a registry: ``dram`` (shared-memory slab),
-``ssd`` (LMDB). A tier stores and returns bytes by key; recency, eviction, demotion and the
-index are the pool's business."""
-from kvstore.tiers.base import TIERS, Tier, register_tier
-from kvstore.tiers import dram, ssd  # noqa: F401  (registers the tiers)
+"""Byte storage per tier, picked by name from a registry: ``hbm`` (a torch tensor on a
+device), ``dram`` (a shared-memory slab), ``ssd`` (LMDB). A tier stores and returns bytes by
+key through a two-phase put; recency, eviction, leases, pins and the index are the pool's."""
+from kvstore.tiers.base import TIERS, Slot, Tier, TierUsage, register_tier
+from kvstore.tiers import dram, hbm, ssd  # noqa: F401  (registers the tiers)
 
-__all__ = ["TIERS", "Tier", "register_tier"]
+__all__ = ["TIERS", "Slot", "Tier", "TierUsage", "register_tier"]

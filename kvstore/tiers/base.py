@@ -1,9 +1,23 @@
-"""The abstract tier and the registry tiers are picked from."""
+"""The abstract tier, its slot and usage types, and the registry tiers are picked from.
+
+A tier stores whole blocks by key within ``capacity_bytes``. Writes are two-phase: ``reserve``
+takes the space, ``write`` fills it (possibly in several chunks), ``commit`` makes the block
+readable under its key, ``abort`` gives the space back. Recency, eviction, leases, pins and
+the index are the pool's business, not the tier's.
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import numpy as np
+
+from kvstore.errors import CapacityError
+from kvstore.tiers.buffers import copy_into, to_bytes
+
+T = TypeVar("T")
+Sink = Callable[[Any], T]  # receives a read-only uint8 view of a block (numpy, or torch on a device)
 TIERS: dict[str, Callable[..., "Tier"]] = {}
 
 
@@ -15,11 +29,34 @@ def register_tier(name: str) -> Callable[[type], type]:
     return deco
 
 
+@dataclass(slots=True)
+class Slot:
+    """Space reserved in a tier for one block of ``size`` bytes. ``offset``: where it starts
+    in a slab (bytes); ``data``: the tier's private write buffer, if it keeps one."""
+
+    size: int
+    offset: int = 0
+    data: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes a tier holds: ``used_bytes`` = committed + reserved; ``blocks`` = committed."""
+
+    capacity_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    blocks: int
+
+
 class Tier(ABC):
     """Stores whole blocks by key, within ``capacity_bytes``.
 
-    Invariant: ``used_bytes`` is the sum of the sizes of the blocks held. ``put`` either
-    stores the whole block or raises and stores nothing.
+    Invariants: ``used_bytes`` is the sum of the sizes of the committed blocks plus the
+    reserved slots; a key is readable only after ``commit``; a failed ``commit`` leaves
+    nothing readable and the slot still reserved (the caller aborts it). Not thread-safe
+    for reserve/commit/abort/remove (the pool serialises those); ``write`` to distinct slots
+    and ``read`` may run concurrently with them.
     """
 
     name: str = "tier"
@@ -30,31 +67,111 @@ class Tier(ABC):
             raise ValueError(f"tier capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
 
+    # -- the six primitives ----------------------------------------------------------------
     @abstractmethod
-    def put(self, key: bytes, data: bytes | memoryview, checksum: int) -> None:
-        """Store ``data``. Raises CapacityError when it does not fit now, OSError on a
-        failed write; in both cases nothing is stored."""
+    def reserve(self, size: int) -> Slot | None:
+        """Take ``size`` bytes. Returns None when they do not fit now (evicting may help);
+        raises CapacityError when they can never fit."""
 
     @abstractmethod
-    def get(self, key: bytes) -> bytes | None:
-        """The block's bytes, or None on a miss. Raises IntegrityError when the bytes do not
-        match their checksum (the tier has dropped the block by then)."""
+    def write(self, slot: Slot, offset: int, data: Any) -> None:
+        """Copy ``data`` (bytes-like, uint8 array or tensor) to ``offset`` of the slot."""
+
+    @abstractmethod
+    def commit(self, slot: Slot, key: bytes, checksum: int) -> None:
+        """Make the slot's bytes readable as ``key``. Raises OSError on a failed write
+        (nothing is readable then; the slot stays reserved for the caller to abort)."""
+
+    @abstractmethod
+    def abort(self, slot: Slot) -> None:
+        """Give a reserved (uncommitted) slot's space back."""
+
+    @abstractmethod
+    def read(self, key: bytes, sink: Sink[T]) -> T | None:
+        """``sink(view)`` over the block's bytes, or None on a miss. Raises IntegrityError
+        when a tier that verifies reads finds the bytes do not match their checksum."""
 
     @abstractmethod
     def remove(self, key: bytes) -> int:
-        """Drop the block; returns the bytes freed (0 when absent)."""
+        """Drop a committed block; returns the bytes freed (0 when absent)."""
 
     @abstractmethod
     def keys(self) -> Iterator[tuple[bytes, int]]:
-        """(key, size) of every block held, oldest write first."""
+        """(key, size) of every committed block, oldest write first."""
 
-    @property
     @abstractmethod
-    def used_bytes(self) -> int: ...
+    def info(self, key: bytes) -> tuple[int, int] | None:
+        """(size, checksum) of a committed block, or None when absent."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    # -- conveniences and batched variants -------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.usage().used_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return any(k == key for k, _ in self.keys())
 
     def fits(self, size: int) -> bool:
-        """Whether a block of ``size`` bytes could be put now without eviction."""
-        return self.used_bytes + size <= self.capacity_bytes
+        """Whether a block of ``size`` bytes could be reserved now without eviction."""
+        try:
+            slot = self.reserve(size)
+        except CapacityError:
+            return False
+        if slot is None:
+            return False
+        self.abort(slot)
+        return True
+
+    def put(self, key: bytes, data: Any, checksum: int) -> None:
+        """reserve + write + commit in one call. A present key is a no-op. Raises
+        CapacityError when the block does not fit now, OSError on a failed write; in both
+        cases nothing is stored."""
+        if self.contains(key):
+            return
+        size = len(data) if not hasattr(data, "nbytes") else int(data.nbytes)
+        slot = self.reserve(size)
+        if slot is None:
+            raise CapacityError(f"{self.name}: no room now for a {size}-byte block "
+                                f"({self.usage().used_bytes} of {self.capacity_bytes} bytes used)")
+        try:
+            self.write(slot, 0, data)
+            self.commit(slot, key, checksum)
+        except BaseException:
+            self.abort(slot)
+            raise
+
+    def commit_many(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
+        """Commit several slots; per slot None or the OSError that failed it."""
+        out: list[Exception | None] = []
+        for slot, key, checksum in items:
+            try:
+                self.commit(slot, key, checksum)
+                out.append(None)
+            except OSError as exc:
+                out.append(exc)
+        return out
+
+    def read_many(self, keys: Sequence[bytes], sinks: Sequence[Sink[T]]) -> list[T | None | Exception]:
+        """``read(keys[i], sinks[i])`` for each key; an exception (an IntegrityError, or one
+        a sink raised) is returned in place of that block's value, not raised."""
+        out: list[T | None | Exception] = []
+        for key, sink in zip(keys, sinks):
+            try:
+                out.append(self.read(key, sink))
+            except Exception as exc:  # noqa: BLE001 — handed back per block to the pool
+                out.append(exc)
+        return out
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.read(key, to_bytes)
+
+    def get_into(self, key: bytes, out: np.ndarray | Any) -> int | None:
+        """Copy the block into ``out`` (a contiguous array or tensor of at least its size)
+        without an intermediate bytes object; returns the bytes copied or None on a miss."""
+        return self.read(key, lambda view: copy_into(out, view))
 
     def close(self) -> None:
         """Release the tier's resources."""

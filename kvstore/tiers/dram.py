@@ -1,145 +1,100 @@
 """The DRAM tier: one pre-allocated, named shared-memory slab with a page allocator, so a
-reader on the same host can map the slab and copy blocks out without a socket."""
+reader on the same host can map the slab (:class:`SlabReader`) and copy blocks out without
+a socket."""
 from __future__ import annotations
 
-import bisect
 import os
 import uuid
-from multiprocessing import shared_memory
-from typing import Iterator
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
-import xxhash
 
-from kvstore.errors import CapacityError, IntegrityError
-from kvstore.tiers.base import Tier, register_tier
+from kvstore.errors import IntegrityError, InvalidArgument
+from kvstore.integrity import checksum_of
+from kvstore.tiers.base import register_tier
+from kvstore.tiers.buffers import as_u8, copy_into
+from kvstore.tiers.slab import PAGE_BYTES, ExtentAllocator, SlabTier
 
-PAGE_BYTES = 4096
-
-
-class ExtentAllocator:
-    """First-fit allocator of runs of pages, coalescing free neighbours.
-
-    Invariant: free extents are disjoint, sorted by start and never adjacent.
-    """
-
-    def __init__(self, pages: int) -> None:
-        self._starts: list[int] = [0]
-        self._lengths: list[int] = [pages]
-        self.free_pages = pages
-
-    def alloc(self, pages: int) -> int | None:
-        for i, length in enumerate(self._lengths):
-            if length >= pages:
-                start = self._starts[i]
-                if length == pages:
-                    del self._starts[i], self._lengths[i]
-                else:
-                    self._starts[i] += pages
-                    self._lengths[i] -= pages
-                self.free_pages -= pages
-                return start
-        return None
-
-    def free(self, start: int, pages: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        self.free_pages += pages
-        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
-            i -= 1
-            self._lengths[i] += pages
-        else:
-            self._starts.insert(i, start)
-            self._lengths.insert(i, pages)
-        if i + 1 < len(self._starts) and self._starts[i] + self._lengths[i] == self._starts[i + 1]:
-            self._lengths[i] += self._lengths[i + 1]
-            del self._starts[i + 1], self._lengths[i + 1]
+__all__ = ["PAGE_BYTES", "DramTier", "ExtentAllocator", "SlabReader"]
 
 
 @register_tier("dram")
-class DramTier(Tier):
+class DramTier(SlabTier):
     """Blocks in a shared-memory slab of ``capacity_bytes`` (rounded up to pages).
 
-    The slab is named (``shm_name``) so another process on the host can map it.
+    The slab is named (``shm_name``, under /dev/shm) so another process on the host can map
+    it; ``close`` unlinks it. Reads hand the sink a read-only numpy view of the slab.
     """
 
     def __init__(self, capacity_bytes: int, shm_name: str | None = None) -> None:
         super().__init__(capacity_bytes)
-        pages = -(-capacity_bytes // PAGE_BYTES)
         self.shm_name = shm_name or f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._shm = shared_memory.SharedMemory(name=self.shm_name, create=True, size=pages * PAGE_BYTES)
-        self._slab = np.ndarray((pages * PAGE_BYTES,), dtype=np.uint8, buffer=self._shm.buf)
-        self._alloc = ExtentAllocator(pages)
-        self._blocks: dict[bytes, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
-        self._used = 0
+        size = self.pages * PAGE_BYTES
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+            name=self.shm_name, create=True, size=size)
+        self._slab = np.ndarray((size,), dtype=np.uint8, buffer=self._shm.buf)
+        self._ro = self._slab.view()
+        self._ro.flags.writeable = False
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
+    def _copy_in(self, offset: int, data: Any) -> None:
+        src = as_u8(data)
+        if isinstance(src, np.ndarray):
+            np.copyto(self._slab[offset:offset + src.shape[0]], src)
+        else:  # a tensor on a device: one device-to-host copy straight into the slab
+            copy_into(self._slab[offset:offset + src.shape[0]], src)
 
-    def fits(self, size: int) -> bool:
-        pages = max(1, -(-size // PAGE_BYTES))
-        if self._alloc.free_pages < pages:
-            return False
-        start = self._alloc.alloc(pages)  # probe for a contiguous run, then give it back
-        if start is None:
-            return False
-        self._alloc.free(start, pages)
-        return True
+    def _view(self, offset: int, size: int) -> np.ndarray:
+        return self._ro[offset:offset + size]
 
-    def put(self, key: bytes, data: bytes | memoryview, checksum: int) -> None:
-        if key in self._blocks:
+    def locate(self, key: bytes) -> tuple[int, int, int] | None:
+        """(offset, size, checksum) of a committed block in the slab, for a mapped reader;
+        None when absent. Only meaningful while the caller holds a lease on the block."""
+        return self._blocks.get(key)
+
+    def close(self) -> None:
+        """Unlink and unmap the slab (idempotent). Views still held elsewhere keep their
+        pages mapped until dropped; the name is gone at once."""
+        shm, self._shm = self._shm, None
+        if shm is None:
             return
-        size = len(data)
-        pages = max(1, -(-size // PAGE_BYTES))
-        start = self._alloc.alloc(pages)
-        if start is None:
-            raise CapacityError(f"dram: no free run of {pages} pages for a {size}-byte block")
-        offset = start * PAGE_BYTES
-        self._slab[offset:offset + size] = np.frombuffer(data, dtype=np.uint8)
-        self._blocks[key] = (offset, size, checksum)
-        self._used += size
+        self._slab = self._ro = None  # type: ignore[assignment]
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            shm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with it
+            pass
 
-    def get(self, key: bytes) -> bytes | None:
-        loc = self._blocks.get(key)
-        if loc is None:
-            return None
-        offset, size, _ = loc
-        return self._slab[offset:offset + size].tobytes()
 
-    def get_into(self, key: bytes, out: np.ndarray) -> int | None:
-        """Copy the block into ``out`` (a uint8 array of at least its size) without an
-        intermediate bytes object; returns the bytes copied or None on a miss."""
-        loc = self._blocks.get(key)
-        if loc is None:
-            return None
-        offset, size, _ = loc
-        np.copyto(out[:size], self._slab[offset:offset + size])
-        return size
+class SlabReader:
+    """A same-host reader of a DRAM tier's slab, mapped by name (another process).
 
-    def verify(self, key: bytes) -> bool:
-        """Whether the block's bytes still match the checksum taken at put."""
-        offset, size, checksum = self._blocks[key]
-        if xxhash.xxh3_64_intdigest(self._slab[offset:offset + size]) == checksum:
-            return True
-        self.remove(key)
-        raise IntegrityError(f"dram block {key.hex()[:16]} failed its checksum")
+    ``read_into`` verifies the checksum after copying, because the bytes crossed a process
+    boundary: a mismatch raises IntegrityError and the caller treats it as a miss.
+    """
 
-    def remove(self, key: bytes) -> int:
-        loc = self._blocks.pop(key, None)
-        if loc is None:
-            return 0
-        offset, size, _ = loc
-        self._alloc.free(offset // PAGE_BYTES, max(1, -(-size // PAGE_BYTES)))
-        self._used -= size
-        return size
+    def __init__(self, shm_name: str) -> None:
+        self._shm = shared_memory.SharedMemory(name=shm_name)
+        # Python < 3.13 registers attached segments too and would unlink the owner's slab
+        # when this process exits; the owner alone unlinks it.
+        resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._slab = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
 
-    def keys(self) -> Iterator[tuple[bytes, int]]:
-        return ((k, v[1]) for k, v in list(self._blocks.items()))
+    def read_into(self, offset: int, size: int, checksum: int, out: Any) -> int:
+        """Copy ``size`` bytes at ``offset`` into ``out`` and verify them; returns ``size``."""
+        if offset < 0 or offset + size > self._slab.shape[0]:
+            raise InvalidArgument(f"slab range {offset}+{size} outside {self._slab.shape[0]} bytes")
+        n = copy_into(out, self._slab[offset:offset + size])
+        if checksum_of(as_u8(out)[:n]) != checksum:
+            raise IntegrityError(f"slab bytes at {offset}+{size} do not match their checksum")
+        return n
 
     def close(self) -> None:
         self._slab = None  # type: ignore[assignment]
         try:
             self._shm.close()
-            self._shm.unlink()
-        except (FileNotFoundError, BufferError):
+        except BufferError:
             pass

@@ -1,0 +1,137 @@
+"""Where KV events travel: a Redis Stream (across processes and hosts) or, with no Redis
+configured, an in-process channel (single-host runs; it says so once in the log).
+
+Both are append-only logs bounded in length: a reader that falls behind the bound loses
+the oldest events, which the replica detects as a sequence gap and repairs from a snapshot.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from itertools import islice
+from typing import Any, Sequence
+
+from kvstore.events.event import KVEvent
+
+log = logging.getLogger(__name__)
+DEFAULT_STREAM = "kvstore:events"
+DEFAULT_MAXLEN = 100_000
+
+
+class EventChannel(ABC):
+    """An append-only log of events. ``read`` cursors are opaque to callers."""
+
+    description: str = "channel"
+
+    @abstractmethod
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Append ``events`` in order. Raises OSError (or a client error) when the log
+        cannot be reached; the events are then lost (readers see a gap)."""
+
+    @abstractmethod
+    def start_cursor(self, from_start: bool) -> Any:
+        """A cursor before the oldest event kept (``from_start``) or after the newest."""
+
+    @abstractmethod
+    def read(self, cursor: Any, count: int = 1000, block_s: float = 0.0) -> tuple[Any, list[KVEvent]]:
+        """Up to ``count`` events after ``cursor``, waiting up to ``block_s`` seconds for the
+        first one. Returns the new cursor and the events (possibly none)."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+class LocalEventChannel(EventChannel):
+    """An in-process log of at most ``maxlen`` events. Thread-safe."""
+
+    description = "in-process channel (single host, this process only)"
+
+    def __init__(self, maxlen: int = DEFAULT_MAXLEN) -> None:
+        self._log: deque[KVEvent] = deque(maxlen=maxlen)
+        self._base = 0                      # absolute position of self._log[0]
+        self._cond = threading.Condition()
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        with self._cond:
+            before = len(self._log)
+            self._log.extend(events)
+            self._base += before + len(events) - len(self._log)  # dropped off the left
+            self._cond.notify_all()
+
+    def _end(self) -> int:
+        return self._base + len(self._log)
+
+    def start_cursor(self, from_start: bool) -> int:
+        with self._cond:
+            return self._base if from_start else self._end()
+
+    def read(self, cursor: int, count: int = 1000, block_s: float = 0.0) -> tuple[int, list[KVEvent]]:
+        with self._cond:
+            if cursor >= self._end() and block_s > 0:
+                self._cond.wait(block_s)
+            start = max(cursor, self._base)
+            events = list(islice(self._log, start - self._base, start - self._base + count))
+            return start + len(events), events
+
+
+class RedisEventChannel(EventChannel):
+    """A Redis Stream ``stream`` at ``url``, trimmed to about ``maxlen`` entries (one entry
+    per event). Publishing pipelines the XADDs of a batch into one round trip."""
+
+    def __init__(self, url: str, stream: str = DEFAULT_STREAM, maxlen: int = DEFAULT_MAXLEN) -> None:
+        import redis  # imported here: single-host runs need no Redis client
+
+        self.url, self.stream, self.maxlen = url, stream, maxlen
+        self.description = f"Redis stream {stream!r} at {url}"
+        self._redis = redis.Redis.from_url(url)
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(self.stream, event.to_fields(), maxlen=self.maxlen, approximate=True)
+        pipe.execute()
+
+    def start_cursor(self, from_start: bool) -> str:
+        if from_start:
+            return "0-0"
+        info = self._redis.xinfo_stream(self.stream) if self._redis.exists(self.stream) else None
+        return info["last-generated-id"].decode() if info else "0-0"
+
+    def read(self, cursor: str, count: int = 1000, block_s: float = 0.0) -> tuple[str, list[KVEvent]]:
+        block_ms = int(block_s * 1000) if block_s > 0 else None
+        reply = self._redis.xread({self.stream: cursor}, count=count, block=block_ms)
+        events: list[KVEvent] = []
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    events.append(KVEvent.from_fields(fields))
+                except ValueError as exc:
+                    log.warning("skipping stream entry %s: %s", cursor, exc)
+        return cursor, events
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+_LOCAL: LocalEventChannel | None = None
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_channel() -> LocalEventChannel:
+    """The process-wide in-process channel (logs once that events stay in this process)."""
+    global _LOCAL
+    with _LOCAL_LOCK:
+        if _LOCAL is None:
+            _LOCAL = LocalEventChannel()
+            log.info("KV events: no Redis configured; using an in-process channel, so only index "
+                     "replicas in this process see them (give the node --redis URL for a scheduler "
+                     "elsewhere)")
+        return _LOCAL
+
+
+def make_channel(redis_url: str | None, stream: str = DEFAULT_STREAM) -> EventChannel:
+    """A Redis Stream channel when ``redis_url`` is set, else the in-process channel."""
+    return RedisEventChannel(redis_url, stream) if redis_url else local_channel()

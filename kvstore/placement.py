@@ -1,0 +1,237 @@
+"""Where blocks live: the books of every tier of a pool and the rules that move blocks
+between tiers — making room under the watermarks, picking victims (leases, pins, chain
+order), demoting on eviction, promoting on a lower-tier hit, dropping (index first).
+
+Every method expects the pool's lock to be held.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+from kvstore.errors import CapacityError, IntegrityError, InvalidArgument, KVStoreError
+from kvstore.eviction import make_policy
+from kvstore.index.prefix_index import PrefixIndex
+from kvstore.lease import Pin
+from kvstore.ledger import BlockMeta, TierLedger
+from kvstore.pool_types import PoolSettings, TierStats
+from kvstore.tiers.base import Slot, Tier
+
+
+class Placement:
+    """The books of a pool's tiers (fastest first), its pins and its chain links.
+
+    Invariants: a key is in the index for (node, tier) iff that tier's ledger holds it; a
+    pin or a chain link exists only for a key held somewhere; the links form no cycle.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], index: PrefixIndex, node_id: str,
+                 settings: PoolSettings) -> None:
+        self.tiers = list(tiers)
+        self.index = index
+        self.node_id = node_id
+        self.settings = settings
+        self.parents: dict[bytes, bytes] = {}
+        self.books = [TierLedger(t, make_policy(settings.policy), self.parents) for t in self.tiers]
+        self.levels = {t.name: i for i, t in enumerate(self.tiers)}
+        self.pins: dict[bytes, Pin] = {}
+
+    def load(self) -> None:
+        """Index the blocks persistent tiers kept across a restart; evict down to capacity
+        where a tier holds more than its (possibly smaller) capacity now."""
+        for level, tier in enumerate(self.tiers):
+            for key, _ in tier.keys():
+                size, checksum = tier.info(key)  # type: ignore[misc]
+                self.admit(level, key, BlockMeta(size, checksum))
+            self.evict_until(level, lambda t=tier: t.used_bytes <= t.capacity_bytes)
+
+    def level_of(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        try:
+            return self.levels[name]
+        except KeyError:
+            raise InvalidArgument(f"no tier {name!r} on this node; tiers: {list(self.levels)}") from None
+
+    def held(self, key: bytes) -> bool:
+        for book in self.books:
+            if key in book.blocks:
+                return True
+        return False
+
+    def find(self, key: bytes) -> tuple[int, BlockMeta] | None:
+        """The fastest tier holding ``key`` and its copy's books, counting a miss on each
+        faster tier and a hit on that one; None (a miss everywhere) when none holds it."""
+        for level, book in enumerate(self.books):
+            meta = book.blocks.get(key)
+            if meta is not None:
+                book.counters.hits += 1
+                return level, meta
+            book.counters.misses += 1
+        return None
+
+    # -- room and eviction -----------------------------------------------------------------
+    def make_room(self, level: int, size: int) -> Slot:
+        """Reserve ``size`` bytes in tier ``level``: above the high watermark, evict down to
+        the low one first; then evict until the tier finds a run of that size. Raises
+        CapacityError when the block cannot fit."""
+        tier = self.tiers[level]
+        cap = tier.capacity_bytes
+        if tier.used_bytes + size > self.settings.high_watermark * cap:
+            target = max(0.0, self.settings.low_watermark * cap - size)
+            self.evict_until(level, lambda: tier.used_bytes <= target)
+        while True:
+            slot = tier.reserve(size)
+            if slot is not None:
+                return slot
+            if self.evict_victim(level) is None:
+                raise CapacityError(f"{tier.name}: cannot free {size} bytes; everything left is "
+                                    f"leased, pinned or being written")
+
+    def evict_until(self, level: int, done: Callable[[], bool]) -> None:
+        while not done() and self.evict_victim(level) is not None:
+            pass
+
+    def evictable(self, key: bytes, meta: BlockMeta, now: float, last_resort: bool) -> bool:
+        if meta.leased(now):
+            return False
+        pin = self.pins.get(key)
+        return pin is None or not pin.holds(now, last_resort)
+
+    def evict_victim(self, level: int) -> int | None:
+        """Evict one block from ``level`` (a soft-pinned one only when nothing else can go);
+        returns its size, or None when nothing is evictable."""
+        book = self.books[level]
+        now = time.monotonic()
+        for last_resort in (False, True):
+            key = book.victim(lambda k: self.evictable(k, book.blocks[k], now, last_resort))
+            if key is not None:
+                return self.evict(level, key)
+        return None
+
+    def evict(self, level: int, key: bytes) -> int:
+        """Evict ``key`` from ``level``, demoting it to the next tier when it fits there."""
+        book = self.books[level]
+        meta = book.blocks[key]
+        if level + 1 < len(self.tiers) and key not in self.books[level + 1].blocks:
+            if self.copy(level, level + 1, key, meta):
+                book.counters.demotions += 1
+        self.drop(level, key, evicted=True)
+        book.counters.evictions += 1
+        return meta.size
+
+    def drop(self, level: int, key: bytes, evicted: bool = False) -> int:
+        """Forget one copy: index first, then the bytes, so it is invisible before its space
+        can be reused. Returns the bytes freed."""
+        self.index.remove(key, self.node_id, self.tiers[level].name)
+        freed = self.tiers[level].remove(key)
+        self.books[level].drop(key, evicted)
+        if not self.held(key):
+            self.pins.pop(key, None)
+            self.parents.pop(key, None)
+        return freed
+
+    # -- moves between tiers ---------------------------------------------------------------
+    def copy(self, src: int, dst: int, key: bytes, meta: BlockMeta) -> bool:
+        """Copy a block between tiers (demotion or promotion) with the checksum taken at put;
+        False when it cannot go (no room, a failed write, a corrupt source)."""
+        saved = meta.lease_until
+        meta.refs, meta.lease_until = meta.refs + 1, math.inf  # hold it while making room
+        try:
+            slot = self.make_room(dst, meta.size)
+        except CapacityError:
+            return False
+        finally:
+            meta.refs, meta.lease_until = meta.refs - 1, saved
+        target = self.tiers[dst]
+        try:
+            ok = self.tiers[src].read(key, lambda view: target.write(slot, 0, view) or True)
+            if ok:
+                target.commit(slot, key, meta.checksum)
+        except (OSError, KVStoreError) as exc:
+            ok = False
+            if isinstance(exc, IntegrityError):
+                self.books[src].counters.integrity_failures += 1
+                self.drop(src, key)
+        if not ok:
+            target.abort(slot)
+            return False
+        self.admit(dst, key, BlockMeta(meta.size, meta.checksum))
+        return True
+
+    def promote(self, level: int, key: bytes) -> None:
+        """Copy a block hit in a lower tier to the top tier (keeping the lower copy)."""
+        meta = self.books[level].blocks.get(key)
+        if meta is not None and key not in self.books[0].blocks and self.copy(level, 0, key, meta):
+            self.books[level].counters.promotions += 1
+
+    def admit(self, level: int, key: bytes, meta: BlockMeta) -> None:
+        self.books[level].add(key, meta)
+        self.index.add(key, self.node_id, self.tiers[level].name, meta.size, meta.checksum)
+
+    def link(self, child: bytes, parent: bytes) -> None:
+        """Record that ``child`` extends ``parent`` in a prefix chain (ignored when it would
+        close a cycle, which chained keys never do)."""
+        old = self.parents.get(child)
+        if old == parent or child == parent:
+            return
+        node: bytes | None = parent
+        for _ in range(1 << 16):
+            node = self.parents.get(node)  # type: ignore[arg-type]
+            if node is None:
+                break
+            if node == child:
+                return
+        self.parents[child] = parent
+        for book in self.books:
+            book.link(child, parent, old)
+
+    def link_chain(self, keys: Sequence[bytes]) -> None:
+        for parent, child in zip(keys, keys[1:]):
+            self.link(child, parent)
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes], pin: Pin) -> int:
+        """Pin the held blocks among ``keys``; a soft pin never weakens a hard one and only
+        extends another soft one. Returns blocks pinned."""
+        n = 0
+        for key in keys:
+            if self.held(key):
+                old = self.pins.get(key)
+                if old is None or pin.hard:
+                    self.pins[key] = pin
+                elif not old.hard:
+                    self.pins[key] = Pin(False, max(old.until, pin.until))
+                n += 1
+        return n
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return sum(self.pins.pop(k, None) is not None for k in keys)
+
+    # -- figures ---------------------------------------------------------------------------
+    def stats(self, now: float) -> list[TierStats]:
+        out = []
+        for tier, book in zip(self.tiers, self.books):
+            u = tier.usage()
+            leased = sum(m.size for m in book.blocks.values() if m.leased(now))
+            pinned = sum(book.blocks[k].size for k, p in self.pins.items()
+                         if k in book.blocks and p.active(now))
+            out.append(TierStats(tier.name, tier.device, u.capacity_bytes, u.used_bytes, u.blocks,
+                                 **book.counters.as_dict(), leased_bytes=leased, pinned_bytes=pinned,
+                                 reserved_bytes=u.reserved_bytes, policy=book.policy.name))
+        return out
+
+    def evictable_bytes(self, level: int, now: float) -> int:
+        return sum(m.size for k, m in self.books[level].blocks.items()
+                   if not m.leased(now) and not (k in self.pins and self.pins[k].active(now)))
+
+    def check(self) -> None:
+        for tier, book in zip(self.tiers, self.books):
+            book.check()
+            for key in book.blocks:
+                entry = self.index.entry(key)
+                assert entry is not None and tier.name in entry.locations.get(self.node_id, ()), \
+                    f"{tier.name} holds {key.hex()[:16]} but the index does not say so"
+        assert all(self.held(k) for k in self.pins), "a pin outlived its block"
+        assert all(self.held(k) for k in self.parents), "a chain link outlived its block"

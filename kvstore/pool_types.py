@@ -1,0 +1,74 @@
+"""The small frozen types the pool meets the rest of kvstore through: its settings, a put's
+per-block result and a tier's figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.eviction import POLICIES
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """How a pool evicts, leases and reserves. Times in seconds.
+
+    ``high_watermark`` / ``low_watermark``: fractions of a tier's capacity; a put that would
+    take a tier above the high mark first evicts down to the low mark (1.0 / 1.0: evict only
+    what the put needs). ``policy``: the eviction policy of every tier at start (``lru``,
+    ``lfu``, ``fifo``, ``s3fifo``). ``lease_ttl_s``: a read's lease when the caller names
+    none. ``reservation_timeout_s``: a reservation older than this is aborted and its space
+    freed. ``soft_pin_ttl_s``: a soft pin's TTL when the caller names none.
+    ``promote_on_hit``: a hit in a lower tier copies the block to the top tier.
+    """
+
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    lease_ttl_s: float = 5.0
+    reservation_timeout_s: float = 30.0
+    soft_pin_ttl_s: float = 600.0
+    promote_on_hit: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1, got "
+                             f"low={self.low_watermark}, high={self.high_watermark}")
+        for name in ("lease_ttl_s", "reservation_timeout_s", "soft_pin_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+
+class PutResult(NamedTuple):
+    """One block's put. ``ok``: stored now or already present; ``existed``: already
+    present (puts are idempotent); ``error``: why ``ok`` is false. (A NamedTuple: one is
+    made per block on the hot path.)"""
+
+    key: bytes
+    ok: bool
+    existed: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One tier's figures; bytes and block counts. ``used_bytes`` includes
+    ``reserved_bytes`` (puts in flight); ``leased_bytes`` / ``pinned_bytes``: committed
+    blocks under an unexpired lease / an active pin."""
+
+    name: str
+    device: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    integrity_failures: int = 0
+    leased_bytes: int = 0
+    pinned_bytes: int = 0
+    reserved_bytes: int = 0
+    policy: str = ""

@@ -1,0 +1,255 @@
+"""The two-phase put: reserve → write → commit (or abort), and the open reservations of a
+pool. A block becomes visible only at commit; an abort, a failed write, short or mismatched
+bytes, or a reservation older than the timeout frees its space and leaves no visible key."""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, ReservationExpired
+from kvstore.lease import Reservation, ReservationState as RS
+from kvstore.ledger import BlockMeta
+from kvstore.placement import Placement
+from kvstore.pool_types import PutResult
+from kvstore.tiers.buffers import as_u8, host_u8, nbytes
+
+
+class Reservations:
+    """Open reservations of one pool. Bytes are written outside the pool's lock; everything
+    else runs under it.
+
+    Invariants: every open reservation owns a slot in its tier (and nothing else does); an
+    expired one is freed at the latest by the next reserve, commit or stats call; a slot is
+    never freed while a write into it is in flight.
+    """
+
+    def __init__(self, place: Placement, lock: threading.RLock, timeout_s: float) -> None:
+        self._place = place
+        self._lock = lock
+        self.timeout_s = timeout_s
+        self._open: dict[int, Reservation] = {}
+        self._next_reap = math.inf
+        self._ids = itertools.count(1)
+
+    def reserve(self, key: bytes, size: int, checksum: int | None, level: int,
+                parent: bytes | None) -> Reservation:
+        if size < 0:
+            raise InvalidArgument(f"block size must be >= 0 bytes, got {size}")
+        with self._lock:
+            now = time.monotonic()
+            self.reap(now)
+            if self._place.held(key):
+                return Reservation(0, key, size, level, None, checksum, math.inf, parent, RS.EXISTED)
+            slot = self._place.make_room(level, size)
+            res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s, parent)
+            self._open[res.id] = res
+            self._next_reap = min(self._next_reap, res.deadline)
+            return res
+
+    def write(self, res: Reservation, data: Any) -> None:
+        if res.state is RS.EXISTED:
+            return
+        src = as_u8(data)
+        n = src.shape[0]
+        with self._lock:
+            self.check_open(res, time.monotonic())
+            if res.written + n > res.size:
+                raise InvalidArgument(f"block {res.key.hex()[:16]}: {res.written + n} bytes "
+                                      f"written, {res.size} reserved")
+            offset, res.written = res.written, res.written + n
+            res.writing += 1
+        try:
+            self._place.tiers[res.level].write(res.slot, offset, src)
+            res.hash_part(offset, src if isinstance(src, np.ndarray) else host_u8(src))
+        except BaseException:
+            res.state = RS.ABORTED  # a failed write never reaches a commit; freed just below
+            raise
+        finally:
+            with self._lock:
+                res.writing -= 1
+                if res.state is not RS.OPEN:
+                    self._free(res)
+
+    def put(self, key: bytes, data: Any, checksum: int | None, level: int,
+            parent: bytes | None) -> PutResult | Exception:
+        """reserve + one write + commit, with the lock taken twice. Returns the result or
+        the exception that failed the block (its space is free again then)."""
+        src = as_u8(data)
+        try:
+            res = self.reserve(key, src.shape[0], checksum, level, parent)
+        except (OSError, KVStoreError) as exc:
+            return exc
+        if res.state is RS.EXISTED:
+            return PutResult(key, True, existed=True)
+        try:
+            self.write(res, src)
+            with self._lock:
+                self.check_open(res, time.monotonic())
+                return self._commit_one(res)
+        except (OSError, KVStoreError) as exc:
+            self.abort(res)
+            return exc
+
+    def put_many(self, items: Sequence[tuple[bytes, Any]], checksums: Sequence[int] | None, chain: bool,
+                 level: int, parent: bytes | None) -> list[PutResult | Exception]:
+        """Windows of up to a quarter of the tier: reserve and write each block, then commit
+        the window in one tier call (one LMDB transaction on SSD). Per block the result or
+        the exception that failed it. ``chain``: block i extends block i - 1."""
+        window = max(1, self._place.tiers[level].capacity_bytes // 4)
+        views = [as_u8(data) for _, data in items]
+        out: list[PutResult | Exception] = []
+        start = 0
+        while start < len(items):
+            end, total = start + 1, nbytes(views[start])
+            while end < len(items) and total + nbytes(views[end]) <= window:
+                total += nbytes(views[end])
+                end += 1
+            written: list[tuple[int, Reservation]] = []
+            for i in range(start, end):
+                key = items[i][0]
+                link = parent if i == 0 else (items[i - 1][0] if chain else None)
+                res = None
+                try:
+                    res = self.reserve(key, nbytes(views[i]), checksums[i] if checksums else None, level, link)
+                    self.write(res, views[i])
+                    if res.state is RS.OPEN:
+                        written.append((i, res))
+                    out.append(PutResult(key, True, existed=res.existed))
+                except (OSError, KVStoreError) as exc:
+                    if res is not None:
+                        self.abort(res)
+                    out.append(exc)
+            if written:
+                with self._lock:
+                    now, live = time.monotonic(), []
+                    for i, res in written:
+                        try:
+                            self.check_open(res, now)
+                            live.append((i, res))
+                        except KVStoreError as exc:
+                            out[i] = exc
+                    for (i, _), r in zip(live, self.commit_many([res for _, res in live])):
+                        out[i] = r
+            start = end
+        return out
+
+    def _commit_one(self, res: Reservation) -> PutResult | Exception:
+        """:meth:`commit_many` of one open reservation, without the batch bookkeeping."""
+        place, checksum = self._place, res.digest()
+        if res.written != res.size or (res.expected is not None and checksum != res.expected):
+            return self.commit_many([res])[0]  # the error path: one place words the errors
+        if place.held(res.key):
+            self._fail(res)
+            return PutResult(res.key, True, existed=True)
+        try:
+            place.tiers[res.level].commit(res.slot, res.key, checksum)
+        except OSError as exc:
+            self._fail(res)
+            return exc
+        res.state, res.slot = RS.COMMITTED, None
+        del self._open[res.id]
+        place.admit(res.level, res.key, BlockMeta(res.size, checksum))
+        if res.parent is not None:
+            place.link(res.key, res.parent)
+        return PutResult(res.key, True)
+
+    def commit(self, res: Reservation) -> PutResult:
+        if res.state is RS.EXISTED:
+            return PutResult(res.key, True, existed=True)
+        with self._lock:
+            self.check_open(res, time.monotonic())
+            out = self._commit_one(res)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def abort(self, res: Reservation) -> None:
+        with self._lock:
+            if res.state is RS.OPEN:
+                res.state = RS.ABORTED
+                self._free(res)
+
+    def check_open(self, res: Reservation, now: float) -> None:
+        """Raises ReservationExpired unless ``res`` is open and in time (an overdue one is
+        freed here)."""
+        if res.state is RS.OPEN and now > res.deadline and res.writing == 0:
+            res.state = RS.EXPIRED
+            self._free(res)
+        if res.state is RS.EXPIRED:
+            raise ReservationExpired(f"reservation of block {res.key.hex()[:16]} timed out "
+                                     f"after {self.timeout_s} s; its space is free")
+        if res.state is not RS.OPEN:
+            raise ReservationExpired(f"reservation of block {res.key.hex()[:16]} is {res.state.value}")
+
+    def reap(self, now: float) -> None:
+        """Free every reservation past its deadline (cheap when none can be)."""
+        if now < self._next_reap:
+            return
+        for res in list(self._open.values()):
+            if now > res.deadline and res.writing == 0:
+                res.state = RS.EXPIRED
+                self._free(res)
+        self._next_reap = min((r.deadline for r in self._open.values()), default=math.inf)
+
+    def reserved_bytes(self, level: int) -> int:
+        return sum(r.size for r in self._open.values() if r.level == level and r.slot is not None)
+
+    def _free(self, res: Reservation) -> None:
+        if res.slot is not None and res.writing == 0:
+            self._place.tiers[res.level].abort(res.slot)
+            res.slot = None
+            self._open.pop(res.id, None)
+
+    def _fail(self, res: Reservation) -> None:
+        res.state = RS.ABORTED
+        self._free(res)
+
+    def commit_many(self, batch: list[Reservation]) -> list[PutResult | Exception]:
+        """Commit open reservations of one tier in one tier call (the lock is held). Per
+        block a PutResult or the exception that failed it (IntegrityError for short or
+        mismatched bytes, OSError for a failed write); failed ones are aborted."""
+        place = self._place
+        out: list[PutResult | Exception | None] = [None] * len(batch)
+        todo: list[tuple[int, Reservation, int]] = []
+        keys: set[bytes] = set()
+        for i, res in enumerate(batch):
+            checksum = res.digest()
+            if res.written != res.size:
+                out[i] = IntegrityError(f"block {res.key.hex()[:16]}: got {res.written} bytes, "
+                                        f"header said {res.size}")
+            elif res.expected is not None and checksum != res.expected:
+                out[i] = IntegrityError(f"block {res.key.hex()[:16]}: bytes do not match the sent checksum")
+            elif place.held(res.key) or res.key in keys:  # another writer stored it first
+                out[i] = PutResult(res.key, True, existed=True)
+            else:
+                todo.append((i, res, checksum))
+                keys.add(res.key)
+                continue
+            self._fail(res)
+        if todo:
+            tier = place.tiers[todo[0][1].level]
+            if len(todo) == 1:
+                errors = [None]
+                try:
+                    tier.commit(todo[0][1].slot, todo[0][1].key, todo[0][2])
+                except OSError as exc:
+                    errors = [exc]
+            else:
+                errors = tier.commit_many([(r.slot, r.key, c) for _, r, c in todo])
+            for (i, res, checksum), err in zip(todo, errors):
+                if err is not None:
+                    self._fail(res)
+                    out[i] = err
+                    continue
+                res.state, res.slot = RS.COMMITTED, None
+                self._open.pop(res.id, None)
+                place.admit(res.level, res.key, BlockMeta(res.size, checksum))
+                if res.parent is not None:
+                    place.link(res.key, res.parent)
+                out[i] = PutResult(res.key, True)
+        return out  # type: ignore[return-value]

@@ -1,0 +1,94 @@
+"""Byte views over what callers hand the pool (bytes-like objects, numpy arrays, torch tensors)
+and the copies out of a tier's view into a caller's buffer. No per-byte Python loops: every
+copy is one ``np.copyto`` or one ``Tensor.copy_``. torch is never imported here; a tensor is
+recognised only when the caller has imported torch already."""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+_U8 = np.dtype(np.uint8)
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def nbytes(data: Any) -> int:
+    """Size of ``data`` in bytes (bytes-like, array or tensor)."""
+    if isinstance(data, (bytes, bytearray)):
+        return len(data)
+    if isinstance(data, memoryview):
+        return data.nbytes
+    if is_tensor(data):
+        return data.numel() * data.element_size()
+    return int(np.asarray(data).nbytes)
+
+
+def as_u8(data: Any) -> np.ndarray | Any:
+    """A flat uint8 view of ``data`` without a copy: a numpy array for host memory, a uint8
+    tensor for a tensor on a device. Raises InvalidArgument for non-contiguous data."""
+    if type(data) is np.ndarray and data.dtype == _U8 and data.ndim == 1 and data.flags.c_contiguous:
+        return data  # already what is wanted (the pool's own views): the hot path
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise InvalidArgument("block data must be a contiguous array")
+        return data.reshape(-1).view(np.uint8)
+    if is_tensor(data):
+        if not data.is_contiguous():
+            raise InvalidArgument("block data must be a contiguous tensor")
+        flat = data.detach().reshape(-1).view(_torch().uint8)
+        return flat.numpy() if flat.device.type == "cpu" else flat
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def host_u8(data: Any) -> np.ndarray:
+    """Like :func:`as_u8`, but always host memory (a tensor on a device is copied over)."""
+    view = as_u8(data)
+    return view if isinstance(view, np.ndarray) else view.cpu().numpy()
+
+
+def to_bytes(view: Any) -> bytes:
+    """A sink: the view's bytes as a new ``bytes`` object (one copy)."""
+    if isinstance(view, np.ndarray):
+        return view.tobytes()
+    if is_tensor(view):
+        return view.cpu().numpy().tobytes()
+    return bytes(view)
+
+
+def copy_into(out: Any, view: Any) -> int:
+    """A sink: copy ``view`` to the start of ``out`` (a contiguous numpy array or tensor of
+    any dtype, at least as many bytes as ``view``). Returns the bytes copied. Raises
+    InvalidArgument when ``out`` is too small or not contiguous."""
+    if type(view) is np.ndarray and type(out) is np.ndarray and out.ndim == 1 and (
+            out.dtype is _U8 or out.dtype == _U8):
+        n, m = view.shape[0], out.shape[0]
+        if m < n:
+            raise InvalidArgument(f"output buffer holds {m} bytes; the block has {n}")
+        np.copyto(out if m == n else out[:n], view)  # the common case, without the checks below
+        return n
+    n = view.nbytes if isinstance(view, np.ndarray) else nbytes(view)
+    dst = as_u8(out)
+    if dst.shape[0] < n:
+        raise InvalidArgument(f"output buffer holds {dst.shape[0]} bytes; the block has {n}")
+    if isinstance(dst, np.ndarray) and isinstance(view, np.ndarray):
+        np.copyto(dst[:n], view)
+    else:
+        torch = _torch()
+        with warnings.catch_warnings():  # a read-only view is only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            d = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+            v = torch.from_numpy(view) if isinstance(view, np.ndarray) else view
+        d[:n].copy_(v)
+    return n
