@@ -1,6 +1,19 @@
 """Admission control: reject a request before any prefill is spent on it when it cannot meet
-its TTFT SLO or the front door is full (DESIGN.md §7 step 4; Mooncake, FAST'25, §6 early
-rejection). The HTTP edge turns a :class:`Rejection` into 429 with ``Retry-After``.
+its SLOs or the front door is full (DESIGN.md §7 steps 4–5; Mooncake, FAST'25, §6 and
+arXiv 2407.00079 §7, early rejection). Pure and synchronous: the policies of
+:mod:`scheduler.conductor` call it; the HTTP edge turns a :class:`Rejection` into 429 with
+``Retry-After``.
+
+Rules, in order:
+
+* ``max_inflight``: requests admitted and not finished reach the bound;
+* ``ttft_slo``: the predicted TTFT exceeds the TTFT SLO *and* the chosen prefill instance has
+  work queued — an idle instance is the best the cluster can do, so an idle cluster never
+  rejects, whatever a still-unmeasured predictor guesses;
+* ``decode_capacity``: the decode instance will be full (batch or KV tokens) when the
+  request reaches it — the load *predicted* for that instant, not the load now;
+* ``tbt_slo``: the predicted TBT there exceeds the TBT SLO, unless the request would decode
+  alone (again: nothing better exists).
 """
 from __future__ import annotations
 
@@ -11,23 +24,33 @@ from kvstore.errors import InvalidArgument
 
 REASON_MAX_INFLIGHT = "max_inflight"
 REASON_TTFT_SLO = "ttft_slo"
-REASONS = (REASON_MAX_INFLIGHT, REASON_TTFT_SLO)
+REASON_TBT_SLO = "tbt_slo"
+REASON_DECODE_CAPACITY = "decode_capacity"
+REASONS = (REASON_MAX_INFLIGHT, REASON_TTFT_SLO, REASON_TBT_SLO, REASON_DECODE_CAPACITY)
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """``ttft_slo_s``: the TTFT SLO (seconds, > 0); a request whose predicted TTFT exceeds it
-    is rejected. ``max_inflight``: requests admitted and not finished (>= 0; 0 rejects
-    everything). ``min_retry_after_s``: the least ``Retry-After`` sent (whole seconds, >= 1).
-    """
+    """``ttft_slo_s``: the TTFT SLO (seconds, > 0); ``tbt_slo_s``: the TBT SLO (seconds, > 0;
+    ``math.inf``: none). ``max_inflight``: requests admitted and not finished (>= 0; 0
+    rejects everything). ``min_retry_after_s``: the least ``Retry-After`` sent (whole
+    seconds, >= 1). ``early_rejection``: reject on the SLOs and decode capacity at all
+    (False: only ``max_inflight``). ``predicted_decode_load``: judge decode by the load
+    predicted for the moment the request reaches it (True) or by the load now (False,
+    the reject-on-current-load baseline)."""
 
     ttft_slo_s: float = 30.0
     max_inflight: int = 64
     min_retry_after_s: int = 1
+    tbt_slo_s: float = math.inf
+    early_rejection: bool = True
+    predicted_decode_load: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.ttft_slo_s, (int, float)) and self.ttft_slo_s > 0):
-            raise InvalidArgument(f"ttft_slo_s must be a number of seconds > 0, got {self.ttft_slo_s!r}")
+        for name in ("ttft_slo_s", "tbt_slo_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise InvalidArgument(f"{name} must be a number of seconds > 0, got {v!r}")
         if not (isinstance(self.max_inflight, int) and self.max_inflight >= 0):
             raise InvalidArgument(f"max_inflight must be an integer >= 0, got {self.max_inflight!r}")
         if not (isinstance(self.min_retry_after_s, int) and self.min_retry_after_s >= 1):
@@ -37,37 +60,91 @@ class AdmissionConfig:
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """Why a request was turned away. ``reason`` is one of :data:`REASONS`;
-    ``retry_after_s`` is whole seconds for the ``Retry-After`` header."""
+    ``retry_after_s`` is whole seconds for the ``Retry-After`` header; ``ttft_s`` and
+    ``tbt_s`` the predictions that were judged (0 where not reached)."""
 
     reason: str
     message: str
     retry_after_s: int
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
 
 
 class Admission:
-    """Decides admit or reject from the router's state; holds no state of its own."""
+    """Decides admit or reject from predictions; holds no state of its own."""
 
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
 
-    def check(self, predicted_ttft_s: float, queue_s: float, inflight: int) -> Rejection | None:
-        """None to admit, else the bound that is exceeded.
+    def _retry(self, wait_s: float) -> int:
+        return max(self.config.min_retry_after_s, math.ceil(max(0.0, wait_s)))
 
-        Args:
-            predicted_ttft_s: predicted TTFT of this request on its chosen instance (seconds).
-            queue_s: the predicted queueing part of it (seconds), for ``Retry-After``.
-            inflight: requests already admitted and not finished.
-        """
+    def check_inflight(self, inflight: int) -> Rejection | None:
         cfg = self.config
         if inflight >= cfg.max_inflight:
             return Rejection(REASON_MAX_INFLIGHT,
                              f"too many requests in flight ({inflight}, limit {cfg.max_inflight}); retry later",
                              cfg.min_retry_after_s)
-        if predicted_ttft_s > cfg.ttft_slo_s:
+        return None
+
+    def check(self, predicted_ttft_s: float, queue_s: float, inflight: int) -> Rejection | None:
+        """None to admit, else the bound that is exceeded (``max_inflight``, ``ttft_slo``).
+
+        Args:
+            predicted_ttft_s: predicted TTFT of this request on its chosen instance (seconds).
+            queue_s: the predicted queueing part of it (seconds); 0 means the instance is idle.
+            inflight: requests already admitted and not finished.
+        """
+        rejection = self.check_inflight(inflight)
+        if rejection is not None or not self.config.early_rejection:
+            return rejection
+        slo = self.config.ttft_slo_s
+        if predicted_ttft_s > slo and queue_s > 0:
             # Once the queue ahead has drained by the excess, the request would fit.
-            wait = min(queue_s, predicted_ttft_s - cfg.ttft_slo_s) if queue_s > 0 else 0.0
             return Rejection(REASON_TTFT_SLO,
                              f"predicted time to first token {predicted_ttft_s:.3f} s exceeds the "
-                             f"TTFT SLO of {cfg.ttft_slo_s:g} s; retry later",
-                             max(cfg.min_retry_after_s, math.ceil(wait)))
+                             f"TTFT SLO of {slo:g} s; retry later",
+                             self._retry(min(queue_s, predicted_ttft_s - slo)), predicted_ttft_s)
+        return None
+
+    def check_decode(self, running: int, kv_tokens: int, ending: tuple[tuple[float, int], ...],
+                     max_running: int, kv_capacity_tokens: int, request_kv_tokens: int,
+                     tbt_s: float, arrive_s: float, ttft_s: float = 0.0) -> Rejection | None:
+        """None to admit onto a decode instance, else ``decode_capacity`` or ``tbt_slo``.
+
+        Args:
+            running, kv_tokens: requests and KV tokens predicted there at ``arrive_s``,
+                this request excluded; ``ending``: their ``(finish instant, kv_tokens)``,
+                in any order (see :func:`scheduler.tbt.load_at`).
+            max_running, kv_capacity_tokens: the instance's limits.
+            request_kv_tokens: this request's KV (prompt + tokens to generate).
+            tbt_s: predicted TBT there with this request in the batch (seconds).
+            arrive_s: when the request reaches decode (the caller's clock).
+        """
+        cfg = self.config
+        if not cfg.early_rejection:
+            return None
+        over_batch = running + 1 - max_running
+        over_kv = kv_tokens + request_kv_tokens - kv_capacity_tokens
+        if over_batch > 0 or over_kv > 0:
+            wait = math.inf
+            freed_n = freed_kv = 0
+            for finish_s, kv in sorted(ending):
+                freed_n += 1
+                freed_kv += kv
+                if freed_n >= over_batch and freed_kv >= over_kv:
+                    wait = finish_s - arrive_s
+                    break
+            if request_kv_tokens > kv_capacity_tokens or max_running < 1:
+                wait = math.inf
+            retry = self._retry(wait) if math.isfinite(wait) else max(cfg.min_retry_after_s, 60)
+            return Rejection(REASON_DECODE_CAPACITY,
+                             f"decode will be full when this request reaches it ({running} requests, "
+                             f"{kv_tokens} KV tokens predicted; limits {max_running} and "
+                             f"{kv_capacity_tokens}); retry later", retry, ttft_s, tbt_s)
+        if tbt_s > cfg.tbt_slo_s and running > 0:
+            wait = min(ending)[0] - arrive_s if ending else 0.0
+            return Rejection(REASON_TBT_SLO,
+                             f"predicted time between tokens {tbt_s:.4f} s exceeds the TBT SLO of "
+                             f"{cfg.tbt_slo_s:g} s; retry later", self._retry(wait), ttft_s, tbt_s)
         return None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -15,8 +17,10 @@ from aiohttp import web
 from engines.tokenizer import load_tokenizer
 from kvstore.errors import KVStoreError
 from scheduler.admission import AdmissionConfig
+from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
+from scheduler.policy import DEFAULT_POLICY
 from scheduler.replay import run_replay
 from scheduler.report import format_report
 from scheduler.router import Router
@@ -62,8 +66,11 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
     """
     config = config or FrontdoorConfig()
     router = await Router.connect(prefill_addresses, decode_addresses, store_address, policy=config.policy,
-                                  predictor=config.predictor, store_auth_token=config.store_auth_token,
+                                  config=dataclasses.replace(config.conductor, admission=config.admission),
+                                  store_auth_token=config.store_auth_token,
                                   local_cache_blocks=config.local_cache_blocks,
+                                  decode_max_running=config.decode_max_running,
+                                  decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                   ready_timeout_s=config.ready_timeout_s)
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir, router.info.vocab_size)
@@ -85,10 +92,16 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
 
 def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
-    (``--model``, ``--max-inflight``, ``--admit-ttft-s``)."""
+    (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``,
+    ``--decode-max-running``, ``--balancing-threshold``); a flag not defined keeps its default."""
+    admit_tbt = getattr(args, "admit_tbt_s", None)
     return FrontdoorConfig(model_dir=getattr(args, "model", None),
                            admission=AdmissionConfig(ttft_slo_s=getattr(args, "admit_ttft_s", 30.0),
-                                                     max_inflight=getattr(args, "max_inflight", 64)),
+                                                     max_inflight=getattr(args, "max_inflight", 64),
+                                                     tbt_slo_s=admit_tbt if admit_tbt else math.inf),
+                           conductor=ConductorConfig(balancing_threshold=getattr(args, "balancing_threshold", 1.0)),
+                           policy=getattr(args, "policy", None) or DEFAULT_POLICY,
+                           decode_max_running=getattr(args, "decode_max_running", 64),
                            store_auth_token=getattr(args, "store_token", None))
 
 

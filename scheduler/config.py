@@ -6,34 +6,41 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
 from scheduler.admission import AdmissionConfig
-from scheduler.policy import POLICIES
-from scheduler.predictor import PredictorConfig
+from scheduler.conductor import ConductorConfig
+from scheduler.policy import DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
 class FrontdoorConfig:
     """``model_dir``: checkpoint whose tokenizer to use (None: the byte-level tokenizer of
-    the tiny model); ``policy``: routing policy name (see ``scheduler.policy.POLICIES``);
-    ``default_max_tokens``: tokens generated when a request names none; ``store_auth_token``:
-    bearer token of the store node; ``local_cache_blocks``: capacity of each prefill engine's
-    own cache (blocks), mirrored by the router; ``ready_timeout_s``: how long to wait for the
-    engines at start (seconds)."""
+    the tiny model); ``admission``: SLOs and bounds (it replaces ``conductor.admission``);
+    ``conductor``: predictor seeds, bandwidths, balancing threshold; ``policy``: scheduling
+    policy name (see ``scheduler.policy.POLICIES``); ``default_max_tokens``: tokens generated
+    when a request names none; ``store_auth_token``: bearer token of the store node;
+    ``local_cache_blocks``: capacity of each prefill engine's own cache (blocks), mirrored by
+    the router; ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
+    instance's batch and KV limits as admission sees them; ``ready_timeout_s``: how long to
+    wait for the engines at start (seconds)."""
 
     model_dir: str | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    predictor: PredictorConfig = field(default_factory=PredictorConfig)
-    policy: str = "least_ttft"
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    policy: str = DEFAULT_POLICY
     default_max_tokens: int = 16
     store_auth_token: str | None = None
     local_cache_blocks: int = 4096
+    decode_max_running: int = 64
+    decode_kv_capacity_tokens: int = 1 << 20
     ready_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise InvalidArgument(f"unknown routing policy {self.policy!r}; valid: {sorted(POLICIES)}")
+            raise InvalidArgument(f"unknown scheduling policy {self.policy!r}; valid: {sorted(POLICIES)}")
         if not (isinstance(self.default_max_tokens, int) and self.default_max_tokens >= 1):
             raise InvalidArgument(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
-        if not (isinstance(self.local_cache_blocks, int) and self.local_cache_blocks >= 0):
-            raise InvalidArgument(f"local_cache_blocks must be an integer >= 0, got {self.local_cache_blocks!r}")
+        for name in ("local_cache_blocks", "decode_max_running", "decode_kv_capacity_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 0):
+                raise InvalidArgument(f"{name} must be an integer >= 0, got {v!r}")
         if not self.ready_timeout_s > 0:
             raise InvalidArgument(f"ready_timeout_s must be > 0 s, got {self.ready_timeout_s!r}")

@@ -2,8 +2,8 @@
 disaggregated engines (DESIGN.md §2).
 
 Per request: validate and tokenize, take the tenant from ``Authorization``, route (the
-:class:`Router`), admit or reject with 429 (:class:`Admission`), prefill, then stream the
-decode engine's tokens to the client. The first token is sent as soon as prefill returns it.
+:class:`Router` and its scheduling policy, which also admits or rejects: 429), prefill, then
+stream the decode engine's tokens to the client. The first token is sent as soon as prefill returns it.
 A client that disconnects cancels its request (the engine calls are cancelled with it).
 
 Errors map to statuses here and only here: bad request 400, prompt too long 413, admission
@@ -24,7 +24,7 @@ from aiohttp import web
 from engines.tokenizer import Tokenizer
 from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, KVStoreError
-from scheduler.admission import Admission
+from scheduler.admission import Rejection
 from scheduler.config import FrontdoorConfig
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
@@ -45,7 +45,6 @@ class Frontdoor:
         self.router = router
         self.tokenizer = tokenizer
         self.config = config
-        self.admission = Admission(config.admission)
         self.metrics = FrontdoorMetrics()
         infos = [p.info for p in router.prefill.values()] + [d.info for d in router.decode.values()]
         self.info = router.info
@@ -61,7 +60,8 @@ class Frontdoor:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "prefill": len(self.router.prefill),
+        return web.json_response({"status": "ok", "policy": self.router.policy.name,
+                                  "prefill": len(self.router.prefill),
                                   "decode": len(self.router.decode), "model": self.info.model_id,
                                   "block_size": self.info.block_size, "vocab_size": self.limits.vocab_size,
                                   "max_model_len": self.limits.max_model_len})
@@ -95,7 +95,9 @@ class Frontdoor:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         self.router.begin(plan)
         self.metrics.admitted.inc()
-        self.metrics.prompt_tokens.inc(len(req.prompt))
+        self.metrics.routed.labels(policy=self.router.policy.name, prefill=plan.prefill_id,
+                                   decode=plan.decode_id).inc()
+        self.metrics.count_prompt(len(req.prompt))
         outcome = "error"
         try:
             if req.stream:
@@ -117,15 +119,14 @@ class Frontdoor:
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            plan = await self.router.plan(request_id, req.prompt, namespace)
+            plan = await self.router.plan(request_id, req.prompt, namespace, req.max_tokens)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
-        # No await between here and Router.begin: admission sees the state it admits into.
-        rejection = self.admission.check(plan.predicted_ttft_s, plan.prefill.queue_s, self.router.inflight)
-        if rejection is not None:
-            self.metrics.rejected.labels(reason=rejection.reason).inc()
-            raise APIError(429, rejection.message, "rate_limit", rejection.reason,
-                           {"Retry-After": str(rejection.retry_after_s)})
+        # No await between here and Router.begin: the decision saw the state it admits into.
+        if isinstance(plan, Rejection):
+            self.metrics.rejected.labels(reason=plan.reason).inc()
+            raise APIError(429, plan.message, "rate_limit", plan.reason,
+                           {"Retry-After": str(plan.retry_after_s)})
         return plan
 
     async def _generate(self, req: GenerationRequest, plan: RoutePlan, emit: Emit) -> tuple[PrefillResult, str]:
@@ -167,30 +168,20 @@ class Frontdoor:
                            "service_unavailable", "engine_unavailable")
         return result, "length"
 
-    def _timer(self, t0: float) -> Callable[[], None]:
-        """A callable to call at each token sent; observes TTFT once, then TBT."""
-        last = [0.0]
-
-        def tick() -> None:
-            now = time.perf_counter()
-            if last[0] == 0.0:
-                self.metrics.ttft.observe(now - t0)
-            else:
-                self.metrics.tbt.observe(now - last[0])
-            last[0] = now
-            self.metrics.generated_tokens.inc()
-        return tick
+    def _timer(self, t0: float, plan: RoutePlan) -> "_TokenClock":
+        return _TokenClock(self, t0, plan)
 
     async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:
         ids: list[int] = []
-        tick = self._timer(t0)
+        tick = self._timer(t0, plan)
 
         async def emit(token: int) -> None:
             ids.append(token)
             tick()
 
         result, finish = await self._generate(req, plan, emit)
-        self.metrics.cached_tokens.inc(result.cached_tokens)
+        tick.done()
+        self.metrics.count_cached(result.cached_tokens)
         body = response_body(req, plan.request_id, int(time.time()), self.info.model_id,
                              self.tokenizer.decode(ids), ids, finish,
                              usage(len(req.prompt), len(ids), result.cached_tokens))
@@ -201,7 +192,7 @@ class Frontdoor:
         """Server-sent events: one per token, a last one with finish_reason and usage, then
         ``[DONE]``. Headers go out with the first token, so a failed prefill is still a 503."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0)
+        created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
         count = 0
 
         async def send(obj: dict[str, Any] | str) -> None:
@@ -230,7 +221,8 @@ class Frontdoor:
         except ConnectionResetError:
             log.info("client went away, request %s cancelled", plan.request_id)
             return resp, "cancelled"
-        self.metrics.cached_tokens.inc(result.cached_tokens)
+        tick.done()
+        self.metrics.count_cached(result.cached_tokens)
         try:
             await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.flush(), [],
                                   finish, usage(len(req.prompt), count, result.cached_tokens)))
@@ -239,3 +231,30 @@ class Frontdoor:
         except ConnectionResetError:
             return resp, "cancelled"
         return resp, "ok"
+
+
+class _TokenClock:
+    """Called at each token sent (``tick()``): observes TTFT and the error of its prediction
+    once, then TBT; ``done()`` after the last token feeds the mean TBT to the router's fit."""
+
+    def __init__(self, door: Frontdoor, t0: float, plan: RoutePlan) -> None:
+        self.metrics, self.router, self.plan = door.metrics, door.router, plan
+        self.t0 = t0
+        self.first = self.last = 0.0
+        self.tokens = 0
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if not self.tokens:
+            self.metrics.ttft.observe(now - self.t0)
+            self.metrics.ttft_error.observe(abs(now - self.t0 - self.plan.predicted_ttft_s))
+            self.first = now
+        else:
+            self.metrics.tbt.observe(now - self.last)
+        self.last = now
+        self.tokens += 1
+        self.metrics.generated_tokens.inc()
+
+    def done(self) -> None:
+        if self.tokens >= 2:
+            self.router.observe_decode(self.plan, (self.last - self.first) / (self.tokens - 1))

@@ -18,6 +18,7 @@ class FrontdoorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._prompt = self._cached = 0
         p, r = "kvstore_scheduler_", self.registry
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token, request arrival to first token sent",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -38,6 +39,21 @@ class FrontdoorMetrics:
         self.decode_running = Gauge(p + "decode_running", "Requests routed to a decode instance and running",
                                     ["instance"], registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests admitted and not finished", registry=r)
+        self.routed = Counter(p + "requests_routed", "Admitted requests by policy and chosen instances",
+                              ["policy", "prefill", "decode"], registry=r)
+        self.ttft_error = Histogram(p + "ttft_prediction_error_seconds",
+                                    "Absolute error of the predicted TTFT (measured minus predicted)",
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.hit_ratio = Gauge(p + "prefix_hit_ratio",
+                               "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
+
+    def count_prompt(self, tokens: int) -> None:
+        self._prompt += tokens
+        self.prompt_tokens.inc(tokens)
+
+    def count_cached(self, tokens: int) -> None:
+        self._cached += tokens
+        self.cached_tokens.inc(tokens)
 
     def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int) -> bytes:
         """The text exposition format, with the gauges set from the router's current state."""
@@ -46,4 +62,5 @@ class FrontdoorMetrics:
         for name, running in decode_running.items():
             self.decode_running.labels(instance=name).set(running)
         self.inflight.set(inflight)
+        self.hit_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
         return generate_latest(self.registry)

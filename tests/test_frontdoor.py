@@ -22,10 +22,10 @@ from engines.server import start_engine
 from kvstore.pool import KVPool
 from kvstore.service import serve_store
 from kvstore.tiers import TIERS
-from scheduler.admission import AdmissionConfig
+from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.app import RunningFrontdoor, start_frontdoor
 from scheduler.config import FrontdoorConfig
-from scheduler.keys import namespace_from_authorization
+from scheduler.keys import namespace_from_authorization, prompt_keys
 
 BS = 16
 
@@ -66,11 +66,15 @@ class Cluster:
         self.servers.append(server)
         return f"127.0.0.1:{port}"
 
-    def frontdoor(self, config: FrontdoorConfig | None = None, prefill: str | None = None) -> str:
-        door = self.loop.run(start_frontdoor([prefill or self.prefill], [self.decode], self.store,
-                                             config=config))
+    def frontdoor(self, config: FrontdoorConfig | None = None, prefill: str | list[str] | None = None) -> str:
+        return self.start(config, prefill).url
+
+    def start(self, config: FrontdoorConfig | None = None,
+              prefill: str | list[str] | None = None) -> RunningFrontdoor:
+        addresses = [prefill] if isinstance(prefill, str) else (prefill or [self.prefill])
+        door = self.loop.run(start_frontdoor(addresses, [self.decode], self.store, config=config))
         self.doors.append(door)
-        return door.url
+        return door
 
     def close(self) -> None:
         for door in self.doors:
@@ -90,8 +94,13 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def url(cluster: Cluster) -> str:
-    return cluster.frontdoor()
+def door(cluster: Cluster) -> RunningFrontdoor:
+    return cluster.start()
+
+
+@pytest.fixture(scope="module")
+def url(door: RunningFrontdoor) -> str:
+    return door.url
 
 
 def call(url: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
@@ -204,18 +213,95 @@ def test_namespace_comes_from_the_authorization_header_only(url):
     assert ns_a.startswith("key-") and len(ns_a) == 20 and namespace_from_authorization(None) == "public"
 
 
-@pytest.mark.parametrize("admission,reason", [
-    (AdmissionConfig(max_inflight=0), "max_inflight"),
-    (AdmissionConfig(ttft_slo_s=1e-9), "ttft_slo"),
-])
-def test_admission_bound_gives_429_with_retry_after_and_reason(cluster, admission, reason):
-    door = cluster.frontdoor(FrontdoorConfig(admission=admission))
+def test_admission_bound_gives_429_with_retry_after_and_reason(cluster):
+    door = cluster.frontdoor(FrontdoorConfig(admission=AdmissionConfig(max_inflight=0)))
     status, headers, data = call(door, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert status == 429 and int(headers["Retry-After"]) >= 1
     err = json.loads(data)["error"]
-    assert err["type"] == "rate_limit" and err["code"] == reason and err["message"]
+    assert err["type"] == "rate_limit" and err["code"] == "max_inflight" and err["message"]
     _, _, metrics = call(door, "/metrics")
-    assert f'kvstore_scheduler_requests_rejected_total{{reason="{reason}"}} 1.0' in metrics.decode()
+    assert 'kvstore_scheduler_requests_rejected_total{reason="max_inflight"} 1.0' in metrics.decode()
+
+
+def test_idle_cluster_admits_a_2k_prompt_and_saturated_queues_get_429(cluster):
+    """Case 2 through the front door: nothing measured yet, TTFT SLO 2 s; then the queue is
+    filled with admitted work (the router's own bookkeeping) until the SLO cannot be met."""
+    door = cluster.start(FrontdoorConfig(admission=AdmissionConfig(ttft_slo_s=2.0)))
+    router = door.frontdoor.router
+    assert router.policy.prefill_model.samples == 0
+    status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(9, 2048), "max_tokens": 2})
+    assert status == 200, data
+
+    async def saturate():
+        plans = []
+        while len(plans) < 500:
+            plan = await router.plan(f"filler-{len(plans)}", prompt_of(10, 4000), "public", 2)
+            if isinstance(plan, Rejection):
+                return plans, plan
+            router.begin(plan)
+            plans.append(plan)
+        raise AssertionError("the queue never saturated")
+
+    plans, rejection = cluster.loop.run(saturate())
+    assert rejection.reason == "ttft_slo" and router.queue_depths()["prefill-0"] == len(plans) > 0
+    status, headers, data = call(door.url, "/v1/completions", {"prompt": prompt_of(11, 600), "max_tokens": 2})
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert json.loads(data)["error"]["code"] == "ttft_slo"
+
+    async def drain():
+        for plan in plans:
+            router.finished(plan)
+    cluster.loop.run(drain())
+    assert call(door.url, "/v1/completions", {"prompt": prompt_of(11, 600), "max_tokens": 2})[0] == 200
+
+
+def routed(url: str) -> dict[str, float]:
+    """prefill instance -> admitted requests routed there, from /metrics."""
+    out: dict[str, float] = {}
+    for line in call(url, "/metrics")[2].decode().splitlines():
+        if line.startswith("kvstore_scheduler_requests_routed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            prefill = labels.split('prefill="', 1)[1].split('"', 1)[0]
+            out[prefill] = out.get(prefill, 0.0) + float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second_prefill(cluster: Cluster) -> str:
+    return cluster.engine("prefill", "prefill-1")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "conductor"])
+def test_policy_flag_takes_effect_with_two_prefill_engines(cluster, second_prefill, policy):
+    door = cluster.start(FrontdoorConfig(policy=policy), prefill=[cluster.prefill, second_prefill])
+    assert door.frontdoor.router.policy.name == policy
+    prompt = prompt_of(20 + len(policy), 5 * BS + 3)
+    answers = [complete(door.url, {"prompt": prompt, "max_tokens": 2}) for _ in range(4)]
+    counts = routed(door.url)
+    assert sum(counts.values()) == 4
+    if policy == "round_robin":
+        assert counts == {"prefill-0": 2.0, "prefill-1": 2.0}
+    else:   # idle queues: the instance holding the prefix wins every time
+        assert sorted(counts.values()) == [4.0]
+    assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BS for a in answers[1:])
+    assert len({tuple(a["choices"][0]["token_ids"]) for a in answers}) == 1
+
+
+def test_a_fetched_prefix_stays_on_the_instance_that_fetched_it(cluster, second_prefill):
+    """Hot-prefix replication: round-robin sends the second request to the other instance,
+    which loads the prefix from the pool and keeps it; the router's replica then shows both
+    instances holding it, and the conductor may use either."""
+    door = cluster.start(FrontdoorConfig(policy="round_robin"), prefill=[cluster.prefill, second_prefill])
+    prompt = prompt_of(77, 6 * BS + 1)
+    first = complete(door.url, {"prompt": prompt, "max_tokens": 2})
+    second = complete(door.url, {"prompt": prompt, "max_tokens": 2})
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
+    router = door.frontdoor.router
+    keys = prompt_keys(prompt, router.info, "public")
+    assert router.replica.hits(keys) == {"prefill-0": 6, "prefill-1": 6}
+    view = router.cluster_view(keys)
+    assert [p.hit.blocks for p in view.prefill] == [6, 6] and view.prefill[1].hit.by_tier == (("hbm", 6),)
 
 
 def test_engine_failure_is_503(cluster):
@@ -264,10 +350,11 @@ def test_chat_completion(url):
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
-def test_health_and_metrics(url):
+def test_health_and_metrics(door, url):
     status, _, data = call(url, "/health")
     health = json.loads(data)
     assert status == 200 and health["status"] == "ok" and health["prefill"] == 1 and health["decode"] == 1
+    assert health["policy"] == "conductor"
     complete(url, {"prompt": "metrics please", "max_tokens": 2})
     status, headers, data = call(url, "/metrics")
     text = data.decode()
@@ -275,5 +362,43 @@ def test_health_and_metrics(url):
     for series in ("kvstore_scheduler_ttft_seconds_count", "kvstore_scheduler_tbt_seconds_bucket",
                    "kvstore_scheduler_requests_admitted_total", "kvstore_scheduler_prompt_tokens_total",
                    "kvstore_scheduler_cached_prompt_tokens_total",
-                   'kvstore_scheduler_prefill_queue_depth{instance="prefill-0"}'):
+                   'kvstore_scheduler_prefill_queue_depth{instance="prefill-0"}',
+                   "kvstore_scheduler_ttft_prediction_error_seconds_count", "kvstore_scheduler_prefix_hit_ratio",
+                   'kvstore_scheduler_requests_routed_total{decode="decode-0",policy="conductor",prefill="prefill-0"}'):
         assert series in text, series
+    router = door.frontdoor.router   # the router's fits learn from what it served
+    assert router.policy.prefill_model.samples > 0 and router.policy.tbt_model.samples > 0
+
+
+def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
+    """Case 3 end to end: 100 times, a streamed request is dropped by its client during its
+    prefill (blocks loading and publishing) or its decode (blocks loading), and another is
+    admitted at once; the other is always served right, and afterwards nothing is held:
+    no request in flight, no decode running, no lease and no reservation in the pool, and
+    the pool's bytes where they were before (both prompts' blocks were cached already)."""
+    host, port = url.removeprefix("http://").split(":")
+    dropped, other = prompt_of(40, 3 * BS + 2), prompt_of(41, 2 * BS + 7)
+    want = complete(url, {"prompt": other, "max_tokens": 3, "ignore_eos": True})["choices"][0]["token_ids"]
+    complete(url, {"prompt": dropped, "max_tokens": 1})      # both prompts' blocks are in the pool now
+    router = door.frontdoor.router
+    used_before = [s.used_bytes for s in cluster.pool.stats()]
+    for cycle in range(100):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": dropped, "max_tokens": 50, "ignore_eos": True, "stream": True}),
+            {"Content-Type": "application/json"})
+        if cycle % 2:
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.sock.shutdown(2)
+        conn.close()
+        got = complete(url, {"prompt": other, "max_tokens": 3, "ignore_eos": True})
+        assert got["choices"][0]["token_ids"] == want
+    deadline = time.monotonic() + 20
+    while router.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert router.inflight == 0 and not any(router.queue_depths().values()) and not any(router.decode_running().values())
+    stats = cluster.pool.stats()
+    assert all(s.leased_bytes == 0 and s.reserved_bytes == 0 for s in stats)
+    assert [s.used_bytes for s in stats] == used_before
+    cluster.pool.check_integrity()

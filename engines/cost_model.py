@@ -1,0 +1,157 @@
+"""The cost model that stands in for GPUs in simulation (DESIGN.md §6): seconds of prefill,
+decode steps and KV transfers on one instance of a hardware profile serving one model.
+
+* Prefill FLOPs (Mooncake, FAST'25, §2.2): ``flops(n) = l·(a·n²·d + b·n·d²)``. With ``p``
+  cached prefix tokens only tokens ``p..n`` are computed; they still attend to the prefix, so
+  the work is ``flops(n) − flops(p)``. Seconds = FLOPs / (GPUs × peak FLOP/s × MFU).
+* Decode step: every step reads the weights and the resident KV once, so
+  ``step = overhead + max((W + kv_tokens·kv_bytes) / (GPUs × HBM B/s × MBU),
+  2·params·batch / (GPUs × peak × MFU))`` — memory-bound, growing with batch size and context.
+* Transfer: bytes over the link's bandwidth (network: the node's RDMA NICs; pcie: one GPU's
+  link times the GPUs; nvlink; ssd: the node's SSD reads).
+
+Profiles and models are TOML files under ``configs/`` (see ``configs/README.md``), each
+constant with its source.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kvstore.errors import InvalidArgument
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+LINKS = ("network", "pcie", "nvlink", "ssd")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One serving instance (a node of ``gpus`` GPUs under tensor parallelism). Per-GPU
+    figures are FLOP/s, bytes and bytes/s; ``network_bw`` is the node's total NIC bandwidth
+    (bytes/s); ``ssd_bw`` the node's SSD read bandwidth (bytes/s); ``mfu``/``mbu`` in (0, 1]; ``step_overhead_s`` seconds per decode step."""
+
+    name: str
+    gpus: int
+    peak_flops_per_gpu: float
+    hbm_bytes_per_gpu: float
+    hbm_bw_per_gpu: float
+    nvlink_bw: float
+    pcie_bw_per_gpu: float
+    network_bw: float
+    ssd_bw: float = 12e9
+    mfu: float = 0.5
+    mbu: float = 0.6
+    step_overhead_s: float = 0.003
+    usable_hbm_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "name" and not (isinstance(v, (int, float)) and v > 0 or
+                                         f.name == "step_overhead_s" and v == 0):
+                raise InvalidArgument(f"hardware profile {self.name!r}: {f.name} must be > 0, got {v!r}")
+        for name in ("mfu", "mbu", "usable_hbm_fraction"):
+            if getattr(self, name) > 1:
+                raise InvalidArgument(f"hardware profile {self.name!r}: {name} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model in Mooncake's FLOPs form: ``layers`` (l), ``hidden`` (d), ``attn_coeff`` (a),
+    ``linear_coeff`` (b); ``kv_bytes_per_token`` and ``weight_bytes`` in bytes."""
+
+    name: str
+    layers: int
+    hidden: int
+    attn_coeff: float
+    linear_coeff: float
+    kv_bytes_per_token: int
+    params: float
+    weight_bytes: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "name" and not (isinstance(v, (int, float)) and v > 0):
+                raise InvalidArgument(f"model config {self.name!r}: {f.name} must be > 0, got {v!r}")
+
+
+def _load(kind: str, name_or_path: str | Path, cls: type) -> object:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONFIG_DIR / kind / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.toml"))
+        raise InvalidArgument(f"no {kind} config {str(name_or_path)!r}; known: {known} (or a path to a .toml)")
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise InvalidArgument(f"{path}: unknown keys {unknown}; valid: {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise InvalidArgument(f"{path}: {exc}") from None
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """``configs/hardware/<name>.toml`` (e.g. ``8xA800``) or a TOML path. Raises
+    InvalidArgument listing the known profiles."""
+    return _load("hardware", name_or_path, HardwareProfile)  # type: ignore[return-value]
+
+
+def load_model(name_or_path: str | Path) -> ModelConfig:
+    """``configs/models/<name>.toml`` (e.g. ``llama3-70b``) or a TOML path."""
+    return _load("models", name_or_path, ModelConfig)  # type: ignore[return-value]
+
+
+class CostModel:
+    """Seconds of work on one instance of ``profile`` serving ``model``. Pure functions of
+    their arguments; no state."""
+
+    def __init__(self, model: ModelConfig, profile: HardwareProfile) -> None:
+        self.model = model
+        self.profile = profile
+        hw = profile
+        self.flops_per_s = hw.gpus * hw.peak_flops_per_gpu * hw.mfu
+        self.hbm_bytes_per_s = hw.gpus * hw.hbm_bw_per_gpu * hw.mbu
+        self._link_bw = {"network": hw.network_bw, "pcie": hw.pcie_bw_per_gpu * hw.gpus,
+                         "nvlink": hw.nvlink_bw, "ssd": hw.ssd_bw}
+
+    def prefill_flops(self, tokens: int, cached: int = 0) -> float:
+        """FLOPs to prefill a ``tokens``-token prompt whose first ``cached`` tokens are loaded
+        (Mooncake FAST'25 §2.2, differenced): ``l·(a·(n²−p²)·d + b·(n−p)·d²)``."""
+        m = self.model
+        n, p = float(tokens), float(min(max(cached, 0), tokens))
+        return m.layers * (m.attn_coeff * (n * n - p * p) * m.hidden + m.linear_coeff * (n - p) * m.hidden ** 2)
+
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """Seconds to prefill (compute only; add :meth:`transfer_s` for loaded blocks)."""
+        return self.prefill_flops(tokens, cached) / self.flops_per_s
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.model.kv_bytes_per_token
+
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens that fit in the instance's HBM beside the weights."""
+        hw = self.profile
+        free = hw.gpus * hw.hbm_bytes_per_gpu * hw.usable_hbm_fraction - self.model.weight_bytes
+        return max(0, int(free // self.model.kv_bytes_per_token))
+
+    def decode_step_s(self, batch: int, kv_tokens: int) -> float:
+        """Seconds of one decode step of ``batch`` requests holding ``kv_tokens`` tokens of KV
+        in all (0.0 for an empty batch)."""
+        if batch <= 0:
+            return 0.0
+        m = self.model
+        memory = (m.weight_bytes + kv_tokens * m.kv_bytes_per_token) / self.hbm_bytes_per_s
+        compute = 2.0 * m.params * batch / self.flops_per_s
+        return self.profile.step_overhead_s + max(memory, compute)
+
+    def transfer_s(self, nbytes: float, link: str = "network") -> float:
+        """Seconds to move ``nbytes`` over ``link`` (one of :data:`LINKS`)."""
+        try:
+            return nbytes / self._link_bw[link]
+        except KeyError:
+            raise InvalidArgument(f"unknown link {link!r}; valid: {list(LINKS)}") from None

@@ -1,0 +1,95 @@
+"""Baseline policies (DESIGN.md §7): ``random``, ``round_robin``, ``least_loaded`` and
+``local_cache_aware`` (longest local prefix, load as the tie-break). Each is a
+:class:`scheduler.conductor.Conductor` that overrides only its choices, so every policy shares
+the predictions, the fetch accounting and the admission of the Conductor: one code path,
+compared fairly. Baselines fetch as the engines do by default — every longer pool hit, never
+a peer's cache — rather than by the balancing threshold.
+
+Registry: :data:`POLICIES` maps a name to its class; :func:`make_policy` builds one.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+from kvstore.errors import InvalidArgument
+from scheduler.conductor import Conductor, ConductorConfig, DecodeEstimate, PrefillEstimate
+from scheduler.views import ClusterView, RequestView
+
+
+class _Baseline(Conductor):
+    balanced_fetch = False
+
+    def choose_decode(self, request: RequestView, cluster: ClusterView,
+                      estimates: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        """Fewest requests running there now (ties: listed order)."""
+        now = cluster.now_s
+        return min(estimates, key=lambda e: sum(1 for w in e.view.work if w.start_s <= now < w.finish_s))
+
+
+class RandomPolicy(_Baseline):
+    """A uniformly random prefill and decode instance (seeded: ``config.seed``)."""
+
+    name = "random"
+
+    def __init__(self, block_bytes: int, config: ConductorConfig | None = None) -> None:
+        super().__init__(block_bytes, config)
+        self.rng = random.Random(self.config.seed)
+
+    def choose_prefill(self, request, cluster, estimates: Sequence[PrefillEstimate]) -> PrefillEstimate:
+        return estimates[self.rng.randrange(len(estimates))]
+
+    def choose_decode(self, request, cluster, estimates: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        return estimates[self.rng.randrange(len(estimates))]
+
+
+class RoundRobinPolicy(_Baseline):
+    """Prefill and decode instances in turn, each in its listed order."""
+
+    name = "round_robin"
+
+    def __init__(self, block_bytes: int, config: ConductorConfig | None = None) -> None:
+        super().__init__(block_bytes, config)
+        self._next_prefill = self._next_decode = 0
+
+    def choose_prefill(self, request, cluster, estimates: Sequence[PrefillEstimate]) -> PrefillEstimate:
+        e = estimates[self._next_prefill % len(estimates)]
+        self._next_prefill += 1
+        return e
+
+    def choose_decode(self, request, cluster, estimates: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        e = estimates[self._next_decode % len(estimates)]
+        self._next_decode += 1
+        return e
+
+
+class LeastLoadedPolicy(_Baseline):
+    """The prefill instance with the least queued work (predicted seconds, then requests)."""
+
+    name = "least_loaded"
+
+    def choose_prefill(self, request, cluster, estimates: Sequence[PrefillEstimate]) -> PrefillEstimate:
+        return min(estimates, key=lambda e: (e.queue_s, e.view.queued))
+
+
+class LocalCacheAwarePolicy(_Baseline):
+    """The prefill instance with the longest local prefix; ties: least queued work."""
+
+    name = "local_cache_aware"
+
+    def choose_prefill(self, request, cluster, estimates: Sequence[PrefillEstimate]) -> PrefillEstimate:
+        return min(estimates, key=lambda e: (-e.local_blocks, e.queue_s, e.view.queued))
+
+
+POLICIES: dict[str, Callable[..., Conductor]] = {
+    cls.name: cls for cls in (Conductor, RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, LocalCacheAwarePolicy)}
+
+
+def make_policy(name: str, block_bytes: int, config: ConductorConfig | None = None) -> Conductor:
+    """The policy registered as ``name`` (see :data:`POLICIES`). Raises InvalidArgument
+    listing the valid names."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown scheduling policy {name!r}; valid: {sorted(POLICIES)}") from None
+    return cls(block_bytes, config)

@@ -1,0 +1,160 @@
+"""Costs the Conductor weighs (DESIGN.md §7; Mooncake, FAST'25, §5 and Algorithm 1):
+T_prefill(n, prefix) — a regression fitted online from observed prefills, seeded from a
+profile — and T_transfer of a prefix hit, per tier, from bandwidths.
+
+T_prefill. Computing the last ``c = n − p`` tokens of an ``n``-token prompt whose first ``p``
+are cached costs a fixed part, a part linear in ``c`` (the MLPs and projections) and the
+attention part, linear in ``c`` times the context those tokens see, ``Σ_{i=p}^{n-1} i ≈
+c·(n+p)/2`` (Mooncake's ``flops(n) = l·(a·n²·d + b·n·d²)`` restricted to the computed part)::
+
+    T_prefill(n, p) = k0 + k1·c + k2·c·(n+p)/2      (k0, k1, k2 >= 0)
+
+fitted by :class:`scheduler.fit.OnlineFit`. Until ``min_samples`` prefills were observed
+the profile's coefficients are used; a profile never implies a speed below
+``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject
+for a guess).
+
+T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw(t)``; read
+from another host (a peer instance, or a store node reached over the network) it costs
+``block_bytes / min(bw(t), network)``; each fetch adds a fixed latency. A block in the
+reading instance's own ``hbm`` costs nothing. Bandwidth defaults are the figures measured in
+BENCHMARKS.md (shared memory ~6 GB/s, LMDB from the page cache ~7 GB/s, gRPC ~0.5 GB/s);
+:meth:`TransferModel.observe` folds in transfers measured at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from kvstore.errors import InvalidArgument
+from scheduler.fit import OnlineFit
+
+HBM = "hbm"
+
+
+def usable_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens a prefill may reuse from a hit of ``hit_blocks`` blocks: never the last
+    prompt token (it must be computed for the logits; DESIGN.md §3)."""
+    return max(0, min(hit_blocks * block_size, prompt_tokens - 1))
+
+
+@dataclass(frozen=True)
+class PrefillProfile:
+    """Seed of T_prefill: ``fixed_s`` (per call), ``s_per_token`` (per computed token),
+    ``s_per_token_context`` (per computed token per context token, the attention part); all
+    >= 0. ``min_samples``: observations before the fit replaces the seed; ``decay``:
+    forgetting factor per observation, in (0, 1]; ``floor_tokens_per_s``: the seed's
+    prediction never implies fewer computed tokens per second than this (> 0);
+    ``min_prefill_s``: the least any prediction returns (>= 0). The defaults fit the tiny
+    CPU model of ``engines/model.py`` loosely."""
+
+    fixed_s: float = 5e-3
+    s_per_token: float = 3e-5
+    s_per_token_context: float = 1e-9
+    min_samples: int = 8
+    decay: float = 0.995
+    floor_tokens_per_s: float = 2000.0
+    min_prefill_s: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgument(f"{name} must be >= 0 s, got {getattr(self, name)!r}")
+        if not self.floor_tokens_per_s > 0:
+            raise InvalidArgument(f"floor_tokens_per_s must be > 0, got {self.floor_tokens_per_s!r}")
+        if self.min_samples < 1 or not 0 < self.decay <= 1:
+            raise InvalidArgument(f"need min_samples >= 1 and decay in (0, 1], got "
+                                  f"{self.min_samples!r} and {self.decay!r}")
+
+
+class PrefillModel:
+    """Predicts prefill seconds for (prompt tokens, cached tokens); learns from observed
+    prefills. Invariant: predictions are >= ``profile.min_prefill_s`` and grow with the
+    tokens computed."""
+
+    def __init__(self, profile: PrefillProfile | None = None) -> None:
+        self.profile = p = profile or PrefillProfile()
+        self.fit = OnlineFit((p.fixed_s, p.s_per_token, p.s_per_token_context), p.min_samples, p.decay)
+
+    @staticmethod
+    def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
+        c = max(0, prompt_tokens - cached_tokens)
+        return 1.0, float(c), c * (prompt_tokens + cached_tokens) / 2.0
+
+    def predict(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to prefill an ``prompt_tokens``-token prompt of which ``cached_tokens`` are
+        loaded, not computed."""
+        k0, k1, k2 = self.fit.coefficients
+        c = max(0, prompt_tokens - cached_tokens)
+        s = k0 + c * (k1 + k2 * (prompt_tokens + cached_tokens) / 2.0)
+        if not self.fit.fitted:
+            s = min(s, self.profile.fixed_s + c / self.profile.floor_tokens_per_s)
+        return max(self.profile.min_prefill_s, s)
+
+    def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """Fold in one finished prefill (engine-side seconds); ignores nonsense."""
+        if prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
+            return
+        self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
+
+    @property
+    def samples(self) -> int:
+        return self.fit.samples
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Read bandwidths (bytes/s) per tier on the same host, the network's between hosts,
+    and a fixed latency per fetch (seconds). A tier not named reads at ``dram``'s rate."""
+
+    hbm: float = 100e9
+    dram: float = 6e9
+    ssd: float = 2e9
+    network: float = 0.5e9
+    fetch_latency_s: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("hbm", "dram", "ssd", "network"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"bandwidth {name} must be > 0 bytes/s, got {getattr(self, name)!r}")
+        if self.fetch_latency_s < 0:
+            raise InvalidArgument(f"fetch_latency_s must be >= 0, got {self.fetch_latency_s!r}")
+
+    def tier(self, name: str) -> float:
+        return getattr(self, name, self.dram) if name in ("hbm", "dram", "ssd") else self.dram
+
+
+class TransferModel:
+    """Seconds to read prefix blocks by tier (see the module docstring). ``block_bytes``:
+    bytes of one block (> 0)."""
+
+    def __init__(self, block_bytes: int, bandwidths: Bandwidths | None = None) -> None:
+        if block_bytes <= 0:
+            raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self.bw = bandwidths or Bandwidths()
+        b = self.bw
+        self._local = {t: block_bytes / b.tier(t) for t in ("hbm", "dram", "ssd")}
+        self._remote = {t: block_bytes / min(b.tier(t), b.network) for t in ("hbm", "dram", "ssd")}
+
+    def observe(self, tier: str, nbytes: int, seconds: float, remote: bool = True,
+                alpha: float = 0.2) -> None:
+        """Fold in a measured read of ``nbytes`` from ``tier`` (``remote``: from another
+        holder) that took ``seconds`` (latency excluded): the per-block time of that tier
+        and route moves towards the measurement (EWMA weight ``alpha``)."""
+        if nbytes <= 0 or seconds <= 0 or tier == HBM and not remote:
+            return
+        table = self._remote if remote else self._local
+        per_block = seconds * self.block_bytes / nbytes
+        table[tier] = (1 - alpha) * table.get(tier, table["dram"]) + alpha * per_block
+
+    def local_s(self, segments: Iterable[tuple[str, int]]) -> float:
+        """Reading the instance's own non-``hbm`` blocks (own ``hbm`` is free); no latency."""
+        local = self._local
+        return sum(n * local.get(t, local["dram"]) for t, n in segments if t != HBM)
+
+    def remote_s(self, segments: Iterable[tuple[str, int]]) -> float:
+        """Fetching blocks from another holder (a peer instance or the pool), latency included."""
+        remote = self._remote
+        s = sum(n * remote.get(t, remote["dram"]) for t, n in segments)
+        return s + self.bw.fetch_latency_s if s > 0 else 0.0

@@ -1,0 +1,172 @@
+"""``kvstore simulate``: several policies × topologies × admissions in one run, one table,
+optional JSON and PNG plots (TTFT CDF; goodput against request rate; hit ratio against pool
+capacity)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from tabulate import tabulate
+
+from engines.cost_model import load_model
+from kvstore.errors import InvalidArgument
+from scheduler.sim import plots
+from scheduler.sim.config import SimConfig
+from scheduler.sim.metrics import SimResult
+from scheduler.sim.workload import load_workload
+from scheduler.sim import simulate
+
+log = logging.getLogger(__name__)
+ALL_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+
+
+def _tokens(text: str) -> int | None:
+    """A token count, or None for "inf"/"unbounded"."""
+    if text.lower() in ("inf", "unbounded", "none"):
+        return None
+    return int(float(text))
+
+
+def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
+    p.add_argument("--trace", default=default_trace, help="Mooncake-format JSONL trace")
+    p.add_argument("--requests", type=int, default=None, help="simulate the first N requests (None: all)")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
+    p.add_argument("--topology", default="disaggregated", help="comma list: disaggregated, colocated")
+    p.add_argument("--admission", default="none", help="comma list: none, current, predictive")
+    p.add_argument("--instances", type=int, default=16, help="instances in all (each one node of --profile)")
+    p.add_argument("--prefill-instances", type=int, help="disaggregated: prefill instances (None: half)")
+    p.add_argument("--profile", default="8xA800", help="hardware profile (configs/hardware/NAME.toml or a path)")
+    p.add_argument("--model", default="llama3-70b", help="model config (configs/models/NAME.toml or a path)")
+    p.add_argument("--ttft-slo-s", type=float, default=30.0, help="TTFT SLO (seconds)")
+    p.add_argument("--tbt-slo-s", type=float, default=0.1, help="TBT SLO on Mooncake's TBT (mean of the longest 10%%)")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed (arrival times are divided by it)")
+    p.add_argument("--pool-dram-tokens", default="auto",
+                   help="pool DRAM capacity in tokens (auto: 1 TiB per prefill node; inf; 0: no pool)")
+    p.add_argument("--pool-ssd-tokens", type=_tokens, default=0, help="pool SSD capacity in tokens (inf, or 0: none)")
+    p.add_argument("--hbm-cache-tokens", type=_tokens, help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; half of it colocated)")
+    p.add_argument("--max-running", type=int, default=256, help="decode batch limit per instance")
+    p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' HBM")
+    p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
+    p.add_argument("--eviction", default="lru", help="cache eviction strategy: lru, lfu, fifo, s3fifo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write every result as JSON here")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here (runs a speed and a pool-capacity sweep)")
+    p.add_argument("--sweep-speeds", default="0.5,1,2,3,4", help="replay speeds of the goodput plot")
+    p.add_argument("--sweep-pool-tokens", default="1e5,1e6,1e7,1e8,inf", help="pool capacities of the hit plot")
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def base_config(args: argparse.Namespace) -> SimConfig:
+    cfg = SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
+                    model=args.model)
+    if args.pool_dram_tokens == "auto":
+        pool = cfg.n_prefill * (2**40 // load_model(args.model).kv_bytes_per_token)
+    else:
+        pool = _tokens(args.pool_dram_tokens)
+    return SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
+                     model=args.model, speed=args.speed, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
+                     pool_dram_tokens=pool, pool_ssd_tokens=args.pool_ssd_tokens,
+                     hbm_cache_tokens=args.hbm_cache_tokens, max_running=args.max_running,
+                     peer_fetch=not args.no_peer_fetch, chunked_prefill_tokens=args.chunked_prefill_tokens,
+                     eviction=args.eviction, seed=args.seed)
+
+
+def run_matrix(base: SimConfig, trace: str, limit: int | None, policies: Sequence[str],
+               topologies: Sequence[str], admissions: Sequence[str]) -> list[SimResult]:
+    """Every (topology, admission, policy) of the lists on ``base``, in that order."""
+    out = []
+    for topology in topologies:
+        for admission in admissions:
+            for policy in policies:
+                cfg = dataclasses.replace(base, policy=policy, topology=topology, admission=admission)
+
+                def progress(done: int, total: int, cfg: SimConfig = cfg) -> None:
+                    print(f"  {cfg.policy}/{cfg.topology}/{cfg.admission}: {done}/{total} arrivals",
+                          file=sys.stderr, flush=True)
+                r = simulate(cfg, trace, limit, progress)
+                print(f"{policy:>18} {topology:>13} {admission:>10}: {r.requests} requests in "
+                      f"{r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
+                out.append(r)
+    return out
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    """One row per run (times in seconds; TBT in ms)."""
+    rows = []
+    for r in results:
+        cfg = SimConfig(**r.settings) if r.settings else None
+        shape = "" if cfg is None else (f" {cfg.instances}C" if cfg.topology == "colocated"
+                                        else f" {cfg.n_prefill}P+{cfg.instances - cfg.n_prefill}D")
+        rows.append([r.policy, r.topology + shape, r.admission, f"{r.speed:g}", r.requests, r.completed,
+                     f"{r.rejected_early}/{r.rejected_late}", f"{r.goodput_rps:.3f}", f"{r.effective_capacity:.3f}",
+                     f"{r.throughput_tok_s:.0f}", _f(r.ttft_mean_s), _f(r.ttft_p50_s), _f(r.ttft_p90_s),
+                     _f(r.ttft_p99_s), _f(r.tbt_p90_s and r.tbt_p90_s * 1e3, 1), _f(r.tbt_p99_s and r.tbt_p99_s * 1e3, 1),
+                     f"{r.hit_ratio:.3f}/{r.best_possible_hit_ratio:.3f}", f"{r.wasted_prefill_gpu_s:.0f}",
+                     f"{r.wall_s:.1f}"])
+    head = ["policy", "topology", "admission", "speed", "reqs", "done", "rej early/late", "goodput r/s",
+            "eff. capacity", "tok/s", "TTFT mean", "p50", "p90", "p99", "TBT p90 ms", "p99 ms",
+            "hit/best", "wasted GPU-s", "wall s"]
+    return tabulate(rows, headers=head, tablefmt="github")
+
+
+def make_plots(results: Sequence[SimResult], base: SimConfig, args: argparse.Namespace,
+               out_dir: str | Path) -> dict[str, Any]:
+    """The three plots; the sweeps run the first topology and admission of the matrix."""
+    out_dir = Path(out_dir)
+    trace, limit = args.trace, args.requests
+    files = {"ttft_cdf": str(plots.ttft_cdf(results, out_dir / "ttft_cdf.png"))}
+    reqs, _ = load_workload(trace, limit)
+    span = (max(r.timestamp_ms for r in reqs) - min(r.timestamp_ms for r in reqs)) / 1000.0
+    rate = len(reqs) / span if span > 0 else 0.0
+    first = results[0]
+    sweep: dict[str, list[tuple[float, float]]] = {}
+    for policy in sorted({r.policy for r in results}, key=[r.policy for r in results].index):
+        for speed in (float(s) for s in _split(args.sweep_speeds)):
+            cfg = dataclasses.replace(base, policy=policy, topology=first.topology, admission=first.admission,
+                                      speed=speed)
+            r = simulate(cfg, trace, limit)
+            sweep.setdefault(policy, []).append((rate * speed, r.goodput_rps))
+    files["goodput_vs_rate"] = str(plots.goodput_vs_rate(sweep, out_dir / "goodput_vs_rate.png"))
+    points, best = [], 0.0
+    for cap in (_tokens(c) for c in _split(args.sweep_pool_tokens)):
+        cfg = dataclasses.replace(base, policy="conductor", topology="disaggregated", admission=first.admission,
+                                  pool_dram_tokens=cap)
+        r = simulate(cfg, trace, limit)
+        points.append((cap, r.hit_ratio))
+        best = r.best_possible_hit_ratio
+    files["hit_vs_capacity"] = str(plots.hit_vs_capacity(points, best, out_dir / "hit_vs_capacity.png"))
+    return {"files": files, "goodput_sweep": sweep, "hit_sweep": points}
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    """The ``kvstore simulate`` subcommand (see :func:`add_simulate_flags`)."""
+    try:
+        base = base_config(args)
+        results = run_matrix(base, args.trace, args.requests, _split(args.policies), _split(args.topology),
+                             _split(args.admission))
+    except InvalidArgument as exc:
+        print(f"kvstore simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(results))
+    extra: dict[str, Any] = {}
+    if args.plots:
+        extra = make_plots(results, base, args, args.plots)
+        for name, path in extra["files"].items():
+            print(f"plot {name}: {path}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"results": [r.to_dict() for r in results], **extra}, indent=2) + "\n")
+    return 0

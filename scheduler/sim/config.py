@@ -1,0 +1,81 @@
+"""Settings of one simulation run (a policy on a topology at a replay speed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+
+TOPOLOGIES = ("disaggregated", "colocated")
+ADMISSIONS = ("none", "current", "predictive")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """``topology``: "disaggregated" (``prefill_instances`` P + the rest D, a shared pool)
+    or "colocated" (every instance prefills and decodes, local prefix cache only).
+    ``instances``: all instances (each one node of ``profile``). ``prefill_instances``:
+    None = half (disaggregated only). ``speed``: replay speed (arrivals divided by it).
+    ``ttft_slo_s``/``tbt_slo_s``: SLOs (seconds; TBT as Mooncake defines it).
+    ``admission``: "none" (admit everything; decode queues when full), "current" (reject
+    early on the TTFT SLO and on the decode load *now*; late, after prefill, when decode is
+    full on arrival) or "predictive" (the same, judging decode by the load predicted for the
+    moment the request reaches it — Mooncake's prediction-based early rejection).
+    ``pool_dram_tokens``/``pool_ssd_tokens``: pool capacity (tokens; None = unbounded,
+    0 = none). ``hbm_cache_tokens``: an instance's prefix cache (None: all the KV room of a
+    prefill instance; half of it when colocated, the other half holds the decode batch).
+    ``max_running``: decode batch limit. ``peer_fetch``: the Conductor may fetch a prefix from
+    another prefill instance's HBM. ``chunked_prefill_tokens``: colocated only, prefill in chunks of this many tokens fused with
+    decode steps (None: a prefill pauses the batch).
+    ``eviction``: the caches' eviction strategy (:mod:`kvstore.eviction`). ``seed``: of the
+    random policy."""
+
+    policy: str = "conductor"
+    topology: str = "disaggregated"
+    instances: int = 16
+    prefill_instances: int | None = None
+    profile: str = "8xA800"
+    model: str = "llama3-70b"
+    speed: float = 1.0
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    admission: str = "none"
+    pool_dram_tokens: int | None = None
+    pool_ssd_tokens: int | None = 0
+    hbm_cache_tokens: int | None = None
+    max_running: int = 256
+    peer_fetch: bool = True
+    chunked_prefill_tokens: int | None = None
+    eviction: str = "lru"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise InvalidArgument(f"unknown topology {self.topology!r}; valid: {list(TOPOLOGIES)}")
+        if self.admission not in ADMISSIONS:
+            raise InvalidArgument(f"unknown admission {self.admission!r}; valid: {list(ADMISSIONS)}")
+        if self.instances < (2 if self.topology == "disaggregated" else 1):
+            raise InvalidArgument(f"{self.topology} needs more instances, got {self.instances}")
+        p = self.prefill_instances
+        if p is not None and not 1 <= p < self.instances:
+            raise InvalidArgument(f"prefill_instances must be in [1, {self.instances - 1}], got {p}")
+        if not self.speed > 0:
+            raise InvalidArgument(f"speed must be > 0, got {self.speed}")
+        if not (self.ttft_slo_s > 0 and self.tbt_slo_s > 0):
+            raise InvalidArgument("SLOs must be > 0 seconds")
+        if self.chunked_prefill_tokens is not None and self.chunked_prefill_tokens < 1:
+            raise InvalidArgument(f"chunked_prefill_tokens must be >= 1 or None, got {self.chunked_prefill_tokens}")
+        from kvstore.eviction import POLICIES as EVICTIONS
+        if self.eviction not in EVICTIONS:
+            raise InvalidArgument(f"unknown eviction policy {self.eviction!r}; valid: {sorted(EVICTIONS)}")
+        if self.max_running < 1:
+            raise InvalidArgument(f"max_running must be >= 1, got {self.max_running}")
+        for name in ("pool_dram_tokens", "pool_ssd_tokens", "hbm_cache_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise InvalidArgument(f"{name} must be >= 0 tokens or None (unbounded), got {v}")
+
+    @property
+    def n_prefill(self) -> int:
+        if self.topology == "colocated":
+            return self.instances
+        return self.prefill_instances if self.prefill_instances is not None else self.instances // 2

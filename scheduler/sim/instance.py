@@ -1,0 +1,175 @@
+"""A simulated serving instance: a prefill queue and a continuous-batching decode batch whose
+progress is advanced analytically, one event per batch change rather than one per token.
+
+Decode timeline. Steps are numbered per instance; ``(k, t, dt)`` anchors it: step ``k`` ended
+at ``t`` and each later step takes ``dt`` seconds. The batch only changes at step boundaries
+(a request joins at a boundary and leaves at the boundary of its last token), and ``dt`` is
+recomputed from the cost model at each change. Every change appends a *segment*
+``(step, time, dt, gap)``: steps after ``step`` end at ``time + (x − step)·dt``, and the
+first of them lasted ``gap`` (longer than ``dt`` when a prefill paused the batch in a
+colocated instance). A request's token intervals are read back from the segments as
+``(interval, count)`` runs when it finishes — what Mooncake's TBT needs, without per-token
+records.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_right
+from collections import deque
+
+from engines.cost_model import CostModel
+from scheduler.sim.workload import SimRequest
+
+_EPS = 1e-9
+
+
+class Instance:
+    """One instance. ``prefill``/``decode``: the roles it plays (both when colocated).
+
+    Invariants: ``running`` holds the requests of the batch, ``heap`` their finish steps;
+    ``sum_prompt``/``sum_join`` are the sums of their prompt lengths and join steps, so the
+    resident KV at step ``s`` is ``sum_prompt + len(running)·s − sum_join`` tokens."""
+
+    def __init__(self, name: str, cost: CostModel, *, prefill: bool, decode: bool,
+                 kv_capacity_tokens: int, max_running: int) -> None:
+        self.name = name
+        self.cost = cost
+        self.is_prefill, self.is_decode = prefill, decode
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_running = max_running
+        # prefill side
+        self.queue: deque[SimRequest] = deque()
+        self.queue_pred_s = 0.0          # predicted seconds of the queued (not started) requests
+        self.prefilling: SimRequest | None = None
+        self.pred_end_s = 0.0            # predicted end of the running prefill
+        self.prefill_busy_s = 0.0
+        # decode side
+        self.running: dict[int, SimRequest] = {}
+        self.heap: list[tuple[int, int]] = []
+        self.joiners: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.incoming: dict[int, tuple[int, float, float]] = {}   # rid → (kv tokens, start, finish)
+        self.sum_prompt = 0
+        self.sum_join = 0
+        self.k, self.t, self.dt = 0, 0.0, 0.0
+        self.paused = False
+        self.chunks_left = 0             # chunked prefill: steps left of the running prefill
+        self.chunk_s = 0.0               # ... and the prefill seconds each of them adds
+        self.seg_step: list[int] = [0]
+        self.seg_time: list[float] = [0.0]
+        self.seg_dt: list[float] = [0.0]
+        self.seg_gap: list[float] = [0.0]
+        self.version = 0
+        self.sched_s = math.inf
+        self.view_dirty = True
+        self.view = None
+
+    # -- prefill ---------------------------------------------------------------------------
+    def queue_s(self, now: float) -> float:
+        """Predicted seconds of prefill work ahead of a new request (T_queue)."""
+        ahead = max(0.0, self.pred_end_s - now) if self.prefilling is not None else 0.0
+        return self.queue_pred_s + ahead
+
+    def queued(self) -> int:
+        return len(self.queue) + (self.prefilling is not None)
+
+    # -- decode timeline -------------------------------------------------------------------
+    def step_at(self, now: float) -> int:
+        """The last step boundary at or before ``now``."""
+        if self.paused or self.dt <= 0:
+            return self.k
+        return self.k + int((now - self.t) / self.dt + 1e-6)
+
+    def next_boundary(self, now: float) -> float:
+        """The first step boundary at or after ``now`` (``now`` when the batch is idle,
+        infinity while a prefill pauses it)."""
+        if self.paused:
+            return math.inf
+        if self.dt <= 0:
+            return now
+        steps = math.ceil((now - self.t) / self.dt - 1e-6)
+        return self.t + max(0, steps) * self.dt
+
+    def kv_tokens(self, step: int | None = None) -> int:
+        s = self.k if step is None else step
+        return self.sum_prompt + len(self.running) * s - self.sum_join
+
+    def time_of(self, step: int) -> float:
+        """When ``step`` ended (steps after the instance's last anchor are extrapolated)."""
+        i = bisect_right(self.seg_step, step - 1) - 1
+        return self.seg_time[i] + (step - self.seg_step[i]) * self.seg_dt[i]
+
+    def finish_time(self, finish_step: int) -> float:
+        return self.t + (finish_step - self.k) * self.dt
+
+    def pop_finished(self, step: int) -> list[SimRequest]:
+        """Remove the requests whose last token is at or before ``step``."""
+        out = []
+        heap, running = self.heap, self.running
+        while heap and heap[0][0] <= step:
+            f, rid = heapq.heappop(heap)
+            req = running.pop(rid)
+            self.sum_prompt -= req.prompt
+            self.sum_join -= req.join_step
+            req.finish_s = self.finish_time(f)
+            req.tbt_runs = self.runs(req, f)
+            out.append(req)
+        if out:
+            self.view_dirty = True
+        return out
+
+    def join(self, req: SimRequest, step: int, now: float) -> bool:
+        """Put ``req`` in the batch at boundary ``step``; False (and nothing done) when it
+        has a single token, which needs no decode step."""
+        req.join_step = step
+        self.incoming.pop(req.rid, None)
+        self.view_dirty = True
+        if req.output <= 1:
+            req.finish_s = now
+            return False
+        self.running[req.rid] = req
+        self.sum_prompt += req.prompt
+        self.sum_join += step
+        heapq.heappush(self.heap, (step + req.output - 1, req.rid))
+        return True
+
+    def fits(self, req: SimRequest, extra: int = 0) -> bool:
+        """Whether the batch has room (batch size and KV) for ``req`` now."""
+        kv = self.kv_tokens() + extra + req.prompt + req.output
+        return len(self.running) + 1 <= self.max_running and kv <= self.kv_capacity_tokens
+
+    def reanchor(self, now: float, step: int, extra_s: float = 0.0) -> float:
+        """Restart the timeline at boundary ``step`` reached (or resumed) at ``now`` with the
+        step time of the current batch plus ``extra_s`` (a prefill chunk); returns it."""
+        prev_end = self.t + (step - self.k) * self.dt
+        self.k, self.t = step, now
+        self.dt = extra_s + (self.cost.decode_step_s(len(self.running), self.kv_tokens(step)) if self.running else 0.0)
+        self.seg_step.append(step)
+        self.seg_time.append(now)
+        self.seg_dt.append(self.dt)
+        self.seg_gap.append(now + self.dt - prev_end)
+        self.view_dirty = True
+        return self.dt
+
+    def runs(self, req: SimRequest, finish_step: int) -> list[tuple[float, int]]:
+        """``(interval_s, count)`` runs of the request's token intervals: first token (end of
+        prefill) → first decode step, then every step to ``finish_step``."""
+        lo = req.join_step + 1
+        out = [(self.time_of(lo) - req.first_token_s, 1)]
+        if finish_step <= lo:
+            return out
+        steps, times, dts, gaps = self.seg_step, self.seg_time, self.seg_dt, self.seg_gap
+        i = bisect_right(steps, lo) - 1
+        n = len(steps)
+        while i < n and steps[i] < finish_step:
+            a = max(lo + 1, steps[i] + 1)
+            b = min(finish_step, steps[i + 1]) if i + 1 < n else finish_step
+            if b >= a:
+                if a == steps[i] + 1:
+                    out.append((gaps[i], 1))
+                    a += 1
+                if b >= a:
+                    out.append((dts[i], b - a + 1))
+            i += 1
+        return out

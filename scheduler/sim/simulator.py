@@ -1,0 +1,353 @@
+"""The discrete-event cluster simulator: virtual time, the real scheduler, cost-model engines.
+
+Events (a heap of ``(time, seq, kind, …)``; no sleeping): arrival, prefill end, KV ready at
+decode, and decode-batch boundaries (a request joins or leaves; see
+:mod:`scheduler.sim.instance`). Per arrival the simulator builds the frozen views of
+:mod:`scheduler.views` from virtual state — each instance's predicted queue, its own prefix
+hit and the pool's hit from the real :class:`~kvstore.index.prefix_index.PrefixIndex`, each
+decode instance's running and incoming work — and calls the real policy's ``decide`` (any
+policy of :mod:`scheduler.baselines`); it feeds back ``observe_prefill``/``observe_decode``
+as the live router does.
+
+Engines behave as DESIGN.md §6 says, whatever the policy: at prefill start an instance loads
+the longest prefix among its own HBM cache, the pool (disaggregated) and the peer the
+decision planned to fetch from, then computes the rest; it keeps the prompt's blocks in its
+HBM cache and (disaggregated) writes them to the pool's DRAM. The KV streams to the decode
+instance layer by layer during prefill (ready at ``max(prefill end, start + KV bytes /
+network)``). Colocated instances pause their decode batch while they prefill.
+
+With ``chunked_prefill_tokens`` a colocated instance does not pause: each decode step also
+computes one chunk of the prefill at the head of its queue (step time = decode step + the
+prefill's seconds / its chunks), as Sarathi-style chunked prefill does.
+
+Admission "current"/"predictive" also rejects late, after its prefill was spent: a request
+whose step time at its decode instance would exceed the TBT SLO, or which finds the instance
+full (batch, KV) and cannot wait for room without breaking the TBT SLO (one long interval
+counts in Mooncake's TBT; :meth:`Simulator._max_wait_s`). Admission "none" queues it at
+decode for as long as it takes.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+from engines.cost_model import CostModel, load_model, load_profile
+from kvstore.index.keys import usable_prefix_tokens
+from kvstore.index.prefix_index import PrefixIndex
+from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.baselines import make_policy
+from scheduler.conductor import ConductorConfig
+from scheduler.costing import Bandwidths, PrefillProfile
+from scheduler.sim.cache import BlockCache
+from scheduler.sim.config import SimConfig
+from scheduler.sim.instance import Instance
+from scheduler.sim.workload import SimRequest
+from scheduler.tbt import DecodeProfile
+from scheduler.trace import TRACE_BLOCK_TOKENS
+from scheduler.views import NO_HIT, POOL, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit
+
+ARRIVAL, PREFILL_END, DECODE_READY, BOUNDARY = 0, 1, 2, 3
+BLOCK = TRACE_BLOCK_TOKENS
+
+
+def conductor_config(cfg: SimConfig, cost: CostModel) -> ConductorConfig:
+    """The scheduler's settings for a run: SLOs and admission from ``cfg``; the predictors
+    seeded with the cost model's own coefficients (a deployment would profile them), which
+    the online fits then refine from observed prefills and decode steps."""
+    m, hw = cost.model, cost.profile
+    adm = AdmissionConfig(ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s, max_inflight=1 << 30,
+                          early_rejection=cfg.admission != "none",
+                          predicted_decode_load=cfg.admission == "predictive")
+    prefill = PrefillProfile(fixed_s=0.0, s_per_token=m.layers * m.linear_coeff * m.hidden ** 2 / cost.flops_per_s,
+                             s_per_token_context=2 * m.layers * m.attn_coeff * m.hidden / cost.flops_per_s,
+                             floor_tokens_per_s=1.0, min_prefill_s=0.0)
+    decode = DecodeProfile(step_s=hw.step_overhead_s + m.weight_bytes / cost.hbm_bytes_per_s, s_per_request=0.0,
+                           s_per_kv_token=m.kv_bytes_per_token / cost.hbm_bytes_per_s)
+    bw = Bandwidths(hbm=hw.gpus * hw.hbm_bw_per_gpu, dram=hw.gpus * hw.pcie_bw_per_gpu, ssd=hw.ssd_bw,
+                    network=hw.network_bw, fetch_latency_s=0.0)
+    return ConductorConfig(admission=adm, peer_fetch=cfg.peer_fetch and cfg.topology == "disaggregated",
+                           prefill=prefill, decode=decode, bandwidths=bw, seed=cfg.seed)
+
+
+class Simulator:
+    """One run: ``cfg`` over ``requests`` (fresh :class:`SimRequest` objects, arrival order).
+    ``run()`` returns the requests with their outcomes filled in."""
+
+    def __init__(self, cfg: SimConfig, requests: list[SimRequest]) -> None:
+        self.cfg = cfg
+        self.requests = requests
+        self.cost = cost = CostModel(load_model(cfg.model), load_profile(cfg.profile))
+        self.block_bytes = BLOCK * cost.model.kv_bytes_per_token
+        self.colocated = cfg.topology == "colocated"
+        self.index = PrefixIndex(capacity=1 << 16)
+        kv_cap = cost.kv_capacity_tokens()
+        if self.colocated:
+            cache_tokens = kv_cap // 2 if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
+            self.prefill = [Instance(f"C{i}", cost, prefill=True, decode=True, max_running=cfg.max_running,
+                                     kv_capacity_tokens=max(0, kv_cap - cache_tokens)) for i in range(cfg.instances)]
+            self.decode = self.prefill
+        else:
+            cache_tokens = kv_cap if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
+            n_p = cfg.n_prefill
+            self.prefill = [Instance(f"P{i}", cost, prefill=True, decode=False, max_running=cfg.max_running,
+                                     kv_capacity_tokens=0) for i in range(n_p)]
+            self.decode = [Instance(f"D{i}", cost, prefill=False, decode=True, max_running=cfg.max_running,
+                                    kv_capacity_tokens=kv_cap) for i in range(cfg.instances - n_p)]
+        self.by_name = {i.name: i for i in self.prefill + self.decode}
+        self.hbm = {i.name: BlockCache(self.index, i.name, "hbm", cache_tokens // BLOCK, self.block_bytes,
+                                       eviction=cfg.eviction)
+                    for i in self.prefill}
+        self.pool: BlockCache | None = None
+        self.pool_ssd: BlockCache | None = None
+        if not self.colocated and cfg.pool_dram_tokens != 0:
+            if cfg.pool_ssd_tokens != 0:
+                cap = None if cfg.pool_ssd_tokens is None else cfg.pool_ssd_tokens // BLOCK
+                self.pool_ssd = BlockCache(self.index, POOL, "ssd", cap, self.block_bytes, eviction=cfg.eviction)
+            cap = None if cfg.pool_dram_tokens is None else cfg.pool_dram_tokens // BLOCK
+            self.pool = BlockCache(self.index, POOL, "dram", cap, self.block_bytes, lower=self.pool_ssd,
+                                   eviction=cfg.eviction)
+        self.policy = make_policy(cfg.policy, self.block_bytes, conductor_config(cfg, cost))
+        self.late_reject = cfg.admission != "none"
+        self.chunk = cfg.chunked_prefill_tokens if self.colocated else None
+        self.events: list[tuple] = []
+        self.seq = 0
+        self.inflight = 0
+        self.now = 0.0
+
+    # -- the loop --------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def run(self, progress=None) -> list[SimRequest]:
+        """Process every event; ``progress(done, total)`` is called every 1,000 arrivals."""
+        for req in self.requests:
+            self._push(req.arrival_s, ARRIVAL, req)
+        events, pop = self.events, heapq.heappop
+        arrivals = 0
+        while events:
+            t, _, kind, a, b = pop(events)
+            self.now = t
+            if kind == BOUNDARY:
+                if b == a.version:
+                    a.sched_s = math.inf
+                    self._boundary(a, t)
+            elif kind == ARRIVAL:
+                self._arrive(a, t)
+                arrivals += 1
+                if progress is not None and arrivals % 1000 == 0:
+                    progress(arrivals, len(self.requests))
+            elif kind == PREFILL_END:
+                self._prefill_end(a, b, t)
+            else:
+                self._decode_ready(a, t)
+        return self.requests
+
+    # -- arrival: the real policy decides ----------------------------------------------------
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        per = self.index.match(req.keys).per_node if req.keys else {}
+        prefill = tuple(PrefillView(i.name, i.queue_s(now), i.queued(),
+                                    TierHit.from_tiers(per[i.name]) if i.name in per else NO_HIT)
+                        for i in self.prefill)
+        pool_hit = TierHit.from_tiers(per[POOL]) if self.pool is not None and POOL in per else NO_HIT
+        decode = tuple(self._decode_view(d, now) for d in self.decode)
+        view = RequestView(str(req.rid), req.prompt, req.keys, req.output, BLOCK)
+        result = self.policy.decide(view, ClusterView(now, prefill, decode, pool_hit, self.inflight))
+        if isinstance(result, Rejection):
+            req.status, req.reason = "rejected_early", result.reason
+            return
+        req.decision = result
+        req.prefill_id = result.prefill_id
+        # Colocated: the request decodes where it prefilled, whatever decode the policy named.
+        req.decode_id = result.prefill_id if self.colocated else result.decode_id
+        p, d = self.by_name[req.prefill_id], self.by_name[req.decode_id]
+        req.pred_prefill_s = result.transfer_s + result.prefill_s
+        p.queue.append(req)
+        p.queue_pred_s += req.pred_prefill_s
+        d.incoming[req.rid] = (req.prompt + req.output, result.decode_start_s, result.decode_finish_s)
+        d.view_dirty = True
+        self.inflight += 1
+        if p.prefilling is None:
+            if self.colocated and (self.chunk or p.running) and not p.paused:
+                self._schedule(p, p.next_boundary(now))   # pauses the batch there, or chunks
+            else:
+                self._start_prefill(p, now)
+
+    def _decode_view(self, inst: Instance, now: float) -> DecodeView:
+        if inst.view_dirty or inst.view is None:
+            ft = inst.finish_time
+            work = [DecodeWork(inst.running[rid].prompt + inst.running[rid].output, 0.0, ft(f))
+                    for f, rid in inst.heap]
+            work += [DecodeWork(kv, s, f) for kv, s, f in inst.incoming.values()]
+            inst.view = DecodeView(inst.name, tuple(work), inst.max_running, inst.kv_capacity_tokens)
+            inst.view_dirty = False
+        return inst.view
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _fetch_s(self, tiers: tuple[str, ...]) -> float:
+        """Seconds to bring blocks held in ``tiers`` (one per block) from another node."""
+        if not tiers:
+            return 0.0
+        ssd = sum(1 for t in tiers if t == "ssd")
+        net = self.cost.transfer_s(self.block_bytes * len(tiers), "network")
+        return max(net, self.cost.transfer_s(self.block_bytes * ssd, "ssd"))
+
+    def _start_prefill(self, inst: Instance, now: float) -> None:
+        """Start the next queued prefill; colocated (not chunked), the batch pauses for it."""
+        if inst.is_decode:
+            inst.paused = True
+        req = self._begin_prefill(inst, now)
+        self._push(now + req.prefill_s, PREFILL_END, inst, req)
+
+    def _begin_prefill(self, inst: Instance, now: float) -> SimRequest:
+        """Pop the next queued request, find its prefix (the engines' rule) and cost it."""
+        req = inst.queue.popleft()
+        inst.queue_pred_s -= req.pred_prefill_s
+        keys = req.keys
+        nodes = [inst.name]
+        if self.pool is not None:
+            nodes.append(POOL)
+        fetch = req.decision.fetch
+        if fetch is not None and fetch.source != POOL:
+            nodes.append(fetch.source)
+        per = self.index.match(keys, nodes).per_node if keys else {}
+        local = len(per.get(inst.name, ()))
+        best, fetch_s = local, 0.0
+        if self.pool is not None:
+            pool_tiers = per.get(POOL, ())
+            if len(pool_tiers) > best:
+                best, fetch_s = len(pool_tiers), self._fetch_s(pool_tiers[local:])
+        if fetch is not None and fetch.source != POOL:
+            peer = per.get(fetch.source, ())[:fetch.first_block + fetch.blocks]
+            if len(peer) > best:
+                best, fetch_s = len(peer), self._fetch_s(peer[local:])
+                self.hbm[fetch.source].touch_chain(keys[:best])
+        cached = usable_prefix_tokens(best, BLOCK, req.prompt)
+        compute = self.cost.prefill_s(req.prompt, cached)
+        req.hit_blocks = min(best, req.usable_blocks)
+        req.cached_tokens = cached
+        req.prefill_start_s = now
+        req.prefill_s = fetch_s + compute
+        req.compute_s = compute
+        self.hbm[inst.name].touch_chain(keys[:local])
+        if self.pool is not None and best > local:
+            self.pool.touch_chain(keys[:best])
+        inst.prefilling = req
+        inst.pred_end_s = now + req.pred_prefill_s
+        inst.prefill_busy_s += req.prefill_s
+        return req
+
+    def _end_prefill(self, inst: Instance, req: SimRequest, now: float) -> None:
+        """The prefill is over: the predictor learns, the caches keep the prompt's blocks,
+        the first token is out."""
+        inst.prefilling = None
+        self.policy.observe_prefill(req.prompt, req.cached_tokens, req.compute_s)
+        self.hbm[inst.name].insert_chain(req.keys)
+        if self.pool is not None:
+            self.pool.insert_chain(req.keys)
+        req.first_token_s = now
+
+    def _prefill_end(self, inst: Instance, req: SimRequest, now: float) -> None:
+        self._end_prefill(inst, req, now)
+        if self.colocated:
+            inst.joiners.append(req)
+            if inst.queue:
+                self._start_prefill(inst, now)
+            else:
+                inst.paused = False
+                self._boundary(inst, now, inst.k)
+            return
+        xfer = self.cost.transfer_s(self.cost.kv_bytes(req.prompt), "network")
+        self._push(max(now, req.prefill_start_s + xfer), DECODE_READY, req)
+        if inst.queue:
+            self._start_prefill(inst, now)
+
+    # -- decode -------------------------------------------------------------------------------
+    def _decode_ready(self, req: SimRequest, now: float) -> None:
+        inst = self.by_name[req.decode_id]
+        req.ready_s = now
+        if self.late_reject:
+            pending = sum(r.prompt + r.output for r in inst.joiners)
+            full = not inst.fits(req, pending)
+            slow = inst.running and self.cost.decode_step_s(
+                len(inst.running) + len(inst.joiners) + 1,
+                inst.kv_tokens(inst.step_at(now)) + pending + req.prompt) > self.cfg.tbt_slo_s
+            if slow or (full and self._max_wait_s(inst, req) <= 0):
+                self._reject_late(inst, req, "tbt_slo" if slow else "decode_capacity")
+                return
+        inst.joiners.append(req)
+        if not inst.running:
+            self._boundary(inst, now, inst.k)
+        else:
+            self._schedule(inst, inst.next_boundary(now))
+
+    def _max_wait_s(self, inst: Instance, req: SimRequest) -> float:
+        """How long ``req`` may wait at a full decode instance and still meet the TBT SLO:
+        the wait is one token interval, and Mooncake's TBT averages the longest
+        ``ceil(0.1·(output − 1))`` of them, so the slack of each at the current step time
+        adds up."""
+        tail = max(1, math.ceil(0.1 * (req.output - 1)))
+        step = inst.dt or self.cost.decode_step_s(1, req.prompt)
+        return (self.cfg.tbt_slo_s - step) * tail - step
+
+    def _reject_late(self, inst: Instance, req: SimRequest, reason: str) -> None:
+        req.status, req.reason = "rejected_late", reason
+        inst.incoming.pop(req.rid, None)
+        inst.view_dirty = True
+        self.inflight -= 1
+
+    def _schedule(self, inst: Instance, t: float) -> None:
+        if t < inst.sched_s - 1e-12:
+            inst.version += 1
+            inst.sched_s = t
+            self._push(t, BOUNDARY, inst, inst.version)
+
+    def _boundary(self, inst: Instance, now: float, step: int | None = None) -> None:
+        """Batch changes at a step boundary: finishes, joins, then (colocated) a prefill pause
+        or the new step time and the next boundary."""
+        s = inst.step_at(now) if step is None else step
+        for req in inst.pop_finished(s):
+            self._finish(req)
+        if self.chunk and inst.prefilling is not None:
+            inst.chunks_left -= s - inst.k
+            if inst.chunks_left <= 0:
+                req = inst.prefilling
+                self._end_prefill(inst, req, now)
+                inst.joiners.append(req)
+        joiners, inst.joiners = inst.joiners, []
+        for req in joiners:
+            req.wait_until_s = now + self._max_wait_s(inst, req) if self.late_reject else math.inf
+        inst.waiting.extend(joiners)
+        if self.late_reject and inst.waiting:
+            for req in [r for r in inst.waiting if r.wait_until_s < now]:
+                inst.waiting.remove(req)
+                self._reject_late(inst, req, "decode_capacity")
+        while inst.waiting and (not inst.running or inst.fits(inst.waiting[0])):
+            req = inst.waiting.popleft()
+            if not inst.join(req, s, now):
+                self._finish(req)
+        if inst.is_prefill and inst.queue and inst.prefilling is None:
+            if not self.chunk:
+                inst.k, inst.t = s, now            # pause at this boundary
+                inst.version += 1
+                inst.sched_s = math.inf
+                self._start_prefill(inst, now)
+                return
+            req = self._begin_prefill(inst, now)
+            inst.chunks_left = max(1, math.ceil((req.prompt - req.cached_tokens) / self.chunk))
+            inst.chunk_s = req.prefill_s / inst.chunks_left
+        extra = inst.chunk_s if self.chunk and inst.prefilling is not None else 0.0
+        dt = inst.reanchor(now, s, extra)
+        inst.version += 1
+        inst.sched_s = math.inf
+        if inst.running:
+            self.policy.observe_decode(len(inst.running), inst.kv_tokens(s), dt - extra)
+        nxt = inst.finish_time(inst.heap[0][0]) if inst.heap else math.inf
+        if extra:
+            nxt = min(nxt, now + inst.chunks_left * dt)
+        if nxt < math.inf:
+            self._schedule(inst, nxt)
+
+    def _finish(self, req: SimRequest) -> None:
+        req.status = "ok"
+        self.inflight -= 1

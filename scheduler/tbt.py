@@ -1,0 +1,83 @@
+"""TBT prediction and the predicted decode load (DESIGN.md §7 steps 3–5; Mooncake, FAST'25,
+§6 and arXiv 2407.00079 §7, prediction-based early rejection).
+
+A decode step serves the whole batch and re-reads every resident KV token (it is
+memory-bandwidth-bound), so the time between tokens is::
+
+    TBT(batch, kv_tokens) = k0 + k1·batch + k2·kv_tokens        (k0, k1, k2 >= 0)
+
+fitted online (:class:`scheduler.fit.OnlineFit`) from observed (batch, resident KV tokens,
+seconds between tokens), seeded from a :class:`DecodeProfile`.
+
+The load a request meets is not the load now but the load when it *reaches* decode, at the
+end of its prefill: requests that join before then (they finish prefill) are counted,
+requests that leave before then (they finish decoding) are not — :func:`load_at`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.errors import InvalidArgument
+from scheduler.fit import OnlineFit
+from scheduler.views import DecodeView
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    """Seed of the TBT model: ``step_s`` (per step), ``s_per_request`` (per request in the
+    batch), ``s_per_kv_token`` (per resident KV token); >= 0. ``min_samples`` and
+    ``decay`` as :class:`scheduler.costing.PrefillProfile`. Defaults fit the tiny CPU model
+    loosely."""
+
+    step_s: float = 4e-3
+    s_per_request: float = 5e-4
+    s_per_kv_token: float = 1e-7
+    min_samples: int = 8
+    decay: float = 0.995
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "s_per_request", "s_per_kv_token"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgument(f"{name} must be >= 0 s, got {getattr(self, name)!r}")
+        if self.min_samples < 1 or not 0 < self.decay <= 1:
+            raise InvalidArgument(f"need min_samples >= 1 and decay in (0, 1], got "
+                                  f"{self.min_samples!r} and {self.decay!r}")
+
+
+class TBTModel:
+    """Predicts seconds between tokens from batch size and resident KV tokens."""
+
+    def __init__(self, profile: DecodeProfile | None = None) -> None:
+        self.profile = p = profile or DecodeProfile()
+        self.fit = OnlineFit((p.step_s, p.s_per_request, p.s_per_kv_token), p.min_samples, p.decay)
+
+    def predict(self, batch: int, kv_tokens: int) -> float:
+        k0, k1, k2 = self.fit.coefficients
+        return k0 + k1 * max(1, batch) + k2 * max(0, kv_tokens)
+
+    def observe(self, batch: int, kv_tokens: int, tbt_s: float) -> None:
+        """Fold in one measurement: mean seconds between tokens while ``batch`` requests with
+        ``kv_tokens`` resident tokens were decoding."""
+        if batch >= 1 and kv_tokens >= 0 and tbt_s > 0:
+            self.fit.observe((1.0, float(batch), float(kv_tokens)), tbt_s)
+
+    @property
+    def samples(self) -> int:
+        return self.fit.samples
+
+
+class DecodeLoad(NamedTuple):
+    """Requests and KV tokens on one decode instance at one instant, and ``ending``: the
+    ``(predicted finish instant, kv_tokens)`` of each of those requests, in no order."""
+
+    running: int
+    kv_tokens: int
+    ending: tuple[tuple[float, int], ...]
+
+
+def load_at(view: DecodeView, t: float) -> DecodeLoad:
+    """The load of ``view`` at instant ``t``: every :class:`DecodeWork` with
+    ``start_s <= t < finish_s`` (joined and not yet finished)."""
+    ending = tuple((w.finish_s, w.kv_tokens) for w in view.work if w.start_s <= t < w.finish_s)
+    return DecodeLoad(len(ending), sum(kv for _, kv in ending), ending)
