@@ -1,5 +1,6 @@
 """Simulator benchmark: Mooncake's FAST'25 experiments reproduced on a CPU with the cluster
-simulator (scheduler/sim/), the real scheduler policies and the real prefix index.
+simulator (scheduler/sim/), the real scheduler policies, the real prefix index and the real
+pool's books (KVPool over accounting tiers, no payloads), cost-model engines for the GPUs.
 
 Set-ups (every one on 8xA800 nodes serving LLaMA3-70B, configs/; SLOs TTFT 30 s):
 

@@ -43,12 +43,16 @@ class EngineClient:
         r = await self._unary(self._stub.Load, pb.LoadRequest())
         return EngineLoad(r.queued, r.running, r.queued_tokens)
 
-    async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str) -> PrefillResult:
+    async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
+                      max_load_blocks: int | None = None) -> PrefillResult:
+        """``max_load_blocks``: the longest prefix (blocks) the engine may load from the pool
+        (None: any hit; its own cache is never limited)."""
         r = await self._unary(self._stub.Prefill, pb.PrefillRequest(
-            request_id=request_id, prompt=list(prompt), namespace=namespace))
+            request_id=request_id, prompt=list(prompt), namespace=namespace,
+            max_load_blocks=max_load_blocks))
         return PrefillResult(r.request_id, r.first_token, tuple(r.block_keys), r.cached_tokens,
                              r.computed_tokens, r.tail_kv, r.tail_tokens, r.prefill_s,
-                             r.loaded_blocks, r.stored_blocks)
+                             r.loaded_blocks, r.stored_blocks, r.load_s, r.load_bytes, r.load_tier)
 
     async def decode(self, request_id: str, prompt: Sequence[int], namespace: str,
                      prefill: PrefillResult, max_tokens: int,

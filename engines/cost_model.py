@@ -18,8 +18,11 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
+from engines.types import EngineLoad, PrefillResult
 from kvstore.errors import InvalidArgument
+from kvstore.index.keys import usable_prefix_tokens
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 LINKS = ("network", "pcie", "nvlink", "ssd")
@@ -155,3 +158,99 @@ class CostModel:
             return nbytes / self._link_bw[link]
         except KeyError:
             raise InvalidArgument(f"unknown link {link!r}; valid: {list(LINKS)}") from None
+
+
+class LoadedPrefix(NamedTuple):
+    """The cached prefix a simulated engine finds for a prompt (the simulator owns the
+    virtual cluster's caches and finds it): ``blocks`` (head first) of which the first
+    ``local_blocks`` are in the engine's own HBM cache; ``load_s`` seconds and
+    ``load_bytes`` bytes to fetch the rest (from the pool or a peer), ``tier`` the tier
+    they come from (``""``: none)."""
+
+    blocks: int = 0
+    local_blocks: int = 0
+    load_s: float = 0.0
+    load_bytes: int = 0
+    tier: str = ""
+
+
+class CostModelEngine:
+    """An engine in virtual time: the real engines' interface (:class:`engines.types.Engine`,
+    :class:`engines.types.PrefillBackend`) with seconds from a :class:`CostModel` instead of
+    a GPU. ``role``: ``"prefill"``, ``"decode"`` or ``"colocated"`` (both).
+
+    Nothing blocks: :meth:`prefill` returns at once with ``prefill_s`` = the prefix's load
+    seconds + the compute seconds of the rest, and the caller (the simulator) advances its
+    clock. :meth:`load` reports what the caller told it: :meth:`enqueue` a request,
+    :meth:`prefill` starts it (queued → running), :meth:`prefill_done` ends it,
+    :meth:`join`/:meth:`leave` a decode batch. Invariant: the counters are >= 0.
+    """
+
+    def __init__(self, cost: CostModel, engine_id: str, role: str = "prefill", block_size: int = 512) -> None:
+        if role not in ("prefill", "decode", "colocated"):
+            raise InvalidArgument(f"engine role must be one of ['colocated', 'decode', 'prefill'], got {role!r}")
+        if block_size <= 0:
+            raise InvalidArgument(f"block_size must be > 0 tokens, got {block_size}")
+        self.cost = cost
+        self.engine_id = engine_id
+        self.role = role
+        self.block_size = block_size
+        self.queued = self.queued_tokens = self.running = 0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.queued, self.running, self.queued_tokens)
+
+    def enqueue(self, prompt_tokens: int) -> None:
+        """A request was routed here; its prefill waits."""
+        self.queued += 1
+        self.queued_tokens += prompt_tokens
+
+    def prefill(self, request_id: str, prompt: Sequence[int], namespace: str = "",
+                max_load_blocks: int | None = None, *, block_keys: Sequence[bytes] = (),
+                prefix: LoadedPrefix = LoadedPrefix()) -> PrefillResult:
+        """Prefill ``prompt`` (only its length matters: a ``range(n)`` will do) reusing its
+        own cached blocks and fetching the rest of ``prefix`` only up to block
+        ``max_load_blocks`` (None: all; the real engine's rule), never the last token.
+        ``block_keys``: the prompt's full blocks' keys, handed on in the result. The fetch
+        seconds and bytes scale with the blocks fetched. Starts a request queued here by
+        :meth:`enqueue`, if any."""
+        n, bs = len(prompt), self.block_size
+        if n <= 0:
+            raise InvalidArgument("prompt is empty")
+        if self.queued > 0:
+            self.queued -= 1
+            self.queued_tokens = max(0, self.queued_tokens - n)
+        self.running += 1
+        local = min(prefix.local_blocks, prefix.blocks, n // bs)
+        blocks = min(prefix.blocks, n // bs)
+        if max_load_blocks is not None:
+            blocks = max(local, min(blocks, max_load_blocks))
+        fetchable = prefix.blocks - local
+        share = (blocks - local) / fetchable if fetchable > 0 else 0.0
+        load_s, load_bytes = prefix.load_s * share, int(prefix.load_bytes * share)
+        cached = usable_prefix_tokens(blocks, bs, n)
+        compute_s = self.cost.prefill_s(n, cached)
+        return PrefillResult(request_id, 0, tuple(block_keys), cached, n - cached, b"", n % bs,
+                             load_s + compute_s, blocks, n // bs - blocks, load_s, load_bytes,
+                             prefix.tier if load_bytes else "")
+
+    def prefill_done(self) -> None:
+        """The prefill started last has ended (virtual time)."""
+        self.running = max(0, self.running - 1)
+
+    def join(self, requests: int = 1) -> None:
+        """Requests joined the decode batch."""
+        self.running += requests
+
+    def leave(self, requests: int = 1) -> None:
+        """Requests left the decode batch."""
+        self.running = max(0, self.running - requests)
+
+    def decode_step_s(self, batch: int, kv_tokens: int) -> float:
+        """Seconds of one decode step of ``batch`` requests holding ``kv_tokens`` KV tokens
+        (:meth:`CostModel.decode_step_s`)."""
+        return self.cost.decode_step_s(batch, kv_tokens)
+
+    def transfer_s(self, nbytes: float, link: str = "network") -> float:
+        """Seconds to move ``nbytes`` over ``link`` (:meth:`CostModel.transfer_s`)."""
+        return self.cost.transfer_s(nbytes, link)

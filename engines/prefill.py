@@ -73,9 +73,15 @@ class PrefillEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(self._queued, self._running, self._queued_tokens)
 
-    def prefill(self, request_id: str, prompt: Sequence[int], namespace: str) -> PrefillResult:
-        """Raises InvalidArgument for a bad prompt. A pool that cannot be reached is a miss
-        (the prefix is recomputed), never a failed request."""
+    def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
+                max_load_blocks: int | None = None) -> PrefillResult:
+        """Prefill ``prompt``, loading from the pool at most the prefix of ``max_load_blocks``
+        blocks (the scheduler's decision to recompute the rest; None: any hit — the
+        engine's own cache is never limited). Raises InvalidArgument for a bad prompt. A
+        pool that cannot be reached is a miss (the prefix is recomputed), never a failed
+        request."""
+        if max_load_blocks is not None and max_load_blocks < 0:
+            raise InvalidArgument(f"max_load_blocks must be >= 0, got {max_load_blocks}")
         validate_prompt(prompt, self.lm)
         with self._stats_lock:
             self._queued += 1
@@ -86,19 +92,25 @@ class PrefillEngine:
                 self._queued_tokens -= len(prompt)
                 self._running += 1
             try:
-                return self._prefill(request_id, list(prompt), namespace)
+                return self._prefill(request_id, list(prompt), namespace, max_load_blocks)
             finally:
                 with self._stats_lock:
                     self._running -= 1
 
-    def _prefill(self, request_id: str, prompt: list[int], namespace: str) -> PrefillResult:
+    def _prefill(self, request_id: str, prompt: list[int], namespace: str,
+                 max_load_blocks: int | None) -> PrefillResult:
         t0 = time.perf_counter()
         lm, bs = self.lm, self.block_size
         keys = block_keys(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
         want = -(-usable_prefix_tokens(len(keys), bs, len(prompt)) // bs)  # blocks worth loading
         tensors = self.local.prefix(keys[:want])
         from_local = len(tensors)
-        fetched = [to_tensor(b, lm.layout, lm.dtype) for b in self._fetch(keys[from_local:want])]
+        upto = want if max_load_blocks is None else min(want, max(from_local, max_load_blocks))
+        t_load = time.perf_counter()
+        raw, tier = self._fetch(keys[from_local:upto])
+        load_s = time.perf_counter() - t_load if raw else 0.0
+        load_bytes = sum(len(b) for b in raw)
+        fetched = [to_tensor(b, lm.layout, lm.dtype) for b in raw]
         tensors += fetched
         loaded = len(tensors)
         cached = usable_prefix_tokens(loaded, bs, len(prompt))
@@ -120,17 +132,22 @@ class PrefillEngine:
                              + [(k, to_tensor(b, lm.layout, lm.dtype)) for k, b in new])
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
                              slice_bytes(cache, n_full * bs, len(prompt)), len(prompt) - n_full * bs,
-                             time.perf_counter() - t0, loaded, stored)
+                             time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
+                             tier if load_bytes else "")
 
-    def _fetch(self, keys: list[bytes]) -> list[bytes]:
+    def _fetch(self, keys: list[bytes]) -> tuple[list[bytes], str]:
+        """The pool's longest prefix of ``keys`` (bytes per block) and the tier most of it
+        came from ("" when unknown)."""
         if not keys or self.store is None:
-            return []
+            return [], ""
         try:
-            hit = self.store.lookup(keys).blocks
+            found = self.store.lookup(keys)
         except KVStoreError as exc:
             log.warning("pool unavailable, recomputing the prefix: %s", exc)
-            return []
-        return read_prefix(self.store, keys[:hit])
+            return [], ""
+        tiers = list(found.tiers[:found.blocks])
+        tier = max(set(tiers), key=tiers.count) if tiers else ""
+        return read_prefix(self.store, keys[:found.blocks]), tier
 
     def _publish(self, blocks: list[tuple[bytes, bytes]], parent: bytes | None) -> int:
         """Put the new blocks as one chain extending ``parent`` (so the pool evicts the

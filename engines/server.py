@@ -43,7 +43,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         if not isinstance(self.engine, PrefillEngine):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a decode engine")
         try:
-            r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace)
+            limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
+            r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVStoreError as exc:
@@ -52,7 +53,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                                   block_keys=list(r.block_keys), cached_tokens=r.cached_tokens,
                                   computed_tokens=r.computed_tokens, tail_kv=r.tail_kv,
                                   tail_tokens=r.tail_tokens, prefill_s=r.prefill_s,
-                                  loaded_blocks=r.loaded_blocks, stored_blocks=r.stored_blocks)
+                                  loaded_blocks=r.loaded_blocks, stored_blocks=r.stored_blocks,
+                                  load_s=r.load_s, load_bytes=r.load_bytes, load_tier=r.load_tier)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeToken]:
         if not isinstance(self.engine, DecodeEngine):
@@ -71,16 +73,22 @@ class EngineServicer(pb_grpc.EngineServicer):
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,
                  block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
-                 store_token: str | None = None, workers: int = 16) -> tuple[grpc.Server, int]:
+                 store_token: str | None = None, workers: int = 16,
+                 store_redis: str | None = None) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
-    ``store_address`` (None: no pool), and serve it on ``address``. Returns (server, port).
-    Raises ValueError for an unknown role, RuntimeError when the address cannot be bound."""
+    ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
+    (kvstore/cluster) — (neither: no pool), and serve it on ``address``. Returns (server,
+    port). Raises ValueError for an unknown role, RuntimeError when the address cannot be
+    bound."""
     if role not in ROLES:
         raise ValueError(f"engine role must be one of {ROLES}, got {role!r}")
     lm = load_model(ModelConfig(model_dir=model_dir, dtype=dtype, device=device, block_size=block_size))
     if lm.device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     store = StoreClient(store_address, auth_token=store_token) if store_address else None
+    if store_redis:
+        from kvstore.cluster.client import ClusterClient
+        store = ClusterClient(store_redis, auth_token=store_token)  # type: ignore[assignment]
     engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:6]}"
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks) if role == "prefill"

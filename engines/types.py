@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
 
 from kvstore.index.keys import KeyExtras, KVLayout
 
@@ -23,7 +24,11 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """What a prefill hands to decode: the first token, the prompt's block keys (the full
-    blocks are in the pool) and the KV of the partial tail block (bytes, see engines/kv.py)."""
+    blocks are in the pool) and the KV of the partial tail block (bytes, see engines/kv.py).
+    ``load_s``/``load_bytes``: seconds and bytes spent loading the prefix from the pool
+    (0 when it came from the engine's own cache or was recomputed); ``load_tier``: the pool
+    tier it came from (``"hbm"``, ``"dram"``, ``"ssd"``; ``""`` when unknown or nothing
+    was loaded)."""
 
     request_id: str
     first_token: int
@@ -35,6 +40,9 @@ class PrefillResult:
     prefill_s: float          # seconds spent in the engine
     loaded_blocks: int
     stored_blocks: int
+    load_s: float = 0.0
+    load_bytes: int = 0
+    load_tier: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,28 @@ class EngineLoad:
     queued: int               # requests waiting
     running: int              # requests being served
     queued_tokens: int        # tokens still to compute for queued requests
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine answers, real (:class:`engines.prefill.PrefillEngine`,
+    :class:`engines.decode.DecodeEngine`) or simulated in virtual time
+    (:class:`engines.cost_model.CostModelEngine`)."""
+
+    engine_id: str
+    role: str
+
+    def load(self) -> EngineLoad: ...
+
+
+@runtime_checkable
+class PrefillBackend(Engine, Protocol):
+    """A prefill engine: ``prefill`` loads at most ``max_load_blocks`` cached prefix blocks
+    (None: as many as it finds; the scheduler's decision otherwise), computes the rest and
+    returns the result (``prefill_s``: seconds the engine spent, wall or virtual)."""
+
+    def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
+                max_load_blocks: int | None = None) -> PrefillResult: ...
 
 
 def extras_for(model_id: str, revision: str, layout: KVLayout, namespace: str) -> KeyExtras:

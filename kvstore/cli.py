@@ -40,7 +40,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            ssd_fsync=args.ssd_fsync, auth_token=args.auth_token, redis_url=args.redis,
                            hbm_bytes=args.hbm, hbm_device=args.hbm_device, eviction_policy=args.policy,
                            high_watermark=args.high_watermark, low_watermark=args.low_watermark,
-                           lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout)
+                           lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
+                           heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
+                           transfer_engine=args.transfer_engine, te_metadata=args.te_metadata,
+                           advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket)
     server, port, pool = start_node(cfg)
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
@@ -55,7 +58,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     server, port = start_engine(args.role, args.store, model_dir=args.model, block_size=args.block_size,
                                 address=f"{args.host}:{args.port}", engine_id=args.engine_id,
                                 dtype=args.dtype, device=args.device,
-                                local_cache_blocks=args.local_cache_blocks, store_token=args.store_token)
+                                local_cache_blocks=args.local_cache_blocks, store_token=args.store_token,
+                                store_redis=args.redis)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
     _wait_for_signal()
     server.stop(grace=2).wait()
@@ -136,8 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reservation-timeout", type=float, metavar="S",
                    help="an unfinished put frees its space after this many seconds (default 30)")
     p.add_argument("--auth-token", help="require this bearer token from clients")
-    p.add_argument("--redis", metavar="URL", help="publish KV events to this Redis (redis://host:port/db); "
-                   "default: an in-process channel")
+    p.add_argument("--dataplane-socket", metavar="PATH", help="Unix socket of the same-host data plane's "
+                   "control channel (default auto: <data-dir>/<node-id>/dataplane.sock; '' for none)")
+    p.add_argument("--redis", metavar="URL", help="publish KV events to this Redis (redis://host:port/db) "
+                   "and register the node there (cluster membership); default: in-process, single node")
+    p.add_argument("--heartbeat", type=float, metavar="S", help="membership heartbeat, seconds (default 1)")
+    p.add_argument("--node-ttl", type=float, metavar="S",
+                   help="membership TTL: a node silent this long leaves lookups (default 3)")
+    p.add_argument("--transfer-engine", choices=["tcp", "rdma", "off"],
+                   help="Mooncake Transfer Engine protocol for across-host reads (default tcp)")
+    p.add_argument("--te-metadata", metavar="URL", help="transfer engine metadata: P2PHANDSHAKE (default) "
+                   "or Mooncake's HTTP metadata server http://host:port/metadata")
+    p.add_argument("--advertise-host", help="host other machines reach this node at (default --host)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
@@ -146,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["prefill", "decode"], required=True)
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--store-token", help="bearer token for the store node")
+    p.add_argument("--redis", metavar="URL", help="use every store node registered in this Redis "
+                   "(cluster mode) instead of --store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks a free one)")
     p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
@@ -162,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", required=True, help="prefill engine addresses, comma-separated")
     p.add_argument("--decode", required=True, help="decode engine addresses, comma-separated")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
+    p.add_argument("--redis", metavar="URL", help="look up blocks across every store node registered "
+                   "in this Redis (cluster mode) instead of --store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
@@ -184,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-data", action="store_true", help="do not wipe --data-dir at start")
     p.add_argument("--prefill-instances", type=int, default=1, help="prefill engines to start")
     p.add_argument("--decode-instances", type=int, default=1, help="decode engines to start")
+    p.add_argument("--store-nodes", type=int, default=1,
+                   help="store nodes to start; > 1 forms a cluster registered in Redis")
+    p.add_argument("--redis", metavar="URL", help="Redis for membership and KV events (default with "
+                   "--store-nodes > 1: a private redis-server, stopped at the end)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,

@@ -1,17 +1,25 @@
-"""A Python client of a store node's gRPC API (batched, streamed block transfers)."""
+"""A Python client of a store node's gRPC API (batched, streamed block transfers). On the
+node's own host it moves block bytes through the node's mapped DRAM slab instead
+(kvstore/dataplane), with the same methods."""
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import grpc
+import numpy as np
 
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.pool import PutResult, TierStats, checksum_of
 from kvstore.service import CHUNK_BYTES, GRPC_OPTIONS
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+DATA_PATHS = ("auto", "grpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,17 +35,95 @@ class StoreClient:
 
     Every method raises :class:`Unavailable` when the node cannot be reached and
     :class:`InvalidArgument` when the node rejects the request as malformed.
+
+    ``data_path``: ``auto`` (default) moves block bytes through the node's shared-memory
+    slab when the node runs on this host, its top tier is that DRAM slab and the slab can be
+    mapped here (control over the node's Unix socket, else gRPC), and through the gRPC
+    stream otherwise; ``grpc`` always uses the stream. :attr:`data_path_in_use` says which was picked (logged once).
     """
 
-    def __init__(self, address: str, auth_token: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, auth_token: str | None = None, timeout_s: float = 60.0,
+                 data_path: str = "auto") -> None:
+        if data_path not in DATA_PATHS:
+            raise InvalidArgument(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._meta = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._token = auth_token
+        self._plane: Any = None          # a kvstore.dataplane.local.LocalDataPlane once attached
+        self._plane_decided = data_path == "grpc"
+        self._plane_lock = threading.Lock()
 
     def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
         self._channel.close()
+
+    # -- the data path -----------------------------------------------------------------------
+    @property
+    def data_path_in_use(self) -> str:
+        """``same-host/uds``, ``same-host/grpc`` (slab mapped; control over the node's Unix
+        socket or gRPC) or ``grpc`` (bytes in the gRPC stream). Asks the node once."""
+        plane = self._local()
+        return "grpc" if plane is None else f"same-host/{plane.channel}"
+
+    def _local(self) -> Any:
+        """The same-host data plane, attached on first use; None when the node is elsewhere
+        (or old, or has no DRAM slab). A node that cannot be reached yet is asked again."""
+        if self._plane_decided:
+            return self._plane
+        with self._plane_lock:
+            if self._plane_decided:
+                return self._plane
+            from kvstore.dataplane.local import LocalDataPlane
+            from kvstore.dataplane.types import DataPlaneInfo
+            try:
+                resp = self._stub.DataPlaneInfo(pb.DataPlaneInfoRequest(), timeout=self.timeout_s,
+                                                metadata=self._meta)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return None  # not up yet: decide on a later call
+                self._plane_decided = True
+                log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc.code().name)
+                return None
+            self._plane_decided = True
+            if not resp.available or not resp.puts_in_slab:
+                # no slab, or a tier above it (HBM) that takes puts and promotions in the node
+                log.info("store client -> %s: gRPC stream data path (the node's top tier is not a DRAM slab)",
+                         self.address)
+                return None
+            info = DataPlaneInfo(resp.slab_name, resp.slab_bytes, resp.socket_path, resp.host_id, resp.node_id,
+                                 resp.puts_in_slab)
+            try:
+                self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks)
+            except Unavailable as exc:
+                log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc)
+                return None
+            log.info("store client -> %s: same-host data path (slab %s mapped, control over %s)",
+                     self.address, info.slab_name, self._plane.channel)
+            return self._plane
+
+    def _drop_plane(self, exc: Exception) -> None:
+        """The same-host path broke (the node stopped or restarted): forget it, so this call
+        goes over gRPC and a later one attaches afresh."""
+        with self._plane_lock:
+            plane, self._plane, self._plane_decided = self._plane, None, False
+        if plane is not None:
+            log.info("store client -> %s: same-host path lost (%s); over gRPC until it is back", self.address, exc)
+            plane.close()
+
+    def _control(self, info: Any) -> Any:
+        from kvstore.dataplane.grpc_control import GrpcControl
+        if info.socket_path:
+            from kvstore.dataplane.uds import UdsControl
+            try:
+                return UdsControl(info.socket_path, self._token, self.timeout_s)
+            except Unavailable as exc:
+                log.info("store client -> %s: no Unix control socket (%s); control over gRPC", self.address, exc)
+        return GrpcControl(self._stub, self._call)
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -63,6 +149,13 @@ class StoreClient:
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest prefix of the key chain the node holds (renews nothing)."""
+        plane = self._local()
+        if plane is not None:
+            try:
+                n, tiers = plane.lookup(keys)
+                return LookupResult(n, tuple(tiers))
+            except Unavailable as exc:
+                self._drop_plane(exc)
         resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
         return LookupResult(resp.prefix_blocks, tuple(resp.tiers))
 
@@ -73,6 +166,12 @@ class StoreClient:
         head extends), so the node evicts its tail before its head."""
         if not blocks:
             return []
+        plane = self._local()
+        if plane is not None:
+            try:
+                return plane.put_blocks(blocks, chain, parent)
+            except Unavailable as exc:  # puts are idempotent: the stream redoes the whole batch
+                self._drop_plane(exc)
         resp = self._call(self._stub.Put, _put_chunks(blocks, chain, parent))
         return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
 
@@ -81,8 +180,38 @@ class StoreClient:
 
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """Bytes of each key (None for a miss; with ``stop_at_miss`` the list ends at the
-        first miss). Each block's checksum is verified after it crosses the socket; a block
-        that fails it is returned as a miss."""
+        first miss). Each block's checksum is verified after it crosses the process
+        boundary (socket or mapped slab); a block that fails it is returned as a miss."""
+        if not keys:
+            return []
+        plane = self._local()
+        if plane is not None:
+            try:
+                return plane.get_blocks(keys, stop_at_miss)
+            except Unavailable as exc:
+                self._drop_plane(exc)
+            except LeaseExpired:
+                log.info("store client -> %s: a slab copy outlived its lease; reading over gRPC", self.address)
+        return self._grpc_get_blocks(keys, stop_at_miss)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
+        """Copy block i into ``outs[i]`` (a contiguous numpy array or torch tensor on any
+        device, at least the block's size): per key the bytes copied or None for a miss
+        (with ``stop_at_miss`` the list ends at the first miss). Same host: one copy out of
+        the mapped slab per block; otherwise over the gRPC stream. Raises LeaseExpired when
+        a slab copy outlived its lease, InvalidArgument for a too-small buffer."""
+        plane = self._local()
+        if plane is not None:
+            try:
+                return plane.get_into(keys, outs, stop_at_miss)
+            except Unavailable as exc:
+                self._drop_plane(exc)
+        from kvstore.tiers.buffers import copy_into
+        return [None if d is None else copy_into(o, np.frombuffer(d, dtype=np.uint8))
+                for d, o in zip(self._grpc_get_blocks(keys, stop_at_miss), outs)]
+
+    def _grpc_get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
+        """:meth:`get_blocks` over the gRPC stream."""
         if not keys:
             return []
         out: list[bytes | None] = []

@@ -48,6 +48,16 @@ class StoreConfig:
     eviction_policy: str = "lru"
     lease_ttl_s: float = 5.0
     reservation_timeout_s: float = 30.0
+    # Cluster (kvstore/cluster): membership at redis_url (None: an embedded registry) and the
+    # across-host transfer engine (kvstore/transfer): tcp | rdma | off.
+    heartbeat_s: float = 1.0
+    node_ttl_s: float = 3.0
+    transfer_engine: str = "tcp"
+    te_metadata: str = "P2PHANDSHAKE"    # or Mooncake's HTTP metadata server, http://host:port/metadata
+    advertise_host: str | None = None    # host others reach this node at (default: host)
+    # Same-host data plane (kvstore/dataplane): the Unix control socket; "auto": <data_dir>/<node_id>/
+    # dataplane.sock (/tmp/kvstore-<node_id>-<pid>.sock when that path is too long), "": none.
+    dataplane_socket: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.hbm_bytes <= 0:
@@ -57,6 +67,10 @@ class StoreConfig:
             raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not 0 < self.heartbeat_s < self.node_ttl_s:
+            raise ValueError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
+        if self.transfer_engine not in ("tcp", "rdma", "off"):
+            raise ValueError(f"transfer_engine must be 'tcp', 'rdma' or 'off', got {self.transfer_engine!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
@@ -77,6 +91,14 @@ class StoreConfig:
             if key in values:
                 values[key] = parse_bytes(values[key])
         return replace(cls(), **values)
+
+    def dataplane_socket_path(self) -> str | None:
+        """The Unix control socket of the same-host data plane, or None for none."""
+        if self.dataplane_socket == "auto":
+            import os
+            path = os.path.abspath(os.path.join(self.data_dir, self.node_id, "dataplane.sock"))
+            return path if len(path) < 100 else f"/tmp/kvstore-{self.node_id}-{os.getpid()}.sock"
+        return self.dataplane_socket or None
 
     def pool_settings(self) -> PoolSettings:
         """The pool's settings. Raises ValueError naming the valid values."""

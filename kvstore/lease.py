@@ -114,6 +114,16 @@ class Reservation:
             return self._digest
         return self._hasher.intdigest() if self._hasher is not None else checksum_of(b"")
 
+    def assign(self, key: bytes, parent: bytes | None) -> None:
+        """Name the block an open, unwritten-to-the-index reservation will commit as (a
+        same-host writer's spare slot, taken before its key was known)."""
+        self.key, self.parent = key, parent
+
+    def filled(self, digest: int) -> None:
+        """The whole slot was written in place (a same-host writer through the mapped slab);
+        ``digest``: the xxh3-64 of its bytes, taken from the tier."""
+        self.written, self._hasher, self._digest = self.size, None, digest
+
     @property
     def existed(self) -> bool:
         return self.state is ReservationState.EXISTED

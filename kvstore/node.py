@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.config import StoreConfig
 from kvstore.events import PublishingIndex, make_channel
 from kvstore.pool import KVPool
-from kvstore.service import serve_store
+from kvstore.service import close_dataplane, serve_store
 from kvstore.tiers import TIERS
+
+if TYPE_CHECKING:
+    from kvstore.cluster.agent import ClusterAgent
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +35,33 @@ def build_pool(cfg: StoreConfig) -> KVPool:
     return KVPool(tiers, node_id=cfg.node_id, index=index, settings=cfg.pool_settings())
 
 
+_AGENTS: dict[int, "ClusterAgent"] = {}   # id(server) -> the node's cluster presence
+
+
 def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
+    """Build the pool, serve it (with the transfer-engine ``BlockTransfer`` service) and
+    register the node in the cluster (Redis at ``cfg.redis_url``, else embedded)."""
+    from kvstore.cluster.agent import ClusterAgent
     pool = build_pool(cfg)
-    server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token)
+    agent = ClusterAgent(cfg, pool)
+    server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
+                               extra_services=agent.services(),
+                               dataplane_socket=cfg.dataplane_socket_path())
+    agent.start(port)
+    _AGENTS[id(server)] = agent
     return server, port, pool
 
 
 def stop_node(server: grpc.Server, pool: KVPool, grace_s: float = 2.0) -> None:
-    """Stop serving, announce ``NodeCleared`` to index replicas, close the pool."""
+    """Leave the cluster, stop serving, announce ``NodeCleared`` to index replicas, close
+    the pool."""
+    agent = _AGENTS.pop(id(server), None)
+    if agent is not None:
+        agent.leave()   # withdrawn from lookups before the port closes
     server.stop(grace=grace_s).wait()
+    close_dataplane(server)
+    if agent is not None:
+        agent.stop()
     if isinstance(pool.index, PublishingIndex):
         pool.index.close()
     pool.close()

@@ -176,8 +176,10 @@ class Placement:
         old = self.parents.get(child)
         if old == parent or child == parent:
             return
+        # A cycle needs ``child`` to be an ancestor of ``parent``, so a child with no
+        # children of its own (every new block of a chain) needs no walk up.
         node: bytes | None = parent
-        for _ in range(1 << 16):
+        for _ in range(1 << 16 if any(child in book.kids for book in self.books) else 0):
             node = self.parents.get(node)  # type: ignore[arg-type]
             if node is None:
                 break

@@ -84,6 +84,14 @@ class KVPool:
         mismatch, OSError when the tier's write fails."""
         return self._writes.commit(res)
 
+    def mark_filled(self, res: Reservation, checksum: int) -> None:
+        """Record that the reservation's slot was written in place by a same-host writer
+        through the mapped slab (kvstore/dataplane), instead of through :meth:`write`;
+        ``checksum``: xxh3-64 of the slot's bytes as the tier holds them (taken after the
+        write). :meth:`commit` then checks it against the checksum given at reserve, if any.
+        Raises ReservationExpired after the timeout or an abort."""
+        self._writes.mark_filled(res, checksum)
+
     def abort(self, res: Reservation) -> None:
         """Give the reservation's space back (idempotent; a no-op once committed)."""
         self._writes.abort(res)
@@ -114,6 +122,48 @@ class KVPool:
         items form one prefix chain, ``parent`` the key its head extends."""
         raw = self._writes.put_many(items, checksums, chain, self._place.level_of(tier), parent)
         return [_result(key, r) for (key, _), r in zip(items, raw)]
+
+    # -- accounting only (tiers that keep no bytes) -----------------------------------------
+    def account_chain(self, keys: Sequence[bytes], size: int, tier: str | None = None,
+                      parent: bytes | None = None) -> int:
+        """Hold a prefix chain (head first; ``parent``: the key its head extends) of blocks
+        of ``size`` bytes each by size alone, in a tier that keeps no bytes
+        (:class:`kvstore.tiers.accounting.AccountingTier`; the simulator's pools). New blocks
+        are reserved — evicting and demoting as a put does — and committed, linked as a
+        chain; blocks held already count as read; then the head is the most recent. A
+        block that cannot fit ends the chain there. Returns blocks newly held. Raises
+        InvalidArgument for a tier that keeps bytes."""
+        level = self._place.level_of(tier)
+        if self.tiers[level].holds_bytes:
+            raise InvalidArgument(f"tier {self.tiers[level].name!r} keeps bytes; put blocks there, "
+                                  f"account_chain is for accounting tiers")
+        new = 0
+        with self._lock:
+            book, account, link = self._place.books[level], self._writes.account, parent
+            for key in keys:
+                if key not in book.blocks:
+                    r = account(key, size, level, link)
+                    if isinstance(r, Exception):
+                        break
+                    new += not r.existed
+                link = key
+            blocks, access = book.blocks, book.policy.access
+            for key in reversed(keys):
+                if key in blocks:
+                    access(key)
+        return new
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """Count a read of the blocks of a prefix chain this node holds without moving bytes
+        (recency tail-first, so heads stay warm; hits and misses counted as a read's).
+        Returns blocks held."""
+        with self._lock:
+            place = self._place
+            found = [(key, hit[0]) for key in keys if (hit := place.find(key)) is not None]
+            books = place.books
+            for key, level in reversed(found):
+                books[level].policy.access(key)
+            return len(found)
 
     # -- reads -----------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], sinks: Sink | Sequence[Sink],
@@ -270,6 +320,44 @@ class KVPool:
                 meta.refs += 1
                 meta.lease_until = max(meta.lease_until, deadline)
             return Lease(next(self._lease_ids), tuple(keys[:n]), tuple(tiers), deadline, metas)
+
+    def lease_many(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
+                   chain: bool = False) -> tuple[Lease, list[str | None]]:
+        """Lease each key's copy in its fastest tier for a reader that copies the bytes itself
+        (a same-host reader of the mapped DRAM slab, kvstore/dataplane). Counts hits and
+        misses and touches recency as a read does (``chain``: tail-first, linked), renews
+        nothing else. Returns the lease (over the keys held) and, per key, the tier holding
+        it or None for a miss; with ``stop_at_miss`` the list ends at the first miss. The
+        caller must :meth:`release` the lease; its bytes are trustworthy only if the copy
+        ended before ``lease.deadline`` (``time.monotonic()``)."""
+        with self._lock:
+            deadline = time.monotonic() + (ttl_s or self.settings.lease_ttl_s)
+            place, books = self._place, self._place.books
+            names = [t.name for t in self.tiers]
+            tiers: list[str | None] = []
+            held: list[bytes] = []
+            metas = []
+            for key in keys:
+                hit = place.find(key)
+                if hit is None:
+                    tiers.append(None)
+                    if stop_at_miss:
+                        break
+                    continue
+                level, meta = hit
+                meta.refs += 1
+                if meta.lease_until < deadline:
+                    meta.lease_until = deadline
+                tiers.append(names[level])
+                held.append(key)
+                metas.append(meta)
+                if not chain:
+                    books[level].policy.access(key)
+            if chain:
+                place.link_chain(held)
+                for key, tier in reversed([(k, t) for k, t in zip(keys, tiers) if t is not None]):
+                    books[place.levels[tier]].policy.access(key)
+            return Lease(next(self._lease_ids), tuple(held), tuple(t for t in tiers if t), deadline, metas), tiers
 
     def release(self, lease: Lease) -> None:
         """End a lease. Raises InvalidArgument when it was released already."""

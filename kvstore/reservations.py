@@ -12,11 +12,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, ReservationExpired
+from kvstore.integrity import checksum_of
 from kvstore.lease import Reservation, ReservationState as RS
 from kvstore.ledger import BlockMeta
 from kvstore.placement import Placement
 from kvstore.pool_types import PutResult
 from kvstore.tiers.buffers import as_u8, host_u8, nbytes
+
+_EMPTY_CHECKSUM = checksum_of(b"")   # what an accounted block (no bytes) hashes to
 
 
 class Reservations:
@@ -95,6 +98,27 @@ class Reservations:
             self.abort(res)
             return exc
 
+    def account(self, key: bytes, size: int, level: int, parent: bytes | None) -> PutResult | Exception:
+        """reserve + commit of a block by its size alone, in a tier that keeps no bytes
+        (:class:`kvstore.tiers.accounting.AccountingTier`). No bytes are written, so the
+        slot is taken and committed in one hold of the lock, without an open reservation.
+        Returns the result or the exception that failed the block."""
+        if size < 0:
+            return InvalidArgument(f"block size must be >= 0 bytes, got {size}")
+        with self._lock:
+            place = self._place
+            if place.held(key):
+                return PutResult(key, True, existed=True)
+            try:
+                slot = place.make_room(level, size)
+                place.tiers[level].commit(slot, key, _EMPTY_CHECKSUM)
+            except (OSError, KVStoreError) as exc:
+                return exc
+            place.admit(level, key, BlockMeta(size, _EMPTY_CHECKSUM))
+            if parent is not None:
+                place.link(key, parent)
+            return PutResult(key, True)
+
     def put_many(self, items: Sequence[tuple[bytes, Any]], checksums: Sequence[int] | None, chain: bool,
                  level: int, parent: bytes | None) -> list[PutResult | Exception]:
         """Windows of up to a quarter of the tier: reserve and write each block, then commit
@@ -157,6 +181,15 @@ class Reservations:
         if res.parent is not None:
             place.link(res.key, res.parent)
         return PutResult(res.key, True)
+
+    def mark_filled(self, res: Reservation, digest: int) -> None:
+        """The slot of ``res`` was written in place; ``digest``: its bytes' xxh3-64, taken
+        from the tier after the write. Raises ReservationExpired unless ``res`` is open."""
+        if res.state is RS.EXISTED:
+            return
+        with self._lock:
+            self.check_open(res, time.monotonic())
+            res.filled(digest)
 
     def commit(self, res: Reservation) -> PutResult:
         if res.state is RS.EXISTED:

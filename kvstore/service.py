@@ -10,6 +10,7 @@ from typing import Iterator
 import grpc
 
 from kvstore import __version__
+from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
 from kvstore.events.publisher import snapshot_of
 from kvstore.lease import Reservation
@@ -26,9 +27,11 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 
 
 class StoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, pool: KVPool, max_block_bytes: int = 1 << 30) -> None:
+    def __init__(self, pool: KVPool, max_block_bytes: int = 1 << 30,
+                 dataplane: DataPlaneHost | None = None) -> None:
         self.pool = pool
         self.max_block_bytes = max_block_bytes
+        self.dataplane = dataplane  # the same-host data plane (kvstore/dataplane); None: no DRAM slab
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         n, tiers = self.pool.lookup(list(request.keys))
@@ -170,6 +173,47 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                                    sizes=[e[2] for e in part], **head)
 
 
+    # -- the same-host data plane (kvstore/dataplane): control only, bytes go through the slab
+    def _plane(self, context: grpc.ServicerContext) -> DataPlaneHost:
+        if self.dataplane is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no DRAM slab to map")
+        return self.dataplane  # type: ignore[return-value]
+
+    def DataPlaneInfo(self, request: pb.DataPlaneInfoRequest, context: grpc.ServicerContext) -> pb.DataPlaneInfoResponse:
+        if self.dataplane is None:
+            return pb.DataPlaneInfoResponse(available=False, node_id=self.pool.node_id)
+        i = self.dataplane.info()
+        return pb.DataPlaneInfoResponse(available=True, slab_name=i.slab_name, slab_bytes=i.slab_bytes,
+                                        socket_path=i.socket_path, host_id=i.host_id, node_id=i.node_id,
+                                        puts_in_slab=i.puts_in_slab)
+
+    def LeaseBlocks(self, request: pb.LeaseBlocksRequest, context: grpc.ServicerContext) -> pb.LeaseBlocksResponse:
+        g = self._plane(context).lease(list(request.keys), request.ttl_s or None, request.stop_at_miss,
+                                       request.chain)
+        return pb.LeaseBlocksResponse(lease_id=g.lease_id, deadline=g.deadline, blocks=[
+            pb.LeasedBlock(state=b.state, offset=b.offset, size=b.size, checksum=b.checksum) for b in g.blocks])
+
+    def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseResponse:
+        return pb.ReleaseLeaseResponse(released=self._plane(context).release(request.lease_id))
+
+    def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context: grpc.ServicerContext) -> pb.ReserveBlocksResponse:
+        if len(request.keys) != len(request.sizes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "keys and sizes differ in length")
+        grants = self._plane(context).reserve(list(zip(request.keys, request.sizes)), request.chain,
+                                              request.parent or None)
+        return pb.ReserveBlocksResponse(slots=[pb.ReservedSlot(state=g.state, reservation_id=g.res_id,
+                                                               offset=g.offset, error=g.error) for g in grants])
+
+    def CommitBlocks(self, request: pb.CommitBlocksRequest, context: grpc.ServicerContext) -> pb.CommitBlocksResponse:
+        results = self._plane(context).commit(list(request.reservation_ids))
+        return pb.CommitBlocksResponse(results=[pb.PutResult(key=r.key, ok=r.ok, existed=r.existed, error=r.error)
+                                                for r in results])
+
+    def AbortBlocks(self, request: pb.AbortBlocksRequest, context: grpc.ServicerContext) -> pb.AbortBlocksResponse:
+        self._plane(context).abort(list(request.reservation_ids))
+        return pb.AbortBlocksResponse()
+
+
 class _TokenInterceptor(grpc.ServerInterceptor):
     """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
 
@@ -187,17 +231,39 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
+_UDS: dict[int, object] = {}  # id(server) -> its same-host control socket (kvstore/dataplane/uds.py)
+
+
+def close_dataplane(server: grpc.Server) -> None:
+    """Close the Unix control socket :func:`serve_store` opened for ``server`` (if any);
+    the clients' leases and reservations on it end."""
+    uds = _UDS.pop(id(server), None)
+    if uds is not None:
+        uds.close()  # type: ignore[attr-defined]
+
+
 def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | None = None,
-                workers: int = 8) -> tuple[grpc.Server, int]:
+                workers: int = 8, extra_services: tuple = (),
+                dataplane_socket: str | None = None) -> tuple[grpc.Server, int]:
     """Start the store service on ``address`` (host:port; port 0 picks a free one).
-    Returns the started server and its bound port. Raises RuntimeError if it cannot bind."""
+    ``extra_services``: callables ``add(server)`` that register more servicers on the same
+    server (e.g. kvstore/transfer's BlockTransfer). ``dataplane_socket``: also serve the
+    same-host control channel on this Unix socket path (close it with
+    :func:`close_dataplane`). Returns the started server and its bound port. Raises
+    RuntimeError if it cannot bind."""
     interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS,
                          interceptors=interceptors)
-    pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool), server)
+    dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")
+    pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool, dataplane=dataplane), server)
+    for add in extra_services:
+        add(server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"store: cannot listen on {address}")
     server.start()
+    if dataplane is not None and dataplane_socket:
+        from kvstore.dataplane.uds import UdsServer
+        _UDS[id(server)] = UdsServer(dataplane, dataplane_socket, auth_token)
     log.info("store node %s listening on %s (port %d)", pool.node_id, address, port)
     return server, port

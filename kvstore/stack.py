@@ -1,4 +1,6 @@
-"""``kvstore up``: the whole stack on one host, as separate processes — a store node,
+"""``kvstore up``: the whole stack on one host, as separate processes — a store node
+(``--store-nodes N``: N nodes registered in Redis — ``--redis URL``, else a private
+``redis-server`` — with engines and scheduler in cluster mode),
 ``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
 scheduler's front door (``--policy``) — then a trace replay through
 the front door (``--replay``) or serving until Ctrl-C."""
@@ -105,7 +107,13 @@ def run_up(args: argparse.Namespace) -> int:
     if n_prefill < 1 or n_decode < 1:
         print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)
         return 2
-    store_port = free_port(host)
+    n_store = getattr(args, "store_nodes", 1)
+    if n_store < 1:
+        print("kvstore up: need at least one store node", file=sys.stderr)
+        return 2
+    redis_url = getattr(args, "redis", None)
+    store_ports = [free_port(host) for _ in range(n_store)]
+    store_port = store_ports[0]
     engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
     engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
     http_port = args.port or free_port(host)
@@ -113,20 +121,33 @@ def run_up(args: argparse.Namespace) -> int:
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()
     try:
-        stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
-                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"))
+        if n_store > 1 and not redis_url:   # a cluster needs a registry: a private Redis
+            from kvstore.cluster.redis_server import start_private_redis
+            os.makedirs(stack.log_dir, exist_ok=True)
+            proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"))
+            stack.procs.append(("redis", proc))
+            print(f"redis          {redis_url}  (private, no persistence)", flush=True)
+        # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
+        pool_flags = ["--redis", redis_url] if n_store > 1 else ["--store", store]
+        for i, port in enumerate(store_ports):
+            name = "store" if n_store == 1 else f"store-{i}"
+            stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
+                        "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
+                        "--node-id", name, *(["--redis", redis_url] if redis_url else []))
         for name, role, port in engines:
-            stack.start(name, "engine", "--role", role, "--store", store, "--host", host,
+            stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
                         "--port", str(port), "--engine-id", name, *model)
-        _wait_grpc(stack, store, 60)
-        print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd} under {args.data_dir}/store)", flush=True)
+        for i, port in enumerate(store_ports):
+            _wait_grpc(stack, f"{host}:{port}", 60)
+            print(f"store node     {host}:{port}  (DRAM {args.dram}, SSD {args.ssd} under "
+                  f"{args.data_dir}/store{'' if n_store == 1 else f', store-{i}'})", flush=True)
         for name, role, port in engines:
             _wait_grpc(stack, f"{host}:{port}", 180)
             print(f"{role} engine {name} {host}:{port}", flush=True)
         prefill = ",".join(f"{host}:{port}" for _, role, port in engines if role == "prefill")
         decode = ",".join(f"{host}:{port}" for _, role, port in engines if role == "decode")
         stack.start("scheduler", "scheduler", "--prefill", prefill,
-                    "--decode", decode, "--store", store, "--host", host,
+                    "--decode", decode, *pool_flags, "--host", host,
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),

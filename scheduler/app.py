@@ -50,7 +50,8 @@ class RunningFrontdoor:
 
 async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
                           store_address: str | None, host: str = "127.0.0.1", port: int = 0,
-                          config: FrontdoorConfig | None = None) -> RunningFrontdoor:
+                          config: FrontdoorConfig | None = None,
+                          store_redis: str | None = None) -> RunningFrontdoor:
     """Connect to the engines and the store node and serve HTTP on ``host:port`` (port 0 picks
     a free one). Must be awaited inside the event loop that will serve it.
 
@@ -58,6 +59,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
         prefill_addresses, decode_addresses: engine gRPC addresses (``host:port``), at least
             one of each.
         store_address: the store node's gRPC address (None: no pool lookups, local hits only).
+        store_redis: instead, every store node registered in this Redis (kvstore/cluster).
 
     Raises:
         Unavailable: an engine did not answer within ``config.ready_timeout_s``.
@@ -71,7 +73,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
                                   local_cache_blocks=config.local_cache_blocks,
                                   decode_max_running=config.decode_max_running,
                                   decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
-                                  ready_timeout_s=config.ready_timeout_s)
+                                  ready_timeout_s=config.ready_timeout_s, store_redis=store_redis)
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir, router.info.vocab_size)
         frontdoor = Frontdoor(router, tokenizer, config)
@@ -115,7 +117,8 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         running = await start_frontdoor(_split(args.prefill), _split(args.decode), args.store or None,
-                                        args.host, args.port, config_from_args(args))
+                                        args.host, args.port, config_from_args(args),
+                                        store_redis=getattr(args, "redis", None))
         print(f"front door serving on {running.url}", flush=True)
         try:
             await stop.wait()

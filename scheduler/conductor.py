@@ -21,8 +21,10 @@ For one request (Algorithm 1):
    best option; the instance with the least TTFT wins (ties: longer cached prefix, fewer
    queued, listed order);
 3. per decode instance, the load when the request gets there (``now + TTFT``): requests that
-   will have joined minus those that will have finished (:func:`scheduler.tbt.load_at`);
-   the least predicted TBT among those with room wins;
+   will have joined minus those that will have finished, and (predictive) at its peak while
+   the request would decode: those admitted that join later reserve their room
+   (:func:`scheduler.tbt.load_at`); the least predicted TBT among those with room wins
+   (colocated: the chosen prefill instance itself);
 4. :class:`scheduler.admission.Admission` rejects on TTFT SLO, decode capacity or TBT SLO
    before any prefill is spent.
 
@@ -131,7 +133,12 @@ class Conductor:
         if rejection is not None:
             return rejection
         arrive = cluster.now_s + p.ttft_s
-        d = self.choose_decode(request, cluster, self.decode_estimates(request, cluster, arrive))
+        views = cluster.decode
+        if cluster.colocated:   # it decodes where it prefills: only that instance is judged
+            views = tuple(v for v in cluster.decode if v.instance_id == p.view.instance_id)
+            if not views:
+                raise InvalidArgument(f"colocated cluster view: no decode view for {p.view.instance_id!r}")
+        d = self.choose_decode(request, cluster, self.decode_estimates(request, cluster, arrive, views))
         kv = request.prompt_tokens + request.max_tokens
         rejection = self.admission.check_decode(
             d.load.running, d.load.kv_tokens, d.load.ending, d.view.max_running,
@@ -209,15 +216,23 @@ class Conductor:
                 best = (t + pre, FetchPlan(source, local, upto - local, t), t, pre, c)
         return best
 
-    def decode_estimates(self, request: RequestView, cluster: ClusterView,
-                         arrive_s: float) -> list[DecodeEstimate]:
-        """Per decode instance, in the listed order, the load at ``arrive_s`` (or now, when
-        admission judges the current load) and the predicted TBT with this request."""
-        at = arrive_s if self.config.admission.predicted_decode_load else cluster.now_s
+    def decode_estimates(self, request: RequestView, cluster: ClusterView, arrive_s: float,
+                         views: Sequence[DecodeView] | None = None) -> list[DecodeEstimate]:
+        """Per decode instance of ``views`` (default: all of ``cluster.decode``), in the
+        listed order, the load at ``arrive_s`` and the predicted TBT with this request.
+        Predictive admission takes the peak load while the request would decode there
+        (requests admitted that join after ``arrive_s`` reserve their room); judging the
+        current load, the load now."""
+        predictive = self.config.admission.predicted_decode_load
+        at = arrive_s if predictive else cluster.now_s
         kv = request.prompt_tokens + request.max_tokens
+        steps = max(1, request.max_tokens - 1)
+        predict = self.tbt_model.predict
         out = []
-        for view in cluster.decode:
+        for view in cluster.decode if views is None else views:
             load = load_at(view, at)
+            if predictive and view.work:
+                load = load_at(view, at, at + steps * predict(load.running + 1, load.kv_tokens + kv))
             tbt = self.tbt_model.predict(load.running + 1, load.kv_tokens + kv)
             fits = load.running + 1 <= view.max_running and load.kv_tokens + kv <= view.kv_capacity_tokens
             out.append(DecodeEstimate(view, load, tbt, fits))

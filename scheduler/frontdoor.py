@@ -135,7 +135,8 @@ class Frontdoor:
         engine fails, 400 when it rejects the request."""
         result = None
         try:
-            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace)
+            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace,
+                                                                    plan.max_load_blocks)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
         except KVStoreError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
+from scheduler.stats import mean, percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class RequestOutcome:
         (a request of one token has no TBT and meets that SLO)."""
         if self.status != "ok" or self.ttft_s is None or self.ttft_s > ttft_slo_s:
             return False
-        return not self.tbt_s or float(np.mean(self.tbt_s)) <= tbt_slo_s
+        return not self.tbt_s or mean(self.tbt_s) <= tbt_slo_s
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,6 @@ class Report:
         return asdict(self)
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if len(values) else None
-
-
 def _count(items: Sequence[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
@@ -98,7 +94,8 @@ def summarize(outcomes: Sequence[RequestOutcome], best_hit_blocks: int, wall_s: 
         completion_tokens=sum(o.completion_tokens for o in ok),
         hit_ratio=sum(o.cached_blocks for o in ok) / blocks if blocks else 0.0,
         best_possible_hit_ratio=best_hit_blocks / blocks if blocks else 0.0,
-        ttft_p50_s=_pct(ttfts, 50), ttft_p99_s=_pct(ttfts, 99), tbt_p50_s=_pct(tbts, 50), tbt_p99_s=_pct(tbts, 99),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        tbt_p50_s=percentile(tbts, 50), tbt_p99_s=percentile(tbts, 99),
         ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
         slo_rule="TTFT <= ttft_slo_s and mean TBT of the request <= tbt_slo_s",
         met_slo=met, goodput_rps=met / wall_s if wall_s > 0 else 0.0, wall_s=wall_s,

@@ -9,12 +9,16 @@ hit; per decode instance the requests it holds and those it will receive, with p
 join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills feed the
 T_prefill regression, finished decodes the TBT regression.
 
-The live engines fetch a longer pool hit themselves and cannot read a peer's cache, so the
-router runs policies with ``peer_fetch`` off. A prefill instance keeps what it fetched, and
-the replica records the whole prompt on it (hot prefixes replicate by themselves). KV
-transfers a request owns in-process (:mod:`scheduler.transfer`) are registered in
-``transfers`` and aborted by ``finished``; the engines' own transfers go through the store
-service, whose streamed put aborts its reservation when the stream breaks.
+The live engines fetch a longer pool hit themselves — no further than the plan's
+``max_load_blocks`` when the policy chose to recompute — and cannot read a peer's cache, so
+the router runs policies with ``peer_fetch`` off. The prefill engines report how long their
+pool reads took and how many bytes they moved; :meth:`Router.prefill_finished` feeds that to
+the policy's bandwidth estimate (seeded from the configured defaults until then). A
+prefill instance keeps what it fetched, and the replica records the whole prompt on it (hot
+prefixes replicate by themselves). KV transfers a request owns in-process
+(:mod:`scheduler.transfer`) are registered in ``transfers`` and aborted by ``finished``; the
+engines' own transfers go through the store service, whose streamed put aborts its
+reservation when the stream breaks.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from scheduler.keys import prompt_keys
 from scheduler.policy import DEFAULT_POLICY, make_policy
 from scheduler.transfer import TransferTable
 from scheduler.views import (NO_HIT, ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView,
-                             TierHit)
+                             TierHit, load_limit)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,9 @@ class DecodeInstance:
 @dataclass(frozen=True)
 class RoutePlan:
     """An admitted request: its identity, block keys, the pool's hit, and the policy's
-    :class:`Decision` (instances, fetch, predicted TTFT and TBT)."""
+    :class:`Decision` (instances, fetch, predicted TTFT and TBT). ``max_load_blocks``: the
+    prefix the prefill engine may load from the pool (:func:`scheduler.views.load_limit`:
+    set when the policy chose to recompute what the pool holds; None: any hit)."""
 
     request_id: str
     namespace: str
@@ -84,6 +90,7 @@ class RoutePlan:
     keys: tuple[bytes, ...]
     pool_hit: TierHit
     decision: Decision
+    max_load_blocks: int | None = None
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -135,8 +142,10 @@ class Router:
                       store_address: str | None, *, policy: str = DEFAULT_POLICY,
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       local_cache_blocks: int = 4096, decode_max_running: int = 64,
-                      decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0) -> "Router":
-        """Connect to the engines (host:port each) and the store node; waits until every engine
+                      decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
+                      store_redis: str | None = None) -> "Router":
+        """Connect to the engines (host:port each) and the store node (``store_redis``: every
+        store node registered in that Redis, kvstore/cluster); waits until every engine
         answers ``Info``. Raises Unavailable if one does not within ``ready_timeout_s`` and
         InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
         opened: list[EngineClient] = []
@@ -158,6 +167,9 @@ class Router:
                 await client.close()
             raise
         store = StoreClient(store_address, auth_token=store_auth_token) if store_address else None
+        if store_redis:
+            from kvstore.cluster.client import ClusterClient
+            store = ClusterClient(store_redis, auth_token=store_auth_token)  # type: ignore[assignment]
         try:
             return cls(pre, dec, store, policy, config, local_cache_blocks, decode_max_running,
                        decode_kv_capacity_tokens)
@@ -190,7 +202,8 @@ class Router:
         result = self.policy.decide(request, self.cluster_view(keys, pool_hit))
         if isinstance(result, Rejection):
             return result
-        return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result)
+        return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
+                         load_limit(result, pool_hit, self.info.block_size))
 
     def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit = NO_HIT,
                      now_s: float | None = None) -> ClusterView:
@@ -232,6 +245,12 @@ class Router:
         if result is None:
             return
         self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, result.prefill_s)
+        if result.load_bytes > 0 and result.load_s > 0:
+            # A measured read from the pool: the tier's bandwidth estimate moves towards it
+            # (seeded from the configured defaults until then).
+            latency = self.policy.config.bandwidths.fetch_latency_s
+            seconds = result.load_s - latency if result.load_s > 2 * latency else result.load_s
+            self.policy.observe_transfer(result.load_tier or "dram", result.load_bytes, seconds, remote=True)
         self.replica.add_chain(plan.prefill_id, result.block_keys)
         work = self.decode[plan.decode_id].work
         if plan.request_id in work:

@@ -11,7 +11,8 @@ seconds between tokens), seeded from a :class:`DecodeProfile`.
 
 The load a request meets is not the load now but the load when it *reaches* decode, at the
 end of its prefill: requests that join before then (they finish prefill) are counted,
-requests that leave before then (they finish decoding) are not — :func:`load_at`.
+requests that leave before then (they finish decoding) are not — :func:`load_at`; requests
+admitted there that join later, while it still decodes, are too (their room is reserved).
 """
 from __future__ import annotations
 
@@ -76,8 +77,37 @@ class DecodeLoad(NamedTuple):
     ending: tuple[tuple[float, int], ...]
 
 
-def load_at(view: DecodeView, t: float) -> DecodeLoad:
+def load_at(view: DecodeView, t: float, until: float | None = None) -> DecodeLoad:
     """The load of ``view`` at instant ``t``: every :class:`DecodeWork` with
-    ``start_s <= t < finish_s`` (joined and not yet finished)."""
-    ending = tuple((w.finish_s, w.kv_tokens) for w in view.work if w.start_s <= t < w.finish_s)
-    return DecodeLoad(len(ending), sum(kv for _, kv in ending), ending)
+    ``start_s <= t < finish_s`` (joined and not yet finished).
+
+    With ``until`` (> ``t``: when a request arriving at ``t`` would leave), the peak load
+    over ``[t, until)`` instead: work admitted there that joins after ``t`` but before
+    ``until`` shares the batch with that request, so its room is reserved (requests and
+    KV tokens peak separately; ``ending`` lists every request in the window)."""
+    if until is None or until <= t:
+        ending = tuple((w.finish_s, w.kv_tokens) for w in view.work if w.start_s <= t < w.finish_s)
+        return DecodeLoad(len(ending), sum(kv for _, kv in ending), ending)
+    running = kv = 0
+    events: list[tuple[float, int, int]] = []
+    window = []
+    for w in view.work:
+        if w.finish_s <= t or w.start_s >= until:
+            continue
+        window.append((w.finish_s, w.kv_tokens))
+        if w.start_s <= t:
+            running += 1
+            kv += w.kv_tokens
+        else:
+            events.append((w.start_s, 1, w.kv_tokens))
+        if w.finish_s < until:
+            events.append((w.finish_s, -1, -w.kv_tokens))
+    peak_n, peak_kv = running, kv
+    for _, dn, dkv in sorted(events):      # at one instant, leaving (-1) before joining
+        running += dn
+        kv += dkv
+        if running > peak_n:
+            peak_n = running
+        if kv > peak_kv:
+            peak_kv = kv
+    return DecodeLoad(peak_n, peak_kv, tuple(window))

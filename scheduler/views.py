@@ -19,7 +19,7 @@ Shapes::
 
     RequestView(request_id, prompt_tokens, block_keys, max_tokens, block_size)
     ClusterView(now_s, prefill=(PrefillView, ...), decode=(DecodeView, ...), pool_hit=TierHit,
-                inflight=int)
+                inflight=int, colocated=bool)
     policy.decide(request, cluster) -> Decision | Rejection
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import NamedTuple
 from scheduler.admission import Rejection
 
 __all__ = ["TierHit", "NO_HIT", "RequestView", "PrefillView", "DecodeWork", "DecodeView",
-           "ClusterView", "FetchPlan", "Decision", "Rejection", "POOL"]
+           "ClusterView", "FetchPlan", "Decision", "Rejection", "POOL", "load_limit"]
 
 POOL = "pool"   # FetchPlan.source when the prefix comes from the KV pool (a store node)
 
@@ -133,13 +133,17 @@ class DecodeView(NamedTuple):
 class ClusterView:
     """Everything a policy looks at for one request. ``pool_hit``: the KV pool's prefix hit
     (by tier) for the request; ``inflight``: requests admitted and not finished (for the
-    ``max_inflight`` bound). ``prefill`` and ``decode`` are non-empty, in a stable order."""
+    ``max_inflight`` bound). ``prefill`` and ``decode`` are non-empty, in a stable order.
+    ``colocated``: every instance prefills and decodes (``decode`` lists them by the same
+    ids): a request decodes where it prefilled, so the decode instance is the chosen
+    prefill instance and admission judges that one."""
 
     now_s: float
     prefill: tuple[PrefillView, ...]
     decode: tuple[DecodeView, ...]
     pool_hit: TierHit = NO_HIT
     inflight: int = 0
+    colocated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,3 +193,13 @@ class Decision:
     def compute_tokens(self) -> int:
         """Prompt tokens the prefill instance computes (prompt − cached)."""
         return self.prompt_tokens - self.cached_tokens
+
+
+def load_limit(decision: Decision, pool_hit: TierHit, block_size: int) -> int | None:
+    """The ``max_load_blocks`` to hand the prefill engine for ``decision``: the prefix
+    (blocks, head first) it planned to reuse, when the pool held more than that at decision
+    time — the policy chose to recompute the rest rather than fetch it — else None (take
+    whatever the pool holds by then; blocks published after the decision are free gains).
+    The engine's own cache is never limited."""
+    planned = -(-decision.cached_tokens // block_size)
+    return planned if pool_hit.blocks > planned else None

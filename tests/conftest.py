@@ -105,3 +105,49 @@ def redis_url(redis_server: str) -> str:
     client.flushall()
     client.close()
     return redis_server
+
+
+# -- cluster and transfer: store node processes -----------------------------------------------
+@pytest.fixture
+def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
+    """Factory of real store node processes (``python -m kvstore.cli serve``) on 127.0.0.1.
+    ``spawn(node_id, *flags)`` returns (Popen, "127.0.0.1:port") once the node answers;
+    every process still running is terminated (then killed) after the test."""
+    import socket
+    import subprocess
+    import sys
+
+    import grpc
+
+    procs: list[subprocess.Popen] = []
+
+    def spawn(node_id: str, *flags: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = open(tmp_path / f"{node_id}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+                                 "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(tmp_path / "data"), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        procs.append(proc)
+        address = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(address) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                proc.kill()
+                raise RuntimeError(f"store node {node_id} not ready: "
+                                   f"{(tmp_path / f'{node_id}.log').read_text(errors='replace')[-2000:]}")
+        return proc, address
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

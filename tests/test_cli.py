@@ -43,11 +43,16 @@ def store_node(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
                              "--dram", "4MiB", "--ssd", "16MiB", "--data-dir", str(tmp_path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()                               # logs go to stderr
-    assert "serving on" in line, line
-    yield f"127.0.0.1:{port}"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 0
+    try:
+        line = proc.stdout.readline()                           # logs go to stderr
+        assert "serving on" in line, line
+        yield f"127.0.0.1:{port}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:                                 # never leave a node behind
+            proc.kill()
+            proc.wait()
 
 
 def test_kvctl_tiers_and_evict(store_node):

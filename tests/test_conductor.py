@@ -14,7 +14,7 @@ from scheduler.costing import Bandwidths, PrefillModel, PrefillProfile, Transfer
 from scheduler.fit import OnlineFit
 from scheduler.tbt import DecodeProfile, TBTModel, load_at
 from scheduler.views import (POOL, ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView,
-                             TierHit)
+                             TierHit, load_limit)
 
 BS = 16
 BLOCK_BYTES = 8192
@@ -181,6 +181,34 @@ def test_requests_still_in_prefill_count_against_decode():
     assert load_at(DecodeView("d0", work), 100.0).running == 1
 
 
+def test_requests_admitted_to_join_later_reserve_decode_room():
+    # Room when this one arrives (the running request left), but a request admitted earlier
+    # joins after it and stays: predictive admission counts it as reserved capacity.
+    work = (DecodeWork(100, 99.0, 100.001), DecodeWork(100, 150.0, 300.0))
+    view = DecodeView("d0", work, max_running=1)
+    arrive = 100.0 + conductor().prefill_model.predict(64)
+    assert load_at(view, arrive).running == 0 and load_at(view, arrive, arrive + 100.0).running == 1
+    assert load_at(view, arrive, 149.0).running == 0          # it leaves before the other joins
+    r = conductor().decide(request(64, max_tokens=20_000), cluster((PrefillView("p0", 0.2, 1),), (view,), now=100.0))
+    assert isinstance(r, Rejection) and r.reason == "decode_capacity"
+    short = conductor().decide(request(64, max_tokens=8), cluster((PrefillView("p0", 0.2, 1),), (view,), now=100.0))
+    assert isinstance(short, Decision)                        # done long before the other joins
+
+
+def test_colocated_decodes_on_the_chosen_prefill_instance():
+    idle_full = (PrefillView("c0"), PrefillView("c1", 0.5, 3))
+    full = DecodeView("c0", (DecodeWork(100, 0.0, 500.0),), max_running=1)
+    free = DecodeView("c1", (), max_running=1)
+    disagg = conductor().decide(request(64), cluster(idle_full, (full, free), now=1.0))
+    assert isinstance(disagg, Decision) and (disagg.prefill_id, disagg.decode_id) == ("c0", "c1")
+    view = ClusterView(1.0, idle_full, (full, free), colocated=True)
+    r = conductor().decide(request(64), view)
+    assert isinstance(r, Rejection) and r.reason == "decode_capacity"      # c0's own batch is full
+    roomy = ClusterView(1.0, idle_full, (DecodeView("c0"), free), colocated=True)
+    d = conductor().decide(request(64), roomy)
+    assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c0"
+
+
 def test_least_predicted_tbt_decode_and_tbt_slo():
     busy = DecodeView("d0", tuple(DecodeWork(4000, 0.0, 50.0) for _ in range(8)))
     calm = DecodeView("d1", (DecodeWork(100, 0.0, 50.0),))
@@ -218,6 +246,26 @@ def test_pool_prefix_is_fetched_only_when_cheaper_than_recomputing(ssd_bps, fetc
         assert d.cached_tokens == 64 * BS and d.transfer_s > 0
     else:
         assert d.fetch is None and d.cached_tokens == 0
+    # The engine is told: a recompute decision limits what it loads from the pool.
+    assert load_limit(d, TierHit.uniform(64, "ssd"), BS) == (None if fetches else 0)
+
+
+def test_load_limit_leaves_the_engine_free_when_the_pool_had_nothing_longer():
+    d = conductor().decide(request(4 * BS + 1, (1, 2, 3, 4)),
+                           cluster((PrefillView("p0", hit=TierHit.uniform(2, "hbm")),)))
+    assert isinstance(d, Decision) and d.cached_tokens == 2 * BS
+    assert load_limit(d, TierHit.uniform(2, "dram"), BS) is None       # nothing longer: any later hit
+    assert load_limit(d, TierHit.uniform(3, "dram"), BS) == 2           # chose to recompute block 3
+
+
+def test_an_observed_transfer_moves_the_tier_estimate():
+    policy = conductor(bandwidths=Bandwidths(dram=6e9, network=1e9, fetch_latency_s=0))
+    before = policy.transfer.remote_s([("dram", 10)])
+    assert before == pytest.approx(10 * BLOCK_BYTES / 1e9)              # the seeded default
+    policy.observe_transfer("dram", 10 * BLOCK_BYTES, 10 * BLOCK_BYTES / 0.1e9)   # measured 0.1 GB/s
+    after = policy.transfer.remote_s([("dram", 10)])
+    assert before < after < 10 * BLOCK_BYTES / 0.1e9
+    assert policy.transfer.remote_s([("ssd", 10)]) == pytest.approx(10 * BLOCK_BYTES / 1e9)   # others kept
 
 
 def test_a_hit_on_the_whole_prompt_still_computes_the_last_token():

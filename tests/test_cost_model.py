@@ -64,3 +64,31 @@ def test_bad_configs_are_named() -> None:
         load_profile("8xTPU")
     with pytest.raises(InvalidArgument, match="mfu"):
         HardwareProfile("x", 8, 1e15, 8e10, 2e12, 4e11, 3.2e10, 1e11, mfu=1.5)
+
+
+def test_cost_model_engine_has_the_real_engines_interface(a800: CostModel) -> None:
+    from engines.cost_model import CostModelEngine, LoadedPrefix
+    from engines.types import EngineLoad, PrefillBackend
+
+    eng = CostModelEngine(a800, "P0", "prefill", block_size=512)
+    assert isinstance(eng, PrefillBackend)
+    eng.enqueue(4096)
+    assert eng.load() == EngineLoad(1, 0, 4096)
+    cold = eng.prefill("r0", range(4096), "t")
+    assert eng.load() == EngineLoad(0, 1, 0)
+    eng.prefill_done()
+    assert cold.prefill_s == pytest.approx(a800.prefill_s(4096)) and cold.cached_tokens == 0
+    assert cold.stored_blocks == 8 and cold.load_bytes == 0 and cold.load_tier == ""
+    # 2 blocks in its own HBM, 4 more fetchable from the pool in 0.4 s.
+    prefix = LoadedPrefix(6, 2, 0.4, 4 * 512 * 327_680, "dram")
+    full = eng.prefill("r1", range(4096), "t", block_keys=[b"k"] * 8, prefix=prefix)
+    assert full.loaded_blocks == 6 and full.cached_tokens == 6 * 512 and full.load_tier == "dram"
+    assert full.prefill_s == pytest.approx(0.4 + a800.prefill_s(4096, 6 * 512))
+    # The scheduler chose to recompute past block 3: one block fetched, its own two kept.
+    part = eng.prefill("r2", range(4096), "t", 3, prefix=prefix)
+    assert part.loaded_blocks == 3 and part.load_s == pytest.approx(0.1)
+    assert part.load_bytes == 512 * 327_680
+    assert eng.prefill("r3", range(4096), "t", 0, prefix=prefix).loaded_blocks == 2
+    assert eng.decode_step_s(8, 10_000) == a800.decode_step_s(8, 10_000)
+    with pytest.raises(InvalidArgument, match="valid|one of"):
+        CostModelEngine(a800, "X", "both")

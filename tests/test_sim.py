@@ -103,6 +103,25 @@ def test_every_policy_runs(policy: str, topology: str) -> None:
     assert 0 <= res.hit_ratio <= res.best_possible_hit_ratio + 1e-12
 
 
+@pytest.mark.parametrize("topology", ["disaggregated", "colocated"])
+def test_instances_are_cost_model_engines_and_end_idle(topology: str) -> None:
+    from engines.cost_model import CostModelEngine
+    from engines.types import EngineLoad, PrefillBackend
+
+    cfg = SimConfig(policy="conductor", topology=topology, instances=4, speed=2.0)
+    trace, keys = load_workload(TRACE, 200)
+    sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
+    reqs = sim.run()
+    assert all(r.status == "ok" for r in reqs)
+    for inst in {i.name: i for i in sim.prefill + sim.decode}.values():
+        assert isinstance(inst.engine, CostModelEngine) and isinstance(inst.engine, PrefillBackend)
+        assert inst.engine.load() == EngineLoad(0, 0, 0)
+    for pool in [*sim.hbm.values(), sim.pool]:
+        if pool is not None:
+            pool.check_integrity()
+    sim.index.check_integrity()
+
+
 @pytest.mark.parametrize("admission", ["current", "predictive"])
 def test_overload_rejects_early_and_late(admission: str) -> None:
     cfg = SimConfig(policy="conductor", instances=6, prefill_instances=5, max_running=8, speed=3.0,
@@ -145,20 +164,26 @@ def test_cli_simulate_table_json_and_plots(tmp_path: Path, capsys: pytest.Captur
     assert not math.isnan(data["results"][0]["goodput_rps"])
 
 
-def test_block_cache_evicts_tails_first_demotes_and_keeps_index_true() -> None:
+def test_accounting_pool_evicts_tails_first_demotes_and_keeps_index_true() -> None:
+    """The simulator's caches are real KVPools over accounting tiers (sizes, no bytes)."""
     from kvstore.index.prefix_index import PrefixIndex
-    from scheduler.sim.cache import BlockCache
+    from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
 
     index = PrefixIndex()
-    ssd = BlockCache(index, "pool", "ssd", None, 10)
-    dram = BlockCache(index, "pool", "dram", 3, 10, lower=ssd)
-    dram.insert_chain([b"a", b"b", b"c"])
-    dram.insert_chain([b"x"])                     # evicts the tail of a-b-c, not its head
-    assert b"c" not in dram and b"a" in dram and b"c" in ssd
+    pool = accounting_pool(index, "pool", [("dram", 3), ("ssd", None)], 10)
+    hold_chain(pool, [b"a", b"b", b"c"], 10)
+    hold_chain(pool, [b"x"], 10)                  # evicts the tail of a-b-c, not its head
+    dram, ssd = pool.tier("dram"), pool.tier("ssd")
+    assert not dram.contains(b"c") and dram.contains(b"a") and ssd.contains(b"c")
     m = index.match([b"a", b"b", b"c"], nodes=["pool"])
     assert m.per_node["pool"] == ("dram", "dram", "ssd")
-    assert len(dram) == 3 and dram.used_bytes == 30
+    assert dram.usage().blocks == 3 and dram.used_bytes == 30
+    touch_chain(pool, [b"a", b"b", b"c"])
+    hold_chain(pool, [b"y", b"z", b"w", b"v"], 10)   # longer than the tier: its head is kept
+    assert dram.contains(b"y") and dram.contains(b"w") and not dram.contains(b"v")
+    pool.check_integrity()
     index.check_integrity()
+    assert accounting_pool(index, "none", [("hbm", 0)], 10) is None
 
 
 @pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu", "s3fifo"])

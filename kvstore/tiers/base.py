@@ -61,6 +61,7 @@ class Tier(ABC):
 
     name: str = "tier"
     device: str = "cpu"
+    holds_bytes: bool = True   # False: sizes only (kvstore.tiers.accounting)
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

@@ -47,6 +47,13 @@ class DramTier(SlabTier):
     def _view(self, offset: int, size: int) -> np.ndarray:
         return self._ro[offset:offset + size]
 
+    def view(self, offset: int, size: int) -> np.ndarray:
+        """A read-only view of ``size`` slab bytes at ``offset`` (a reservation's slot that a
+        same-host writer filled in place, to checksum it before commit)."""
+        if offset < 0 or offset + size > self._ro.shape[0]:
+            raise InvalidArgument(f"slab range {offset}+{size} outside {self._ro.shape[0]} bytes")
+        return self._view(offset, size)
+
     def locate(self, key: bytes) -> tuple[int, int, int] | None:
         """(offset, size, checksum) of a committed block in the slab, for a mapped reader;
         None when absent. Only meaningful while the caller holds a lease on the block."""

@@ -18,7 +18,7 @@ import math
 from bisect import bisect_right
 from collections import deque
 
-from engines.cost_model import CostModel
+from engines.cost_model import CostModel, CostModelEngine
 from scheduler.sim.workload import SimRequest
 
 _EPS = 1e-9
@@ -32,10 +32,12 @@ class Instance:
     resident KV at step ``s`` is ``sum_prompt + len(running)·s − sum_join`` tokens."""
 
     def __init__(self, name: str, cost: CostModel, *, prefill: bool, decode: bool,
-                 kv_capacity_tokens: int, max_running: int) -> None:
+                 kv_capacity_tokens: int, max_running: int, block_size: int = 512) -> None:
         self.name = name
         self.cost = cost
         self.is_prefill, self.is_decode = prefill, decode
+        role = "colocated" if prefill and decode else ("prefill" if prefill else "decode")
+        self.engine = CostModelEngine(cost, name, role, block_size)   # the instance's GPUs
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_running = max_running
         # prefill side
@@ -117,6 +119,7 @@ class Instance:
             out.append(req)
         if out:
             self.view_dirty = True
+            self.engine.leave(len(out))
         return out
 
     def join(self, req: SimRequest, step: int, now: float) -> bool:
@@ -129,6 +132,7 @@ class Instance:
             req.finish_s = now
             return False
         self.running[req.rid] = req
+        self.engine.join()
         self.sum_prompt += req.prompt
         self.sum_join += step
         heapq.heappush(self.heap, (step + req.output - 1, req.rid))
@@ -144,7 +148,8 @@ class Instance:
         step time of the current batch plus ``extra_s`` (a prefill chunk); returns it."""
         prev_end = self.t + (step - self.k) * self.dt
         self.k, self.t = step, now
-        self.dt = extra_s + (self.cost.decode_step_s(len(self.running), self.kv_tokens(step)) if self.running else 0.0)
+        step_s = self.engine.decode_step_s(len(self.running), self.kv_tokens(step)) if self.running else 0.0
+        self.dt = extra_s + step_s
         self.seg_step.append(step)
         self.seg_time.append(now)
         self.seg_dt.append(self.dt)

@@ -9,12 +9,19 @@ decode instance's running and incoming work — and calls the real policy's ``de
 policy of :mod:`scheduler.baselines`); it feeds back ``observe_prefill``/``observe_decode``
 as the live router does.
 
-Engines behave as DESIGN.md §6 says, whatever the policy: at prefill start an instance loads
-the longest prefix among its own HBM cache, the pool (disaggregated) and the peer the
-decision planned to fetch from, then computes the rest; it keeps the prompt's blocks in its
-HBM cache and (disaggregated) writes them to the pool's DRAM. The KV streams to the decode
-instance layer by layer during prefill (ready at ``max(prefill end, start + KV bytes /
-network)``). Colocated instances pause their decode batch while they prefill.
+Each instance's GPUs are a :class:`engines.cost_model.CostModelEngine` — the real engines'
+interface in virtual time. Engines behave as DESIGN.md §6 says, whatever the policy: at
+prefill start an instance finds the longest prefix among its own HBM cache, the pool
+(disaggregated) and the peer the decision planned to fetch from; its engine loads it — from
+the pool no further than the decision's ``max_load_blocks`` when the policy chose to
+recompute (:func:`scheduler.views.load_limit`, as the live router tells the live engines) —
+and computes the rest; it keeps the prompt's blocks in its HBM cache and (disaggregated)
+writes them to the pool's DRAM. The caches are real :class:`kvstore.pool.KVPool` objects
+accounting bytes without payloads (:mod:`scheduler.sim.cache`). Colocated, the decision API
+is told so (``ClusterView.colocated``): a request decodes on its prefill instance, and
+admission judges that one. The KV streams to the decode instance layer by layer during
+prefill (ready at ``max(prefill end, start + KV bytes / network)``). Colocated instances
+pause their decode batch while they prefill.
 
 With ``chunked_prefill_tokens`` a colocated instance does not pause: each decode step also
 computes one chunk of the prefill at the head of its queue (step time = decode step + the
@@ -31,20 +38,20 @@ from __future__ import annotations
 import heapq
 import math
 
-from engines.cost_model import CostModel, load_model, load_profile
-from kvstore.index.keys import usable_prefix_tokens
+from engines.cost_model import CostModel, LoadedPrefix, load_model, load_profile
 from kvstore.index.prefix_index import PrefixIndex
 from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.baselines import make_policy
 from scheduler.conductor import ConductorConfig
 from scheduler.costing import Bandwidths, PrefillProfile
-from scheduler.sim.cache import BlockCache
+from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
 from scheduler.sim.config import SimConfig
 from scheduler.sim.instance import Instance
 from scheduler.sim.workload import SimRequest
 from scheduler.tbt import DecodeProfile
 from scheduler.trace import TRACE_BLOCK_TOKENS
-from scheduler.views import NO_HIT, POOL, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit
+from scheduler.views import (NO_HIT, POOL, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit,
+                             load_limit)
 
 ARRIVAL, PREFILL_END, DECODE_READY, BOUNDARY = 0, 1, 2, 3
 BLOCK = TRACE_BLOCK_TOKENS
@@ -84,28 +91,28 @@ class Simulator:
         if self.colocated:
             cache_tokens = kv_cap // 2 if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
             self.prefill = [Instance(f"C{i}", cost, prefill=True, decode=True, max_running=cfg.max_running,
-                                     kv_capacity_tokens=max(0, kv_cap - cache_tokens)) for i in range(cfg.instances)]
+                                     block_size=BLOCK, kv_capacity_tokens=max(0, kv_cap - cache_tokens))
+                            for i in range(cfg.instances)]
             self.decode = self.prefill
         else:
             cache_tokens = kv_cap if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
             n_p = cfg.n_prefill
             self.prefill = [Instance(f"P{i}", cost, prefill=True, decode=False, max_running=cfg.max_running,
-                                     kv_capacity_tokens=0) for i in range(n_p)]
+                                     block_size=BLOCK, kv_capacity_tokens=0) for i in range(n_p)]
             self.decode = [Instance(f"D{i}", cost, prefill=False, decode=True, max_running=cfg.max_running,
-                                    kv_capacity_tokens=kv_cap) for i in range(cfg.instances - n_p)]
+                                    block_size=BLOCK, kv_capacity_tokens=kv_cap) for i in range(cfg.instances - n_p)]
         self.by_name = {i.name: i for i in self.prefill + self.decode}
-        self.hbm = {i.name: BlockCache(self.index, i.name, "hbm", cache_tokens // BLOCK, self.block_bytes,
-                                       eviction=cfg.eviction)
+        # The caches are real KVPools over accounting tiers (sizes, no payloads).
+        self.hbm = {i.name: accounting_pool(self.index, i.name, [("hbm", cache_tokens // BLOCK)],
+                                            self.block_bytes, cfg.eviction)
                     for i in self.prefill}
-        self.pool: BlockCache | None = None
-        self.pool_ssd: BlockCache | None = None
+        self.pool = None
         if not self.colocated and cfg.pool_dram_tokens != 0:
-            if cfg.pool_ssd_tokens != 0:
-                cap = None if cfg.pool_ssd_tokens is None else cfg.pool_ssd_tokens // BLOCK
-                self.pool_ssd = BlockCache(self.index, POOL, "ssd", cap, self.block_bytes, eviction=cfg.eviction)
-            cap = None if cfg.pool_dram_tokens is None else cfg.pool_dram_tokens // BLOCK
-            self.pool = BlockCache(self.index, POOL, "dram", cap, self.block_bytes, lower=self.pool_ssd,
-                                   eviction=cfg.eviction)
+            def blocks(tokens: int | None) -> int | None:
+                return None if tokens is None else tokens // BLOCK
+            self.pool = accounting_pool(self.index, POOL, [("dram", blocks(cfg.pool_dram_tokens)),
+                                                           ("ssd", blocks(cfg.pool_ssd_tokens))],
+                                        self.block_bytes, cfg.eviction)
         self.policy = make_policy(cfg.policy, self.block_bytes, conductor_config(cfg, cost))
         self.late_reject = cfg.admission != "none"
         self.chunk = cfg.chunked_prefill_tokens if self.colocated else None
@@ -152,17 +159,18 @@ class Simulator:
         pool_hit = TierHit.from_tiers(per[POOL]) if self.pool is not None and POOL in per else NO_HIT
         decode = tuple(self._decode_view(d, now) for d in self.decode)
         view = RequestView(str(req.rid), req.prompt, req.keys, req.output, BLOCK)
-        result = self.policy.decide(view, ClusterView(now, prefill, decode, pool_hit, self.inflight))
+        result = self.policy.decide(view, ClusterView(now, prefill, decode, pool_hit, self.inflight, self.colocated))
         if isinstance(result, Rejection):
             req.status, req.reason = "rejected_early", result.reason
             return
         req.decision = result
+        req.max_load_blocks = load_limit(result, pool_hit, BLOCK)
         req.prefill_id = result.prefill_id
-        # Colocated: the request decodes where it prefilled, whatever decode the policy named.
-        req.decode_id = result.prefill_id if self.colocated else result.decode_id
+        req.decode_id = result.decode_id     # colocated: the prefill instance (ClusterView.colocated)
         p, d = self.by_name[req.prefill_id], self.by_name[req.decode_id]
         req.pred_prefill_s = result.transfer_s + result.prefill_s
         p.queue.append(req)
+        p.engine.enqueue(req.prompt)
         p.queue_pred_s += req.pred_prefill_s
         d.incoming[req.rid] = (req.prompt + req.output, result.decode_start_s, result.decode_finish_s)
         d.view_dirty = True
@@ -184,13 +192,17 @@ class Simulator:
         return inst.view
 
     # -- prefill ------------------------------------------------------------------------------
-    def _fetch_s(self, tiers: tuple[str, ...]) -> float:
-        """Seconds to bring blocks held in ``tiers`` (one per block) from another node."""
+    def _fetch(self, blocks: int, tiers: tuple[str, ...], local: int) -> LoadedPrefix:
+        """The prefix of ``blocks`` blocks whose first ``local`` are in the instance's HBM and
+        the rest held in ``tiers`` (one per block) on another node: seconds to bring those
+        (network, or the holder's SSD when slower), bytes, and their usual tier."""
         if not tiers:
-            return 0.0
+            return LoadedPrefix(blocks, local)
         ssd = sum(1 for t in tiers if t == "ssd")
         net = self.cost.transfer_s(self.block_bytes * len(tiers), "network")
-        return max(net, self.cost.transfer_s(self.block_bytes * ssd, "ssd"))
+        seconds = max(net, self.cost.transfer_s(self.block_bytes * ssd, "ssd"))
+        return LoadedPrefix(blocks, local, seconds, self.block_bytes * len(tiers),
+                            "ssd" if 2 * ssd > len(tiers) else tiers[0] if ssd == 0 else "dram")
 
     def _start_prefill(self, inst: Instance, now: float) -> None:
         """Start the next queued prefill; colocated (not chunked), the batch pauses for it."""
@@ -212,26 +224,27 @@ class Simulator:
             nodes.append(fetch.source)
         per = self.index.match(keys, nodes).per_node if keys else {}
         local = len(per.get(inst.name, ()))
-        best, fetch_s = local, 0.0
+        prefix, source = LoadedPrefix(local, local), None
         if self.pool is not None:
             pool_tiers = per.get(POOL, ())
-            if len(pool_tiers) > best:
-                best, fetch_s = len(pool_tiers), self._fetch_s(pool_tiers[local:])
+            if len(pool_tiers) > local:
+                prefix, source = self._fetch(len(pool_tiers), pool_tiers[local:], local), self.pool
         if fetch is not None and fetch.source != POOL:
             peer = per.get(fetch.source, ())[:fetch.first_block + fetch.blocks]
-            if len(peer) > best:
-                best, fetch_s = len(peer), self._fetch_s(peer[local:])
-                self.hbm[fetch.source].touch_chain(keys[:best])
-        cached = usable_prefix_tokens(best, BLOCK, req.prompt)
-        compute = self.cost.prefill_s(req.prompt, cached)
+            if len(peer) > prefix.blocks:
+                prefix, source = self._fetch(len(peer), peer[local:], local), self.hbm[fetch.source]
+        # The cost-model engine loads the prefix (up to the decision's limit) and computes the rest.
+        result = inst.engine.prefill(str(req.rid), range(req.prompt), "", req.max_load_blocks,
+                                     block_keys=keys, prefix=prefix)
+        best = result.loaded_blocks
         req.hit_blocks = min(best, req.usable_blocks)
-        req.cached_tokens = cached
+        req.cached_tokens = result.cached_tokens
         req.prefill_start_s = now
-        req.prefill_s = fetch_s + compute
-        req.compute_s = compute
-        self.hbm[inst.name].touch_chain(keys[:local])
-        if self.pool is not None and best > local:
-            self.pool.touch_chain(keys[:best])
+        req.prefill_s = result.prefill_s
+        req.compute_s = result.prefill_s - result.load_s
+        touch_chain(self.hbm[inst.name], keys[:local])
+        if best > local:
+            touch_chain(source, keys[:best])
         inst.prefilling = req
         inst.pred_end_s = now + req.pred_prefill_s
         inst.prefill_busy_s += req.prefill_s
@@ -241,10 +254,10 @@ class Simulator:
         """The prefill is over: the predictor learns, the caches keep the prompt's blocks,
         the first token is out."""
         inst.prefilling = None
+        inst.engine.prefill_done()
         self.policy.observe_prefill(req.prompt, req.cached_tokens, req.compute_s)
-        self.hbm[inst.name].insert_chain(req.keys)
-        if self.pool is not None:
-            self.pool.insert_chain(req.keys)
+        hold_chain(self.hbm[inst.name], req.keys, self.block_bytes)
+        hold_chain(self.pool, req.keys, self.block_bytes)
         req.first_token_s = now
 
     def _prefill_end(self, inst: Instance, req: SimRequest, now: float) -> None:
@@ -269,7 +282,7 @@ class Simulator:
         if self.late_reject:
             pending = sum(r.prompt + r.output for r in inst.joiners)
             full = not inst.fits(req, pending)
-            slow = inst.running and self.cost.decode_step_s(
+            slow = inst.running and inst.engine.decode_step_s(
                 len(inst.running) + len(inst.joiners) + 1,
                 inst.kv_tokens(inst.step_at(now)) + pending + req.prompt) > self.cfg.tbt_slo_s
             if slow or (full and self._max_wait_s(inst, req) <= 0):
@@ -287,7 +300,7 @@ class Simulator:
         ``ceil(0.1·(output − 1))`` of them, so the slack of each at the current step time
         adds up."""
         tail = max(1, math.ceil(0.1 * (req.output - 1)))
-        step = inst.dt or self.cost.decode_step_s(1, req.prompt)
+        step = inst.dt or inst.engine.decode_step_s(1, req.prompt)
         return (self.cfg.tbt_slo_s - step) * tail - step
 
     def _reject_late(self, inst: Instance, req: SimRequest, reason: str) -> None:

@@ -42,6 +42,7 @@ class SimRequest:
     status: str = "pending"
     reason: str = ""
     decision: object = None
+    max_load_blocks: int | None = None   # the decision's limit on fetched prefix blocks
     prefill_id: str = ""
     decode_id: str = ""
     pred_prefill_s: float = 0.0

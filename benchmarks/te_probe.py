@@ -1,0 +1,129 @@
+"""Probe of the across-host path: a block read from a store node *process* by this process's
+Mooncake Transfer Engine over tcp loopback (``TransferEngineTransport``: lease RPC, one
+engine read from the node's registered slab, xxh3 check, copy out, release), against the
+gRPC stream of the same block from the same node, measured in the same run.
+
+Also the raw engine read of the same block (no lease round trip, checksum or copy out), the
+ceiling of the path on this machine. ``measure_te_tcp_get_gbps`` is what ``benchmarks/bench_dataplane.py`` calls for the key
+``te_tcp_get_16MiB_vs_mooncake`` (its denominator, Mooncake Store ``get`` of the same size,
+is measured there). Run alone: ``.venv/bin/python benchmarks/te_probe.py [--size 16MiB]
+[--rounds 7]``; prints GB/s and writes benchmarks/results/te_probe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvstore.client import StoreClient  # noqa: E402
+from kvstore.config import parse_bytes  # noqa: E402
+from kvstore.transfer import GrpcStreamTransport, TransferEngineTransport  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "te_probe.json"
+
+
+@contextmanager
+def store_node_process(dram_bytes: int, transfer_engine: str = "tcp") -> Iterator[str]:
+    """A store node process on 127.0.0.1 (DRAM only); yields its gRPC address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+                                 "--node-id", "te-probe", "--port", str(port), "--dram", str(dram_bytes),
+                                 "--ssd", "0", "--data-dir", tmp, "--transfer-engine", transfer_engine],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        address = f"127.0.0.1:{port}"
+        try:
+            StoreClient(address).wait_ready(60)
+            yield address
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _rounds_gbps(read: Callable[[], object], size: int, rounds: int) -> list[float]:
+    read()  # warm-up: handshake, buffer registration, page faults
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        read()
+        out.append(size / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
+def measure(size_bytes: int = 16 << 20, rounds: int = 7) -> dict[str, float]:
+    """Median GB/s over ``rounds`` gets of one ``size_bytes`` block: transfer engine and
+    gRPC stream, from the same node process, and their ratio."""
+    with store_node_process(max(64 << 20, 3 * size_bytes)) as address:
+        key, data = b"te-probe".ljust(16, b"\0"), os.urandom(size_bytes)
+        with StoreClient(address) as client:
+            assert client.put(key, data).ok
+        te = TransferEngineTransport(address)
+        grpc_t = GrpcStreamTransport(address)
+        try:
+            assert te.get_blocks([key]) == [data], "transfer engine read returned other bytes"
+            te_r = _rounds_gbps(lambda: te.get_blocks([key]), size_bytes, rounds)
+            assert te.grpc_reads == 0, "transfer engine reads fell back to gRPC"
+            grpc_r = _rounds_gbps(lambda: grpc_t.get_blocks([key]), size_bytes, rounds)
+            raw_r = _rounds_gbps(_raw_engine_read(te, key, size_bytes), size_bytes, rounds)
+        finally:
+            te.close()
+            grpc_t.close()
+    te_gbps, grpc_gbps, raw_gbps = statistics.median(te_r), statistics.median(grpc_r), statistics.median(raw_r)
+    return {"size_bytes": size_bytes, "rounds": rounds, "te_tcp_get_gbps": te_gbps,
+            "te_tcp_get_best_gbps": max(te_r), "grpc_stream_get_gbps": grpc_gbps,
+            "te_raw_read_gbps": raw_gbps, "te_vs_grpc_stream": te_gbps / grpc_gbps,
+            "te_get_vs_raw_read": te_gbps / raw_gbps}
+
+
+def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Callable[[], object]:
+    """The engine's batched read of the block alone (one lease held throughout; no checksum,
+    no copy out): the ceiling of the get path on this machine."""
+    from kvstore.transfer.te_transport import PIECE_BYTES
+    from protos import kvstore_pb2 as kv_pb
+    block = te._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=[key], ttl_s=600)).blocks[0]
+    _, base = te._buffer(size)
+    offs = range(0, size, PIECE_BYTES)
+    local = [base + o for o in offs]
+    remote = [te.slab_address + block.offset + o for o in offs]
+    lengths = [min(PIECE_BYTES, size - o) for o in offs]
+    return lambda: te.engine.read(te.endpoint, local, remote, lengths)
+
+
+def measure_te_tcp_get_gbps(size_bytes: int = 16 << 20, rounds: int = 7) -> float:
+    """Median GB/s of a transfer-engine (tcp, loopback) get of one ``size_bytes`` block from
+    a store node process, checksum verified and copied out to ``bytes``."""
+    return measure(size_bytes, rounds)["te_tcp_get_gbps"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="16MiB")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    r = measure(parse_bytes(args.size), args.rounds)
+    print(f"transfer engine tcp get {args.size}: {r['te_tcp_get_gbps']:.2f} GB/s "
+          f"(best {r['te_tcp_get_best_gbps']:.2f}); gRPC stream {r['grpc_stream_get_gbps']:.2f} GB/s "
+          f"({r['te_vs_grpc_stream']:.2f}x); raw engine read {r['te_raw_read_gbps']:.2f} GB/s "
+          f"(get = {r['te_get_vs_raw_read']:.2f} of it)")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""A store node's cluster presence: its transfer engine (DRAM slab registered) and its
+membership heartbeat. Built before the gRPC server starts (the ``BlockTransfer`` service
+goes on that server), started once the port is known, stopped before the pool closes."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import grpc
+
+from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
+from kvstore.config import StoreConfig
+from kvstore.pool import KVPool
+from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable
+from kvstore.transfer.service import transfer_service
+
+log = logging.getLogger(__name__)
+
+
+class ClusterAgent:
+    """``te_error`` says why the node runs no transfer engine (None when it runs one, or it
+    was turned off); readers then use the gRPC stream."""
+
+    def __init__(self, cfg: StoreConfig, pool: KVPool) -> None:
+        self.cfg, self.pool = cfg, pool
+        self.host = cfg.advertise_host or cfg.host
+        self.epoch = time.time_ns()
+        self.node_te: NodeTransferEngine | None = None
+        self.te_error: str | None = None
+        dram = next((t for t in pool.tiers if t.name == "dram"), None)
+        if cfg.transfer_engine != "off" and dram is not None:
+            try:
+                self.node_te = NodeTransferEngine(dram.shm_name, self.host, cfg.transfer_engine, cfg.te_metadata)
+            except TransferEngineUnavailable as exc:
+                self.te_error = str(exc)
+                log.warning("store node %s: no transfer engine (%s); readers use the gRPC stream",
+                            cfg.node_id, exc)
+        self.registry = registry_for(cfg.redis_url)
+        self.heartbeat: Heartbeat | None = None
+        self.port = 0
+
+    def services(self) -> tuple[Callable[[grpc.Server], None], ...]:
+        return (transfer_service(self.pool, self.node_te),)
+
+    def info(self) -> NodeInfo:
+        # Free up to the low watermark: placement that stops there never makes the node evict.
+        lw = self.pool.settings.low_watermark
+        stats = self.pool.stats()
+        free = sum(max(0, int(s.capacity_bytes * lw) - s.used_bytes - s.reserved_bytes) for s in stats)
+        return NodeInfo(self.cfg.node_id, f"{self.host}:{self.port}",
+                        tuple((s.name, s.capacity_bytes, s.used_bytes) for s in stats), free,
+                        self.node_te.endpoint if self.node_te else "", self.epoch)
+
+    def start(self, port: int) -> None:
+        self.port = port
+        self.heartbeat = Heartbeat(self.registry, self.info, self.cfg.node_ttl_s, self.cfg.heartbeat_s).start()
+        log.info("store node %s registered in the %s registry (TTL %.1f s, transfer engine %s)",
+                 self.cfg.node_id, self.registry.kind, self.cfg.node_ttl_s,
+                 self.node_te.endpoint if self.node_te else "off")
+
+    def leave(self) -> None:
+        """Stop heartbeating and withdraw the membership record (idempotent)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
+    def stop(self) -> None:
+        self.leave()
+        if self.node_te is not None:
+            self.node_te.close()
+        self.registry.close()

@@ -1,0 +1,213 @@
+"""The store side of the same-host data plane: lends locations in the DRAM tier's slab under
+leases (reads) and slab space under reservations (writes), for clients that copy the bytes
+themselves. The gRPC servicer and the Unix-socket server both call this one object."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Sequence
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrity import checksum_of
+from kvstore.lease import Lease, Reservation
+from kvstore.pool import KVPool, PutResult
+from kvstore.tiers.dram import PAGE_BYTES, DramTier
+from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN,
+                                     BlockLocation, DataPlaneInfo, LeaseGrant, SlotGrant, host_id)
+
+MAX_KEY_BYTES = 64
+SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
+_MISS = (MISS, 0, 0, 0)
+_ELSEWHERE = (ELSEWHERE, 0, 0, 0)
+
+
+class DataPlaneHost:
+    """Leases and reservations lent to same-host clients of one pool's DRAM tier.
+
+    Invariants: every lease in the table is unreleased in the pool (an expired one is
+    released by the next sweep); every reservation in the table was made here (it may have
+    timed out in the pool, and then its commit fails). A block's location is handed out only
+    while a lease holds it, so it cannot move or be reused before the lease's deadline.
+    """
+
+    def __init__(self, pool: KVPool, socket_path: str = "", max_block_bytes: int = 1 << 30) -> None:
+        tier = next((t for t in pool.tiers if isinstance(t, DramTier)), None)
+        if tier is None:
+            raise InvalidArgument("the same-host data plane needs a DRAM tier (a shared-memory slab)")
+        self.pool = pool
+        self.tier: DramTier = tier
+        self.socket_path = socket_path
+        self.max_block_bytes = max_block_bytes
+        self._lock = threading.Lock()
+        self._leases: dict[int, Lease] = {}
+        self._slots: dict[int, Reservation] = {}
+        self._ops = 0
+        self._spare_ids = itertools.count(1)
+        self.max_spare_bytes = min(64 << 20, tier.capacity_bytes // 16)  # per request
+
+    @classmethod
+    def for_pool(cls, pool: KVPool, socket_path: str = "") -> "DataPlaneHost | None":
+        """A host for ``pool``, or None when it has no DRAM tier."""
+        try:
+            return cls(pool, socket_path)
+        except InvalidArgument:
+            return None
+
+    def info(self) -> DataPlaneInfo:
+        return DataPlaneInfo(self.tier.shm_name, self.tier.pages * PAGE_BYTES, self.socket_path, host_id(),
+                             self.pool.node_id, self.pool.tiers[0] is self.tier)
+
+    # -- reads -----------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
+              chain: bool = False) -> LeaseGrant:
+        """Lease ``keys`` (each copy in its fastest tier) and say where each lies: MAPPED
+        (slab offset, size, checksum), ELSEWHERE (another tier) or MISS. A lease holding no
+        block is released at once (id 0)."""
+        lease_id, deadline, flat = self.lease_flat(keys, ttl_s, stop_at_miss, chain)
+        return LeaseGrant(lease_id, deadline, [BlockLocation(*flat[i:i + 4]) for i in range(0, len(flat), 4)])
+
+    def lease_flat(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
+                   chain: bool = False) -> tuple[int, float, list[int]]:
+        """:meth:`lease` with the locations flattened (state, offset, size, checksum per
+        key), as the Unix socket packs them."""
+        lease, tiers = self.pool.lease_many(keys, ttl_s or None, stop_at_miss, chain)
+        dram, locate = self.tier.name, self.tier.locate
+        flat: list[int] = []
+        for key, tier in zip(keys, tiers):
+            if tier == dram:
+                loc = locate(key)  # leased: it stays put until the deadline
+                if loc is not None:
+                    flat += (MAPPED, *loc)
+                    continue
+            flat += _MISS if tier is None else _ELSEWHERE
+        if not lease.keys:
+            self.pool.release(lease)
+            return 0, lease.deadline, flat
+        with self._lock:
+            self._leases[lease.id] = lease
+            self._tick()
+        return lease.id, lease.deadline, flat
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; False when it is unknown (released or swept already)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.pool.release(lease)
+        return True
+
+    # -- writes ----------------------------------------------------------------------------
+    def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
+                parent: bytes | None = None) -> list[SlotGrant]:
+        """A slab slot per (key, size bytes); ``chain``: block i extends block i - 1 (the
+        first extends ``parent``). A key already stored gets SLOT_EXISTED; one that cannot
+        fit (or is malformed) SLOT_FAILED with the reason."""
+        out: list[SlotGrant] = []
+        made: list[Reservation] = []
+        for i, (key, size) in enumerate(items):
+            link = parent if i == 0 else (items[i - 1][0] if chain else None)
+            if not key or len(key) > MAX_KEY_BYTES:
+                out.append(SlotGrant(SLOT_FAILED, error=f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}"))
+                continue
+            if size > self.max_block_bytes:
+                out.append(SlotGrant(SLOT_FAILED, error=f"block of {size} bytes; at most {self.max_block_bytes}"))
+                continue
+            try:
+                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link or None)
+            except (KVStoreError, OSError) as exc:
+                out.append(SlotGrant(SLOT_FAILED, error=str(exc)))
+                continue
+            if res.existed:
+                out.append(SlotGrant(SLOT_EXISTED))
+            else:
+                made.append(res)
+                out.append(SlotGrant(SLOT_OPEN, res.id, res.slot.offset))
+        if made:
+            with self._lock:
+                for res in made:
+                    self._slots[res.id] = res
+                self._tick()
+        return out
+
+    def reserve_spares(self, size: int, count: int) -> list[SlotGrant]:
+        """Up to ``count`` slots of ``size`` bytes reserved before their keys are known (at
+        most :attr:`max_spare_bytes` in all): a writer that puts blocks of one size again
+        and again fills a spare and names it at commit — one round trip per put instead of
+        two. Spares time out as any reservation does; ones that cannot fit are left out."""
+        tier = self.tier  # spares take free room only: they never evict a block
+        room = int(self.pool.settings.high_watermark * tier.capacity_bytes) - tier.used_bytes
+        count = min(count, min(self.max_spare_bytes, room) // max(size, 1))
+        if count <= 0:
+            return []
+        items = [(SPARE_KEY + next(self._spare_ids).to_bytes(8, "little"), size) for _ in range(count)]
+        return [g for g in self.reserve(items) if g.state == SLOT_OPEN]
+
+    def commit(self, res_ids: Sequence[int], keys: Sequence[bytes] | None = None,
+               parents: Sequence[bytes | None] | None = None) -> list[PutResult]:
+        """Commit reservations whose slots the client filled: checksum each slot's bytes as
+        the slab holds them, then make the block visible. ``keys`` / ``parents``: the key
+        (and chain parent) each block commits as — required for spares, optional otherwise
+        (empty: keep the reserved key). Per id a PutResult (``ok`` false with the reason:
+        unknown id, timed out, a spare without a key, ...)."""
+        with self._lock:
+            batch = [self._slots.pop(i, None) for i in res_ids]
+        out = []
+        for i, (rid, res) in enumerate(zip(res_ids, batch)):
+            if res is None:
+                out.append(PutResult(keys[i] if keys else b"", False,
+                                     error=f"no open reservation {rid} (timed out or closed)"))
+                continue
+            try:
+                key = keys[i] if keys else b""
+                if key:
+                    if len(key) > MAX_KEY_BYTES:
+                        raise InvalidArgument(f"block key of {len(key)} bytes; at most {MAX_KEY_BYTES}")
+                    res.assign(key, (parents[i] if parents else None) or res.parent)
+                elif res.key.startswith(SPARE_KEY):
+                    raise InvalidArgument("a spare slot needs a block key at commit")
+                slot = res.slot
+                if slot is not None:
+                    self.pool.mark_filled(res, checksum_of(self.tier.view(slot.offset, res.size)))
+                out.append(self.pool.commit(res))
+            except (KVStoreError, OSError) as exc:
+                self.pool.abort(res)
+                out.append(PutResult(res.key, False, error=str(exc)))
+        return out
+
+    def abort(self, res_ids: Sequence[int]) -> None:
+        with self._lock:
+            batch = [self._slots.pop(i, None) for i in res_ids]
+        for res in batch:
+            if res is not None:
+                self.pool.abort(res)
+
+    # -- housekeeping ----------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Every 256 operations (lock held): release expired leases and forget reservations
+        the pool has closed, so clients that vanish leave nothing behind for long."""
+        self._ops += 1
+        if self._ops & 255:
+            return
+        now = time.monotonic()
+        for lid in [i for i, lease in self._leases.items() if lease.expired(now)]:
+            self.pool.release(self._leases.pop(lid))
+        for rid in [i for i, res in self._slots.items() if not res.open]:
+            del self._slots[rid]
+
+    def close(self) -> None:
+        """Release every lease and abort every reservation still lent out."""
+        with self._lock:
+            leases, slots = list(self._leases.values()), list(self._slots.values())
+            self._leases.clear()
+            self._slots.clear()
+        for lease in leases:
+            self.pool.release(lease)
+        for res in slots:
+            self.pool.abort(res)
+
+    def lent(self) -> tuple[int, int]:
+        """(leases, reservations) currently lent out."""
+        with self._lock:
+            return len(self._leases), len(self._slots)

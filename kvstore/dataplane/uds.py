@@ -1,0 +1,256 @@
+"""The same-host control channel: a Unix domain socket served by the store node
+(:class:`UdsServer`, a thread per connection) and its client side (:class:`UdsControl`).
+Frames are those of :mod:`kvstore.dataplane.wire`. A connection's leases and reservations
+end with it, so a client that dies holds nothing past its socket."""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Sequence
+
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.pool import PutResult
+from kvstore.dataplane import wire as w
+from kvstore.dataplane.host import DataPlaneHost
+from kvstore.dataplane.types import SLOT_FAILED, BlockLocation, LeaseGrant, SlotGrant
+
+log = logging.getLogger(__name__)
+
+
+def _grant(reply: bytes) -> LeaseGrant:
+    lease_id, deadline = w.LEASE_REPLY.unpack_from(reply, 0)
+    blocks = [BlockLocation(*t) for t in w.LOCATION.iter_unpack(memoryview(reply)[w.LEASE_REPLY.size:])]
+    return LeaseGrant(lease_id, deadline, blocks)
+
+
+class UdsServer:
+    """Serves a :class:`DataPlaneHost` on a Unix socket at ``path`` (mode 0600). With an
+    ``auth_token``, a connection must open with HELLO carrying it."""
+
+    def __init__(self, host: DataPlaneHost, path: str, auth_token: str | None = None) -> None:
+        self.host, self.path = host, path
+        self._token = (auth_token or "").encode()
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+                raise OSError(f"{path} is served by another store node")
+            except ConnectionRefusedError:
+                os.unlink(path)  # a stale socket of a node that died
+            finally:
+                probe.close()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
+        self._sock.listen(64)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kvstore-uds", daemon=True)
+        self._thread.start()
+        log.info("same-host control channel on %s", path)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvstore-uds-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        leases: set[int] = set()
+        slots: set[int] = set()
+        authed = not self._token
+        try:
+            while True:
+                op, payload = w.read_frame(conn)
+                if op == w.OP_HELLO:
+                    authed = not self._token or hmac.compare_digest(payload, self._token)
+                    if not authed:
+                        w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
+                        return
+                    w.write_frame(conn, w.OK)
+                    continue
+                if not authed:
+                    w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
+                    return
+                if op == w.OP_RELEASE:  # no reply
+                    (lid,) = w.U64.unpack(payload)
+                    leases.discard(lid)
+                    self.host.release(lid)
+                    continue
+                try:
+                    reply = self._dispatch(op, payload, leases, slots)
+                except KVStoreError as exc:
+                    w.write_frame(conn, w.status_of(exc), str(exc).encode())
+                    continue
+                except (struct.error, IndexError, ValueError) as exc:
+                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"malformed frame: {exc}".encode())
+                    continue
+                w.write_frame(conn, w.OK, reply)
+        except (ConnectionError, OSError, KVStoreError):
+            pass
+        finally:
+            for lid in leases:
+                self.host.release(lid)
+            self.host.abort(list(slots))
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int]) -> bytes:
+        host = self.host
+        if op == w.OP_LEASE:
+            ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
+            keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)
+            lease_id, deadline, flat = host.lease_flat(keys, ttl, bool(flags & w.FLAG_STOP_AT_MISS),
+                                                       bool(flags & w.FLAG_CHAIN))
+            if lease_id:
+                leases.add(lease_id)
+            return w.LEASE_REPLY.pack(lease_id, deadline) + struct.pack(f"<{len(flat)}Q", *flat)
+        if op == w.OP_RESERVE:
+            flags = p[0]
+            parents, pos = w.decode_keys(p, 1)
+            keys, pos = w.decode_keys(p, pos)
+            sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
+            grants = host.reserve(list(zip(keys, sizes)), bool(flags & w.FLAG_CHAIN),
+                                  parents[0] if parents else None)
+            slots.update(g.res_id for g in grants if g.res_id)
+            return (b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in grants)
+                    + w.encode_errors([g.error for g in grants if g.state == SLOT_FAILED]))
+        if op == w.OP_COMMIT:
+            (n,) = w.U32.unpack_from(p, 0)
+            ids = struct.unpack_from(f"<{n}Q", p, 4)
+            keys, pos = w.decode_keys(p, 4 + 8 * n)
+            parents, pos = w.decode_keys(p, pos)
+            spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
+            slots.difference_update(ids)
+            results = host.commit(ids, keys, parents)
+            spares = host.reserve_spares(spare_size, spare_count) if spare_count else []
+            slots.update(g.res_id for g in spares)
+            codes = bytes(0 if r.ok and not r.existed else 1 if r.ok else 2 for r in results)
+            return (codes + w.encode_errors([r.error for r in results if not r.ok]) + w.U32.pack(len(spares))
+                    + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in spares))
+        if op == w.OP_ABORT:
+            ids = struct.unpack(f"<{len(p) // 8}Q", p)
+            slots.difference_update(ids)
+            host.abort(ids)
+            return b""
+        if op == w.OP_LOOKUP:
+            keys, _ = w.decode_keys(p, 0)
+            n, tiers = host.pool.lookup(keys)
+            return w.U32.pack(n) + ",".join(tiers).encode()
+        raise InvalidArgument(f"unknown control op {op}")
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection (their leases and reservations end), unlink
+        the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in [self._sock] + list(self._conns):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._sock.close()
+        self._thread.join(timeout=2)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class UdsControl:
+    """The client side of the Unix-socket control channel; thread-safe (one request at a
+    time). Raises Unavailable when the store node cannot be reached, and the node's own
+    error class (InvalidArgument, CapacityError, ...) when it refuses a request."""
+
+    def __init__(self, path: str, auth_token: str | None = None, timeout_s: float = 60.0) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(timeout_s)
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise Unavailable(f"store control socket {path}: {exc}") from None
+        self._call(w.OP_HELLO, (auth_token or "").encode())
+
+    def _call(self, op: int, payload: bytes) -> bytes:
+        with self._lock:
+            try:
+                w.write_frame(self._sock, op, payload)
+                status, reply = w.read_frame(self._sock)
+            except OSError as exc:
+                raise Unavailable(f"store control socket {self.path}: {exc}") from None
+        if status != w.OK:
+            raise w.ERRORS.get(status, KVStoreError)(reply.decode(errors="replace"))
+        return reply
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        reply = self._call(w.OP_LOOKUP, w.encode_keys(keys))
+        (n,) = w.U32.unpack_from(reply, 0)
+        return n, (reply[4:].decode().split(",") if n else [])
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
+              chain: bool = False) -> LeaseGrant:
+        flags = (w.FLAG_STOP_AT_MISS if stop_at_miss else 0) | (w.FLAG_CHAIN if chain else 0)
+        return _grant(self._call(w.OP_LEASE, w.LEASE_HEAD.pack(ttl_s or 0.0, flags) + w.encode_keys(keys)))
+
+    def release(self, lease_id: int) -> None:
+        """End a lease without waiting for the node (no reply frame)."""
+        if not lease_id:
+            return
+        with self._lock:
+            try:
+                w.write_frame(self._sock, w.OP_RELEASE, w.U64.pack(lease_id))
+            except OSError as exc:
+                raise Unavailable(f"store control socket {self.path}: {exc}") from None
+
+    def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
+                parent: bytes | None = None) -> list[SlotGrant]:
+        keys = [k for k, _ in items]
+        payload = (bytes((w.FLAG_CHAIN if chain else 0,)) + w.encode_keys([parent] if parent else [])
+                   + w.encode_keys(keys) + struct.pack(f"<{len(items)}Q", *(s for _, s in items)))
+        reply = self._call(w.OP_RESERVE, payload)
+        end = len(items) * w.SLOT.size
+        raw = list(w.SLOT.iter_unpack(memoryview(reply)[:end]))
+        errors = iter(w.decode_errors(reply, end, sum(s == SLOT_FAILED for s, _, _ in raw)))
+        return [SlotGrant(s, rid, off, next(errors) if s == SLOT_FAILED else "") for s, rid, off in raw]
+
+    name = "uds"
+    spares = True  # commit can hand out spare slots (one round trip per put)
+
+    def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
+               spare: tuple[int, int] = (0, 0)) -> tuple[list[PutResult], list[SlotGrant]]:
+        """Commit filled slots as ``keys`` (chain ``parents``); ask for ``spare`` = (size,
+        count) slots for the next puts. Returns a result per id and the spares granted."""
+        n = len(res_ids)
+        payload = (w.U32.pack(n) + struct.pack(f"<{n}Q", *res_ids) + w.encode_keys(keys)
+                   + w.encode_keys([p or b"" for p in parents] if parents else [b""] * n) + w.SPARE_ASK.pack(*spare))
+        reply = self._call(w.OP_COMMIT, payload)
+        codes = reply[:n]
+        failed = sum(c == 2 for c in codes)
+        errors = w.decode_errors(reply, n, failed)
+        pos = n + sum(2 + len(e.encode()) for e in errors)
+        (m,) = w.U32.unpack_from(reply, pos)
+        spares = [SlotGrant(*t) for t in w.SLOT.iter_unpack(memoryview(reply)[pos + 4:pos + 4 + m * w.SLOT.size])]
+        it = iter(errors)
+        return [PutResult(k, c != 2, c == 1, next(it) if c == 2 else "") for k, c in zip(keys, codes)], spares
+
+    def abort(self, res_ids: Sequence[int]) -> None:
+        if res_ids:
+            self._call(w.OP_ABORT, struct.pack(f"<{len(res_ids)}Q", *res_ids))
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,133 @@
+"""The compact framing of the same-host control channel (a Unix domain socket). No pickle:
+every frame is a struct-packed header and a struct-packed payload, little-endian.
+
+Frame: ``<B op | status> <I payload bytes>`` then the payload. A request gets exactly one
+reply, except RELEASE, which gets none (a reader releases its lease without waiting).
+
+- HELLO: auth token (utf-8) → empty.
+- LOOKUP: keys → ``<I`` prefix blocks, tier names joined by ``,``.
+- LEASE: ``<dB`` ttl seconds, flags (1: stop at miss, 2: chain); keys → ``<Qd`` lease id,
+  deadline; per key ``<QQQQ`` state, offset, size, checksum.
+- RELEASE: ``<Q`` lease id → no reply.
+- RESERVE: ``<B`` flags (2: chain); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
+  ``<BQQ`` state, reservation id, offset; then the failed ones' errors.
+- COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents (empty:
+  keep, none); ``<QI`` size, count of spare slots wanted → per id ``<B`` 0 stored, 1 existed,
+  2 failed; the failed ones' errors; ``<I`` spares, ``<BQQ`` each.
+- ABORT: ``<Q`` per reservation id → empty.
+
+Keys: ``<IB`` count, length (all keys that long, concatenated) or length 0 (each key
+prefixed by its ``<B`` length). Errors: ``<H`` length + utf-8 each. A reply with a non-zero
+status carries the error message; the status names its class (:data:`ERRORS`).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Sequence
+
+from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVStoreError, LeaseExpired,
+                            ReservationExpired, Unavailable)
+
+HEADER = struct.Struct("<BI")
+OP_HELLO, OP_LOOKUP, OP_LEASE, OP_RELEASE, OP_RESERVE, OP_COMMIT, OP_ABORT = range(1, 8)
+FLAG_STOP_AT_MISS, FLAG_CHAIN = 1, 2
+LEASE_HEAD = struct.Struct("<dB")
+LEASE_REPLY = struct.Struct("<Qd")
+LOCATION = struct.Struct("<QQQQ")
+SLOT = struct.Struct("<BQQ")
+SPARE_ASK = struct.Struct("<QI")
+U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
+KEYS_HEAD = struct.Struct("<IB")
+MAX_FRAME_BYTES = 64 << 20
+
+OK = 0
+ERRORS: dict[int, type[KVStoreError]] = {1: InvalidArgument, 2: LeaseExpired, 3: CapacityError,
+                                         4: IntegrityError, 5: ReservationExpired, 6: Unavailable,
+                                         7: KVStoreError}
+STATUS_OF = {cls: code for code, cls in ERRORS.items()}
+
+
+def status_of(exc: KVStoreError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return 7
+
+
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    n = len(keys)
+    length = len(keys[0]) if n else 0
+    if n and 0 < length < 256 and all(len(k) == length for k in keys):
+        return KEYS_HEAD.pack(n, length) + b"".join(keys)
+    if any(len(k) > 255 for k in keys):
+        raise InvalidArgument("a block key is at most 255 bytes on the control channel")
+    return KEYS_HEAD.pack(n, 0) + b"".join(bytes((len(k),)) + k for k in keys)
+
+
+def decode_keys(buf: bytes, pos: int) -> tuple[list[bytes], int]:
+    """Keys at ``pos`` of ``buf`` and the position after them."""
+    n, length = KEYS_HEAD.unpack_from(buf, pos)
+    pos += KEYS_HEAD.size
+    if length:
+        end = pos + n * length
+        if end > len(buf):
+            raise InvalidArgument("truncated key list")
+        return [buf[i:i + length] for i in range(pos, end, length)], end
+    keys = []
+    for _ in range(n):
+        k = buf[pos]
+        keys.append(buf[pos + 1:pos + 1 + k])
+        pos += 1 + k
+    if pos > len(buf):
+        raise InvalidArgument("truncated key list")
+    return keys, pos
+
+
+def encode_errors(errors: Sequence[str]) -> bytes:
+    out = []
+    for e in errors:
+        raw = e.encode()[:65535]
+        out.append(struct.pack("<H", len(raw)) + raw)
+    return b"".join(out)
+
+
+def decode_errors(buf: bytes, pos: int, count: int) -> list[str]:
+    out = []
+    for _ in range(count):
+        (n,) = struct.unpack_from("<H", buf, pos)
+        out.append(bytes(buf[pos + 2:pos + 2 + n]).decode(errors="replace"))
+        pos += 2 + n
+    return out
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes; raises ConnectionError when the peer closed the socket first."""
+    data = sock.recv(n)
+    if len(data) == n:
+        return data
+    if not data and n:
+        raise ConnectionError("control channel closed")
+    buf = bytearray(n)
+    view = memoryview(buf)
+    view[:len(data)] = data
+    got = len(data)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("control channel closed")
+        got += k
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """(op or status, payload) of the next frame. Raises ConnectionError at the end of the
+    stream and InvalidArgument for a frame over :data:`MAX_FRAME_BYTES`."""
+    code, n = HEADER.unpack(recv_exact(sock, HEADER.size))
+    if n > MAX_FRAME_BYTES:
+        raise InvalidArgument(f"control frame of {n} bytes; at most {MAX_FRAME_BYTES}")
+    return code, recv_exact(sock, n) if n else b""
+
+
+def write_frame(sock: socket.socket, code: int, payload: bytes = b"") -> None:
+    sock.sendall(HEADER.pack(code, len(payload)) + payload)

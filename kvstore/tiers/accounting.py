@@ -1,0 +1,89 @@
+"""The accounting tier: a tier that keeps sizes and checksums but no bytes, so a real
+:class:`kvstore.pool.KVPool` — its ledger, placement, eviction, demotion, pins and index —
+can account for blocks whose payloads live elsewhere or nowhere (the cluster simulator,
+``scheduler/sim/``, accounts whole clusters' KV this way in virtual time).
+
+A pool over accounting tiers takes blocks with :meth:`kvstore.pool.KVPool.account_chain`
+(sizes only); a read hands the sink an empty view.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.errors import CapacityError
+from kvstore.tiers.base import Sink, Slot, T, Tier, TierUsage, register_tier
+
+_EMPTY = np.zeros(0, dtype=np.uint8)
+_EMPTY.flags.writeable = False
+UNBOUNDED = 1 << 62   # bytes: the capacity of a tier without a bound
+
+
+@register_tier("accounting")
+class AccountingTier(Tier):
+    """Books ``capacity_bytes`` of blocks without storing them. ``name``: the tier it stands
+    in for (``hbm``, ``dram``, ``ssd``: what the index records); ``device``: likewise.
+
+    Invariant: ``used_bytes`` is the sum of the committed sizes plus the open slots'.
+    """
+
+    holds_bytes = False
+
+    def __init__(self, capacity_bytes: int = UNBOUNDED, name: str = "dram", device: str = "none") -> None:
+        super().__init__(capacity_bytes)
+        self.name = name
+        self.device = device
+        self._blocks: dict[bytes, tuple[int, int]] = {}   # key -> (size, checksum)
+        self._used = 0
+        self._reserved = 0
+
+    def reserve(self, size: int) -> Slot | None:
+        if size > self.capacity_bytes:
+            raise CapacityError(f"{self.name}: a {size}-byte block exceeds the tier's capacity "
+                                f"of {self.capacity_bytes} bytes")
+        if self._used + self._reserved + size > self.capacity_bytes:
+            return None
+        self._reserved += size
+        return Slot(size)
+
+    def write(self, slot: Slot, offset: int, data: Any) -> None:
+        """Nothing is kept."""
+
+    def commit(self, slot: Slot, key: bytes, checksum: int) -> None:
+        self._blocks[key] = (slot.size, checksum)
+        self._reserved -= slot.size
+        self._used += slot.size
+
+    def abort(self, slot: Slot) -> None:
+        self._reserved -= slot.size
+
+    def read(self, key: bytes, sink: Sink[T]) -> T | None:
+        return None if key not in self._blocks else sink(_EMPTY)
+
+    def read_many(self, keys: Sequence[bytes], sinks: Sequence[Sink[T]]) -> list[T | None | Exception]:
+        blocks = self._blocks
+        return [None if k not in blocks else s(_EMPTY) for k, s in zip(keys, sinks)]
+
+    def remove(self, key: bytes) -> int:
+        entry = self._blocks.pop(key, None)
+        if entry is None:
+            return 0
+        self._used -= entry[0]
+        return entry[0]
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def keys(self) -> Iterator[tuple[bytes, int]]:
+        return ((k, v[0]) for k, v in list(self._blocks.items()))
+
+    def info(self, key: bytes) -> tuple[int, int] | None:
+        return self._blocks.get(key)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._reserved
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.capacity_bytes, self._used + self._reserved, self._reserved, len(self._blocks))

@@ -1,0 +1,125 @@
+"""The Mooncake Transfer Engine, wrapped: one engine per process, started on first use.
+
+A store node registers its DRAM slab with its engine and announces ``host:rpc_port``
+(:class:`NodeTransferEngine`); a reader registers a receive buffer with its own engine and
+reads leased blocks straight out of the node's slab (kvstore/transfer/te_transport.py).
+Metadata goes through Mooncake's P2P handshake (``P2PHANDSHAKE``, no server) or its HTTP
+metadata server (``http://host:port/metadata``); the PyPI wheels carry no Redis plugin.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import Unavailable
+
+log = logging.getLogger(__name__)
+PROTOCOLS = ("tcp", "rdma")
+_engines: dict[tuple[str, str, str], "TransferEngineHandle"] = {}
+_engines_lock = threading.Lock()
+
+
+class TransferEngineUnavailable(Unavailable):
+    """The transfer engine cannot run here (not installed, no libibverbs, init failed)."""
+
+
+class TransferEngineHandle:
+    """One initialised ``mooncake.engine.TransferEngine`` and the memory registered with it.
+
+    Invariant: every buffer handed to a transfer lies in a registered region that stays
+    alive (referenced here) until :meth:`unregister`.
+    """
+
+    def __init__(self, host: str, metadata: str = "P2PHANDSHAKE", protocol: str = "tcp",
+                 device: str = "") -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"transfer engine protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        os.environ.setdefault("GLOG_minloglevel", "2")   # Mooncake logs every handshake at INFO
+        try:
+            from mooncake.engine import TransferEngine
+        except (ImportError, OSError) as exc:
+            raise TransferEngineUnavailable(f"cannot import mooncake.engine: {exc}") from None
+        self.engine = TransferEngine()
+        # P2P handshake: the segment is found at host:rpc_port. With a metadata server the
+        # segment name is what initialize() is given, so it must be unique: host:free port.
+        p2p = metadata == "P2PHANDSHAKE"
+        name = host if p2p else f"{host}:{_free_port(host)}"
+        rc = self.engine.initialize(name, metadata, protocol, device)
+        if rc != 0:
+            raise TransferEngineUnavailable(f"TransferEngine.initialize({name!r}, {metadata!r}, "
+                                            f"{protocol!r}) returned {rc}")
+        self.host, self.metadata, self.protocol = host, metadata, protocol
+        self.endpoint = f"{host}:{self.engine.get_rpc_port()}" if p2p else name
+        self._regions: dict[int, Any] = {}
+        self.lock = threading.Lock()     # one transfer into the shared receive buffer at a time
+        log.info("transfer engine (%s, metadata %s) at %s", protocol, metadata, self.endpoint)
+
+    def register(self, array: np.ndarray) -> int:
+        """Register ``array``'s bytes; returns their address. Raises TransferEngineUnavailable."""
+        addr = int(array.ctypes.data)
+        rc = self.engine.register_memory(addr, int(array.nbytes))
+        if rc != 0:
+            raise TransferEngineUnavailable(f"register_memory of {array.nbytes} bytes returned {rc}")
+        self._regions[addr] = array
+        return addr
+
+    def unregister(self, addr: int) -> None:
+        if self._regions.pop(addr, None) is not None:
+            self.engine.unregister_memory(addr)
+
+    def read(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
+        """Read ``lengths[i]`` bytes at ``remote[i]`` of the engine at ``endpoint`` into
+        ``local[i]`` (registered). Returns whether every transfer succeeded."""
+        if len(local) == 1:
+            return self.engine.transfer_sync_read(endpoint, local[0], remote[0], lengths[0]) == 0
+        return self.engine.batch_transfer_sync_read(endpoint, local, remote, lengths) == 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_engine(host: str = "127.0.0.1", metadata: str = "P2PHANDSHAKE",
+                   protocol: str = "tcp") -> TransferEngineHandle:
+    """This process's engine for (host, metadata, protocol), started on first use. Raises
+    TransferEngineUnavailable."""
+    with _engines_lock:
+        key = (host, metadata, protocol)
+        if key not in _engines:
+            _engines[key] = TransferEngineHandle(host, metadata, protocol)
+        return _engines[key]
+
+
+class NodeTransferEngine:
+    """A store node's side: its DRAM slab (mapped by name) registered with its engine.
+
+    ``endpoint`` (host:rpc_port) and ``slab_address`` go into the node's membership record
+    and lease answers; an offset from ``DramTier.locate`` is read at ``slab_address + offset``.
+    """
+
+    def __init__(self, shm_name: str, host: str, protocol: str = "tcp",
+                 metadata: str = "P2PHANDSHAKE") -> None:
+        self.handle = process_engine(host, metadata, protocol)
+        # Mapped by name in the node's own process (the slab's creator, which unlinks it).
+        self._shm = shared_memory.SharedMemory(name=shm_name)
+        self._slab = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+        self.slab_address = self.handle.register(self._slab)
+        self.slab_bytes = int(self._slab.nbytes)
+        self.endpoint = self.handle.endpoint
+        self.protocol = protocol
+
+    def close(self) -> None:
+        self.handle.unregister(self.slab_address)
+        self._slab = None  # type: ignore[assignment]
+        try:
+            self._shm.close()
+        except BufferError:
+            pass

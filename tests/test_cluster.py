@@ -1,0 +1,132 @@
+"""Several store node processes as one pool, found through a real Redis: membership with TTL
+heartbeats, placement that keeps a chain together, lookups and reads across nodes, and a
+node that dies — its blocks become misses within the TTL and generation still completes,
+token-identical, by recomputing them."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kvstore.cluster import LocalRegistry, NodeInfo, RedisRegistry
+from kvstore.cluster.client import ClusterClient
+from kvstore.cluster.membership import Heartbeat
+from kvstore.cluster.placement import plan_chain
+
+TTL_S, BEAT_S = 1.5, 0.3
+NODE_FLAGS = ("--ssd", "0", "--heartbeat", str(BEAT_S), "--node-ttl", str(TTL_S))
+
+
+@pytest.mark.parametrize("prefer,expected", [
+    (None, [("b", 0, 5), ("a", 5, 8), ("c", 8, 10)]),     # most free first, spilling when full
+    ("a", [("a", 0, 3), ("b", 3, 8), ("c", 8, 10)]),      # the parent's node first
+    ("c", [("c", 0, 2), ("b", 2, 7), ("a", 7, 10)]),
+])
+def test_placement_keeps_a_chain_together_by_free_bytes(prefer, expected):
+    assert plan_chain([10] * 10, {"a": 35, "b": 50, "c": 20}, prefer=prefer) == expected
+
+
+def test_placement_when_full_and_with_replicas():
+    assert plan_chain([10] * 4, {"a": 5, "b": 5}) == [("a", 0, 4)]     # the pool there evicts
+    assert plan_chain([10] * 4, {"a": 100, "b": 50, "c": 20}, replicas=2) == [("a", 0, 4), ("b", 0, 4)]
+    assert plan_chain([10], {"a": 100}, replicas=3) == [("a", 0, 1)]
+    assert plan_chain([10], {}) == []
+
+
+@pytest.mark.parametrize("make", ["local", "redis"])
+def test_membership_expires_without_heartbeat_and_leaves_on_stop(make, request):
+    registry = LocalRegistry() if make == "local" else RedisRegistry(request.getfixturevalue("redis_url"))
+    info = NodeInfo("n1", "127.0.0.1:1", (("dram", 100, 10),), 85, "127.0.0.1:2", 7)
+    assert NodeInfo.from_json(info.to_json()) == info
+    beat = Heartbeat(registry, lambda: info, ttl_s=0.6, interval_s=0.2).start()
+    time.sleep(0.8)
+    assert registry.nodes() == [info]                  # refreshed past one TTL
+    beat.stop()
+    assert registry.nodes() == []                      # a clean stop withdraws at once
+    registry.register(info, 0.3)                       # a node that dies: no more beats
+    assert registry.nodes() == [info]
+    time.sleep(0.5)
+    assert registry.nodes() == []
+    with pytest.raises(ValueError, match="below the TTL"):
+        Heartbeat(registry, lambda: info, ttl_s=1.0, interval_s=1.0)
+
+
+def test_cluster_reads_and_writes_across_nodes(redis_url, spawn_store_node):
+    for i in range(2):
+        spawn_store_node(f"n{i}", "--dram", "1MiB", "--redis", redis_url, *NODE_FLAGS)
+    with ClusterClient(redis_url, refresh_s=0.1, transport="transfer_engine") as cluster:
+        live = cluster.wait_for_nodes(2, timeout_s=10)
+        assert all(n.te_endpoint for n in live)
+        blocks = [(i.to_bytes(16, "big"), os.urandom(64 << 10)) for i in range(24)]  # 1.5 MiB
+        assert all(r.ok and not r.existed for r in cluster.put_blocks(blocks, chain=True))
+        keys = [k for k, _ in blocks]
+        owners = [n.node_id for n in cluster.locate(keys)]
+        assert len(owners) == 24 and len(set(owners)) == 2             # spilled over
+        assert owners == sorted(owners, key=owners.index)             # two runs, not interleaved
+        assert cluster.lookup(keys).blocks == 24
+        assert cluster.get_blocks(keys) == [d for _, d in blocks]
+        assert set(cluster.paths.values()) == {"transfer_engine"}
+        missing = b"\xee" * 16
+        assert cluster.get_blocks(keys[:3] + [missing], stop_at_miss=True)[-1] is None
+        assert cluster.get_blocks([missing, keys[20]]) == [None, blocks[20][1]]
+        # extending the chain goes to the node holding its parent (the one with room left)
+        tail = [(b"\x01" * 16, os.urandom(1000))]
+        assert cluster.put_blocks(tail, chain=True, parent=keys[-1])[0].ok
+        assert cluster.locate([tail[0][0]])[0].node_id == owners[-1]
+        # hot blocks: a second copy of the head on the other node
+        assert cluster.replicate(keys[:4], copies=2) == 4
+        assert cluster.replicate(keys[:4], copies=2) == 0                          # idempotent
+        assert cluster.get_blocks(keys[:4]) == [d for _, d in blocks[:4]]
+
+
+# -- a node dies mid-life; generation through real engines still completes ------------------
+BS = 16
+
+
+def reference(lm, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url, spawn_store_node):
+    from engines.decode import DecodeEngine
+    from engines.model import ModelConfig, load_model
+    from engines.prefill import PrefillEngine
+
+    procs = {f"n{i}": spawn_store_node(f"n{i}", "--dram", "200KiB", "--redis", redis_url, *NODE_FLAGS)[0]
+             for i in range(3)}
+    lm = load_model(ModelConfig(block_size=BS))
+    prompt = torch.randint(3, 512, (64 * BS + 5,), generator=torch.Generator().manual_seed(64)).tolist()
+    want = reference(lm, prompt, 8)
+    with ClusterClient(redis_url, refresh_s=0.1) as cluster:
+        cluster.wait_for_nodes(3, timeout_s=10)
+        prefill = PrefillEngine(lm, cluster, local_cache_blocks=0)
+        decode = DecodeEngine(lm, cluster)
+        r = prefill.prefill("r1", prompt, "t")
+        assert r.stored_blocks == 64
+        owners = [n.node_id for n in cluster.locate(list(r.block_keys))]
+        assert len(owners) == 64 and len(set(owners)) == 3           # the chain spans all three
+        assert [s.token for s in decode.decode("r1", prompt, r.first_token, r.block_keys, r.tail_kv, 8)] == want
+
+        victim = owners[32]                                            # holds a middle run
+        survive = owners.index(victim)
+        t0 = time.monotonic()
+        procs[victim].send_signal(signal.SIGKILL)                      # no clean leave
+        procs[victim].wait()
+        registry = RedisRegistry(redis_url)
+        while victim in {n.node_id for n in registry.nodes()}:
+            assert time.monotonic() - t0 < TTL_S + 1.0, "dead node still registered after its TTL"
+            time.sleep(0.05)
+        registry.close()
+        assert cluster.lookup(list(r.block_keys)).blocks == survive
+
+        prefill2 = PrefillEngine(lm, cluster, local_cache_blocks=0)
+        r2 = prefill2.prefill("r2", prompt, "t")
+        assert r2.loaded_blocks == survive and r2.cached_tokens == survive * BS
+        tokens = [s.token for s in decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8)]
+        assert tokens == want

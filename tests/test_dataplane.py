@@ -1,0 +1,293 @@
+"""The same-host data plane (kvstore/dataplane): a real store service on 127.0.0.1 with its
+Unix control socket, a real shared-memory DRAM slab mapped by the client, the client's
+automatic choice of path, byte-identical gets into numpy arrays and torch tensors, puts
+through the slab, and the lease rule: a block is never readable through the mapping after
+its lease expired and it was evicted (its bytes reused)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.dataplane import wire
+from kvstore.dataplane.local import LocalDataPlane
+from kvstore.dataplane.types import MAPPED, LeaseGrant
+from kvstore.dataplane.uds import UdsControl
+from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
+from kvstore.pool import KVPool, PoolSettings
+from kvstore.service import close_dataplane, serve_store
+
+MIB = 1 << 20
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def _block(i: int, size: int = 64 << 10) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size=size, dtype=np.uint8).tobytes()
+
+
+def _socket_path() -> str:
+    return os.path.join(tempfile.gettempdir(), f"kvstore-test-{uuid.uuid4().hex[:8]}.sock")  # < 108 bytes
+
+
+@pytest.fixture
+def node(make_dram, make_ssd):
+    """Yields a factory: ``start(dram_bytes, ssd_bytes=0, socket=True, token=None, **settings)``
+    → (pool, address, socket path or ""); everything is stopped after the test."""
+    started = []
+
+    def start(dram_bytes: int = 16 * MIB, ssd_bytes: int = 0, socket: bool = True, token: str | None = None,
+              **settings):
+        tiers = [make_dram(dram_bytes)] + ([make_ssd(ssd_bytes)] if ssd_bytes else [])
+        pool = KVPool(tiers, settings=PoolSettings(high_watermark=1.0, low_watermark=1.0, **settings))
+        path = _socket_path() if socket else ""
+        server, port = serve_store(pool, auth_token=token, dataplane_socket=path or None)
+        started.append(server)
+        return pool, f"127.0.0.1:{port}", path
+
+    yield start
+    for server in started:
+        close_dataplane(server)
+        server.stop(grace=None).wait()
+
+
+@pytest.fixture
+def client_of():
+    made: list[StoreClient] = []
+
+    def make(address: str, **kw) -> StoreClient:
+        c = StoreClient(address, timeout_s=30, **kw)
+        c.wait_ready(10)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_client_picks_the_same_host_path(node, client_of) -> None:
+    _, address, path = node()
+    assert client_of(address).data_path_in_use == "same-host/uds"
+    assert client_of(address, data_path="grpc").data_path_in_use == "grpc"
+    _, address2, _ = node(socket=False)
+    assert client_of(address2).data_path_in_use == "same-host/grpc"  # slab mapped, control over gRPC
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("socket", [True, False], ids=["uds", "grpc-control"])
+@pytest.mark.parametrize("size", [1, 4096, MIB + 3])
+def test_get_into_numpy_is_byte_identical(node, client_of, socket: bool, size: int) -> None:
+    pool, address, _ = node(socket=socket)
+    blocks = [(_key(i), _block(i, size)) for i in range(3)]
+    assert all(r.ok for r in pool.put_many(blocks))
+    client = client_of(address)
+    outs = [np.zeros(size + 5, dtype=np.uint8) for _ in blocks]
+    assert client.get_into([k for k, _ in blocks] + [_key(99)], outs + [np.zeros(1, np.uint8)]) == [size] * 3 + [None]
+    for (_, data), out in zip(blocks, outs):
+        assert out[:size].tobytes() == data and not out[size:].any()
+    assert client.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+
+
+def test_get_into_torch_tensor_is_byte_identical(node, client_of) -> None:
+    torch = pytest.importorskip("torch")
+    pool, address, _ = node()
+    kv = torch.randn(2, 4, 16, 64, dtype=torch.float16)  # one block of a layer's K: 16 KiB
+    raw = kv.numpy().tobytes()
+    pool.put(_key(1), raw)
+    out = torch.empty_like(kv)
+    assert client_of(address).get_into([_key(1)], [out]) == [len(raw)]
+    assert torch.equal(out, kv) and out.numpy().tobytes() == raw
+
+
+@pytest.mark.skipif("torch" not in sys.modules and not __import__("importlib").util.find_spec("torch"),
+                    reason="torch is not installed")
+def test_get_into_cuda_tensor(node, client_of) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pool, address, _ = node()
+    kv = torch.randn(4096, dtype=torch.float32)
+    pool.put(_key(2), kv.numpy().tobytes())
+    out = torch.empty(4096, dtype=torch.float32, device="cuda")
+    assert client_of(address).get_into([_key(2)], [out]) == [kv.numel() * 4]
+    assert torch.equal(out.cpu(), kv)
+
+
+def test_puts_through_the_slab_read_back_over_grpc(node, client_of) -> None:
+    pool, address, _ = node()
+    local, remote = client_of(address), client_of(address, data_path="grpc")
+    blocks = [(_key(i), _block(i, 256 << 10)) for i in range(8)]
+    results = local.put_blocks(blocks, chain=True)
+    assert [r.ok and not r.existed for r in results] == [True] * 8
+    assert local.put_blocks(blocks[:2]) and all(r.existed for r in local.put_blocks(blocks[:2]))
+    assert remote.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+    assert remote.lookup([k for k, _ in blocks]).blocks == 8 == local.lookup([k for k, _ in blocks]).blocks
+    assert local.get_blocks([k for k, _ in blocks[:3]] + [_key(99), blocks[4][0]], stop_at_miss=True) == \
+        [d for _, d in blocks[:3]] + [None]
+    pool.check_integrity()
+
+
+def test_a_prefix_chain_is_one_lease_and_one_copy_per_block(node, client_of) -> None:
+    pool, address, _ = node()
+    client = client_of(address)
+    chain = [(_key(i), _block(i, 4096)) for i in range(300)]
+    assert all(r.ok for r in client.put_blocks(chain, chain=True))
+    keys = [k for k, _ in chain]
+    assert client.lookup(keys + [_key(999)]).blocks == 300
+    outs = [np.zeros(4096, np.uint8) for _ in range(302)]
+    got = client.get_into(keys[:150] + [_key(999)] + keys[150:], outs[:301], stop_at_miss=True)
+    assert got == [4096] * 150 + [None]
+    assert all(o.tobytes() == d for o, (_, d) in zip(outs[:150], chain[:150]))
+    deadline = time.monotonic() + 5  # the release frame needs no reply: it lands a moment later
+    while pool.stats()[0].leased_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s = pool.stats()[0]
+    assert s.leased_bytes == 0 and s.hits == 150 and s.misses == 1
+    pool.check_integrity()
+
+
+def test_repeated_puts_of_one_size_use_spare_slots_and_survive_their_timeout(node, client_of) -> None:
+    pool, address, _ = node(reservation_timeout_s=0.5)
+    client = client_of(address)
+    plane = client._local()
+    assert client.put(_key(1), _block(1)).ok
+    assert plane._spares.get(64 << 10), "a commit hands out spare slots for the next put"
+    assert client.put(_key(2), _block(2)).ok  # written into a spare: one round trip
+    time.sleep(0.8)                            # the spares time out in the pool
+    assert client.put(_key(3), _block(3)).ok  # put again through a fresh reservation
+    assert client.get_blocks([_key(1), _key(2), _key(3)]) == [_block(1), _block(2), _block(3)]
+    client.close()                             # the session's spares are given back
+    deadline = time.monotonic() + 5
+    while pool.stats()[0].reserved_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.stats()[0].reserved_bytes == 0
+    pool.check_integrity()
+
+
+def test_blocks_in_another_tier_come_over_the_grpc_stream(node, client_of) -> None:
+    pool, address, _ = node(dram_bytes=4 * MIB, ssd_bytes=16 * MIB, promote_on_hit=False)
+    data = _block(5, MIB)
+    assert pool.put(_key(5), data, tier="ssd").ok
+    client = client_of(address)
+    out = np.zeros(MIB, dtype=np.uint8)
+    assert client.get_into([_key(5)], [out]) == [MIB] and out.tobytes() == data
+    assert client.get_blocks([_key(5)]) == [data]
+
+
+def test_an_expired_and_evicted_block_is_never_read_through_the_mapping(node) -> None:
+    """Lease A with a short TTL, let it expire, evict it and put B into the same slab space:
+    the mapped read of A raises LeaseExpired and never returns B's bytes; and even a grant
+    that claimed to be valid would only give a miss (the checksum guard)."""
+    pool, address, path = node(dram_bytes=4 * MIB)
+    plane = _plane(pool, path)
+    a, b = _block(10, MIB), _block(11, MIB)
+    assert plane.put_blocks([(_key(10), a)])[0].ok
+    grant = plane.control.lease([_key(10)], ttl_s=0.05)
+    assert grant.blocks[0].state == MAPPED
+    # a live lease keeps A from being evicted
+    assert pool.evict("dram", 4 * MIB) == (0, 0) and pool.contains(_key(10))
+    time.sleep(0.1)
+    assert pool.evict("dram", 4 * MIB)[1] == 1 and not pool.contains(_key(10))
+    plane._spares.clear()  # so B takes the lowest free pages: A's
+    assert plane.put_blocks([(_key(11), b)])[0].ok
+    assert pool.tier("dram").locate(_key(11))[0] == grant.blocks[0].offset, "B reuses A's pages"
+    out = np.zeros(MIB, dtype=np.uint8)
+    with pytest.raises(LeaseExpired):
+        plane.copy_leased(grant, [_key(10)], [out])
+    forged = LeaseGrant(grant.lease_id, time.monotonic() + 60, grant.blocks)
+    assert plane.copy_leased(forged, [_key(10)], [out])[0] == [None]  # B's bytes fail A's checksum
+    plane.control.release(grant.lease_id)
+    # through the public API a too-short lease is LeaseExpired or A's bytes, never B's
+    plane.lease_ttl_s = 1e-9
+    with pytest.raises(LeaseExpired):
+        plane.get_into([_key(11)], [out])
+    plane.close()
+    pool.check_integrity()
+
+
+def test_a_vanished_client_leaves_no_lease_or_reservation(node) -> None:
+    pool, address, path = node()
+    code = ("import sys; from kvstore.dataplane.uds import UdsControl\n"
+            "c = UdsControl(sys.argv[1]); print(c.reserve([(b'k' * 32, 1 << 20)])[0].state, flush=True)\n"
+            "c.lease([sys.argv[2].encode()], ttl_s=600); import os; os._exit(0)\n")
+    pool.put(b"x" * 32, _block(1))
+    out = subprocess.run([sys.executable, "-c", code, path, "x" * 32], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0", out.stderr
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (pool.stats()[0].reserved_bytes or pool.stats()[0].leased_bytes):
+        time.sleep(0.02)
+    assert pool.stats()[0].reserved_bytes == 0 and pool.stats()[0].leased_bytes == 0
+    pool.check_integrity()
+
+
+def test_a_store_process_serves_a_client_process(node) -> None:
+    """Two processes, as deployed: the client maps the store's slab from another process."""
+    pool, address, _ = node()
+    code = ("import sys, numpy as np; from kvstore.client import StoreClient\n"
+            "c = StoreClient(sys.argv[1]); c.wait_ready(10)\n"
+            "data = np.arange(1 << 20, dtype=np.uint8)\n"
+            "assert c.put_blocks([(b'p' * 32, data)])[0].ok\n"
+            "out = np.zeros(1 << 20, np.uint8); c.get_into([b'q' * 32], [out])\n"
+            "print(c.data_path_in_use, out.tobytes().hex()[:16], flush=True); c.close()\n")
+    pool.put(b"q" * 32, bytes(range(256)) * 4096)
+    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["same-host/uds", bytes(range(8)).hex()]
+    assert pool.get(b"p" * 32) == np.arange(1 << 20, dtype=np.uint8).tobytes()
+
+
+def test_a_lost_control_socket_falls_back_and_reattaches(node, client_of) -> None:
+    pool, address, _ = node()
+    client = client_of(address)
+    assert client.put(_key(1), _block(1)).ok and client.data_path_in_use == "same-host/uds"
+    from kvstore.service import _UDS
+    for uds in list(_UDS.values()):
+        if uds.host.pool is pool:
+            uds.close()  # as if the node's socket went away under the client
+    assert client.get_blocks([_key(1)]) == [_block(1)]     # this call: over gRPC
+    assert client.data_path_in_use == "same-host/grpc"      # then the slab again, control over gRPC
+    assert client.put(_key(2), _block(2)).ok and pool.get(_key(2)) == _block(2)
+
+
+def test_auth_token_is_required_on_the_socket(node, client_of) -> None:
+    _, address, path = node(token="s3cret")
+    with pytest.raises(Unavailable):
+        UdsControl(path, "wrong").lookup([_key(1)])
+    client = client_of(address, auth_token="s3cret")
+    assert client.data_path_in_use == "same-host/uds"
+    assert client.put(_key(1), b"abc").ok and client.get(_key(1)) == b"abc"
+
+
+def test_malformed_requests_are_refused(node) -> None:
+    pool, _, path = node()
+    ctl = UdsControl(path)
+    grants = ctl.reserve([(b"", 10), (b"k" * 65, 10), (b"k" * 32, 1 << 40)])
+    assert [g.state for g in grants] == [2, 2, 2] and all(g.error for g in grants)
+    results, _ = ctl.commit([12345], [b"k" * 32])
+    assert not results[0].ok
+    with pytest.raises(InvalidArgument):
+        ctl._call(99, b"")
+    assert ctl.lookup([_key(1)]) == (0, [])  # the connection survives a refused request
+    ctl.close()
+
+
+@pytest.mark.parametrize("keys", [[], [b"a" * 32] * 3, [b"", b"a", b"bb" * 30]])
+def test_wire_keys_round_trip(keys: list[bytes]) -> None:
+    raw = b"xx" + wire.encode_keys(keys)
+    assert wire.decode_keys(raw, 2) == (keys, len(raw))
+
+
+def _plane(pool: KVPool, path: str) -> LocalDataPlane:
+    from kvstore.dataplane.host import DataPlaneHost
+    info = DataPlaneHost(pool, path).info()
+    return LocalDataPlane(info, UdsControl(path))

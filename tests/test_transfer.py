@@ -1,0 +1,158 @@
+"""The across-host path between real processes: a store node process serves its DRAM slab
+to this process's Mooncake Transfer Engine (tcp over 127.0.0.1); bytes are identical to
+what was put, and identical again over the gRPC stream when the transfer engine is off or
+cannot start (the fallback is picked automatically and reported)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.errors import Unavailable
+from kvstore.transfer import GrpcStreamTransport, SameHostTransport, TransferEngineTransport, open_transport
+from kvstore.transfer import base as transfer_base
+
+pytest.importorskip("mooncake.engine")
+
+SIZES = [1, 4096, 8192 + 17, 3 << 20, 100_000]     # one block spans several gRPC chunks
+
+
+def blocks_of(seed: int) -> list[tuple[bytes, bytes]]:
+    return [(seed.to_bytes(2, "big") + i.to_bytes(14, "big"), os.urandom(n)) for i, n in enumerate(SIZES)]
+
+
+@pytest.fixture
+def te_node(spawn_store_node):
+    _, address = spawn_store_node("te-a", "--dram", "32MiB", "--ssd", "0", "--transfer-engine", "tcp")
+    with StoreClient(address) as client:
+        yield address, client
+
+
+@pytest.fixture
+def http_metadata_server():
+    """Mooncake's HTTP metadata server (mooncake.http_metadata_server) on a free port."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "metadata server did not start"
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/metadata"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_transfer_engine_with_the_http_metadata_server(spawn_store_node, http_metadata_server):
+    _, address = spawn_store_node("te-http", "--dram", "16MiB", "--ssd", "0", "--transfer-engine", "tcp",
+                                  "--te-metadata", http_metadata_server)
+    blocks = blocks_of(5)
+    with StoreClient(address) as client:
+        assert all(r.ok for r in client.put_blocks(blocks))
+    t = open_transport("transfer_engine", address)
+    try:
+        assert isinstance(t, TransferEngineTransport) and t.engine.metadata == http_metadata_server
+        assert t.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+        assert t.te_reads == len(blocks) and t.grpc_reads == 0
+    finally:
+        t.close()
+
+
+def test_transfer_engine_reads_are_byte_identical(te_node):
+    address, client = te_node
+    blocks = blocks_of(1)
+    assert all(r.ok for r in client.put_blocks(blocks, chain=True))
+    t = open_transport("transfer_engine", address)
+    try:
+        assert isinstance(t, TransferEngineTransport) and t.endpoint.startswith("127.0.0.1:")
+        keys = [k for k, _ in blocks]
+        assert t.get_blocks(keys) == [d for _, d in blocks]
+        assert t.te_reads == len(blocks) and t.grpc_reads == 0
+        # a chain read stops at the first miss; a scattered read reports misses as None
+        missing = b"\xff" * 16
+        got = t.get_blocks(keys[:2] + [missing] + keys[2:], stop_at_miss=True)
+        assert got == [blocks[0][1], blocks[1][1], None]
+        assert t.get_blocks([missing, keys[3]]) == [None, blocks[3][1]]
+        # the gRPC stream gives the same bytes
+        assert GrpcStreamTransport(address).get_blocks(keys) == [d for _, d in blocks]
+    finally:
+        t.close()
+
+
+def test_node_without_transfer_engine_falls_back_to_grpc(spawn_store_node):
+    _, address = spawn_store_node("te-off", "--dram", "16MiB", "--ssd", "0", "--transfer-engine", "off")
+    blocks = blocks_of(2)
+    with StoreClient(address) as client:
+        assert all(r.ok for r in client.put_blocks(blocks))
+    t = open_transport("transfer_engine", address)
+    try:
+        assert type(t) is GrpcStreamTransport
+        assert "runs no transfer engine" in (t.fallback_reason or "")
+        assert t.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+    finally:
+        t.close()
+
+
+def test_transfer_engine_that_cannot_start_falls_back(te_node, monkeypatch):
+    address, client = te_node
+    blocks = blocks_of(3)
+    client.put_blocks(blocks)
+
+    class Broken(TransferEngineTransport):
+        def __init__(self, *a, **kw):
+            from kvstore.transfer.engine import TransferEngineUnavailable
+            raise TransferEngineUnavailable("no libibverbs here")
+
+    monkeypatch.setitem(transfer_base.TRANSPORTS, "transfer_engine", Broken)
+    t = open_transport("transfer_engine", address)
+    try:
+        assert type(t) is GrpcStreamTransport and t.fallback_reason == "no libibverbs here"
+        assert t.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+    finally:
+        t.close()
+
+
+def test_auto_prefers_the_same_host_slab_then_the_transfer_engine(te_node, monkeypatch):
+    address, client = te_node
+    blocks = blocks_of(4)
+    client.put_blocks(blocks)
+    keys, want = [k for k, _ in blocks], [d for _, d in blocks]
+    t = open_transport("auto", address, te_endpoint="announced")
+    try:
+        assert isinstance(t, SameHostTransport) and t.get_blocks(keys) == want
+    finally:
+        t.close()
+
+    class Elsewhere(SameHostTransport):       # as seen from another host
+        def __init__(self, *a, **kw):
+            raise Unavailable("not this host")
+
+    monkeypatch.setitem(transfer_base.TRANSPORTS, "same_host", Elsewhere)
+    t = open_transport("auto", address, te_endpoint="announced")
+    try:
+        assert isinstance(t, TransferEngineTransport) and t.get_blocks(keys) == want
+    finally:
+        t.close()
+    t = open_transport("auto", address)                # the node announced no engine
+    try:
+        assert type(t) is GrpcStreamTransport and t.get_blocks(keys) == want
+    finally:
+        t.close()
+
+
+def test_unknown_transport_is_rejected():
+    with pytest.raises(ValueError, match="valid: auto"):
+        open_transport("carrier-pigeon", "127.0.0.1:1")
