@@ -15,7 +15,7 @@ from engines.model import LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.service import GRPC_OPTIONS
+from kvstore.service import SERVER_OPTIONS
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 
@@ -93,11 +93,11 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     port = server.add_insecure_port(address)
     if port == 0:
-        raise RuntimeError(f"engine: cannot listen on {address}")
+        raise RuntimeError(f"engine: cannot listen on {address} (port in use or address not local)")
     server.start()
     log.info("%s engine %s on %s (port %d), model on %s", role, engine_id, address, port, lm.device)
     return server, port

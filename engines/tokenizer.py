@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from kvstore.errors import InvalidArgument
+
 
 class Tokenizer(Protocol):
     eos_token_id: int
@@ -24,7 +26,12 @@ class ByteTokenizer:
         self.eos_token_id = self.EOS
 
     def encode(self, text: str) -> list[int]:
-        return [b + self.OFFSET for b in text.encode("utf-8")]
+        """Raises InvalidArgument for text that is not valid Unicode (a lone surrogate)."""
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"the text is not valid Unicode: {exc.reason} at position {exc.start}") from None
+        return [b + self.OFFSET for b in raw]
 
     def decode(self, ids: Sequence[int]) -> str:
         raw = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)

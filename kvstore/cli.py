@@ -14,15 +14,31 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvstore import __version__
+from kvstore.errors import KVStoreError
+from scheduler.sim.command import positive_int
 
 log = logging.getLogger("kvstore")
-DEFAULT_TRACE = "data/traces/conversation_trace.jsonl"
+# The vendored trace, found from the checkout whatever the working directory.
+DEFAULT_TRACE = str(Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_trace.jsonl")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or the help text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
-    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=36)
+    return _Formatter(prog, max_help_position=36)
+
+
 
 
 def _wait_for_signal() -> None:
@@ -87,7 +103,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_replay_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=100, help="replay the first N requests of the trace")
+    p.add_argument("--requests", type=positive_int, default=100, help="replay the first N requests of the trace")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (timestamps are divided by it)")
     p.add_argument("--tokens-per-block", type=int, default=16,
                    help="tokens each trace hash id (a 512-token block) becomes")
@@ -116,7 +132,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="what the services log to stderr (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run a store node",
@@ -157,17 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
                        description="Run a prefill or decode engine around a transformers causal LM "
                                    "(the tiny seeded Llama unless --model is given).")
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--role", choices=["prefill", "decode"], required=True,
+                   help="prefill computes prompts and publishes blocks; decode loads them and generates")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--store-token", help="bearer token for the store node")
     p.add_argument("--redis", metavar="URL", help="use every store node registered in this Redis "
                    "(cluster mode) instead of --store")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks a free one)")
     p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="model and KV dtype (part of every block key)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
     p.add_argument("--local-cache-blocks", type=int, default=4096, help="blocks in the engine's own prefix cache")
     p.set_defaults(func=cmd_engine)
@@ -180,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
     p.add_argument("--redis", metavar="URL", help="look up blocks across every store node registered "
                    "in this Redis (cluster mode) instead of --store")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    p.add_argument("--store-token", help="bearer token for the store node (if it requires one)")
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     add_scheduler_flags(p)
     p.set_defaults(func=cmd_scheduler)
@@ -190,10 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start a store node, a prefill engine, a decode engine and the "
                                    "front door on this host. With --replay, replay a trace through "
                                    "the front door, print a report and stop; without, serve until Ctrl-C.")
-    p.add_argument("--replay", metavar="TRACE", help=f"Mooncake-format trace to replay (e.g. {DEFAULT_TRACE})")
+    p.add_argument("--replay", metavar="TRACE", help="Mooncake-format trace to replay, e.g. data/traces/conversation_trace.jsonl")
     add_replay_flags(p)
     add_scheduler_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=8000, help="front door port (0 picks a free one)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--dram", default="256MiB", help="store node DRAM tier capacity")
@@ -212,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Send a Mooncake-format trace's requests to a running front door "
                                    "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
     p.add_argument("--target", required=True, help="front door URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", default=DEFAULT_TRACE)
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     add_replay_flags(p)
     p.set_defaults(func=cmd_replay)
 
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError, KVStoreError) as exc:
         print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

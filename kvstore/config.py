@@ -60,6 +60,15 @@ class StoreConfig:
     dataplane_socket: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("port", "dram_bytes", "ssd_bytes", "hbm_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        if not isinstance(self.promote_on_hit, bool):
+            raise ValueError(f"promote_on_hit must be true or false, got {self.promote_on_hit!r}")
+        if not isinstance(self.node_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.node_id):
+            raise ValueError(f"node_id must be 1-64 letters, digits, '.', '_' or '-' (starting with a "
+                             f"letter or digit), got {self.node_id!r}")
         if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.hbm_bytes <= 0:
             raise ValueError("a store node needs hbm_bytes, dram_bytes or ssd_bytes > 0")
         self.pool_settings()  # validates watermarks, policy and times

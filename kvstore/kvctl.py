@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -41,15 +42,27 @@ def cmd_tiers(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
+    """Hex block keys → bytes; a key is 32 bytes (SHA-256) or 16 (XXH3-128)."""
     try:
-        return [bytes.fromhex(h) for h in hexes]
+        keys = [bytes.fromhex(h) for h in hexes]
     except ValueError as exc:
         raise ValueError(f"block keys are hex strings: {exc}") from None
+    for h, key in zip(hexes, keys):
+        if len(key) not in (16, 32):
+            raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128)")
+    return keys
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def cmd_pin(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     n = client.pin(_keys(args.keys), hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
-    kind = "hard" if args.hard else f"soft ({args.ttl or 'default'} s)"
+    kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
     print(f"pinned {n} of {len(args.keys)} blocks, {kind}")
     return 0
 
@@ -81,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port (default %(default)s)")
     parser.add_argument("--token", help="bearer token, if the node requires one")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node (default %(default)s)")
+    parser.add_argument("--timeout", type=_positive, default=10.0, help="seconds to wait for the node (default %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("tiers", help="show each tier's capacity, usage and counters")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -99,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "pin":
             g = p.add_mutually_exclusive_group()
             g.add_argument("--hard", action="store_true", help="a hard pin (until unpinned)")
-            g.add_argument("--ttl", type=float, metavar="S", help="soft pin TTL in seconds (default: the node's)")
+            g.add_argument("--ttl", type=_positive, metavar="S", help="soft pin TTL in seconds (default: the node's)")
         p.set_defaults(func=func)
     p = sub.add_parser("policy", help="switch the eviction policy at run time")
     p.add_argument("name", choices=["lru", "lfu", "fifo", "s3fifo"])
@@ -119,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KVStoreError, ValueError) as exc:
         print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `kvctl tiers | head -1`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

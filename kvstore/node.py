@@ -43,10 +43,14 @@ def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
     register the node in the cluster (Redis at ``cfg.redis_url``, else embedded)."""
     from kvstore.cluster.agent import ClusterAgent
     pool = build_pool(cfg)
-    agent = ClusterAgent(cfg, pool)
-    server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
-                               extra_services=agent.services(),
-                               dataplane_socket=cfg.dataplane_socket_path())
+    try:
+        agent = ClusterAgent(cfg, pool)
+        server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
+                                   extra_services=agent.services(),
+                                   dataplane_socket=cfg.dataplane_socket_path())
+    except BaseException:
+        pool.close()  # nothing may outlive a node that did not start (its shared-memory slab)
+        raise
     agent.start(port)
     _AGENTS[id(server)] = agent
     return server, port, pool

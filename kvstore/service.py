@@ -24,6 +24,9 @@ SNAPSHOT_CHUNK_ENTRIES = 8192        # index entries per Snapshot chunk (~0.5 Mi
 MAX_KEY_BYTES = 64
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20)]
+# Servers refuse a port already in use (gRPC sets SO_REUSEPORT by default, which would let a
+# second node share the port and take half its connections).
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 class StoreServicer(pb_grpc.KVStoreServicer):
@@ -252,7 +255,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     :func:`close_dataplane`). Returns the started server and its bound port. Raises
     RuntimeError if it cannot bind."""
     interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")
     pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool, dataplane=dataplane), server)
@@ -260,7 +263,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
         add(server)
     port = server.add_insecure_port(address)
     if port == 0:
-        raise RuntimeError(f"store: cannot listen on {address}")
+        raise RuntimeError(f"store: cannot listen on {address} (port in use or address not local)")
     server.start()
     if dataplane is not None and dataplane_socket:
         from kvstore.dataplane.uds import UdsServer

@@ -20,6 +20,16 @@ from dataclasses import dataclass, field
 from kvstore.errors import Unavailable
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -117,6 +127,10 @@ def run_up(args: argparse.Namespace) -> int:
     engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
     engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
     http_port = args.port or free_port(host)
+    if not port_is_free(host, http_port):
+        print(f"kvstore up: port {http_port} on {host} is in use (another front door?); "
+              "pick another with --port, or --port 0 for a free one", file=sys.stderr)
+        return 2
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()
@@ -154,6 +168,7 @@ def run_up(args: argparse.Namespace) -> int:
                     "--balancing-threshold", str(args.balancing_threshold), *model)
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
+        stack.check_alive()  # the answer must come from our own front door
         print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics)", flush=True)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:

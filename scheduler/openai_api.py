@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engines.tokenizer import Tokenizer
+from kvstore.errors import InvalidArgument
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -52,6 +53,14 @@ class GenerationRequest:
 
 def _bad(message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code)
+
+
+def _encode(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
+    """Token ids of ``text``; text that cannot be encoded (a lone surrogate) is a 400."""
+    try:
+        return tokenizer.encode(text)
+    except (InvalidArgument, UnicodeError) as exc:
+        raise _bad(f"'{field}': {exc}", "invalid_text") from None
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -102,7 +111,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
         raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        tokens = tokenizer.encode(prompt)
+        tokens = _encode(tokenizer, prompt, "prompt")
     elif isinstance(prompt, list):
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise _bad("only one prompt per request is supported", "unsupported_value")
@@ -129,7 +138,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} "
                        "and 'content' a string", "invalid_type")
     text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-    return _finish(body, tokenizer.encode(text), limits, default_max_tokens, chat=True)
+    return _finish(body, _encode(tokenizer, text, "messages"), limits, default_max_tokens, chat=True)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

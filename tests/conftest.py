@@ -151,3 +151,11 @@ def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
+    """Drop this process's Mooncake transfer engines before pytest prints its summary: each
+    logs as it unregisters, and those lines should not follow the summary."""
+    import sys
+    if "kvstore.transfer.engine" in sys.modules:
+        sys.modules["kvstore.transfer.engine"].shutdown_engines()

@@ -74,6 +74,18 @@ def test_kvctl_tiers_and_evict(store_node):
     assert bad.returncode == 1 and "no tier 'tape'" in bad.stderr
 
 
+def test_a_second_node_on_a_used_port_is_refused(store_node, tmp_path):
+    port = store_node.rsplit(":", 1)[1]
+    proc = run("kvstore.cli", "serve", "--port", port, "--node-id", "impostor", "--dram", "1MiB",
+               "--ssd", "0", "--data-dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "Failed to bind" in proc.stderr
+
+
+def test_kvctl_rejects_a_key_that_is_not_a_block_key(store_node):
+    proc = run("kvstore.kvctl", "--store", store_node, "pin", "deadbeef")
+    assert proc.returncode == 1 and "not a block key" in proc.stderr
+
+
 def test_kvctl_reports_an_unreachable_node():
     proc = run("kvstore.kvctl", "--store", f"127.0.0.1:{free_port()}", "--timeout", "2", "tiers")
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr

@@ -148,6 +148,7 @@ def prompt_of(seed: int, n: int) -> list[int]:
     (None, {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
     (None, {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
     (None, {"prompt": "hi", "stream": "yes"}, "stream"),
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', None, "Unicode"),   # a lone surrogate
 ])
 def test_malformed_request_is_400_with_a_message(url, raw, body, needle):
     status, _, data = call(url, "/v1/completions", body, raw=raw)

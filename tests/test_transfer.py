@@ -12,6 +12,7 @@ from kvstore.client import StoreClient
 from kvstore.errors import Unavailable
 from kvstore.transfer import GrpcStreamTransport, SameHostTransport, TransferEngineTransport, open_transport
 from kvstore.transfer import base as transfer_base
+from kvstore.transfer.engine import shutdown_engines
 
 pytest.importorskip("mooncake.engine")
 
@@ -51,7 +52,9 @@ def http_metadata_server():
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, "metadata server did not start"
             time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/metadata"
+    url = f"http://127.0.0.1:{port}/metadata"
+    yield url
+    shutdown_engines(url)       # engines unregister from the server as they go: it must still run
     proc.terminate()
     proc.wait(timeout=10)
 

@@ -8,6 +8,7 @@ metadata server (``http://host:port/metadata``); the PyPI wheels carry no Redis 
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -96,6 +97,18 @@ def process_engine(host: str = "127.0.0.1", metadata: str = "P2PHANDSHAKE",
         if key not in _engines:
             _engines[key] = TransferEngineHandle(host, metadata, protocol)
         return _engines[key]
+
+
+def shutdown_engines(metadata: str | None = None) -> int:
+    """Drop this process's engines (those using ``metadata``, or all): each unregisters from
+    its metadata service as it is destroyed, so call this while that service still runs.
+    Returns how many were dropped."""
+    with _engines_lock:
+        keys = [k for k in _engines if metadata is None or k[1] == metadata]
+        for key in keys:
+            del _engines[key]
+    gc.collect()
+    return len(keys)
 
 
 class NodeTransferEngine:

@@ -32,9 +32,20 @@ def _tokens(text: str) -> int | None:
     return int(float(text))
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--trace", default=default_trace, help="Mooncake-format JSONL trace")
-    p.add_argument("--requests", type=int, default=None, help="simulate the first N requests (None: all)")
+    p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
     p.add_argument("--topology", default="disaggregated", help="comma list: disaggregated, colocated")
     p.add_argument("--admission", default="none", help="comma list: none, current, predictive")
@@ -53,7 +64,7 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' HBM")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
     p.add_argument("--eviction", default="lru", help="cache eviction strategy: lru, lfu, fifo, s3fifo")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random baseline policy")
     p.add_argument("--json", metavar="PATH", help="also write every result as JSON here")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (runs a speed and a pool-capacity sweep)")
     p.add_argument("--sweep-speeds", default="0.5,1,2,3,4", help="replay speeds of the goodput plot")

@@ -16,7 +16,8 @@ from scheduler.trace import TraceMapping, TRACE_BLOCK_TOKENS, best_possible_hit_
 class SimResult:
     """One run. Times in seconds (virtual, except ``wall_s``). ``met_slo``: completed
     requests with TTFT <= ``ttft_slo_s`` and Mooncake TBT <= ``tbt_slo_s``; ``goodput_rps``:
-    those per second of the replayed arrival span; ``effective_capacity``: their fraction of
+    those per second of the makespan (first arrival to last completion, as the live replay
+    report counts wall time); ``effective_capacity``: their fraction of
     all requests; ``throughput_tok_s``: tokens generated per second of the makespan (first
     arrival to last completion). ``hit_ratio``: trace blocks loaded from a cache / trace
     blocks of the prefilled requests; ``best_possible_hit_ratio``: an infinite cache over the
@@ -85,7 +86,6 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
     blocks = sum(r.trace_blocks for r in prefilled)
     best = sum(best_possible_hit_blocks([r.trace for r in prefilled], TraceMapping(TRACE_BLOCK_TOKENS)))
     arrivals = [r.arrival_s for r in reqs]
-    span = (max(arrivals) - min(arrivals)) if arrivals else 0.0
     end = max((r.finish_s for r in ok), default=0.0)
     makespan = end - min(arrivals, default=0.0)
     tbt_values = [v for v in tbts.values() if v is not None]
@@ -94,7 +94,7 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
         requests=len(reqs), completed=len(ok),
         rejected_early=sum(r.status == "rejected_early" for r in reqs),
         rejected_late=sum(r.status == "rejected_late" for r in reqs),
-        met_slo=met, goodput_rps=met / span if span > 0 else 0.0,
+        met_slo=met, goodput_rps=met / makespan if makespan > 0 else 0.0,
         effective_capacity=met / len(reqs) if reqs else 0.0,
         throughput_tok_s=sum(r.output for r in ok) / makespan if makespan > 0 else 0.0,
         ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
