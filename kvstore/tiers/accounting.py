@@ -8,12 +8,12 @@ A pool over accounting tiers takes blocks with :meth:`kvstore.pool.KVPool.accoun
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvstore.errors import CapacityError
-from kvstore.tiers.base import Sink, Slot, T, Tier, TierUsage, register_tier
+from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _EMPTY.flags.writeable = False
@@ -21,7 +21,7 @@ UNBOUNDED = 1 << 62   # bytes: the capacity of a tier without a bound
 
 
 @register_tier("accounting")
-class AccountingTier(Tier):
+class AccountingTier(TableTier):
     """Books ``capacity_bytes`` of blocks without storing them. ``name``: the tier it stands
     in for (``hbm``, ``dram``, ``ssd``: what the index records); ``device``: likewise.
 
@@ -35,8 +35,6 @@ class AccountingTier(Tier):
         self.name = name
         self.device = device
         self._blocks: dict[bytes, tuple[int, int]] = {}   # key -> (size, checksum)
-        self._used = 0
-        self._reserved = 0
 
     def reserve(self, size: int) -> Slot | None:
         if size > self.capacity_bytes:
@@ -72,18 +70,3 @@ class AccountingTier(Tier):
         self._used -= entry[0]
         return entry[0]
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def keys(self) -> Iterator[tuple[bytes, int]]:
-        return ((k, v[0]) for k, v in list(self._blocks.items()))
-
-    def info(self, key: bytes) -> tuple[int, int] | None:
-        return self._blocks.get(key)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used + self._reserved
-
-    def usage(self) -> TierUsage:
-        return TierUsage(self.capacity_bytes, self._used + self._reserved, self._reserved, len(self._blocks))

@@ -176,3 +176,35 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release the tier's resources."""
+
+
+class TableTier(Tier):
+    """A tier that keeps its committed blocks in ``_blocks`` (key → ``(size, checksum)``,
+    or a longer tuple whose subclass overrides :meth:`keys` and :meth:`info`), and counts
+    ``_used`` (committed bytes) and ``_reserved`` (bytes of puts in flight).
+
+    Invariant: ``_used`` is the sum of the sizes in ``_blocks``.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._blocks: dict[bytes, tuple[int, ...]] = {}
+        self._used = 0
+        self._reserved = 0
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def keys(self) -> Iterator[tuple[bytes, int]]:
+        return ((k, v[0]) for k, v in list(self._blocks.items()))
+
+    def info(self, key: bytes) -> tuple[int, int] | None:
+        return self._blocks.get(key)  # type: ignore[return-value]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._reserved
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.capacity_bytes, self._used + self._reserved, self._reserved, len(self._blocks))
+

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.integrity import checksum_of
-from kvstore.tiers.base import Sink, Slot, T, Tier, TierUsage
+from kvstore.tiers.base import Sink, Slot, T, TableTier
 from kvstore.tiers.buffers import host_u8, nbytes
 
 PAGE_BYTES = 4096
@@ -60,7 +60,7 @@ class ExtentAllocator:
             del self._starts[i + 1], self._lengths[i + 1]
 
 
-class SlabTier(Tier):
+class SlabTier(TableTier):
     """Blocks in one pre-allocated slab of ``capacity_bytes`` rounded up to pages.
 
     Invariant: every committed block and every reserved slot owns a distinct run of pages;
@@ -73,8 +73,6 @@ class SlabTier(Tier):
         self.pages = pages_for(capacity_bytes)
         self._alloc = ExtentAllocator(self.pages)
         self._blocks: dict[bytes, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
-        self._used = 0
-        self._reserved = 0
 
     @abstractmethod
     def _copy_in(self, offset: int, data: Any) -> None:
@@ -137,22 +135,12 @@ class SlabTier(Tier):
         self._used -= size
         return size
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
-
     def keys(self) -> Iterator[tuple[bytes, int]]:
         return ((k, v[1]) for k, v in list(self._blocks.items()))
 
     def info(self, key: bytes) -> tuple[int, int] | None:
         loc = self._blocks.get(key)
         return None if loc is None else (loc[1], loc[2])
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used + self._reserved
-
-    def usage(self) -> TierUsage:
-        return TierUsage(self.capacity_bytes, self._used + self._reserved, self._reserved, len(self._blocks))
 
     def verify(self, key: bytes) -> bool:
         """Whether the block still matches the checksum taken at put (a scrub; in-process

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, IntegrityError
 from kvstore.integrity import checksum_of
-from kvstore.tiers.base import Sink, Slot, T, Tier, TierUsage, register_tier
+from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 from kvstore.tiers.buffers import host_u8, nbytes
 
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
@@ -24,7 +24,7 @@ _MIN_MAP = 64 << 20
 
 
 @register_tier("ssd")
-class SsdTier(Tier):
+class SsdTier(TableTier):
     """Blocks in an LMDB environment at ``path``.
 
     Two named databases: ``blocks`` (key → bytes) and ``meta`` (key → size, checksum, write
@@ -55,7 +55,6 @@ class SsdTier(Tier):
         self._meta = self._env.open_db(b"meta")
         self._blocks: dict[bytes, tuple[int, int]] = {}  # key -> (size, checksum), write order
         self._seq = 0
-        self._reserved = 0
         self._readers = 0
         self._growing = False
         self._cv = threading.Condition()
@@ -207,21 +206,6 @@ class SsdTier(Tier):
         self._used -= info[0]
         return info[0]
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def keys(self) -> Iterator[tuple[bytes, int]]:
-        return ((k, v[0]) for k, v in list(self._blocks.items()))
-
-    def info(self, key: bytes) -> tuple[int, int] | None:
-        return self._blocks.get(key)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used + self._reserved
-
-    def usage(self) -> TierUsage:
-        return TierUsage(self.capacity_bytes, self._used + self._reserved, self._reserved, len(self._blocks))
 
     def close(self) -> None:
         self._env.close()
