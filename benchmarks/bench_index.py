@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -183,31 +182,17 @@ print(json.dumps({"lags": replica.lags_s(), "stats": dataclasses.asdict(replica.
 def bench_events() -> dict[str, float]:
     """Put blocks into a pool whose index publishes to Redis; a replica in another process
     applies them. Lag = apply time − index change time (both ``time.time()``, one host)."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(binary).exists():
+    if shutil.which("redis-server") is None:
         print("redis-server not found: event lag not measured")
         return {}
+    from kvstore.cluster.redis_server import start_private_redis, stop_private_redis
     from kvstore.events import PublishingIndex, RedisEventChannel
     from kvstore.pool import KVPool
     from kvstore.tiers import TIERS
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    redis_proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    redis_proc, url = start_private_redis()
     replica = None
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
         n_puts = 2000
         channel = RedisEventChannel(url, stream="bench:events")
         replica = subprocess.Popen([sys.executable, "-c", _REPLICA, url, str(n_puts + 1), str(ROOT)],
@@ -242,8 +227,7 @@ def bench_events() -> dict[str, float]:
     finally:
         if replica is not None and replica.poll() is None:
             replica.kill()
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        stop_private_redis(redis_proc)
 
 
 def main() -> int:

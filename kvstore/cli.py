@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
-from scheduler.sim.command import positive_int
+from kvstore.config import positive_int
 
 log = logging.getLogger("kvstore")
 # The vendored trace, found from the checkout whatever the working directory.

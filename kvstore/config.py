@@ -3,6 +3,7 @@ command-line flags (flags win)."""
 from __future__ import annotations
 
 import re
+from argparse import ArgumentTypeError
 import tomllib
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -11,6 +12,17 @@ from kvstore.pool_types import PoolSettings
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def parse_bytes(text: str | int) -> int:

@@ -63,37 +63,16 @@ def redis_server() -> Iterator[str]:
     """A private ``redis-server`` on a free 127.0.0.1 port (no persistence), killed at the end
     of the session. Yields its URL. Skips when no redis-server binary is installed."""
     import shutil
-    import socket
-    import subprocess
-    import time
 
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(binary).exists():
+    from kvstore.cluster.redis_server import start_private_redis, stop_private_redis
+
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--protected-mode", "yes"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_private_redis()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_private_redis(proc)
 
 
 @pytest.fixture

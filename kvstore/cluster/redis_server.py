@@ -31,3 +31,13 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0) ->
                 proc.kill()
                 raise RuntimeError(f"redis-server did not start on port {port}") from None
             time.sleep(0.05)
+
+
+def stop_private_redis(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """Stop a server from :func:`start_private_redis` (terminate, then kill)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -12,7 +12,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.errors import CapacityError
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
@@ -35,15 +34,6 @@ class AccountingTier(TableTier):
         self.name = name
         self.device = device
         self._blocks: dict[bytes, tuple[int, int]] = {}   # key -> (size, checksum)
-
-    def reserve(self, size: int) -> Slot | None:
-        if size > self.capacity_bytes:
-            raise CapacityError(f"{self.name}: a {size}-byte block exceeds the tier's capacity "
-                                f"of {self.capacity_bytes} bytes")
-        if self._used + self._reserved + size > self.capacity_bytes:
-            return None
-        self._reserved += size
-        return Slot(size)
 
     def write(self, slot: Slot, offset: int, data: Any) -> None:
         """Nothing is kept."""

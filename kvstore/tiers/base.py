@@ -192,6 +192,18 @@ class TableTier(Tier):
         self._used = 0
         self._reserved = 0
 
+    def reserve(self, size: int) -> Slot | None:
+        """Reserve ``size`` bytes by counting them (a tier with no layout of its own to
+        allocate); None when they do not fit now. Raises CapacityError for a block larger
+        than the whole tier."""
+        if size > self.capacity_bytes:
+            raise CapacityError(f"{self.name}: a {size}-byte block exceeds the tier's capacity "
+                                f"of {self.capacity_bytes} bytes")
+        if self._used + self._reserved + size > self.capacity_bytes:
+            return None
+        self._reserved += size
+        return Slot(size)
+
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
 

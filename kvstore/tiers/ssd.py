@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 import lmdb
 import numpy as np
 
-from kvstore.errors import CapacityError, IntegrityError
+from kvstore.errors import IntegrityError
 from kvstore.integrity import checksum_of
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 from kvstore.tiers.buffers import host_u8, nbytes
@@ -69,15 +69,6 @@ class SsdTier(TableTier):
     @property
     def map_bytes(self) -> int:
         return self._env.info()["map_size"]
-
-    def reserve(self, size: int) -> Slot | None:
-        if size > self.capacity_bytes:
-            raise CapacityError(f"ssd: a {size}-byte block exceeds the tier's capacity "
-                                f"of {self.capacity_bytes} bytes")
-        if self._used + self._reserved + size > self.capacity_bytes:
-            return None
-        self._reserved += size
-        return Slot(size)
 
     def write(self, slot: Slot, offset: int, data: Any) -> None:
         n = nbytes(data)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from tabulate import tabulate
 
 from engines.cost_model import load_model
+from kvstore.config import positive_int
 from kvstore.errors import InvalidArgument
 from scheduler.sim import plots
 from scheduler.sim.config import SimConfig
@@ -30,17 +31,6 @@ def _tokens(text: str) -> int | None:
     if text.lower() in ("inf", "unbounded", "none"):
         return None
     return int(float(text))
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
