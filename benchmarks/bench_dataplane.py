@@ -9,7 +9,7 @@ benchmark) in another.
   shared-memory slab, and a Unix socket with struct-packed frames carries the leases and
   reservations (kvstore/dataplane). ``get`` = ``get_into`` (lease, one copy into the
   caller's array, deadline + xxh3 check, release); ``put`` = ``put_blocks`` (reserve, one
-  copy into the slab, commit; the node checksums the slot).
+  copy into the slab and xxh3 of the slot, commit carrying the checksum).
 - **Mooncake Store**: ``mooncake_master`` (HTTP metadata server) + a child process holding
   the global segment; this process is a ``MooncakeDistributedStore`` client with protocol
   ``tcp`` and no segment of its own, zero-copy ``put_from`` / ``get_into`` (``batch_*`` for

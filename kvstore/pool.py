@@ -168,13 +168,15 @@ class KVPool:
     # -- reads -----------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], sinks: Sink | Sequence[Sink],
                   lease_ttl_s: float | None = None, stop_at_miss: bool = False,
-                  chain: bool = False) -> list[Any]:
+                  chain: bool = False, with_checksums: bool = False) -> list[Any]:
         """``sink(view)`` for each key held, from its fastest tier, under one lease; None for
         a miss. ``sinks``: one for all keys or one per key; a view is a read-only uint8 array
         (a tensor for a device tier) valid only during the call. ``stop_at_miss``: the list
         ends at the first miss (that None included). ``chain``: the keys are one prefix chain
-        (linked, and touched tail-first so heads stay warm). A block failing its checksum is
-        a miss, dropped and counted. Raises LeaseExpired when the copies outlived the lease
+        (linked, and touched tail-first so heads stay warm). ``with_checksums``: each hit is
+        (sink result, the block's xxh3_64 taken at put), for a caller that sends the bytes
+        on and lets the receiver verify them end to end. A block failing its checksum is a
+        miss, dropped and counted. Raises LeaseExpired when the copies outlived the lease
         (``lease_ttl_s``, default the pool's)."""
         sink_of = sinks if isinstance(sinks, (list, tuple)) else None
         found: list[tuple[int, int, Any]] = []
@@ -227,6 +229,10 @@ class KVPool:
                 for i, level, _ in found:
                     if level > 0 and out[i] is not None:
                         self._place.promote(level, keys[i])
+        if with_checksums:
+            for i, _, meta in found:
+                if out[i] is not None:
+                    out[i] = (out[i], meta.checksum)
         return out
 
     def _end_read(self, keys: Sequence[bytes], found: list[tuple[int, int, Any]],

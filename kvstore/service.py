@@ -14,7 +14,8 @@ from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
 from kvstore.events.publisher import snapshot_of
 from kvstore.lease import Reservation
-from kvstore.pool import KVPool, checksum_of
+from kvstore.pool import KVPool
+from kvstore.tiers.buffers import to_bytes
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -100,22 +101,25 @@ class StoreServicer(pb_grpc.KVStoreServicer):
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
         """A prefix-chain read (``stop_at_miss``) is one leased pool read of the chain;
-        otherwise one read per block. A read whose lease expired is a miss."""
+        otherwise one read per block. A read whose lease expired is a miss. Each block goes
+        with the checksum taken at put, so the reader verifies it end to end (bytes changed
+        in the slab since are a miss at the reader, not passed on as good)."""
         keys = list(request.keys)
         if request.stop_at_miss:
             try:
-                blocks: Iterator[bytes | None] = iter(self.pool.get_chain(keys, stop_at_miss=True))
+                blocks: Iterator[tuple[bytes, int] | None] = iter(
+                    self.pool.read_many(keys, to_bytes, stop_at_miss=True, chain=True, with_checksums=True))
             except LeaseExpired:
                 blocks = iter([None])
         else:
             blocks = (self._get_one(key) for key in keys)
-        for key, data in zip(keys, blocks):
-            if data is None:
+        for key, got in zip(keys, blocks):
+            if got is None:
                 yield pb.GetChunk(key=key, missing=True)
                 if request.stop_at_miss:
                     return
                 continue
-            checksum = checksum_of(data)
+            data, checksum = got
             view = memoryview(data)
             for off in range(0, max(len(data), 1), CHUNK_BYTES):
                 if off == 0:
@@ -124,11 +128,12 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                 else:
                     yield pb.GetChunk(offset=off, data=bytes(view[off:off + CHUNK_BYTES]))
 
-    def _get_one(self, key: bytes) -> bytes | None:
+    def _get_one(self, key: bytes) -> tuple[bytes, int] | None:
         try:
-            return self.pool.get(key)
+            got = self.pool.read_many([key], to_bytes, with_checksums=True)
         except LeaseExpired:
             return None
+        return got[0]
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(node_id=self.pool.node_id, tiers=[
@@ -208,7 +213,10 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                                                                offset=g.offset, error=g.error) for g in grants])
 
     def CommitBlocks(self, request: pb.CommitBlocksRequest, context: grpc.ServicerContext) -> pb.CommitBlocksResponse:
-        results = self._plane(context).commit(list(request.reservation_ids))
+        if request.checksums and len(request.checksums) != len(request.reservation_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums and reservation_ids differ in length")
+        results = self._plane(context).commit(list(request.reservation_ids),
+                                              checksums=list(request.checksums) or None)
         return pb.CommitBlocksResponse(results=[pb.PutResult(key=r.key, ok=r.ok, existed=r.existed, error=r.error)
                                                 for r in results])
 

@@ -21,6 +21,7 @@ from kvstore.dataplane.local import LocalDataPlane
 from kvstore.dataplane.types import MAPPED, LeaseGrant
 from kvstore.dataplane.uds import UdsControl
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
+from kvstore.integrity import checksum_of
 from kvstore.pool import KVPool, PoolSettings
 from kvstore.service import close_dataplane, serve_store
 
@@ -137,6 +138,27 @@ def test_puts_through_the_slab_read_back_over_grpc(node, client_of) -> None:
     pool.check_integrity()
 
 
+def test_large_puts_and_gets_hash_beside_the_copy_and_catch_a_flipped_byte(node, client_of) -> None:
+    """Blocks of 1 MiB and 5 MiB: the put hashes them on a helper thread and commits in
+    pipelined chunks; the get of the 5 MiB block verifies chunk by chunk beside its copy.
+    The checksums the writer sent are those of the bytes; one flipped byte in the slab
+    makes the block a miss."""
+    pool, address, _ = node(dram_bytes=64 * MIB)
+    client, remote = client_of(address), client_of(address, data_path="grpc")
+    blocks = [(_key(i), _block(i, size)) for i, size in enumerate([MIB, 5 * MIB + 3, MIB, 3 * MIB])]
+    assert all(r.ok and not r.existed for r in client.put_blocks(blocks, chain=True))
+    assert remote.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+    assert [pool.tiers[0].locate(k)[2] for k, _ in blocks] == [checksum_of(d) for _, d in blocks]
+    pool.check_integrity()
+    outs = [np.zeros(len(d), dtype=np.uint8) for _, d in blocks]
+    assert client.get_into([k for k, _ in blocks], outs) == [len(d) for _, d in blocks]
+    assert all(o.tobytes() == d for o, (_, d) in zip(outs, blocks))
+    tier = pool.tiers[0]
+    offset, size, _ = tier.locate(blocks[1][0])
+    tier._slab[offset + size // 2] ^= 0xFF  # corrupt the middle of the 5 MiB block in place
+    assert client.get_into([blocks[1][0], blocks[2][0]], outs[1:3]) == [None, MIB]
+
+
 def test_a_prefix_chain_is_one_lease_and_one_copy_per_block(node, client_of) -> None:
     pool, address, _ = node()
     client = client_of(address)
@@ -161,6 +183,7 @@ def test_repeated_puts_of_one_size_use_spare_slots_and_survive_their_timeout(nod
     client = client_of(address)
     plane = client._local()
     assert client.put(_key(1), _block(1)).ok
+    plane._stock(plane.control.take_spares(wait=True))  # granted just after the commit's reply
     assert plane._spares.get(64 << 10), "a commit hands out spare slots for the next put"
     assert client.put(_key(2), _block(2)).ok  # written into a spare: one round trip
     time.sleep(0.8)                            # the spares time out in the pool
@@ -182,6 +205,27 @@ def test_blocks_in_another_tier_come_over_the_grpc_stream(node, client_of) -> No
     out = np.zeros(MIB, dtype=np.uint8)
     assert client.get_into([_key(5)], [out]) == [MIB] and out.tobytes() == data
     assert client.get_blocks([_key(5)]) == [data]
+
+
+def test_a_large_batch_leases_in_pipelined_chunks_and_keeps_every_block_in_place(node, client_of) -> None:
+    """300 keys (over two lease chunks): DRAM hits, misses and SSD blocks interleaved come
+    back in the caller's order, and every chunk's lease is released."""
+    from kvstore.dataplane.local import LEASE_CHUNK
+    n = 300
+    assert n > 2 * LEASE_CHUNK
+    pool, address, _ = node(dram_bytes=16 * MIB, ssd_bytes=16 * MIB, promote_on_hit=False)
+    blocks = {i: _block(i, 4096) for i in range(n) if i % 7}  # every 7th key is a miss
+    assert all(pool.put(_key(i), d, tier="ssd" if i % 50 == 1 else None).ok for i, d in blocks.items())
+    client = client_of(address)
+    outs = [np.zeros(4096, dtype=np.uint8) for _ in range(n)]
+    got = client.get_into([_key(i) for i in range(n)], outs)
+    assert got == [4096 if i in blocks else None for i in range(n)]
+    assert all(outs[i].tobytes() == d for i, d in blocks.items())
+    assert client.get_blocks([_key(i) for i in range(n)]) == [blocks.get(i) for i in range(n)]
+    deadline = time.monotonic() + 5  # releases need no reply: they land a moment later
+    while pool.stats()[0].leased_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.stats()[0].leased_bytes == 0
 
 
 def test_an_expired_and_evicted_block_is_never_read_through_the_mapping(node) -> None:
@@ -273,7 +317,7 @@ def test_malformed_requests_are_refused(node) -> None:
     ctl = UdsControl(path)
     grants = ctl.reserve([(b"", 10), (b"k" * 65, 10), (b"k" * 32, 1 << 40)])
     assert [g.state for g in grants] == [2, 2, 2] and all(g.error for g in grants)
-    results, _ = ctl.commit([12345], [b"k" * 32])
+    results = ctl.commit([12345], [b"k" * 32])
     assert not results[0].ok
     with pytest.raises(InvalidArgument):
         ctl._call(99, b"")

@@ -3,7 +3,7 @@ process cannot reach): the calls of :class:`kvstore.dataplane.uds.UdsControl`, o
 (about 0.7 ms per call from Python, against tens of microseconds on the socket)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from kvstore.pool import PutResult
 from kvstore.dataplane.types import BlockLocation, LeaseGrant, SlotGrant
@@ -28,6 +28,16 @@ class GrpcControl:
         return LeaseGrant(resp.lease_id, resp.deadline,
                           [BlockLocation(b.state, b.offset, b.size, b.checksum) for b in resp.blocks])
 
+    def lease_pipelined(self, chunks: Sequence[Sequence[bytes]], ttl_s: float | None,
+                        consume: Callable[[int, LeaseGrant], None]) -> None:
+        """Lease, ``consume(i, grant)`` and release each chunk in turn (not pipelined)."""
+        for n, keys in enumerate(chunks):
+            grant = self.lease(keys, ttl_s)
+            try:
+                consume(n, grant)
+            finally:
+                self.release(grant.lease_id)
+
     def release(self, lease_id: int) -> None:
         if lease_id:
             self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease_id))
@@ -40,15 +50,29 @@ class GrpcControl:
 
     name = "grpc"
     spares = False  # no spare slots over gRPC: reserve, write, commit
+    spares_owed = 0
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0)) -> tuple[list[PutResult], list[SlotGrant]]:
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]:
         """Commit filled slots (reserved under ``keys``; ``parents`` were given at reserve
-        and are not resent). No spares are granted over gRPC."""
+        and are not resent; ``checksums``: the writer's, None: the node takes them). No
+        spares are granted over gRPC."""
         if not res_ids:
-            return [], []
-        resp = self._call(self._stub.CommitBlocks, pb.CommitBlocksRequest(reservation_ids=list(res_ids)))
-        return [PutResult(k, r.ok, r.existed, r.error) for k, r in zip(keys, resp.results)], []
+            return []
+        resp = self._call(self._stub.CommitBlocks, pb.CommitBlocksRequest(reservation_ids=list(res_ids),
+                                                                          checksums=list(checksums or ())))
+        return [PutResult(k, r.ok, r.existed, r.error) for k, r in zip(keys, resp.results)]
+
+    def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
+                                                      Sequence[int]]]) -> list[PutResult]:
+        """One CommitBlocks call per chunk, in turn (gRPC is not pipelined here)."""
+        out: list[PutResult] = []
+        for ids, keys, parents, sums in chunks:
+            out += self.commit(ids, keys, parents, (0, 0), sums)
+        return out
+
+    def take_spares(self, wait: bool = False) -> list[tuple[int, SlotGrant]]:
+        return []
 
     def abort(self, res_ids: Sequence[int]) -> None:
         if res_ids:

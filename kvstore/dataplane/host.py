@@ -145,12 +145,18 @@ class DataPlaneHost:
         return [g for g in self.reserve(items) if g.state == SLOT_OPEN]
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes] | None = None,
-               parents: Sequence[bytes | None] | None = None) -> list[PutResult]:
-        """Commit reservations whose slots the client filled: checksum each slot's bytes as
-        the slab holds them, then make the block visible. ``keys`` / ``parents``: the key
-        (and chain parent) each block commits as — required for spares, optional otherwise
-        (empty: keep the reserved key). Per id a PutResult (``ok`` false with the reason:
-        unknown id, timed out, a spare without a key, ...)."""
+               parents: Sequence[bytes | None] | None = None,
+               checksums: Sequence[int] | None = None) -> list[PutResult]:
+        """Commit reservations whose slots the client filled, then make each block visible.
+        ``keys`` / ``parents``: the key (and chain parent) each block commits as — required
+        for spares, optional otherwise (empty: keep the reserved key). ``checksums``: the
+        writer's xxh3_64 of each slot, taken right after its copy (the slot is still in its
+        cache; the node then touches no block byte); None: the node checksums each slot as
+        the slab holds it. Either way the checksum covers the bytes the writer left in the
+        slot; a writer that sends a wrong one only makes its own block a miss for the
+        readers that verify (mapped, transfer engine, SSD). Per id a
+        PutResult (``ok`` false with the reason: unknown id, timed out, a spare without a
+        key, ...)."""
         with self._lock:
             batch = [self._slots.pop(i, None) for i in res_ids]
         out = []
@@ -169,7 +175,8 @@ class DataPlaneHost:
                     raise InvalidArgument("a spare slot needs a block key at commit")
                 slot = res.slot
                 if slot is not None:
-                    self.pool.mark_filled(res, checksum_of(self.tier.view(slot.offset, res.size)))
+                    self.pool.mark_filled(res, checksums[i] if checksums else
+                                          checksum_of(self.tier.view(slot.offset, res.size)))
                 out.append(self.pool.commit(res))
             except (KVStoreError, OSError) as exc:
                 self.pool.abort(res)

@@ -4,8 +4,9 @@ each way, while a control channel (:class:`~kvstore.dataplane.uds.UdsControl`, o
 
 A get: one LEASE for the whole batch → copy each block out of the slab → check the lease's
 deadline (and, with ``verify``, each block's checksum) → RELEASE (no reply awaited). A put:
-one RESERVE per window → copy each block into its slot → one COMMIT (the node checksums the
-slots as they lie in the slab). No block byte goes through a socket.
+one RESERVE per window (none while spare slots last) → copy each block into its slot and
+checksum the slot while it is still in this core's cache → one COMMIT carrying the
+checksums. No block byte goes through a socket.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
-from kvstore.integrity import checksum_of
+from kvstore.integrity import checksum_of, new_hasher
 from kvstore.pool import PutResult
 from kvstore.tiers.buffers import as_u8, copy_into, nbytes
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
@@ -27,6 +29,12 @@ from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN,
 
 log = logging.getLogger(__name__)
 MAX_KEY_BYTES = 64
+LEASE_CHUNK = 64          # a get of at least twice this many keys leases them in pipelined chunks
+PIPELINE_BYTES = 4 << 20  # a put of more is committed in chunks of this, while the next is copied
+SPARE_STOCK = 4           # spare slots a writer keeps of the size it puts, asked for ahead
+PARALLEL_HASH_BYTES = 256 << 10  # a put of a block this large hashes it beside its copy
+PIPELINED_VERIFY_BYTES = 4 << 20  # a get of a block this large verifies chunks beside the copy
+VERIFY_CHUNK_BYTES = 1 << 20
 _U8 = np.dtype(np.uint8)
 Fetch = Callable[[list[bytes]], list[bytes | None]]  # keys -> bytes over the gRPC stream
 
@@ -41,10 +49,17 @@ class Control(Protocol):
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
               chain: bool = False) -> LeaseGrant: ...
     def release(self, lease_id: int) -> None: ...
+    def lease_pipelined(self, chunks: Sequence[Sequence[bytes]], ttl_s: float | None,
+                        consume: Callable[[int, LeaseGrant], None]) -> None: ...
     def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
                 parent: bytes | None = None) -> list[SlotGrant]: ...
+    spares_owed: int
+
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0)) -> tuple[list[PutResult], list[SlotGrant]]: ...
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]: ...
+    def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
+                                                      Sequence[int]]]) -> list[PutResult]: ...
+    def take_spares(self, wait: bool = False) -> list[tuple[int, SlotGrant]]: ...
     def abort(self, res_ids: Sequence[int]) -> None: ...
     def close(self) -> None: ...
 
@@ -87,6 +102,7 @@ class LocalDataPlane:
         self._mm, self._slab = map_slab(info)
         self._spares: dict[int, list[tuple[int, int]]] = {}  # size -> (reservation id, offset)
         self._spare_lock = threading.Lock()
+        self._hash_pool: ThreadPoolExecutor | None = None
 
     @property
     def channel(self) -> str:
@@ -110,15 +126,37 @@ class LocalDataPlane:
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if not keys:
             return []
-        grant = self.control.lease(keys, self.lease_ttl_s, stop_at_miss, chain or stop_at_miss)
-        try:
-            out, later = self.copy_leased(grant, keys, outs)
-        finally:
-            self.control.release(grant.lease_id)
+        if chain or stop_at_miss or len(keys) < 2 * LEASE_CHUNK:
+            grant = self.control.lease(keys, self.lease_ttl_s, stop_at_miss, chain or stop_at_miss)
+            try:
+                out, later = self.copy_leased(grant, keys, outs)
+            finally:
+                self.control.release(grant.lease_id)
+        else:
+            out, later = self._get_pipelined(keys, outs)
         if later and self.fetch is not None:
             for i, data in zip(later, self.fetch([keys[i] for i in later])):
                 out[i] = None if data is None else copy_into(outs[i], np.frombuffer(data, dtype=np.uint8))
         return _cut(out) if stop_at_miss else out
+
+    def _get_pipelined(self, keys: Sequence[bytes], outs: Sequence[Any]) -> tuple[list[int | None], list[int]]:
+        """A large unordered batch as leases of :data:`LEASE_CHUNK` keys, all asked for at
+        once: the node grants chunk i + 1 while this process copies chunk i, so only the
+        first chunk's lease is waited for. Each chunk is checked against its own lease's
+        deadline and released after its copy; raises LeaseExpired as :meth:`copy_leased`
+        (after every chunk was released)."""
+        chunks = [range(a, min(a + LEASE_CHUNK, len(keys))) for a in range(0, len(keys), LEASE_CHUNK)]
+        out: list[int | None] = []
+        later: list[int] = []
+
+        def copy(n: int, grant: LeaseGrant) -> None:
+            idx = chunks[n]
+            got, more = self.copy_leased(grant, keys[idx.start:idx.stop], outs[idx.start:idx.stop])
+            out.extend(got)
+            later.extend(idx.start + i for i in more)
+
+        self.control.lease_pipelined([keys[r.start:r.stop] for r in chunks], self.lease_ttl_s, copy)
+        return out, later
 
     def copy_leased(self, grant: LeaseGrant, keys: Sequence[bytes],
                     outs: Sequence[Any]) -> tuple[list[int | None], list[int]]:
@@ -139,8 +177,11 @@ class LocalDataPlane:
             src = slab[off:off + size]
             if type(dst) is np.ndarray and dst.dtype is _U8 and dst.ndim == 1 and dst.shape[0] >= size:
                 d = dst if dst.shape[0] == size else dst[:size]
-                np.copyto(d, src)
-                ok = not verify or checksum_of(d) == csum
+                if verify and size >= PIPELINED_VERIFY_BYTES:
+                    ok = self._copy_hashed(d, src) == csum
+                else:
+                    np.copyto(d, src)
+                    ok = not verify or checksum_of(d) == csum
             else:
                 copy_into(dst, src)
                 host = as_u8(dst)
@@ -156,6 +197,22 @@ class LocalDataPlane:
             log.warning("block %s failed its checksum after the slab copy; a miss", keys[i].hex()[:16])
             out[i] = None
         return out, later
+
+    def _copy_hashed(self, dst: np.ndarray, src: np.ndarray) -> int:
+        """Copy ``src`` into ``dst`` in 1 MiB chunks while a helper thread hashes the chunks
+        already copied (streaming xxh3_64, so the digest is that of the whole copy, taken
+        from ``dst``); the copy runs without the GIL, the hash with it."""
+        hasher, pool, pending = new_hasher(), self._hasher(), None
+        n = dst.shape[0]
+        for at in range(0, n, VERIFY_CHUNK_BYTES):
+            part = dst[at:at + VERIFY_CHUNK_BYTES]
+            np.copyto(part, src[at:at + VERIFY_CHUNK_BYTES])
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(hasher.update, part)
+        if pending is not None:
+            pending.result()
+        return hasher.intdigest()
 
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False,
                    chain: bool = False) -> list[bytes | None]:
@@ -218,8 +275,10 @@ class LocalDataPlane:
     def _put_window(self, blocks: Sequence[tuple[bytes, Any]], views: list[Any], chain: bool,
                     parent: bytes | None, retry: bool = True) -> list[PutResult]:
         """One window: fill spare slots where there are some of the right size (no RESERVE
-        round trip), reserve the rest, copy every block into its slot, commit all in one
-        frame naming each block's key and chain parent, and ask for spares for next time."""
+        round trip), reserve the rest, copy every block into its slot and checksum it, and
+        commit each block under its key and chain parent: in one frame (asking for spares
+        for the next puts), or in pipelined chunks of :data:`PIPELINE_BYTES` that the node
+        commits while the next chunk is copied."""
         keys = [k for k, _ in blocks]
         sizes = [nbytes(v) for v in views]
         parents = [parent if i == 0 else (keys[i - 1] if chain else None) for i in range(len(keys))]
@@ -228,6 +287,7 @@ class LocalDataPlane:
         spared: set[int] = set()
         if ctl.spares:
             with self._spare_lock:
+                self._stock(ctl.take_spares(wait=ctl.spares_owed > 0 and not self._spares.get(sizes[0])))
                 for i, size in enumerate(sizes):
                     free = self._spares.get(size)
                     if free:
@@ -242,27 +302,16 @@ class LocalDataPlane:
                 slots[i] = g
         granted: list[SlotGrant] = [g for g in slots if g is not None]  # every block has one now
         todo = [i for i, g in enumerate(granted) if g.state == SLOT_OPEN]
-        slab = self._slab
-        try:
-            for i in todo:
-                off, v = granted[i].offset, views[i]
-                if isinstance(v, np.ndarray):
-                    np.copyto(slab[off:off + v.shape[0]], v)
-                else:
-                    copy_into(slab[off:off + sizes[i]], v)
-        except BaseException:
-            ctl.abort([granted[i].res_id for i in todo])
-            raise
-        ask = (0, 0)
-        if ctl.spares:  # spares of the window's last block size, for the next puts
-            with self._spare_lock:
-                held = len(self._spares.get(sizes[-1], ()))
-            ask = (sizes[-1], max(0, sum(s == sizes[-1] for s in sizes) - held))
-        results, spares = ctl.commit([granted[i].res_id for i in todo], [keys[i] for i in todo],
-                                     [parents[i] for i in todo], ask)
-        if spares:
-            with self._spare_lock:
-                self._spares.setdefault(ask[0], []).extend((g.res_id, g.offset) for g in spares)
+        if sum(sizes[i] for i in todo) > PIPELINE_BYTES:
+            results = ctl.commit_pipelined(self._fill_chunks(todo, granted, views, sizes, keys, parents))
+        else:
+            try:
+                sums = [self._fill(granted[i].offset, views[i], sizes[i]) for i in todo]
+            except BaseException:
+                ctl.abort([granted[i].res_id for i in todo])
+                raise
+            results = ctl.commit([granted[i].res_id for i in todo], [keys[i] for i in todo],
+                                 [parents[i] for i in todo], self._spare_ask(sizes), sums)
         done = dict(zip(todo, results))
         out = [done[i] if i in done else PutResult(k, g.state == SLOT_EXISTED, g.state == SLOT_EXISTED, g.error)
                for i, (k, g) in enumerate(zip(keys, granted))]
@@ -275,9 +324,70 @@ class LocalDataPlane:
                 out[i] = r
         return out
 
+    def _fill(self, off: int, view: Any, size: int) -> int:
+        """Copy one block into its slot at ``off``; its xxh3_64. A large host array is
+        hashed on a helper thread while this one copies it (both read the same source;
+        numpy's copy runs without the GIL): 16 MiB puts ran 1.3–1.45x faster so. Otherwise
+        the slot is hashed right after the copy, while it is still in cache."""
+        slot = self._slab[off:off + size]
+        if isinstance(view, np.ndarray) and view.shape[0] == size:
+            if size >= PARALLEL_HASH_BYTES:
+                pending = self._hasher().submit(checksum_of, view)
+                np.copyto(slot, view)
+                return pending.result()
+            np.copyto(slot, view)
+        else:
+            copy_into(slot, view)
+        return checksum_of(slot)
+
+    def _hasher(self) -> ThreadPoolExecutor:
+        if self._hash_pool is None:
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-put-hash")
+        return self._hash_pool
+
+    def _fill_chunks(self, todo: list[int], granted: list[SlotGrant], views: list[Any], sizes: list[int],
+                     keys: list[bytes], parents: list[bytes | None]) -> Any:
+        """Fill the slots of ``todo`` and yield them in commit chunks of about
+        :data:`PIPELINE_BYTES`; a copy that fails aborts the slots not yet yielded."""
+        chunk: list[int] = []
+        sums: list[int] = []
+        total = 0
+        for n, i in enumerate(todo):
+            try:
+                sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
+            except BaseException:
+                self.control.abort([granted[j].res_id for j in chunk + todo[n:]])
+                raise
+            chunk.append(i)
+            total += sizes[i]
+            if total >= PIPELINE_BYTES or n == len(todo) - 1:
+                yield ([granted[j].res_id for j in chunk], [keys[j] for j in chunk], [parents[j] for j in chunk], sums)
+                chunk, sums, total = [], [], 0
+
+    def _spare_ask(self, sizes: list[int]) -> tuple[int, int]:
+        """(size, count) of spare slots to ask for at this commit: enough of the window's
+        last block size for the next window like it, and at least :data:`SPARE_STOCK`, so
+        a writer of one block per call finds a spare ready; nothing while a grant is owed
+        or the stock is more than half full."""
+        if not self.control.spares or self.control.spares_owed:
+            return 0, 0
+        size = sizes[-1]
+        want = max(SPARE_STOCK, sum(s == size for s in sizes))
+        with self._spare_lock:
+            held = len(self._spares.get(size, ()))
+        return (size, want - held) if held * 2 <= want else (0, 0)
+
+    def _stock(self, grants: list[tuple[int, SlotGrant]]) -> None:
+        """Keep spare slots granted by the node (``_spare_lock`` held)."""
+        for size, g in grants:
+            self._spares.setdefault(size, []).append((g.res_id, g.offset))
+
     def close(self) -> None:
         """Close the control channel and unmap the slab (views still held keep it mapped)."""
         self.control.close()
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
         self._slab = None  # type: ignore[assignment]
         try:
             self._mm.close()

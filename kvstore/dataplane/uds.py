@@ -7,10 +7,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import threading
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.pool import PutResult
@@ -19,6 +20,21 @@ from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.types import SLOT_FAILED, BlockLocation, LeaseGrant, SlotGrant
 
 log = logging.getLogger(__name__)
+
+
+def _commit_frame(res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None,
+                  spare: tuple[int, int], checksums: Sequence[int] | None) -> bytes:
+    n = len(res_ids)
+    return (w.U32.pack(n) + struct.pack(f"<{n}Q", *res_ids) + w.encode_keys(keys)
+            + w.encode_keys([p or b"" for p in parents] if parents else [b""] * n) + w.SPARE_ASK.pack(*spare)
+            + (struct.pack(f"<{n}Q", *checksums) if checksums else b""))
+
+
+def _commit_results(reply: bytes, keys: Sequence[bytes]) -> list[PutResult]:
+    n = len(keys)
+    codes = reply[:n]
+    it = iter(w.decode_errors(reply, n, sum(c == 2 for c in codes)))
+    return [PutResult(k, c != 2, c == 1, next(it) if c == 2 else "") for k, c in zip(keys, codes)]
 
 
 def _grant(reply: bytes) -> LeaseGrant:
@@ -87,8 +103,9 @@ class UdsServer:
                     leases.discard(lid)
                     self.host.release(lid)
                     continue
+                spare = [0, 0]  # a COMMIT's ask: (size, count) slots, granted after its reply
                 try:
-                    reply = self._dispatch(op, payload, leases, slots)
+                    reply = self._dispatch(op, payload, leases, slots, spare)
                 except KVStoreError as exc:
                     w.write_frame(conn, w.status_of(exc), str(exc).encode())
                     continue
@@ -96,6 +113,11 @@ class UdsServer:
                     w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"malformed frame: {exc}".encode())
                     continue
                 w.write_frame(conn, w.OK, reply)
+                if spare[1]:  # reserved while the client copies its next block, off its path
+                    grants = self.host.reserve_spares(spare[0], spare[1])
+                    slots.update(g.res_id for g in grants)
+                    w.write_frame(conn, w.OK, w.SPARE_ASK.pack(spare[0], len(grants))
+                                  + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in grants))
         except (ConnectionError, OSError, KVStoreError):
             pass
         finally:
@@ -106,7 +128,7 @@ class UdsServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int]) -> bytes:
+    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int], spare: list[int]) -> bytes:
         host = self.host
         if op == w.OP_LEASE:
             ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
@@ -132,13 +154,15 @@ class UdsServer:
             keys, pos = w.decode_keys(p, 4 + 8 * n)
             parents, pos = w.decode_keys(p, pos)
             spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
+            pos += w.SPARE_ASK.size
+            if len(p) not in (pos, pos + 8 * n):
+                raise InvalidArgument(f"commit of {n} slots carries {len(p) - pos} bytes of checksums")
+            checksums = struct.unpack_from(f"<{n}Q", p, pos) if len(p) > pos else None
             slots.difference_update(ids)
-            results = host.commit(ids, keys, parents)
-            spares = host.reserve_spares(spare_size, spare_count) if spare_count else []
-            slots.update(g.res_id for g in spares)
+            results = host.commit(ids, keys, parents, checksums)
+            spare[:] = spare_size, spare_count
             codes = bytes(0 if r.ok and not r.existed else 1 if r.ok else 2 for r in results)
-            return (codes + w.encode_errors([r.error for r in results if not r.ok]) + w.U32.pack(len(spares))
-                    + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in spares))
+            return codes + w.encode_errors([r.error for r in results if not r.ok])
         if op == w.OP_ABORT:
             ids = struct.unpack(f"<{len(p) // 8}Q", p)
             slots.difference_update(ids)
@@ -184,18 +208,52 @@ class UdsControl:
         except OSError as exc:
             self._sock.close()
             raise Unavailable(f"store control socket {path}: {exc}") from None
+        self._owed = 0  # spare-slot frames the node sends after commit replies, not read yet
+        self._granted: list[tuple[int, SlotGrant]] = []  # (size, spare slot) read, not taken
         self._call(w.OP_HELLO, (auth_token or "").encode())
 
-    def _call(self, op: int, payload: bytes) -> bytes:
+    def _call(self, op: int, payload: bytes, asks_spares: bool = False) -> bytes:
         with self._lock:
             try:
                 w.write_frame(self._sock, op, payload)
+                self._read_spares()
                 status, reply = w.read_frame(self._sock)
             except OSError as exc:
                 raise Unavailable(f"store control socket {self.path}: {exc}") from None
+            if status == w.OK and asks_spares:
+                self._owed += 1
         if status != w.OK:
             raise w.ERRORS.get(status, KVStoreError)(reply.decode(errors="replace"))
         return reply
+
+    def _read_spares(self, wait: bool = True) -> None:
+        """Read the spare-slot frames owed (lock held); without ``wait``, only those that
+        have arrived."""
+        while self._owed:
+            if not wait and not select.select([self._sock], [], [], 0)[0]:
+                return
+            status, frame = w.read_frame(self._sock)
+            self._owed -= 1
+            size, count = w.SPARE_ASK.unpack_from(frame, 0)
+            self._granted += [(size, SlotGrant(*t)) for t in
+                              w.SLOT.iter_unpack(memoryview(frame)[w.SPARE_ASK.size:w.SPARE_ASK.size
+                                                                   + count * w.SLOT.size])]
+
+    def take_spares(self, wait: bool = False) -> list[tuple[int, SlotGrant]]:
+        """The spare slots granted since the last call, as (size, slot); ``wait``: also
+        those still being reserved by the node (asked for at an earlier commit)."""
+        with self._lock:
+            try:
+                self._read_spares(wait)
+            except OSError as exc:
+                raise Unavailable(f"store control socket {self.path}: {exc}") from None
+            out, self._granted = self._granted, []
+        return out
+
+    @property
+    def spares_owed(self) -> int:
+        """Spare-slot grants asked for and not read yet."""
+        return self._owed
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
         reply = self._call(w.OP_LOOKUP, w.encode_keys(keys))
@@ -206,6 +264,42 @@ class UdsControl:
               chain: bool = False) -> LeaseGrant:
         flags = (w.FLAG_STOP_AT_MISS if stop_at_miss else 0) | (w.FLAG_CHAIN if chain else 0)
         return _grant(self._call(w.OP_LEASE, w.LEASE_HEAD.pack(ttl_s or 0.0, flags) + w.encode_keys(keys)))
+
+    def lease_pipelined(self, chunks: Sequence[Sequence[bytes]], ttl_s: float | None,
+                        consume: Callable[[int, LeaseGrant], None]) -> None:
+        """Ask for a lease on every chunk of keys at once, then for each in order: read its
+        grant, ``consume(i, grant)`` (copy the blocks out), release it. The node grants the
+        next chunk while ``consume`` runs. If ``consume`` or a grant fails, the remaining
+        grants are still read and released, and the first error goes on."""
+        head = w.LEASE_HEAD.pack(ttl_s or 0.0, 0)
+        error: BaseException | None = None
+        with self._lock:
+            try:
+                self._read_spares()
+                w.write_frame(self._sock, w.OP_LEASE, head + w.encode_keys(chunks[0]))
+                sent = 1
+                for n in range(len(chunks)):
+                    status, reply = w.read_frame(self._sock)
+                    if sent < len(chunks):  # ask for the rest once the first grant is here
+                        self._sock.sendall(b"".join(w.HEADER.pack(w.OP_LEASE, len(f)) + f for f in
+                                                    (head + w.encode_keys(c) for c in chunks[sent:])))
+                        sent = len(chunks)
+                    if status != w.OK:
+                        error = error or w.ERRORS.get(status, KVStoreError)(reply.decode(errors="replace"))
+                        continue
+                    grant = _grant(reply)
+                    try:
+                        if error is None:
+                            consume(n, grant)
+                    except BaseException as exc:  # noqa: BLE001 - kept, raised after the drain
+                        error = exc
+                    finally:
+                        if grant.lease_id:
+                            w.write_frame(self._sock, w.OP_RELEASE, w.U64.pack(grant.lease_id))
+            except OSError as exc:
+                raise Unavailable(f"store control socket {self.path}: {exc}") from None
+        if error is not None:
+            raise error
 
     def release(self, lease_id: int) -> None:
         """End a lease without waiting for the node (no reply frame)."""
@@ -232,21 +326,39 @@ class UdsControl:
     spares = True  # commit can hand out spare slots (one round trip per put)
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0)) -> tuple[list[PutResult], list[SlotGrant]]:
-        """Commit filled slots as ``keys`` (chain ``parents``); ask for ``spare`` = (size,
-        count) slots for the next puts. Returns a result per id and the spares granted."""
-        n = len(res_ids)
-        payload = (w.U32.pack(n) + struct.pack(f"<{n}Q", *res_ids) + w.encode_keys(keys)
-                   + w.encode_keys([p or b"" for p in parents] if parents else [b""] * n) + w.SPARE_ASK.pack(*spare))
-        reply = self._call(w.OP_COMMIT, payload)
-        codes = reply[:n]
-        failed = sum(c == 2 for c in codes)
-        errors = w.decode_errors(reply, n, failed)
-        pos = n + sum(2 + len(e.encode()) for e in errors)
-        (m,) = w.U32.unpack_from(reply, pos)
-        spares = [SlotGrant(*t) for t in w.SLOT.iter_unpack(memoryview(reply)[pos + 4:pos + 4 + m * w.SLOT.size])]
-        it = iter(errors)
-        return [PutResult(k, c != 2, c == 1, next(it) if c == 2 else "") for k, c in zip(keys, codes)], spares
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]:
+        """Commit filled slots as ``keys`` (chain ``parents``; ``checksums``: the writer's
+        xxh3_64 of each slot, None: the node takes them); ask for ``spare`` = (size, count)
+        slots for the next puts, which the node reserves after its reply (see
+        :meth:`take_spares`). Returns a result per id."""
+        reply = self._call(w.OP_COMMIT, _commit_frame(res_ids, keys, parents, spare, checksums), spare[1] > 0)
+        return _commit_results(reply, keys)
+
+    def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
+                                                      Sequence[int]]]) -> list[PutResult]:
+        """Commit chunk after chunk of (ids, keys, parents, checksums) without waiting for
+        the replies, which are read once ``chunks`` is exhausted: the node commits a chunk
+        while the caller still fills the next (``chunks`` may be a generator that copies).
+        If ``chunks`` raises, the replies of the chunks sent are read and the error goes on.
+        Returns a result per id, in order."""
+        sent: list[Sequence[bytes]] = []
+        out: list[PutResult] = []
+        with self._lock:
+            try:
+                self._read_spares()
+                try:
+                    for ids, keys, parents, sums in chunks:
+                        w.write_frame(self._sock, w.OP_COMMIT, _commit_frame(ids, keys, parents, (0, 0), sums))
+                        sent.append(keys)
+                finally:
+                    replies = [w.read_frame(self._sock) for _ in sent]
+            except OSError as exc:
+                raise Unavailable(f"store control socket {self.path}: {exc}") from None
+        for keys, (status, reply) in zip(sent, replies):
+            if status != w.OK:
+                raise w.ERRORS.get(status, KVStoreError)(reply.decode(errors="replace"))
+            out += _commit_results(reply, keys)
+        return out
 
     def abort(self, res_ids: Sequence[int]) -> None:
         if res_ids:

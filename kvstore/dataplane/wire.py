@@ -12,8 +12,12 @@ reply, except RELEASE, which gets none (a reader releases its lease without wait
 - RESERVE: ``<B`` flags (2: chain); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
   ``<BQQ`` state, reservation id, offset; then the failed ones' errors.
 - COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents (empty:
-  keep, none); ``<QI`` size, count of spare slots wanted → per id ``<B`` 0 stored, 1 existed,
-  2 failed; the failed ones' errors; ``<I`` spares, ``<BQQ`` each.
+  keep, none); ``<QI`` size, count of spare slots wanted; optionally ``<Q`` per id, the
+  writer's xxh3_64 of each filled slot (absent: the node checksums the slots) → per id
+  ``<B`` 0 stored, 1 existed, 2 failed; the failed ones' errors. When the commit succeeded
+  and asked for spares, a second frame follows the reply: ``<QI`` size, count granted,
+  ``<BQQ`` each (the node reserves them after replying, while the writer copies on).
+  A client may send several COMMITs before reading their replies (they come in order).
 - ABORT: ``<Q`` per reservation id → empty.
 
 Keys: ``<IB`` count, length (all keys that long, concatenated) or length 0 (each key
