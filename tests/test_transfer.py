@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from kvstore.client import StoreClient
@@ -91,6 +92,35 @@ def test_transfer_engine_reads_are_byte_identical(te_node):
         assert t.get_blocks([missing, keys[3]]) == [None, blocks[3][1]]
         # the gRPC stream gives the same bytes
         assert GrpcStreamTransport(address).get_blocks(keys) == [d for _, d in blocks]
+    finally:
+        t.close()
+
+
+def test_transfer_engine_get_into_registered_and_plain_buffers(te_node):
+    """A 9 MiB block (three pieces, three waves hashed while the next moves) lands straight
+    in a registered arena; others go through the transport's buffer into a plain array and
+    a tensor. A byte flipped in the node's slab makes that block a miss on the engine path
+    and on the gRPC stream too (both check the checksum taken at put)."""
+    torch = pytest.importorskip("torch")
+    address, client = te_node
+    sizes = [9 << 20, 100_000, 4096]
+    blocks = [(b"into-" + i.to_bytes(11, "big"), os.urandom(n)) for i, n in enumerate(sizes)]
+    assert all(r.ok for r in client.put_blocks(blocks))
+    keys = [k for k, _ in blocks]
+    t = open_transport("transfer_engine", address)
+    try:
+        arena = np.zeros(sizes[0] + 64, dtype=np.uint8)
+        t.register(arena)
+        outs = [arena[64:], np.zeros(sizes[1], dtype=np.uint8), torch.zeros(sizes[2], dtype=torch.uint8)]
+        assert t.get_into(keys + [b"\xee" * 16], outs + [np.zeros(1, np.uint8)]) == sizes + [None]
+        assert [bytes(outs[0]), outs[1].tobytes(), outs[2].numpy().tobytes()] == [d for _, d in blocks]
+        assert t.te_reads == 3 and t.grpc_reads == 0
+        plane = client._local()  # same host: flip one byte of the big block in the node's slab
+        grant = plane.control.lease([keys[0]])
+        plane._slab[grant.blocks[0].offset + (5 << 20)] ^= 0xFF
+        plane.control.release(grant.lease_id)
+        assert t.get_into(keys[:2], outs[:2]) == [None, sizes[1]]
+        assert GrpcStreamTransport(address).get_blocks(keys[:1]) == [None]
     finally:
         t.close()
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from kvstore.errors import KVStoreError
+from kvstore.tiers.buffers import copy_into
 
 log = logging.getLogger(__name__)
 TRANSPORTS: dict[str, Callable[..., "BlockTransport"]] = {}
@@ -33,6 +36,13 @@ class BlockTransport(ABC):
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """Bytes of each key, None for a miss; with ``stop_at_miss`` the list ends at the
         first miss."""
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
+        """Copy block i into ``outs[i]`` (a numpy array or tensor, at least the block's
+        size); per key the bytes written or None for a miss. This default goes through
+        :meth:`get_blocks`; transports that can write in place override it."""
+        return [None if data is None else copy_into(out, np.frombuffer(data, dtype=np.uint8))
+                for data, out in zip(self.get_blocks(keys, stop_at_miss), outs)]
 
     def close(self) -> None:
         """Release what the transport holds (connections, registered buffers)."""

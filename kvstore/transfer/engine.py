@@ -74,6 +74,22 @@ class TransferEngineHandle:
         if self._regions.pop(addr, None) is not None:
             self.engine.unregister_memory(addr)
 
+    def registered(self, addr: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``addr`` lie inside one registered region."""
+        for start, array in self._regions.items():
+            if start <= addr and addr + nbytes <= start + array.nbytes:
+                return True
+        return False
+
+    def read_async(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        """Start reading as :meth:`read` does, without waiting; returns a batch id for
+        :meth:`wait`, or a negative number when the engine refused the batch."""
+        return self.engine.batch_transfer_async_read(endpoint, local, remote, lengths)
+
+    def wait(self, batch_id: int) -> bool:
+        """Block until the batch ``batch_id`` ended; whether every transfer in it succeeded."""
+        return batch_id >= 0 and self.engine.get_batch_transfer_status([batch_id]) == 0
+
     def read(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
         """Read ``lengths[i]`` bytes at ``remote[i]`` of the engine at ``endpoint`` into
         ``local[i]`` (registered). Returns whether every transfer succeeded."""

@@ -2,7 +2,7 @@
 and the same-host path, which is :class:`StoreClient`'s own slab mapping (kvstore/dataplane)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvstore.client import StoreClient
 from kvstore.errors import Unavailable
@@ -27,6 +27,9 @@ class GrpcStreamTransport(BlockTransport):
 
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         return self.client.get_blocks(keys, stop_at_miss=stop_at_miss)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
+        return self.client.get_into(keys, outs, stop_at_miss=stop_at_miss)
 
     def close(self) -> None:
         if self._own:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore.client import _translate
-from kvstore.integrity import checksum_of
+from kvstore.errors import InvalidArgument
+from kvstore.integrity import new_hasher
+from kvstore.tiers.buffers import copy_into
 from kvstore.service import GRPC_OPTIONS
 from kvstore.transfer.base import BlockTransport, register_transport
 from kvstore.transfer.engine import TransferEngineHandle, TransferEngineUnavailable, process_engine
@@ -25,6 +27,16 @@ log = logging.getLogger(__name__)
 MISS, MAPPED, ELSEWHERE = 0, 1, 2    # LeasedBlock.state (protos/kvstore.proto)
 MIN_BUFFER_BYTES = 16 << 20
 PIECE_BYTES = 4 << 20      # big blocks move in pieces the engine runs in parallel (te_probe.py)
+WAVE_BYTES = 4 << 20       # one async batch each; a wave is hashed while the later ones move
+
+
+def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndarray | None:
+    """``out[:size]`` when the engine can write the block into it directly: a contiguous
+    uint8 numpy array of at least ``size`` bytes inside a registered region."""
+    if (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.shape[0] >= size
+            and out.flags.c_contiguous and out.flags.writeable and engine.registered(int(out.ctypes.data), size)):
+        return out[:size]
+    return None
 
 
 @register_transport("transfer_engine")
@@ -48,6 +60,7 @@ class TransferEngineTransport(BlockTransport):
         self._kv = kv_grpc.KVStoreStub(self._channel)
         self.stream = grpc_only_client(address, auth_token, timeout_s)
         self.te_reads = self.grpc_reads = 0
+        self._registered: list[int] = []  # callers' buffers given to register()
         self._buf: np.ndarray | None = None
         self._buf_addr = 0
         try:
@@ -74,8 +87,28 @@ class TransferEngineTransport(BlockTransport):
             self._buf_addr = self.engine.register(self._buf)
         return self._buf, self._buf_addr
 
+    def register(self, array: np.ndarray) -> None:
+        """Register a caller's host buffer (a contiguous numpy array kept alive by the
+        caller until :meth:`close`) with this process's engine, so :meth:`get_into` reads
+        blocks straight into it, as Mooncake Store's ``register_buffer`` does. Raises
+        TransferEngineUnavailable when the engine refuses it."""
+        self._registered.append(self.engine.register(array))
+
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
-        keys = list(keys)
+        return self._get(list(keys), None, stop_at_miss)  # type: ignore[return-value]
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
+        """Copy block i into ``outs[i]`` (a numpy array or tensor, at least the block's
+        size); per key the bytes written or None for a miss (with ``stop_at_miss`` the list
+        ends at the first miss). A contiguous uint8 array inside a buffer given to
+        :meth:`register` is written by the engine directly; anything else through the
+        transport's own registered buffer. Raises InvalidArgument for too few buffers."""
+        if len(outs) < len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        return self._get(list(keys), outs, stop_at_miss)  # type: ignore[return-value]
+
+    def _get(self, keys: list[bytes], outs: Sequence[Any] | None, stop_at_miss: bool) -> list[Any]:
+        """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block)."""
         if not keys:
             return []
         try:
@@ -84,12 +117,12 @@ class TransferEngineTransport(BlockTransport):
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from None
         blocks = list(lease.blocks)
-        out: list[bytes | None] = [None] * len(blocks)
+        out: list[Any] = [None] * len(blocks)
         mapped = [i for i, b in enumerate(blocks) if b.state == MAPPED]
         ok = True
         try:
             if mapped:
-                ok = self._read(blocks, mapped, out)
+                ok = self._read(blocks, mapped, out, outs)
         finally:
             # Not waited for: the checksum verified after the copy is what guards the bytes
             # (a slab range reused after an expired lease cannot match the block's checksum).
@@ -104,6 +137,8 @@ class TransferEngineTransport(BlockTransport):
         if redo:
             self.grpc_reads += len(redo)
             for i, data in zip(redo, self.stream.get_blocks([keys[i] for i in redo])):
+                if data is not None and outs is not None:
+                    data = copy_into(outs[i], np.frombuffer(data, dtype=np.uint8))
                 out[i] = data
         if stop_at_miss:
             first = next((i for i, d in enumerate(out) if d is None), None)
@@ -112,31 +147,63 @@ class TransferEngineTransport(BlockTransport):
             return out + [None] if len(out) < len(keys) else out
         return out + [None] * (len(keys) - len(out))
 
-    def _read(self, blocks: list, mapped: list[int], out: list[bytes | None]) -> bool:
-        """One batched engine read of the ``mapped`` blocks; fills ``out`` with the ones whose
-        checksum holds. Returns whether the engine reported success."""
+    def _read(self, blocks: list, mapped: list[int], out: list[Any], outs: Sequence[Any] | None) -> bool:
+        """Read the ``mapped`` blocks with the engine: each into its caller's registered
+        buffer, or else into the transport's buffer (then copied out, or to bytes when
+        ``outs`` is None). The pieces go in waves of about :data:`WAVE_BYTES`, all started
+        at once; each wave is hashed (streaming xxh3_64 per block) while the later ones are
+        still moving. Fills ``out`` with the blocks whose checksum holds. Returns whether
+        the engine reported success for every wave."""
         with self.engine.lock:
-            buf, base = self._buffer(sum(blocks[i].size for i in mapped))
-            local, remote, lengths, at = [], [], [], 0
+            direct = {i: _direct_target(outs[i], blocks[i].size, self.engine) for i in mapped} if outs else {}
+            buf, base = self._buffer(max(1, sum(blocks[i].size for i in mapped if direct.get(i) is None)))
+            at, pieces = 0, []  # (block, local address, local view, remote address, length)
+            staged: dict[int, np.ndarray] = {}  # block -> its bytes in the transport's buffer
             for i in mapped:
-                src = self.slab_address + blocks[i].offset
-                for off in range(0, blocks[i].size, PIECE_BYTES):
-                    local.append(base + at + off)
-                    remote.append(src + off)
-                    lengths.append(min(PIECE_BYTES, blocks[i].size - off))
-                at += blocks[i].size
-            if not self.engine.read(self.endpoint, local, remote, lengths):
+                size, src = blocks[i].size, self.slab_address + blocks[i].offset
+                view = direct.get(i)
+                if view is None:
+                    view = staged[i] = buf[at:at + size]
+                    at += size
+                local = int(view.ctypes.data)
+                for off in range(0, size, PIECE_BYTES):
+                    n = min(PIECE_BYTES, size - off)
+                    pieces.append((i, local + off, view[off:off + n], src + off, n))
+            waves, wave, total = [], [], 0
+            for piece in pieces:
+                if wave and total + piece[4] > WAVE_BYTES:
+                    waves.append(wave)
+                    wave, total = [], 0
+                wave.append(piece)
+                total += piece[4]
+            waves.append(wave)
+            ids = [self.engine.read_async(self.endpoint, [p[1] for p in w], [p[3] for p in w], [p[4] for p in w])
+                   for w in waves]
+            hashers: dict[int, Any] = {}
+            ok = True
+            for batch, wave in zip(ids, waves):
+                if not self.engine.wait(batch):
+                    ok = False
+                    continue  # the later waves are still waited for: the buffers stay ours until then
+                for i, _, view, _, _ in wave:
+                    hashers.setdefault(i, new_hasher()).update(view)
+            if not ok:
                 return False
-            at = 0
             for i in mapped:
                 b = blocks[i]
-                data = buf[at:at + b.size]
-                at += b.size
-                if checksum_of(data) == b.checksum:
-                    out[i] = data.tobytes()
+                if hashers[i].intdigest() != b.checksum:
+                    continue
+                data = staged.get(i)
+                if data is None:  # the engine wrote it into the caller's buffer
+                    out[i] = b.size
+                else:
+                    out[i] = data.tobytes() if outs is None else copy_into(outs[i], data)
             return True
 
     def close(self) -> None:
+        for addr in getattr(self, "_registered", ()):
+            self.engine.unregister(addr)
+        self._registered = []
         if self._buf is not None:
             self.engine.unregister(self._buf_addr)
             self._buf = None
