@@ -30,6 +30,7 @@ from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN,
 log = logging.getLogger(__name__)
 MAX_KEY_BYTES = 64
 LEASE_CHUNK = 64          # a get of at least twice this many keys leases them in pipelined chunks
+LEASE_FIRST_CHUNK = 16    # ... the first of them this small: the only lease the copy waits for
 PIPELINE_BYTES = 4 << 20  # a put of more is committed in chunks of this, while the next is copied
 SPARE_STOCK = 4           # spare slots a writer keeps of the size it puts, asked for ahead
 PARALLEL_HASH_BYTES = 256 << 10  # a put of a block this large hashes it beside its copy
@@ -140,12 +141,14 @@ class LocalDataPlane:
         return _cut(out) if stop_at_miss else out
 
     def _get_pipelined(self, keys: Sequence[bytes], outs: Sequence[Any]) -> tuple[list[int | None], list[int]]:
-        """A large unordered batch as leases of :data:`LEASE_CHUNK` keys, all asked for at
-        once: the node grants chunk i + 1 while this process copies chunk i, so only the
-        first chunk's lease is waited for. Each chunk is checked against its own lease's
+        """A large unordered batch as leases of :data:`LEASE_CHUNK` keys (the first of
+        :data:`LEASE_FIRST_CHUNK`): the node grants chunk i + 1 while this process copies
+        chunk i, so only the first, small chunk's lease is waited for. Each chunk is checked against its own lease's
         deadline and released after its copy; raises LeaseExpired as :meth:`copy_leased`
         (after every chunk was released)."""
-        chunks = [range(a, min(a + LEASE_CHUNK, len(keys))) for a in range(0, len(keys), LEASE_CHUNK)]
+        first = min(LEASE_FIRST_CHUNK, len(keys))  # small, so the first copy starts early
+        chunks = [range(0, first)] + [range(a, min(a + LEASE_CHUNK, len(keys)))
+                                      for a in range(first, len(keys), LEASE_CHUNK)]
         out: list[int | None] = []
         later: list[int] = []
 

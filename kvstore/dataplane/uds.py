@@ -276,14 +276,10 @@ class UdsControl:
         with self._lock:
             try:
                 self._read_spares()
-                w.write_frame(self._sock, w.OP_LEASE, head + w.encode_keys(chunks[0]))
-                sent = 1
+                frames = [head + w.encode_keys(c) for c in chunks]
+                self._sock.sendall(b"".join(w.HEADER.pack(w.OP_LEASE, len(f)) + f for f in frames))
                 for n in range(len(chunks)):
                     status, reply = w.read_frame(self._sock)
-                    if sent < len(chunks):  # ask for the rest once the first grant is here
-                        self._sock.sendall(b"".join(w.HEADER.pack(w.OP_LEASE, len(f)) + f for f in
-                                                    (head + w.encode_keys(c) for c in chunks[sent:])))
-                        sent = len(chunks)
                     if status != w.OK:
                         error = error or w.ERRORS.get(status, KVStoreError)(reply.decode(errors="replace"))
                         continue
