@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 WIRE_VERSION = b"1"
 
@@ -20,11 +21,11 @@ class EventKind(str, enum.Enum):
     NODE_CLEARED = "NodeCleared"      # every copy the node held is gone (start, stop, clear)
 
 
-@dataclass(frozen=True, slots=True)
-class KVEvent:
+class KVEvent(NamedTuple):
     """One change of a node's index. ``size`` in bytes; ``ts`` is ``time.time()`` when the
     index changed (for lag measurement); ``key``/``tier``/``size`` are empty for
-    ``NODE_CLEARED``."""
+    ``NODE_CLEARED``. Immutable; a NamedTuple because every block a node stores or drops
+    makes one (a tuple is built about 5x faster than a frozen dataclass)."""
 
     node: str
     epoch: int
