@@ -210,7 +210,8 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         grants = self._plane(context).reserve(list(zip(request.keys, request.sizes)), request.chain,
                                               request.parent or None)
         return pb.ReserveBlocksResponse(slots=[pb.ReservedSlot(state=g.state, reservation_id=g.res_id,
-                                                               offset=g.offset, error=g.error) for g in grants])
+                                                               offset=g.offset, error=g.error, write_by=g.write_by)
+                                               for g in grants])
 
     def CommitBlocks(self, request: pb.CommitBlocksRequest, context: grpc.ServicerContext) -> pb.CommitBlocksResponse:
         if request.checksums and len(request.checksums) != len(request.reservation_ids):

@@ -335,3 +335,64 @@ def _plane(pool: KVPool, path: str) -> LocalDataPlane:
     from kvstore.dataplane.host import DataPlaneHost
     info = DataPlaneHost(pool, path).info()
     return LocalDataPlane(info, UdsControl(path))
+
+
+def test_a_spare_slot_past_its_write_by_time_is_never_written(node, client_of) -> None:
+    """A holds spare slots, idles past their reservation timeout, B's blocks take the freed
+    space, then A puts again: A must not copy into its stale spares (B's bytes stay intact,
+    read straight out of the slab without a checksum) and A's put still succeeds."""
+    pool, address, _ = node(dram_bytes=16 * MIB, reservation_timeout_s=1.0)
+    a, b = client_of(address), client_of(address)
+    plane = a._local()
+    assert a.put(_key(1), _block(1)).ok
+    plane._stock(plane.control.take_spares(wait=True))
+    assert plane._spares.get(64 << 10)
+    time.sleep(1.3)                                   # A's spares time out in the pool
+    ours = [(_key(100 + i), _block(100 + i)) for i in range(16)]
+    assert all(r.ok for r in b.put_blocks(ours))      # B may get the space A's spares held
+    assert a.put(_key(2), _block(2)).ok
+    assert [pool.get(k) for k, _ in ours] == [d for _, d in ours]  # no verification on this read
+    assert a.get_blocks([_key(1), _key(2)]) == [_block(1), _block(2)]
+
+
+def test_spare_slots_stay_under_the_per_connection_cap_when_sizes_change(node, client_of) -> None:
+    """One block per call, the size changing every call: the writer keeps spares of the
+    current size only and the node caps a connection's spares at 1/16 of the tier, so no
+    stored block is evicted to make room for spares."""
+    pool, address, _ = node(dram_bytes=64 * MIB)
+    client = client_of(address)
+    cap = 64 * MIB // 16
+    sizes = [(64 << 10) * (1 + i % 12) for i in range(48)]
+    for i, size in enumerate(sizes):
+        assert client.put(_key(i), _block(i, size)).ok
+        assert pool.stats()[0].reserved_bytes <= cap + max(sizes)
+    assert client.lookup([_key(i) for i in range(len(sizes))]).blocks > 0
+    assert all(pool.get(_key(i)) == _block(i, size) for i, size in enumerate(sizes))  # none evicted
+
+
+@pytest.mark.timeout(60)
+def test_a_pipelined_put_whose_copy_fails_raises_and_leaves_the_client_usable(node, client_of) -> None:
+    torch = pytest.importorskip("torch")
+    pool, address, _ = node(dram_bytes=64 * MIB)
+    client = client_of(address)
+    bad = torch.empty(3 * MIB, dtype=torch.uint8, device="meta")  # a copy out of it raises
+    blocks = [(_key(1), _block(1, 3 * MIB)), (_key(2), _block(2, 3 * MIB)), (_key(3), bad)]
+    with pytest.raises(NotImplementedError):
+        client.put_blocks(blocks)                     # over 4 MiB: committed in pipelined chunks
+    assert client.put(_key(4), _block(4)).ok and client.get(_key(4)) == _block(4)
+    assert client.get(_key(3)) is None
+    deadline = time.monotonic() + 5
+    while pool.stats()[0].reserved_bytes > 64 * MIB // 16 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.stats()[0].reserved_bytes <= 64 * MIB // 16  # at most the writer's spares
+    pool.check_integrity()
+
+
+def test_a_malformed_release_frame_ends_only_that_connection(node) -> None:
+    pool, _, path = node()
+    ctl = UdsControl(path)
+    wire.write_frame(ctl._sock, wire.OP_RELEASE, b"abc")  # not 8 bytes
+    with pytest.raises((Unavailable, OSError)):
+        ctl.lookup([_key(1)])
+    ctl.close()
+    assert UdsControl(path).lookup([_key(1)]) == (0, [])

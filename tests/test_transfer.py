@@ -5,6 +5,7 @@ cannot start (the fallback is picked automatically and reported)."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -189,3 +190,22 @@ def test_auto_prefers_the_same_host_slab_then_the_transfer_engine(te_node, monke
 def test_unknown_transport_is_rejected():
     with pytest.raises(ValueError, match="valid: auto"):
         open_transport("carrier-pigeon", "127.0.0.1:1")
+
+
+def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
+    """A 0-byte block reads back empty; the lease of each engine read is released (the
+    release is not waited for, so it lands a moment later), not held until its TTL."""
+    address, client = te_node
+    blocks = [(b"empty-0".ljust(16, b"\0"), b""), (b"empty-1".ljust(16, b"\0"), os.urandom(3 << 20))]
+    assert all(r.ok for r in client.put_blocks(blocks))
+    t = open_transport("transfer_engine", address)
+    try:
+        for _ in range(20):
+            assert t.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+        assert t.get_into([blocks[0][0]], [np.zeros(4, np.uint8)]) == [0]
+    finally:
+        t.close()
+    deadline = time.monotonic() + 5
+    while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats()[1][0].leased_bytes == 0

@@ -46,17 +46,19 @@ class GrpcControl:
                 parent: bytes | None = None) -> list[SlotGrant]:
         resp = self._call(self._stub.ReserveBlocks, pb.ReserveBlocksRequest(
             keys=[k for k, _ in items], sizes=[s for _, s in items], chain=chain, parent=parent or b""))
-        return [SlotGrant(s.state, s.reservation_id, s.offset, s.error) for s in resp.slots]
+        return [SlotGrant(s.state, s.reservation_id, s.offset, s.error, s.write_by) for s in resp.slots]
 
     name = "grpc"
     spares = False  # no spare slots over gRPC: reserve, write, commit
     spares_owed = 0
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]:
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None,
+               give_back: Sequence[int] = ()) -> list[PutResult]:
         """Commit filled slots (reserved under ``keys``; ``parents`` were given at reserve
         and are not resent; ``checksums``: the writer's, None: the node takes them). No
-        spares are granted over gRPC."""
+        spares are granted over gRPC; ``give_back`` ids are aborted."""
+        self.abort(give_back)
         if not res_ids:
             return []
         resp = self._call(self._stub.CommitBlocks, pb.CommitBlocksRequest(reservation_ids=list(res_ids),

@@ -13,11 +13,12 @@ from kvstore.integrity import checksum_of
 from kvstore.lease import Lease, Reservation
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.dram import PAGE_BYTES, DramTier
-from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN,
+from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN, WRITE_GRACE_S,
                                      BlockLocation, DataPlaneInfo, LeaseGrant, SlotGrant, host_id)
 
 MAX_KEY_BYTES = 64
 SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
+MAX_SPARES_PER_ASK = 64
 _MISS = (MISS, 0, 0, 0)
 _ELSEWHERE = (ELSEWHERE, 0, 0, 0)
 
@@ -44,7 +45,9 @@ class DataPlaneHost:
         self._slots: dict[int, Reservation] = {}
         self._ops = 0
         self._spare_ids = itertools.count(1)
-        self.max_spare_bytes = min(64 << 20, tier.capacity_bytes // 16)  # per request
+        self.max_spare_bytes = min(64 << 20, tier.capacity_bytes // 16)  # per connection
+        timeout = pool.settings.reservation_timeout_s
+        self.grace_s = min(WRITE_GRACE_S, timeout / 2)  # space kept past a slot's write-by time
 
     @classmethod
     def for_pool(cls, pool: KVPool, socket_path: str = "") -> "DataPlaneHost | None":
@@ -123,7 +126,7 @@ class DataPlaneHost:
                 out.append(SlotGrant(SLOT_EXISTED))
             else:
                 made.append(res)
-                out.append(SlotGrant(SLOT_OPEN, res.id, res.slot.offset))
+                out.append(SlotGrant(SLOT_OPEN, res.id, res.slot.offset, write_by=res.deadline - self.grace_s))
         if made:
             with self._lock:
                 for res in made:
@@ -131,18 +134,26 @@ class DataPlaneHost:
                 self._tick()
         return out
 
-    def reserve_spares(self, size: int, count: int) -> list[SlotGrant]:
-        """Up to ``count`` slots of ``size`` bytes reserved before their keys are known (at
-        most :attr:`max_spare_bytes` in all): a writer that puts blocks of one size again
-        and again fills a spare and names it at commit — one round trip per put instead of
-        two. Spares time out as any reservation does; ones that cannot fit are left out."""
-        tier = self.tier  # spares take free room only: they never evict a block
+    def reserve_spares(self, size: int, count: int, held_bytes: int = 0) -> list[SlotGrant]:
+        """Up to ``count`` slots of ``size`` bytes reserved before their keys are known: a
+        writer that puts blocks of one size again and again fills a spare and names it at
+        commit — one round trip per put instead of two. ``held_bytes``: what the asking
+        connection holds in spares already; with it at most :attr:`max_spare_bytes` (and
+        :data:`MAX_SPARES_PER_ASK` slots). Spares take free room only (they never evict a
+        block) and time out as any reservation does; ones that cannot fit are left out."""
+        tier = self.tier
         room = int(self.pool.settings.high_watermark * tier.capacity_bytes) - tier.used_bytes
-        count = min(count, min(self.max_spare_bytes, room) // max(size, 1))
-        if count <= 0:
+        budget = min(self.max_spare_bytes - held_bytes, room)
+        count = min(count, MAX_SPARES_PER_ASK, budget // max(size, PAGE_BYTES))
+        if count <= 0 or size <= 0:
             return []
         items = [(SPARE_KEY + next(self._spare_ids).to_bytes(8, "little"), size) for _ in range(count)]
         return [g for g in self.reserve(items) if g.state == SLOT_OPEN]
+
+    def still_open(self, res_ids: Sequence[int]) -> list[int]:
+        """The ids among ``res_ids`` that are still open reservations lent out here."""
+        with self._lock:
+            return [i for i in res_ids if i in self._slots]
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes] | None = None,
                parents: Sequence[bytes | None] | None = None,

@@ -33,6 +33,8 @@ LEASE_CHUNK = 64          # a get of at least twice this many keys leases them i
 LEASE_FIRST_CHUNK = 16    # ... the first of them this small: the only lease the copy waits for
 PIPELINE_BYTES = 4 << 20  # a put of more is committed in chunks of this, while the next is copied
 SPARE_STOCK = 4           # spare slots a writer keeps of the size it puts, asked for ahead
+COPY_MARGIN_S = 0.05      # a slot is written only if the copy surely ends before its write-by time,
+MIN_COPY_BYTES_PER_S = 100e6  # assuming at least this copy rate
 PARALLEL_HASH_BYTES = 256 << 10  # a put of a block this large hashes it beside its copy
 PIPELINED_VERIFY_BYTES = 4 << 20  # a get of a block this large verifies chunks beside the copy
 VERIFY_CHUNK_BYTES = 1 << 20
@@ -57,7 +59,8 @@ class Control(Protocol):
     spares_owed: int
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]: ...
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None,
+               give_back: Sequence[int] = ()) -> list[PutResult]: ...
     def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
                                                       Sequence[int]]]) -> list[PutResult]: ...
     def take_spares(self, wait: bool = False) -> list[tuple[int, SlotGrant]]: ...
@@ -101,7 +104,7 @@ class LocalDataPlane:
         self.lease_ttl_s = lease_ttl_s
         self.fetch = fetch  # blocks held in another tier (SSD, HBM); None: they are misses
         self._mm, self._slab = map_slab(info)
-        self._spares: dict[int, list[tuple[int, int]]] = {}  # size -> (reservation id, offset)
+        self._spares: dict[int, list[SlotGrant]] = {}  # size -> spare slots in stock
         self._spare_lock = threading.Lock()
         self._hash_pool: ThreadPoolExecutor | None = None
 
@@ -261,70 +264,98 @@ class LocalDataPlane:
         for key, _ in blocks:  # as the gRPC service refuses them
             if not key or len(key) > MAX_KEY_BYTES:
                 raise InvalidArgument(f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}")
+        keys = [k for k, _ in blocks]
         views = [as_u8(data) for _, data in blocks]
+        sizes = [nbytes(v) for v in views]
+        parents = [parent if i == 0 else (keys[i - 1] if chain else None) for i in range(len(keys))]
         window = max(1, self.info.slab_bytes // 4)
         out: list[PutResult] = []
         start = 0
         while start < len(blocks):
-            end, total = start + 1, nbytes(views[start])
-            while end < len(blocks) and total + nbytes(views[end]) <= window:
-                total += nbytes(views[end])
+            end, total = start + 1, sizes[start]
+            while end < len(blocks) and total + sizes[end] <= window:
+                total += sizes[end]
                 end += 1
-            link = parent if start == 0 else (blocks[start - 1][0] if chain else None)
-            out += self._put_window(blocks[start:end], views[start:end], chain, link)
+            out += self._put_window(keys[start:end], views[start:end], sizes[start:end], parents[start:end], chain)
             start = end
         return out
 
-    def _put_window(self, blocks: Sequence[tuple[bytes, Any]], views: list[Any], chain: bool,
-                    parent: bytes | None, retry: bool = True) -> list[PutResult]:
-        """One window: fill spare slots where there are some of the right size (no RESERVE
-        round trip), reserve the rest, copy every block into its slot and checksum it, and
-        commit each block under its key and chain parent: in one frame (asking for spares
-        for the next puts), or in pipelined chunks of :data:`PIPELINE_BYTES` that the node
-        commits while the next chunk is copied."""
-        keys = [k for k, _ in blocks]
-        sizes = [nbytes(v) for v in views]
-        parents = [parent if i == 0 else (keys[i - 1] if chain else None) for i in range(len(keys))]
+    def _put_window(self, keys: list[bytes], views: list[Any], sizes: list[int], parents: list[bytes | None],
+                    chain: bool, retry: bool = True) -> list[PutResult]:
+        """One window: fill spare slots where there are some of the right size and still in
+        time (no RESERVE round trip), reserve the rest, copy every block into its slot and
+        checksum it, and commit each block under its key and chain parent: in one frame
+        (asking for spares for the next puts, giving back unusable ones), or in pipelined
+        chunks of :data:`PIPELINE_BYTES` that the node commits while the next chunk is
+        copied. A slot is never written once its write-by time is too near (:func:`_in_time`):
+        it is given back and its block put again through a fresh reservation, as is a
+        block whose spare slot turned out to have timed out at commit."""
         ctl = self.control
-        slots: list[SlotGrant | None] = [None] * len(keys)
+        n = len(keys)
+        slots: list[SlotGrant | None] = [None] * n
         spared: set[int] = set()
-        if ctl.spares:
+        give_back: list[int] = []
+        if ctl.spares and retry:
             with self._spare_lock:
                 self._stock(ctl.take_spares(wait=ctl.spares_owed > 0 and not self._spares.get(sizes[0])))
+                now = time.monotonic()
                 for i, size in enumerate(sizes):
                     free = self._spares.get(size)
-                    if free:
-                        rid, off = free.pop()
-                        slots[i] = SlotGrant(SLOT_OPEN, rid, off)
-                        spared.add(i)
-        need = [i for i in range(len(keys)) if slots[i] is None]
+                    while free:
+                        g = free.pop()
+                        if _in_time(g, size, now):
+                            slots[i] = g
+                            spared.add(i)
+                            break
+                        give_back.append(g.res_id)  # too near its write-by time: never written
+        need = [i for i in range(n) if slots[i] is None]
         if need:
-            whole = len(need) == len(keys)  # chain links can go with the reservation
-            grants = ctl.reserve([(keys[i], sizes[i]) for i in need], chain and whole, parent if whole else None)
+            whole = len(need) == n  # chain links can go with the reservation
+            grants = ctl.reserve([(keys[i], sizes[i]) for i in need], chain and whole, parents[0] if whole else None)
             for i, g in zip(need, grants):
                 slots[i] = g
         granted: list[SlotGrant] = [g for g in slots if g is not None]  # every block has one now
         todo = [i for i, g in enumerate(granted) if g.state == SLOT_OPEN]
+        late: list[int] = []   # slots whose write-by time came too near: not written, given back
+        sent: list[int] = []   # slots filled and sent to commit, in order
         if sum(sizes[i] for i in todo) > PIPELINE_BYTES:
-            results = ctl.commit_pipelined(self._fill_chunks(todo, granted, views, sizes, keys, parents))
-        else:
             try:
-                sums = [self._fill(granted[i].offset, views[i], sizes[i]) for i in todo]
-            except BaseException:
-                ctl.abort([granted[i].res_id for i in todo])
+                results = ctl.commit_pipelined(self._fill_chunks(todo, granted, views, sizes, keys, parents,
+                                                                 sent, late))
+            except BaseException:  # the control lock is free again here: abort what was not sent
+                done_ids = set(sent)
+                ctl.abort([granted[i].res_id for i in todo if i not in done_ids] + give_back)
                 raise
-            results = ctl.commit([granted[i].res_id for i in todo], [keys[i] for i in todo],
-                                 [parents[i] for i in todo], self._spare_ask(sizes), sums)
-        done = dict(zip(todo, results))
+            if late or give_back:
+                ctl.abort([granted[i].res_id for i in late] + give_back)
+        else:
+            sums: list[int] = []
+            try:
+                for i in todo:
+                    if not _in_time(granted[i], sizes[i], time.monotonic()):
+                        late.append(i)
+                        continue
+                    sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
+                    sent.append(i)
+            except BaseException:
+                ctl.abort([granted[i].res_id for i in todo] + give_back)
+                raise
+            ask, unused = self._spare_ask(sizes)
+            results = ctl.commit([granted[i].res_id for i in sent], [keys[i] for i in sent],
+                                 [parents[i] for i in sent], ask, sums,
+                                 give_back + unused + [granted[i].res_id for i in late])
+        done = dict(zip(sent, results))
         out = [done[i] if i in done else PutResult(k, g.state == SLOT_EXISTED, g.state == SLOT_EXISTED, g.error)
                for i, (k, g) in enumerate(zip(keys, granted))]
-        stale = [i for i in spared if not out[i].ok]  # a spare that timed out: put those again
-        if stale and retry:
-            with self._spare_lock:
-                self._spares.clear()
-            again = self._put_window([blocks[i] for i in stale], [views[i] for i in stale], False, None, retry=False)
-            for i, r in zip(stale, again):
+        redo = sorted(set(late) | {i for i in spared if not out[i].ok})  # put those again, once
+        if redo and retry:
+            again = self._put_window([keys[i] for i in redo], [views[i] for i in redo], [sizes[i] for i in redo],
+                                     [parents[i] for i in redo], False, retry=False)
+            for i, r in zip(redo, again):
                 out[i] = r
+        for i in late:
+            if not retry:
+                out[i] = PutResult(keys[i], False, error="the slot's reservation ran out before the copy")
         return out
 
     def _fill(self, off: int, view: Any, size: int) -> int:
@@ -349,41 +380,52 @@ class LocalDataPlane:
         return self._hash_pool
 
     def _fill_chunks(self, todo: list[int], granted: list[SlotGrant], views: list[Any], sizes: list[int],
-                     keys: list[bytes], parents: list[bytes | None]) -> Any:
+                     keys: list[bytes], parents: list[bytes | None], sent: list[int], late: list[int]) -> Any:
         """Fill the slots of ``todo`` and yield them in commit chunks of about
-        :data:`PIPELINE_BYTES`; a copy that fails aborts the slots not yet yielded."""
+        :data:`PIPELINE_BYTES`, recording in ``sent`` the slots yielded and in ``late`` the
+        ones skipped because their write-by time came too near. Aborts nothing itself: it
+        runs under the control channel's lock (the caller aborts after an error)."""
         chunk: list[int] = []
         sums: list[int] = []
         total = 0
-        for n, i in enumerate(todo):
-            try:
-                sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
-            except BaseException:
-                self.control.abort([granted[j].res_id for j in chunk + todo[n:]])
-                raise
+        for i in todo:
+            if not _in_time(granted[i], sizes[i], time.monotonic()):
+                late.append(i)
+                continue
+            sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
             chunk.append(i)
             total += sizes[i]
-            if total >= PIPELINE_BYTES or n == len(todo) - 1:
+            if total >= PIPELINE_BYTES:
+                sent.extend(chunk)
                 yield ([granted[j].res_id for j in chunk], [keys[j] for j in chunk], [parents[j] for j in chunk], sums)
                 chunk, sums, total = [], [], 0
+        if chunk:
+            sent.extend(chunk)
+            yield ([granted[j].res_id for j in chunk], [keys[j] for j in chunk], [parents[j] for j in chunk], sums)
 
-    def _spare_ask(self, sizes: list[int]) -> tuple[int, int]:
-        """(size, count) of spare slots to ask for at this commit: enough of the window's
-        last block size for the next window like it, and at least :data:`SPARE_STOCK`, so
-        a writer of one block per call finds a spare ready; nothing while a grant is owed
-        or the stock is more than half full."""
+    def _spare_ask(self, sizes: list[int]) -> tuple[tuple[int, int], list[int]]:
+        """(size, count) of spare slots to ask for at this commit, and the spare slots to
+        give back with it. A writer keeps spares of the size it puts now only: enough of
+        the window's last block size for the next window like it, at least
+        :data:`SPARE_STOCK`; spares of other sizes go back (the node also caps what one
+        connection holds). Nothing is asked while a grant is owed or the stock is more
+        than half full."""
         if not self.control.spares or self.control.spares_owed:
-            return 0, 0
+            return (0, 0), []
         size = sizes[-1]
         want = max(SPARE_STOCK, sum(s == size for s in sizes))
         with self._spare_lock:
             held = len(self._spares.get(size, ()))
-        return (size, want - held) if held * 2 <= want else (0, 0)
+            if held * 2 > want:
+                return (0, 0), []
+            unused = [g.res_id for s, stock in self._spares.items() if s != size for g in stock]
+            self._spares = {size: self._spares.get(size, [])}
+        return (size, want - held), unused
 
     def _stock(self, grants: list[tuple[int, SlotGrant]]) -> None:
         """Keep spare slots granted by the node (``_spare_lock`` held)."""
         for size, g in grants:
-            self._spares.setdefault(size, []).append((g.res_id, g.offset))
+            self._spares.setdefault(size, []).append(g)
 
     def close(self) -> None:
         """Close the control channel and unmap the slab (views still held keep it mapped)."""
@@ -396,6 +438,13 @@ class LocalDataPlane:
             self._mm.close()
         except BufferError:
             pass
+
+
+def _in_time(slot: SlotGrant, size: int, now: float) -> bool:
+    """Whether a copy of ``size`` bytes started at ``now`` surely ends before the slot's
+    write-by time (assuming at least :data:`MIN_COPY_BYTES_PER_S`, plus
+    :data:`COPY_MARGIN_S`); a slot without one (0) is always in time."""
+    return not slot.write_by or now + COPY_MARGIN_S + size / MIN_COPY_BYTES_PER_S <= slot.write_by
 
 
 def _cut(out: list[Any]) -> list[Any]:

@@ -39,12 +39,20 @@ class LeaseGrant:
 
 class SlotGrant(NamedTuple):
     """A reservation for one block: ``state`` SLOT_OPEN / SLOT_EXISTED / SLOT_FAILED, its
-    id (for commit / abort) and slab ``offset``, or the ``error`` that failed it."""
+    id (for commit / abort) and slab ``offset``, or the ``error`` that failed it.
+    ``write_by``: the monotonic time by which the writer's copy into the slot must have
+    ended; the node keeps the space reserved a grace period longer (:data:`WRITE_GRACE_S`),
+    and a writer never starts a copy it cannot finish by then, so a slot whose reservation
+    timed out is never written into after its space went to another block."""
 
     state: int
     res_id: int = 0
     offset: int = 0
     error: str = ""
+    write_by: float = 0.0
+
+
+WRITE_GRACE_S = 5.0  # at most: a reservation timeout of T gives the writer T - min(5 s, T / 2)
 
 
 @dataclass(frozen=True, slots=True)

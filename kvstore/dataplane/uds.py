@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 
 
 def _commit_frame(res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None,
-                  spare: tuple[int, int], checksums: Sequence[int] | None) -> bytes:
+                  spare: tuple[int, int], checksums: Sequence[int] | None, give_back: Sequence[int] = ()) -> bytes:
     n = len(res_ids)
+    sections = (w.COMMIT_CHECKSUMS if checksums else 0) | (w.COMMIT_GIVE_BACK if give_back else 0)
     return (w.U32.pack(n) + struct.pack(f"<{n}Q", *res_ids) + w.encode_keys(keys)
             + w.encode_keys([p or b"" for p in parents] if parents else [b""] * n) + w.SPARE_ASK.pack(*spare)
-            + (struct.pack(f"<{n}Q", *checksums) if checksums else b""))
+            + bytes((sections,)) + (struct.pack(f"<{n}Q", *checksums) if checksums else b"")
+            + (w.U32.pack(len(give_back)) + struct.pack(f"<{len(give_back)}Q", *give_back) if give_back else b""))
 
 
 def _commit_results(reply: bytes, keys: Sequence[bytes]) -> list[PutResult]:
@@ -84,6 +86,7 @@ class UdsServer:
     def _serve(self, conn: socket.socket) -> None:
         leases: set[int] = set()
         slots: set[int] = set()
+        spares: dict[int, int] = {}  # spare slots lent on this connection: id -> bytes
         authed = not self._token
         try:
             while True:
@@ -98,14 +101,17 @@ class UdsServer:
                 if not authed:
                     w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
                     return
-                if op == w.OP_RELEASE:  # no reply
+                if op == w.OP_RELEASE:  # no reply: a malformed one ends the connection
+                    if len(payload) != w.U64.size:
+                        log.warning("malformed RELEASE frame of %d bytes; closing the connection", len(payload))
+                        return
                     (lid,) = w.U64.unpack(payload)
                     leases.discard(lid)
                     self.host.release(lid)
                     continue
                 spare = [0, 0]  # a COMMIT's ask: (size, count) slots, granted after its reply
                 try:
-                    reply = self._dispatch(op, payload, leases, slots, spare)
+                    reply = self._dispatch(op, payload, leases, slots, spare, spares)
                 except KVStoreError as exc:
                     w.write_frame(conn, w.status_of(exc), str(exc).encode())
                     continue
@@ -114,10 +120,13 @@ class UdsServer:
                     continue
                 w.write_frame(conn, w.OK, reply)
                 if spare[1]:  # reserved while the client copies its next block, off its path
-                    grants = self.host.reserve_spares(spare[0], spare[1])
+                    for rid in set(spares) - set(self.host.still_open(list(spares))):
+                        del spares[rid]  # committed, given back or timed out
+                    grants = self.host.reserve_spares(spare[0], spare[1], sum(spares.values()))
                     slots.update(g.res_id for g in grants)
+                    spares.update((g.res_id, spare[0]) for g in grants)
                     w.write_frame(conn, w.OK, w.SPARE_ASK.pack(spare[0], len(grants))
-                                  + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in grants))
+                                  + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants))
         except (ConnectionError, OSError, KVStoreError):
             pass
         finally:
@@ -128,7 +137,8 @@ class UdsServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int], spare: list[int]) -> bytes:
+    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int], spare: list[int],
+                  spares: dict[int, int]) -> bytes:
         host = self.host
         if op == w.OP_LEASE:
             ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
@@ -146,7 +156,7 @@ class UdsServer:
             grants = host.reserve(list(zip(keys, sizes)), bool(flags & w.FLAG_CHAIN),
                                   parents[0] if parents else None)
             slots.update(g.res_id for g in grants if g.res_id)
-            return (b"".join(w.SLOT.pack(g.state, g.res_id, g.offset) for g in grants)
+            return (b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants)
                     + w.encode_errors([g.error for g in grants if g.state == SLOT_FAILED]))
         if op == w.OP_COMMIT:
             (n,) = w.U32.unpack_from(p, 0)
@@ -154,10 +164,20 @@ class UdsServer:
             keys, pos = w.decode_keys(p, 4 + 8 * n)
             parents, pos = w.decode_keys(p, pos)
             spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
-            pos += w.SPARE_ASK.size
-            if len(p) not in (pos, pos + 8 * n):
-                raise InvalidArgument(f"commit of {n} slots carries {len(p) - pos} bytes of checksums")
-            checksums = struct.unpack_from(f"<{n}Q", p, pos) if len(p) > pos else None
+            sections = p[pos + w.SPARE_ASK.size]
+            pos += w.SPARE_ASK.size + 1
+            checksums = None
+            if sections & w.COMMIT_CHECKSUMS:
+                checksums = struct.unpack_from(f"<{n}Q", p, pos)
+                pos += 8 * n
+            if sections & w.COMMIT_GIVE_BACK:
+                (m,) = w.U32.unpack_from(p, pos)
+                back = [i for i in struct.unpack_from(f"<{m}Q", p, pos + 4) if i in slots]  # its own only
+                pos += 4 + 8 * m
+                slots.difference_update(back)
+                host.abort(back)
+            if pos != len(p):
+                raise InvalidArgument(f"commit frame has {len(p) - pos} bytes past its sections")
             slots.difference_update(ids)
             results = host.commit(ids, keys, parents, checksums)
             spare[:] = spare_size, spare_count
@@ -235,7 +255,7 @@ class UdsControl:
             status, frame = w.read_frame(self._sock)
             self._owed -= 1
             size, count = w.SPARE_ASK.unpack_from(frame, 0)
-            self._granted += [(size, SlotGrant(*t)) for t in
+            self._granted += [(size, SlotGrant(st, rid, off, "", by)) for st, rid, off, by in
                               w.SLOT.iter_unpack(memoryview(frame)[w.SPARE_ASK.size:w.SPARE_ASK.size
                                                                    + count * w.SLOT.size])]
 
@@ -315,19 +335,22 @@ class UdsControl:
         reply = self._call(w.OP_RESERVE, payload)
         end = len(items) * w.SLOT.size
         raw = list(w.SLOT.iter_unpack(memoryview(reply)[:end]))
-        errors = iter(w.decode_errors(reply, end, sum(s == SLOT_FAILED for s, _, _ in raw)))
-        return [SlotGrant(s, rid, off, next(errors) if s == SLOT_FAILED else "") for s, rid, off in raw]
+        errors = iter(w.decode_errors(reply, end, sum(s == SLOT_FAILED for s, _, _, _ in raw)))
+        return [SlotGrant(s, rid, off, next(errors) if s == SLOT_FAILED else "", by) for s, rid, off, by in raw]
 
     name = "uds"
     spares = True  # commit can hand out spare slots (one round trip per put)
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
-               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None) -> list[PutResult]:
+               spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None,
+               give_back: Sequence[int] = ()) -> list[PutResult]:
         """Commit filled slots as ``keys`` (chain ``parents``; ``checksums``: the writer's
         xxh3_64 of each slot, None: the node takes them); ask for ``spare`` = (size, count)
         slots for the next puts, which the node reserves after its reply (see
-        :meth:`take_spares`). Returns a result per id."""
-        reply = self._call(w.OP_COMMIT, _commit_frame(res_ids, keys, parents, spare, checksums), spare[1] > 0)
+        :meth:`take_spares`); ``give_back``: unused spare slots to abort. Returns a result
+        per id."""
+        reply = self._call(w.OP_COMMIT, _commit_frame(res_ids, keys, parents, spare, checksums, give_back),
+                           spare[1] > 0)
         return _commit_results(reply, keys)
 
     def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],

@@ -10,13 +10,15 @@ reply, except RELEASE, which gets none (a reader releases its lease without wait
   deadline; per key ``<QQQQ`` state, offset, size, checksum.
 - RELEASE: ``<Q`` lease id → no reply.
 - RESERVE: ``<B`` flags (2: chain); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
-  ``<BQQ`` state, reservation id, offset; then the failed ones' errors.
+  ``<BQQd`` state, reservation id, offset, write-by time (monotonic seconds); then the
+  failed ones' errors.
 - COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents (empty:
-  keep, none); ``<QI`` size, count of spare slots wanted; optionally ``<Q`` per id, the
-  writer's xxh3_64 of each filled slot (absent: the node checksums the slots) → per id
+  keep, none); ``<QI`` size, count of spare slots wanted; ``<B`` sections: 1 = ``<Q`` per
+  id, the writer's xxh3_64 of each filled slot (absent: the node checksums the slots);
+  2 = ``<I`` count, ``<Q`` each: spare slots of this connection given back unused → per id
   ``<B`` 0 stored, 1 existed, 2 failed; the failed ones' errors. When the commit succeeded
   and asked for spares, a second frame follows the reply: ``<QI`` size, count granted,
-  ``<BQQ`` each (the node reserves them after replying, while the writer copies on).
+  ``<BQQd`` each (the node reserves them after replying, while the writer copies on).
   A client may send several COMMITs before reading their replies (they come in order).
 - ABORT: ``<Q`` per reservation id → empty.
 
@@ -36,10 +38,11 @@ from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVSt
 HEADER = struct.Struct("<BI")
 OP_HELLO, OP_LOOKUP, OP_LEASE, OP_RELEASE, OP_RESERVE, OP_COMMIT, OP_ABORT = range(1, 8)
 FLAG_STOP_AT_MISS, FLAG_CHAIN = 1, 2
+COMMIT_CHECKSUMS, COMMIT_GIVE_BACK = 1, 2  # the COMMIT frame's optional sections
 LEASE_HEAD = struct.Struct("<dB")
 LEASE_REPLY = struct.Struct("<Qd")
 LOCATION = struct.Struct("<QQQQ")
-SLOT = struct.Struct("<BQQ")
+SLOT = struct.Struct("<BQQd")
 SPARE_ASK = struct.Struct("<QI")
 U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
 KEYS_HEAD = struct.Struct("<IB")

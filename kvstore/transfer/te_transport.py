@@ -66,6 +66,7 @@ class TransferEngineTransport(BlockTransport):
         self.stream = grpc_only_client(address, auth_token, timeout_s)
         self.te_reads = self.grpc_reads = 0
         self._registered: list[int] = []  # callers' buffers given to register()
+        self._releases: list[Any] = []    # ReleaseLease calls in flight
         self._buf: np.ndarray | None = None
         self._buf_addr = 0
         try:
@@ -131,9 +132,12 @@ class TransferEngineTransport(BlockTransport):
         finally:
             # Not waited for: the checksum verified after the copy is what guards the bytes
             # (a slab range reused after an expired lease cannot match the block's checksum).
+            # The future is kept until it is done: gRPC cancels a call whose future is dropped.
             if lease.lease_id:
-                self._kv.ReleaseLease.future(kv_pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
-                                             timeout=self.timeout_s, metadata=self._meta)
+                self._releases = [f for f in self._releases if not f.done()]
+                self._releases.append(self._kv.ReleaseLease.future(
+                    kv_pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=self.timeout_s,
+                    metadata=self._meta))
         if not ok:
             log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
                         self.endpoint, len(mapped))
@@ -181,7 +185,8 @@ class TransferEngineTransport(BlockTransport):
                     wave, total = [], 0
                 wave.append(piece)
                 total += piece[4]
-            waves.append(wave)
+            if wave:  # none when every block is empty
+                waves.append(wave)
             ids = [self.engine.read_async(self.endpoint, [p[1] for p in w], [p[3] for p in w], [p[4] for p in w])
                    for w in waves]
             hashers: dict[int, Any] = {}
@@ -196,7 +201,7 @@ class TransferEngineTransport(BlockTransport):
                 return False
             for i in mapped:
                 b = blocks[i]
-                if hashers[i].intdigest() != b.checksum:
+                if (hashers[i] if i in hashers else new_hasher()).intdigest() != b.checksum:  # 0 bytes: no piece
                     continue
                 data = staged.get(i)
                 if data is None:  # the engine wrote it into the caller's buffer
@@ -206,6 +211,12 @@ class TransferEngineTransport(BlockTransport):
             return True
 
     def close(self) -> None:
+        for call in getattr(self, "_releases", ()):  # let the last releases land
+            try:
+                call.result(timeout=self.timeout_s)
+            except grpc.RpcError:
+                pass
+        self._releases = []
         for addr in getattr(self, "_registered", ()):
             self.engine.unregister(addr)
         self._registered = []
