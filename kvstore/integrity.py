@@ -15,6 +15,9 @@ def checksum_of(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+checksum_fn = xxhash.xxh3_64_intdigest  # :func:`checksum_of` without the Python frame, for per-block loops
+
+
 def new_hasher() -> "xxhash.xxh3_64":
     """A streaming xxh3_64: ``update(chunk)`` in order, then ``intdigest()`` equals
     :func:`checksum_of` of the concatenated chunks."""

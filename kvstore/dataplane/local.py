@@ -11,6 +11,7 @@ checksums. No block byte goes through a socket.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import threading
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
-from kvstore.integrity import checksum_of, new_hasher
+from kvstore.integrity import checksum_fn, checksum_of, new_hasher
 from kvstore.pool import PutResult
 from kvstore.tiers.buffers import as_u8, copy_into, nbytes
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
@@ -174,6 +175,7 @@ class LocalDataPlane:
         bad: list[int] = []
         later: list[int] = []
         slab, verify = self._slab, self.verify
+        copyto, digest, big = np.copyto, checksum_fn, PIPELINED_VERIFY_BYTES
         for i, (state, off, size, csum) in enumerate(grant.blocks):
             if state != MAPPED:
                 if state == ELSEWHERE:
@@ -181,6 +183,12 @@ class LocalDataPlane:
                 continue
             dst = outs[i]
             src = slab[off:off + size]
+            if type(dst) is np.ndarray and dst.shape == (size,) and dst.dtype is _U8 and size < big:
+                copyto(dst, src)  # the common case (a uint8 array of the block's size), kept lean
+                out[i] = size
+                if verify and digest(dst) != csum:
+                    bad.append(i)
+                continue
             if type(dst) is np.ndarray and dst.dtype is _U8 and dst.ndim == 1 and dst.shape[0] >= size:
                 d = dst if dst.shape[0] == size else dst[:size]
                 if verify and size >= PIPELINED_VERIFY_BYTES:
@@ -329,21 +337,14 @@ class LocalDataPlane:
             if late or give_back:
                 ctl.abort([granted[i].res_id for i in late] + give_back)
         else:
-            sums: list[int] = []
-            try:
-                for i in todo:
-                    if not _in_time(granted[i], sizes[i], time.monotonic()):
-                        late.append(i)
-                        continue
-                    sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
-                    sent.append(i)
+            try:  # one chunk: everything filled, then one COMMIT
+                filled = list(self._fill_chunks(todo, granted, views, sizes, keys, parents, sent, late, math.inf))
             except BaseException:
                 ctl.abort([granted[i].res_id for i in todo] + give_back)
                 raise
+            ids, ks, ps, sums = filled[0] if filled else ([], [], [], [])
             ask, unused = self._spare_ask(sizes)
-            results = ctl.commit([granted[i].res_id for i in sent], [keys[i] for i in sent],
-                                 [parents[i] for i in sent], ask, sums,
-                                 give_back + unused + [granted[i].res_id for i in late])
+            results = ctl.commit(ids, ks, ps, ask, sums, give_back + unused + [granted[i].res_id for i in late])
         done = dict(zip(sent, results))
         out = [done[i] if i in done else PutResult(k, g.state == SLOT_EXISTED, g.state == SLOT_EXISTED, g.error)
                for i, (k, g) in enumerate(zip(keys, granted))]
@@ -380,11 +381,13 @@ class LocalDataPlane:
         return self._hash_pool
 
     def _fill_chunks(self, todo: list[int], granted: list[SlotGrant], views: list[Any], sizes: list[int],
-                     keys: list[bytes], parents: list[bytes | None], sent: list[int], late: list[int]) -> Any:
-        """Fill the slots of ``todo`` and yield them in commit chunks of about
-        :data:`PIPELINE_BYTES`, recording in ``sent`` the slots yielded and in ``late`` the
-        ones skipped because their write-by time came too near. Aborts nothing itself: it
-        runs under the control channel's lock (the caller aborts after an error)."""
+                     keys: list[bytes], parents: list[bytes | None], sent: list[int], late: list[int],
+                     chunk_bytes: float = PIPELINE_BYTES) -> Any:
+        """Fill the slots of ``todo`` and yield them as (ids, keys, parents, checksums) in
+        commit chunks of about ``chunk_bytes``, recording in ``sent`` the slots yielded and
+        in ``late`` the ones skipped because their write-by time came too near. Aborts
+        nothing itself: it may run under the control channel's lock (the caller aborts
+        after an error)."""
         chunk: list[int] = []
         sums: list[int] = []
         total = 0
@@ -395,7 +398,7 @@ class LocalDataPlane:
             sums.append(self._fill(granted[i].offset, views[i], sizes[i]))
             chunk.append(i)
             total += sizes[i]
-            if total >= PIPELINE_BYTES:
+            if total >= chunk_bytes:
                 sent.extend(chunk)
                 yield ([granted[j].res_id for j in chunk], [keys[j] for j in chunk], [parents[j] for j in chunk], sums)
                 chunk, sums, total = [], [], 0
