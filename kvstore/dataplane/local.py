@@ -276,6 +276,8 @@ class LocalDataPlane:
         views = [as_u8(data) for _, data in blocks]
         sizes = [nbytes(v) for v in views]
         parents = [parent if i == 0 else (keys[i - 1] if chain else None) for i in range(len(keys))]
+        if len(blocks) == 1:  # the common one-block put: no windows
+            return self._put_window(keys, views, sizes, parents, chain)
         window = max(1, self.info.slab_bytes // 4)
         out: list[PutResult] = []
         start = 0
@@ -305,7 +307,10 @@ class LocalDataPlane:
         give_back: list[int] = []
         if ctl.spares and retry:
             with self._spare_lock:
-                self._stock(ctl.take_spares(wait=ctl.spares_owed > 0 and not self._spares.get(sizes[0])))
+                if not ctl.spares_owed or not self._spares.get(sizes[0]):
+                    # with spares in stock, a grant still owed is read by the next round trip
+                    # (after its request went out), not here on the put's path
+                    self._stock(ctl.take_spares(wait=ctl.spares_owed > 0))
                 now = time.monotonic()
                 for i, size in enumerate(sizes):
                     free = self._spares.get(size)
