@@ -379,7 +379,10 @@ def test_a_pipelined_put_whose_copy_fails_raises_and_leaves_the_client_usable(no
     blocks = [(_key(1), _block(1, 3 * MIB)), (_key(2), _block(2, 3 * MIB)), (_key(3), bad)]
     with pytest.raises(NotImplementedError):
         client.put_blocks(blocks)                     # over 4 MiB: committed in pipelined chunks
+    with pytest.raises(NotImplementedError):          # one block: its COMMIT went out before the copy
+        client.put_blocks([(_key(5), torch.empty(MIB, dtype=torch.uint8, device="meta"))])
     assert client.put(_key(4), _block(4)).ok and client.get(_key(4)) == _block(4)
+    assert client.get(_key(5)) is None
     assert client.get(_key(3)) is None
     deadline = time.monotonic() + 5
     while pool.stats()[0].reserved_bytes > 64 * MIB // 16 and time.monotonic() < deadline:
