@@ -1,12 +1,13 @@
 """Probe of the across-host path: a block read from a store node *process* by this process's
-Mooncake Transfer Engine over tcp loopback (``TransferEngineTransport``: lease RPC, one
-engine read from the node's registered slab, xxh3 check, copy out, release), against the
-gRPC stream of the same block from the same node, measured in the same run.
+Mooncake Transfer Engine over tcp loopback (``TransferEngineTransport``: lease RPC, engine
+reads from the node's registered slab, xxh3 check, release), against the gRPC stream of
+the same block from the same node, measured in the same run.
 
 ``get_into`` reads into a buffer registered with the engine (as Mooncake Store's
 ``get_into`` does), verifying the checksum wave by wave while later pieces still move;
 ``get_blocks`` returns ``bytes``. Also the raw engine read of the same block (no lease
-round trip, checksum or copy out), the ceiling of the path on this machine. ``measure_te_tcp_get_gbps`` is what ``benchmarks/bench_dataplane.py`` calls for the key
+round trip, checksum or copy out), the ceiling of the path on this machine.
+``measure_te_tcp_get_gbps`` is what ``benchmarks/bench_dataplane.py`` calls for the key
 ``te_tcp_get_16MiB_vs_mooncake`` (its denominator, Mooncake Store ``get`` of the same size,
 is measured there). Run alone: ``.venv/bin/python benchmarks/te_probe.py [--size 16MiB]
 [--rounds 7]``; prints GB/s and writes benchmarks/results/te_probe.json.

@@ -147,9 +147,9 @@ class LocalDataPlane:
     def _get_pipelined(self, keys: Sequence[bytes], outs: Sequence[Any]) -> tuple[list[int | None], list[int]]:
         """A large unordered batch as leases of :data:`LEASE_CHUNK` keys (the first of
         :data:`LEASE_FIRST_CHUNK`): the node grants chunk i + 1 while this process copies
-        chunk i, so only the first, small chunk's lease is waited for. Each chunk is checked against its own lease's
-        deadline and released after its copy; raises LeaseExpired as :meth:`copy_leased`
-        (after every chunk was released)."""
+        chunk i, so only the first, small chunk's lease is waited for. Each chunk is checked
+        against its own lease's deadline and released after its copy; raises LeaseExpired
+        as :meth:`copy_leased` (after every chunk was released)."""
         first = min(LEASE_FIRST_CHUNK, len(keys))  # small, so the first copy starts early
         chunks = [range(0, first)] + [range(a, min(a + LEASE_CHUNK, len(keys)))
                                       for a in range(first, len(keys), LEASE_CHUNK)]
