@@ -19,17 +19,13 @@ from collections import OrderedDict
 from typing import Callable, Iterator
 
 from kvstore.errors import InvalidArgument
+from kvstore.registry import registrar
 
 Eligible = Callable[[bytes], bool]
 POLICIES: dict[str, type["EvictionPolicy"]] = {}
 
 
-def register_policy(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        POLICIES[name] = cls
-        cls.name = name
-        return cls
-    return deco
+register_policy = registrar(POLICIES)
 
 
 def make_policy(name: str) -> "EvictionPolicy":

@@ -3,19 +3,16 @@ SSD and wherever bytes cross a process boundary (gRPC, a mapped slab). A mismatc
 a dropped block and a counter, never wrong bytes."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import xxhash
 
 ALGORITHM = "xxh3_64"
 
 
-def checksum_of(data: Any) -> int:
-    """xxh3_64 of ``data`` (anything exposing a contiguous buffer), as an unsigned int."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-checksum_fn = xxhash.xxh3_64_intdigest  # :func:`checksum_of` without the Python frame, for per-block loops
+# checksum_of(data) -> int: xxh3_64 of ``data`` (anything exposing a contiguous buffer), as an
+# unsigned int. The C function itself, with no Python frame around it: per-block loops call it.
+checksum_of: Callable[[Any], int] = xxhash.xxh3_64_intdigest
 
 
 def new_hasher() -> "xxhash.xxh3_64":

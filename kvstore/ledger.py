@@ -24,6 +24,19 @@ class BlockMeta:
     def leased(self, now: float) -> bool:
         return self.refs > 0 and now <= self.lease_until
 
+    def hold(self, deadline: float) -> None:
+        """One more lease on this copy, until ``deadline`` (monotonic s); never shortens
+        another lease's hold."""
+        self.refs += 1
+        if self.lease_until < deadline:
+            self.lease_until = deadline
+
+    def unhold(self) -> None:
+        """One lease fewer; with none left the copy is free to go."""
+        self.refs -= 1
+        if self.refs == 0:
+            self.lease_until = 0.0
+
 
 @dataclass(slots=True)
 class TierCounters:

@@ -193,9 +193,7 @@ class KVPool:
                         break
                     continue
                 level, meta = hit
-                meta.refs += 1
-                if meta.lease_until < deadline:
-                    meta.lease_until = deadline
+                meta.hold(deadline)
                 found.append((i, level, meta))
                 group = groups.get(level) or groups.setdefault(level, ([], [], []))
                 group[0].append(i)
@@ -239,9 +237,7 @@ class KVPool:
                   corrupt: list[tuple[int, int, Any]]) -> None:
         with self._lock:
             for _, _, meta in found:
-                meta.refs -= 1
-                if meta.refs == 0:
-                    meta.lease_until = 0.0
+                meta.unhold()
             for i, level, meta in corrupt:
                 book = self._place.books[level]
                 book.counters.integrity_failures += 1
@@ -259,9 +255,7 @@ class KVPool:
             if hit is None:
                 return None
             level, meta = hit
-            meta.refs += 1
-            if meta.lease_until < deadline:
-                meta.lease_until = deadline
+            meta.hold(deadline)
             self._place.books[level].policy.access(key)
         found = [(0, level, meta)]
         corrupt: list[tuple[int, int, Any]] = []
@@ -323,8 +317,7 @@ class KVPool:
             n, tiers = self.lookup(keys)
             metas = [self._place.books[self._place.levels[t]].blocks[k] for k, t in zip(keys[:n], tiers)]
             for meta in metas:
-                meta.refs += 1
-                meta.lease_until = max(meta.lease_until, deadline)
+                meta.hold(deadline)
             return Lease(next(self._lease_ids), tuple(keys[:n]), tuple(tiers), deadline, metas)
 
     def lease_many(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
@@ -351,9 +344,7 @@ class KVPool:
                         break
                     continue
                 level, meta = hit
-                meta.refs += 1
-                if meta.lease_until < deadline:
-                    meta.lease_until = deadline
+                meta.hold(deadline)
                 tiers.append(names[level])
                 held.append(key)
                 metas.append(meta)
@@ -372,9 +363,7 @@ class KVPool:
                 raise InvalidArgument(f"lease {lease.id} was released already")
             lease.released = True
             for meta in lease._metas:
-                meta.refs -= 1
-                if meta.refs == 0:
-                    meta.lease_until = 0.0
+                meta.unhold()
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], hard: bool = False, ttl_s: float | None = None) -> int:

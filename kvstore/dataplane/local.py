@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
-from kvstore.integrity import checksum_fn, checksum_of, new_hasher
+from kvstore.integrity import checksum_of, new_hasher
 from kvstore.pool import PutResult
 from kvstore.tiers.buffers import as_u8, copy_into, nbytes
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
@@ -175,7 +175,7 @@ class LocalDataPlane:
         bad: list[int] = []
         later: list[int] = []
         slab, verify = self._slab, self.verify
-        copyto, digest, big = np.copyto, checksum_fn, PIPELINED_VERIFY_BYTES
+        copyto, digest, big = np.copyto, checksum_of, PIPELINED_VERIFY_BYTES
         for i, (state, off, size, csum) in enumerate(grant.blocks):
             if state != MAPPED:
                 if state == ELSEWHERE:
@@ -359,8 +359,8 @@ class LocalDataPlane:
                                      [parents[i] for i in redo], False, retry=False)
             for i, r in zip(redo, again):
                 out[i] = r
-        for i in late:
-            if not retry:
+        if not retry:
+            for i in late:
                 out[i] = PutResult(keys[i], False, error="the slot's reservation ran out before the copy")
         return out
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 
 from kvstore.errors import CapacityError
+from kvstore.registry import registrar
 from kvstore.tiers.buffers import copy_into, to_bytes
 
 T = TypeVar("T")
@@ -21,12 +22,7 @@ Sink = Callable[[Any], T]  # receives a read-only uint8 view of a block (numpy, 
 TIERS: dict[str, Callable[..., "Tier"]] = {}
 
 
-def register_tier(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        TIERS[name] = cls
-        cls.name = name
-        return cls
-    return deco
+register_tier = registrar(TIERS)
 
 
 @dataclass(slots=True)

@@ -8,18 +8,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvstore.errors import KVStoreError
+from kvstore.registry import registrar
 from kvstore.tiers.buffers import copy_into
 
 log = logging.getLogger(__name__)
 TRANSPORTS: dict[str, Callable[..., "BlockTransport"]] = {}
 
 
-def register_transport(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        TRANSPORTS[name] = cls
-        cls.name = name
-        return cls
-    return deco
+register_transport = registrar(TRANSPORTS)
 
 
 class BlockTransport(ABC):
