@@ -25,15 +25,20 @@ pipelines the 64 blocks of a round in one round trip, kvstore moves them in one 
 call (``*_1MiB_vs_redis``), and the harsher one-call-per-block figures are reported too
 (``*_1MiB_single_vs_redis_pipelined``). The systems are interleaved round by round; each
 figure is the best of ``--rounds`` rounds after a warm-up round (a shared machine only slows
-a round down). Every put uses fresh keys. The cross-host path over loopback (``te_tcp_get_16MiB_vs_mooncake``)
-comes from benchmarks/te_probe.py when that module is present (null otherwise).
+a round down). Every put uses fresh keys.
+
+The cross-host path over loopback (``te_tcp_get_16MiB_vs_mooncake``): the same kvstore node
+runs a Mooncake Transfer Engine (tcp), and each round this process also reads the 16 MiB
+blocks with ``TransferEngineTransport.get_into`` (lease over the node's TCP control channel,
+engine read into the registered output arena, xxh3 check, release), one block per call as
+Mooncake Store's ``get_into``, interleaved with it. benchmarks/te_probe.py's figures (raw
+engine read, gRPC stream) are added under ``te_probe`` when that module is present.
 
 Run: ``.venv/bin/python benchmarks/bench_dataplane.py`` (about 1 minute; ``make bench``).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -142,7 +147,7 @@ class KVStore:
         self.socket_path = os.path.join(tmp, "kvstore.sock")
         cfg = os.path.join(tmp, "store.toml")
         Path(cfg).write_text(f'node_id = "bench"\nport = {port}\ndram_bytes = "2GiB"\nssd_bytes = 0\n'
-                             f'data_dir = "{tmp}/store"\ntransfer_engine = "off"\n'
+                             f'data_dir = "{tmp}/store"\ntransfer_engine = "tcp"\n'
                              f'dataplane_socket = "{self.socket_path}"\n')
         self.proc = procs.start([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
                                  "--config", cfg], cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -153,6 +158,22 @@ class KVStore:
         if not self.path.startswith("same-host"):
             raise RuntimeError(f"kvstore client did not pick the same-host path ({self.path})")
         self.client._local().verify = verify
+        self.address = f"127.0.0.1:{port}"
+        self.te: Any = None
+
+    def open_te(self, case: Case) -> None:
+        """The cross-host reader of this node (its transfer engine over loopback), with
+        ``case``'s output arena registered as Mooncake's is."""
+        from kvstore.transfer import TransferEngineTransport
+        self.te = TransferEngineTransport(self.address)
+        if self.te.control is None:
+            raise RuntimeError("the kvstore node announced no TCP control channel")
+        self.te.register(case.dst_arena)
+
+    def get_te(self, case: Case, keys: list[str]) -> None:
+        got = [self.te.get_into([k.encode()], [d])[0] for k, d in zip(keys, case.dst)]
+        assert all(g == case.size for g in got), got[:2]
+        assert self.te.grpc_reads == 0, "transfer-engine reads fell back to gRPC"
 
     def put(self, case: Case, keys: list[str], batch: bool = False) -> None:
         bkeys = [k.encode() for k in keys]
@@ -174,6 +195,8 @@ class KVStore:
         self.client.evict("dram", 1 << 40)  # as Mooncake's remove: the next round reuses the space
 
     def close(self) -> None:
+        if self.te is not None:
+            self.te.close()
         self.client.close()
 
 
@@ -284,23 +307,16 @@ class CopyTo:
         pass
 
 
-def te_probe() -> tuple[float | None, str]:
-    """GB/s of a 16 MiB transfer-engine tcp get over loopback, from benchmarks/te_probe.py
-    (the cluster engineer's probe), or None with the reason."""
-    path = ROOT / "benchmarks" / "te_probe.py"
-    if not path.exists():
-        return None, "benchmarks/te_probe.py is not present"
-    spec = importlib.util.spec_from_file_location("te_probe", path)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    for name in ("measure_te_tcp_get_gbps", "te_tcp_get_gbps"):
-        fn = getattr(mod, name, None)
-        if callable(fn):
-            try:
-                return float(fn(16 * MIB)), f"te_probe.{name}(16 MiB)"
-            except Exception as exc:  # noqa: BLE001 — a failed probe is reported, not fatal
-                return None, f"te_probe.{name} failed: {exc}"
-    return None, "benchmarks/te_probe.py has no measure_te_tcp_get_gbps(block_bytes) function"
+def te_probe() -> dict[str, Any]:
+    """benchmarks/te_probe.py's figures for one 16 MiB block from a node process of its own
+    (transfer-engine ``get_into`` and ``get_blocks``, the raw engine read, the gRPC stream;
+    GB/s, best and median of 7), or ``{"error": why}``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import te_probe as probe
+        return probe.measure(16 * MIB)
+    except Exception as exc:  # noqa: BLE001 — a failed probe is reported, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def run(rounds: int) -> dict:
@@ -314,6 +330,8 @@ def run(rounds: int) -> dict:
     try:
         systems = [KVStore(procs, tmp), Mooncake(procs, tmp, cases), Redis(procs, tmp), CopyTo()]
         kv_path = systems[0].path
+        te_case = next(c for c in cases if c.label == "16MiB")
+        systems[0].open_te(te_case)
         print(f"started kvstore ({kv_path}), Mooncake Store, Redis in {time.perf_counter() - started:.1f} s",
               flush=True)
         for rnd in range(rounds + 1):
@@ -333,6 +351,15 @@ def run(rounds: int) -> dict:
                     # the checksum's share of a kvstore get, on the same keys; and the 1 MiB and
                     # 16 MiB blocks in one call each (as Redis gets them, pipelined)
                     if sysm.name == "kvstore":
+                        if case is te_case:  # the transfer-engine path, on the blocks just put
+                            t0 = time.perf_counter()
+                            sysm.get_te(case, keys)
+                            dt = time.perf_counter() - t0
+                            if rnd:
+                                k = ("kvstore-te", case.label, "get")
+                                best[k] = min(best.get(k, dt), dt)
+                            if rnd == 0:
+                                checks[f"kvstore-te/{case.label}"] = case.check()
                         if not case.batch:
                             bkeys = [k + "-b" for k in keys]
                             for op in ("put", "get"):
@@ -368,13 +395,13 @@ def run(rounds: int) -> dict:
         case = next(c for c in cases if c.label == label)
         rows.append({"system": name, "block": label, "block_bytes": case.size, "blocks": case.n,
                      "mode": "pipelined" if name == "redis" else "batch" if case.batch or name.endswith("batched")
-                     else "single", "op": op, "best_seconds": secs,
+                     else "te-tcp" if name == "kvstore-te" else "single", "op": op, "best_seconds": secs,
                      "GB_per_s": case.size * case.n / secs / 1e9, "blocks_per_s": case.n / secs})
 
     def gbps(name: str, label: str, op: str) -> float:
         return next(r["GB_per_s"] for r in rows if (r["system"], r["block"], r["op"]) == (name, label, op))
 
-    te_gbps, te_note = te_probe()
+    probe = te_probe()
     mc_get16 = gbps("mooncake", "16MiB", "get")
     ratios = {
         "get_1MiB_vs_mooncake": gbps("kvstore", "1MiB", "get") / gbps("mooncake", "1MiB", "get"),
@@ -393,7 +420,7 @@ def run(rounds: int) -> dict:
         "get_16MiB_vs_copyto": gbps("kvstore", "16MiB", "get") / gbps("np.copyto", "16MiB", "get"),
         "get_1MiB_noverify_vs_copyto": gbps("kvstore-noverify", "1MiB", "get") / gbps("np.copyto", "1MiB", "get"),
         "put_1MiB_batched_vs_mooncake": gbps("kvstore-batched", "1MiB", "put") / gbps("mooncake", "1MiB", "put"),
-        "te_tcp_get_16MiB_vs_mooncake": None if te_gbps is None else te_gbps / mc_get16,
+        "te_tcp_get_16MiB_vs_mooncake": gbps("kvstore-te", "16MiB", "get") / mc_get16,
     }
     return {
         "benchmark": "same-host data plane, two processes (store + client), kvstore vs Mooncake Store vs Redis",
@@ -401,7 +428,7 @@ def run(rounds: int) -> dict:
                     "platform": platform.platform()},
         "kvstore_path": kv_path, "rounds": rounds, "results": rows, "ratios": ratios, "targets": TARGETS,
         "met": {k: (ratios[k] is not None and ratios[k] >= v) for k, v in TARGETS.items()},
-        "byte_identical": checks, "te_tcp": {"get_16MiB_GB_per_s": te_gbps, "source": te_note},
+        "byte_identical": checks, "te_probe": probe,
         "wall_s": time.perf_counter() - started,
     }
 
@@ -423,8 +450,12 @@ def main(argv: list[str] | None = None) -> int:
         shown = "   null" if v is None else f"{v:7.2f}"
         target = f"  (target >= {TARGETS[k]}: {'met' if report['met'][k] else 'NOT met'})" if k in TARGETS else ""
         print(f"  {k:30s} {shown}{target}")
-    if report["te_tcp"]["get_16MiB_GB_per_s"] is None:
-        print(f"  (te_tcp_get_16MiB_vs_mooncake: {report['te_tcp']['source']})")
+    probe = report["te_probe"]
+    if "error" in probe:
+        print(f"  (te_probe failed: {probe['error']})")
+    else:
+        print(f"  te_probe (16 MiB, own node, best GB/s): get_into {probe['te_tcp_get_into_best_gbps']:.2f}, raw "
+              f"engine read {probe['te_raw_read_best_gbps']:.2f}, gRPC stream {probe['grpc_stream_get_best_gbps']:.2f}")
     bad = [k for k, ok in report["byte_identical"].items() if not ok]
     print(f"\nbyte-identical round trips: {'all' if not bad else 'FAILED for ' + ', '.join(bad)}")
     print(f"wrote {RESULTS.relative_to(ROOT)} in {report['wall_s']:.0f} s")

@@ -104,8 +104,9 @@ def measure(size_bytes: int = 16 << 20, rounds: int = 7) -> dict[str, float]:
 
 
 def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Callable[[], object]:
-    """The engine's batched read of the block alone (one lease held throughout; no checksum,
-    no copy out): the ceiling of the get path on this machine."""
+    """The engine's read of the block alone, as the get path moves it (pieces of
+    ``PIECE_BYTES`` started at once, each polled), with one lease held throughout and no
+    checksum or copy out: the ceiling of the get path on this machine."""
     from kvstore.transfer.te_transport import PIECE_BYTES
     from protos import kvstore_pb2 as kv_pb
     block = te._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=[key], ttl_s=600)).blocks[0]
@@ -114,7 +115,12 @@ def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Call
     local = [base + o for o in offs]
     remote = [te.slab_address + block.offset + o for o in offs]
     lengths = [min(PIECE_BYTES, size - o) for o in offs]
-    return lambda: te.engine.read(te.endpoint, local, remote, lengths)
+
+    def read() -> None:
+        ids = [te.engine.read_piece(te.endpoint, a, b, n) for a, b, n in zip(local, remote, lengths)]
+        deadline = time.monotonic() + 60
+        assert all([te.engine.wait_piece(i, deadline) for i in ids]), "raw engine read failed"
+    return read
 
 
 def measure_te_tcp_get_gbps(size_bytes: int = 16 << 20, rounds: int = 7) -> float:

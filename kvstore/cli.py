@@ -59,7 +59,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
                            heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
                            transfer_engine=args.transfer_engine, te_metadata=args.te_metadata,
-                           advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket)
+                           advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
+                           control_port=args.control_port)
     server, port, pool = start_node(cfg)
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--te-metadata", metavar="URL", help="transfer engine metadata: P2PHANDSHAKE (default) "
                    "or Mooncake's HTTP metadata server http://host:port/metadata")
     p.add_argument("--advertise-host", help="host other machines reach this node at (default --host)")
+    p.add_argument("--control-port", type=int, metavar="PORT",
+                   help="TCP port (on --host) where transfer-engine readers lease blocks: compact frames, "
+                        "about 0.1 ms a lease instead of about 1 ms over gRPC (default 0: a free port, "
+                        "announced to readers)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,

@@ -67,12 +67,15 @@ class StoreConfig:
     transfer_engine: str = "tcp"
     te_metadata: str = "P2PHANDSHAKE"    # or Mooncake's HTTP metadata server, http://host:port/metadata
     advertise_host: str | None = None    # host others reach this node at (default: host)
+    # Readers on other hosts lease blocks over a compact TCP channel on this port (0: a free
+    # one, announced in BlockTransfer.Info); it runs beside the transfer engine.
+    control_port: int = 0
     # Same-host data plane (kvstore/dataplane): the Unix control socket; "auto": <data_dir>/<node_id>/
     # dataplane.sock (/tmp/kvstore-<node_id>-<pid>.sock when that path is too long), "": none.
     dataplane_socket: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("port", "dram_bytes", "ssd_bytes", "hbm_bytes"):
+        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
@@ -92,8 +95,9 @@ class StoreConfig:
             raise ValueError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
         if self.transfer_engine not in ("tcp", "rdma", "off"):
             raise ValueError(f"transfer_engine must be 'tcp', 'rdma' or 'off', got {self.transfer_engine!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "control_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
 
     @classmethod
     def load(cls, path: str | None = None, **overrides: Any) -> "StoreConfig":

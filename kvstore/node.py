@@ -43,12 +43,15 @@ def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
     register the node in the cluster (Redis at ``cfg.redis_url``, else embedded)."""
     from kvstore.cluster.agent import ClusterAgent
     pool = build_pool(cfg)
+    agent: ClusterAgent | None = None
     try:
         agent = ClusterAgent(cfg, pool)
         server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
                                    extra_services=agent.services(),
                                    dataplane_socket=cfg.dataplane_socket_path())
     except BaseException:
+        if agent is not None:
+            agent.stop()
         pool.close()  # nothing may outlive a node that did not start (its shared-memory slab)
         raise
     agent.start(port)

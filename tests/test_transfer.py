@@ -209,3 +209,73 @@ def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
     while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.stats()[1][0].leased_bytes == 0
+
+
+def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(te_node):
+    """The reader leases over the node's compact TCP channel (not gRPC); that channel
+    serves reads only; when it breaks, leases go over gRPC and the bytes stay right."""
+    from kvstore.dataplane.uds import TcpControl
+    from kvstore.errors import InvalidArgument
+
+    address, client = te_node
+    blocks = blocks_of(7)
+    assert all(r.ok for r in client.put_blocks(blocks))
+    keys, want = [k for k, _ in blocks], [d for _, d in blocks]
+    t = open_transport("transfer_engine", address)
+    try:
+        assert isinstance(t, TransferEngineTransport) and isinstance(t.control, TcpControl)
+        assert t.control.path.startswith("127.0.0.1:") and t.control.path != address
+        assert t.get_blocks(keys) == want and t.te_reads == len(blocks)
+        reserved = client.stats()[1][0].reserved_bytes   # the same-host writer's spare slots
+        with pytest.raises(InvalidArgument, match="reads only"):
+            t.control.reserve([(b"w" * 16, 4096)])
+        assert t.control.lookup(keys) == (len(keys), ["dram"] * len(keys))  # still usable
+        assert client.stats()[1][0].reserved_bytes == reserved             # nothing reserved
+        import socket
+        t.control._sock.shutdown(socket.SHUT_RDWR)   # the channel breaks mid-session
+        assert t.get_blocks(keys) == want
+        assert t.control is None and t.te_reads == 2 * len(blocks) and t.grpc_reads == 0
+    finally:
+        t.close()
+    deadline = time.monotonic() + 5
+    while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats()[1][0].leased_bytes == 0
+
+
+def test_tcp_control_channel_needs_the_node_token(spawn_store_node):
+    from kvstore.dataplane.uds import TcpControl
+
+    _, address = spawn_store_node("te-tok", "--dram", "8MiB", "--ssd", "0", "--transfer-engine", "tcp",
+                                  "--auth-token", "s3cret")
+    key, data = b"tok".ljust(16, b"\0"), os.urandom(1 << 20)
+    with StoreClient(address, auth_token="s3cret") as client:
+        assert client.put(key, data).ok
+    t = TransferEngineTransport(address, auth_token="s3cret")
+    try:
+        assert isinstance(t.control, TcpControl)
+        assert t.get_blocks([key]) == [data] and t.grpc_reads == 0
+        with pytest.raises(Unavailable, match="auth token"):
+            TcpControl(t.control.path, "wrong").lookup([key])
+    finally:
+        t.close()
+
+
+def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path):
+    import glob
+    import socket
+
+    from kvstore.config import StoreConfig
+    from kvstore.node import start_node
+
+    with pytest.raises(ValueError, match="control_port must be in"):
+        StoreConfig(control_port=70000)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        before = set(glob.glob("/dev/shm/*"))
+        cfg = StoreConfig(node_id="ctl-taken", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path),
+                          control_port=taken.getsockname()[1], dataplane_socket="")
+        with pytest.raises(OSError, match="cannot listen for control connections"):
+            start_node(cfg)
+        assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind

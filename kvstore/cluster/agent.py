@@ -1,6 +1,7 @@
-"""A store node's cluster presence: its transfer engine (DRAM slab registered) and its
-membership heartbeat. Built before the gRPC server starts (the ``BlockTransfer`` service
-goes on that server), started once the port is known, stopped before the pool closes."""
+"""A store node's cluster presence: its transfer engine (DRAM slab registered), the compact
+TCP control channel its transfer-engine readers lease blocks on, and its membership
+heartbeat. Built before the gRPC server starts (the ``BlockTransfer`` service goes on that
+server), started once the port is known, stopped before the pool closes."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,8 @@ import grpc
 
 from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
 from kvstore.config import StoreConfig
+from kvstore.dataplane.host import DataPlaneHost
+from kvstore.dataplane.uds import TcpControlServer
 from kvstore.pool import KVPool
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable
 from kvstore.transfer.service import transfer_service
@@ -36,12 +39,19 @@ class ClusterAgent:
                 self.te_error = str(exc)
                 log.warning("store node %s: no transfer engine (%s); readers use the gRPC stream",
                             cfg.node_id, exc)
+        self.control: TcpControlServer | None = None
+        if self.node_te is not None:
+            try:
+                self.control = TcpControlServer(DataPlaneHost(pool), cfg.host, cfg.control_port, cfg.auth_token)
+            except OSError:
+                self.node_te.close()
+                raise
         self.registry = registry_for(cfg.redis_url)
         self.heartbeat: Heartbeat | None = None
         self.port = 0
 
     def services(self) -> tuple[Callable[[grpc.Server], None], ...]:
-        return (transfer_service(self.pool, self.node_te),)
+        return (transfer_service(self.pool, self.node_te, self.control.port if self.control else 0),)
 
     def info(self) -> NodeInfo:
         # Free up to the low watermark: placement that stops there never makes the node evict.
@@ -67,6 +77,9 @@ class ClusterAgent:
 
     def stop(self) -> None:
         self.leave()
+        if self.control is not None:
+            self.control.close()  # its readers' leases end here
+            self.control.host.close()
         if self.node_te is not None:
             self.node_te.close()
         self.registry.close()

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -22,6 +23,11 @@ from kvstore.errors import Unavailable
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("tcp", "rdma")
+# The binding's blocking waits spin on the batch's status with the GIL released: a waiting
+# reader burns a core its own engine's workers (and, over loopback, the node's) need. On 2
+# cores a 16 MiB read took 7.0-10.3 ms so and 4.8-5.7 ms polling each piece's status with
+# naps of this long between polls (benchmarks/te_probe.py's machine, best of 11).
+POLL_NAP_S = 50e-6
 _engines: dict[tuple[str, str, str], "TransferEngineHandle"] = {}
 _engines_lock = threading.Lock()
 
@@ -81,14 +87,29 @@ class TransferEngineHandle:
                 return True
         return False
 
-    def read_async(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
-        """Start reading as :meth:`read` does, without waiting; returns a batch id for
-        :meth:`wait`, or a negative number when the engine refused the batch."""
-        return self.engine.batch_transfer_async_read(endpoint, local, remote, lengths)
+    def read_piece(self, endpoint: str, local: int, remote: int, length: int) -> int:
+        """Start reading ``length`` bytes at ``remote`` of the engine at ``endpoint`` into
+        ``local`` (registered), without waiting; returns a transfer id for
+        :meth:`wait_piece`, or 0 (or less) when the engine refused it. One transfer per
+        batch: only a one-transfer batch can be polled without blocking."""
+        return self.engine.batch_transfer_async_read(endpoint, [local], [remote], [length])
 
-    def wait(self, batch_id: int) -> bool:
-        """Block until the batch ``batch_id`` ended; whether every transfer in it succeeded."""
-        return batch_id >= 0 and self.engine.get_batch_transfer_status([batch_id]) == 0
+    def wait_piece(self, transfer_id: int, deadline: float) -> bool:
+        """Wait for a transfer of :meth:`read_piece`, polling its status with naps of
+        :data:`POLL_NAP_S` instead of spinning; whether it succeeded. Gives up (False) at
+        ``deadline`` (monotonic seconds) or when the engine reports a timeout; the engine
+        may then still write into the transfer's buffer later."""
+        if transfer_id <= 0:
+            return False
+        check, nap = self.engine.transfer_check_status, time.sleep
+        while True:
+            status = check(transfer_id)  # 1 done, 0 in flight, -1 failed, -2 timed out
+            if status:
+                return status == 1
+            if time.monotonic() > deadline:
+                log.warning("transfer engine read still in flight at its deadline; given up")
+                return False
+            nap(POLL_NAP_S)
 
     def read(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
         """Read ``lengths[i]`` bytes at ``remote[i]`` of the engine at ``endpoint`` into

@@ -1,7 +1,8 @@
 """The node side of the transfer-engine path: the ``BlockTransfer`` gRPC service
 (protos/transfer.proto) says where the node's transfer engine listens and where its
-registered DRAM slab lies. Leases and slab offsets come from the store service's own
-``LeaseBlocks`` / ``ReleaseLease`` (shared with the same-host data plane, kvstore/dataplane)."""
+registered DRAM slab lies, and the port of the node's compact TCP control channel
+(kvstore/dataplane/uds.py ``TcpControlServer``), where readers lease slab offsets; without
+one they use the store service's own ``LeaseBlocks`` / ``ReleaseLease``."""
 from __future__ import annotations
 
 from typing import Callable
@@ -15,9 +16,10 @@ from protos import transfer_pb2_grpc as pb_grpc
 
 
 class TransferServicer(pb_grpc.BlockTransferServicer):
-    def __init__(self, pool: KVPool, node_te: NodeTransferEngine | None) -> None:
+    def __init__(self, pool: KVPool, node_te: NodeTransferEngine | None, control_port: int = 0) -> None:
         self.pool = pool
         self.node_te = node_te
+        self.control_port = control_port
 
     def Info(self, request: pb.TransferInfoRequest, context: grpc.ServicerContext) -> pb.TransferInfoResponse:
         te = self.node_te
@@ -25,10 +27,11 @@ class TransferServicer(pb_grpc.BlockTransferServicer):
             return pb.TransferInfoResponse(node_id=self.pool.node_id)
         return pb.TransferInfoResponse(node_id=self.pool.node_id, te_endpoint=te.endpoint, protocol=te.protocol,
                                        slab_address=te.slab_address, slab_bytes=te.slab_bytes,
-                                       metadata=te.handle.metadata)
+                                       metadata=te.handle.metadata, control_port=self.control_port)
 
 
-def transfer_service(pool: KVPool, node_te: NodeTransferEngine | None) -> Callable[[grpc.Server], None]:
+def transfer_service(pool: KVPool, node_te: NodeTransferEngine | None,
+                     control_port: int = 0) -> Callable[[grpc.Server], None]:
     """An ``extra_services`` entry for :func:`kvstore.service.serve_store`."""
-    servicer = TransferServicer(pool, node_te)
+    servicer = TransferServicer(pool, node_te, control_port)
     return lambda server: pb_grpc.add_BlockTransferServicer_to_server(servicer, server)

@@ -1,17 +1,20 @@
-"""The across-host path: lease over gRPC (the store's ``LeaseBlocks``: slab offsets), read the
-leased blocks out of the node's registered slab with the Mooncake Transfer Engine, verify
-each against its checksum, release."""
+"""The across-host path: lease the blocks (slab offsets) over the node's compact TCP control
+channel (kvstore/dataplane/uds.py ``TcpControl``; the store's gRPC ``LeaseBlocks`` where the
+node runs none), read them out of the node's registered slab with the Mooncake Transfer
+Engine, verify each against its checksum, release."""
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore.client import _translate
-from kvstore.errors import InvalidArgument
+from kvstore.dataplane.uds import TcpControl
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
 from kvstore.tiers.buffers import copy_into
 from kvstore.service import GRPC_OPTIONS
@@ -26,13 +29,12 @@ from protos import transfer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 MISS, MAPPED, ELSEWHERE = 0, 1, 2    # LeasedBlock.state (protos/kvstore.proto)
 MIN_BUFFER_BYTES = 16 << 20
-# Blocks move in pieces of at most PIECE_BYTES, grouped in async batches ("waves") of about
-# WAVE_BYTES. The tcp engine runs about four batches at once; with small waves the first
-# ones land (and are hashed) while later ones still move. With one 16 MiB block over
-# loopback, waves of 512 KiB gave 0.99 / 1.27 GB/s (median / best of 8) against
-# 0.97 / 1.09 with 4 MiB waves (benchmarks/te_probe.py, 2-core machine).
-PIECE_BYTES = 512 << 10
-WAVE_BYTES = 512 << 10
+# Blocks move in pieces of at most PIECE_BYTES, each its own async transfer, all started at
+# once: the first pieces land (and are hashed) while later ones still move, and each one's
+# status can be polled without spinning (kvstore/transfer/engine.py). A 16 MiB read over
+# loopback took 4.8-5.2 ms (best / median of 11) with 1 MiB pieces, 5.2-5.7 with 512 KiB
+# and 7.4-9.6 with 256 KiB (2-core machine).
+PIECE_BYTES = 1 << 20
 
 
 def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndarray | None:
@@ -50,6 +52,9 @@ class TransferEngineTransport(BlockTransport):
     default 127.0.0.1; ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
     the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others).
+    Leases go over the node's TCP control channel when it announces one (``control`` is
+    then a :class:`~kvstore.dataplane.uds.TcpControl`; after that connection fails, and
+    for nodes without one, over gRPC: ``control`` is None).
 
     Raises TransferEngineUnavailable at construction when the engine cannot start here or
     the node runs none, so :func:`open_transport` can fall back.
@@ -69,6 +74,7 @@ class TransferEngineTransport(BlockTransport):
         self._releases: list[Any] = []    # ReleaseLease calls in flight
         self._buf: np.ndarray | None = None
         self._buf_addr = 0
+        self.control: TcpControl | None = None
         try:
             info = self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s, metadata=self._meta)
             if not info.te_endpoint:
@@ -84,6 +90,12 @@ class TransferEngineTransport(BlockTransport):
         except TransferEngineUnavailable:
             self.close()
             raise
+        if info.control_port:
+            host = address.rpartition(":")[0]
+            try:
+                self.control = TcpControl(f"{host}:{info.control_port}", auth_token, timeout_s)
+            except Unavailable as exc:  # leases then go over gRPC, as for an older node
+                log.warning("no control channel to %s (%s); leasing over gRPC", address, exc)
 
     def _buffer(self, nbytes: int) -> tuple[np.ndarray, int]:
         if self._buf is None or self._buf.nbytes < nbytes:
@@ -117,12 +129,7 @@ class TransferEngineTransport(BlockTransport):
         """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block)."""
         if not keys:
             return []
-        try:
-            lease = self._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=keys, stop_at_miss=stop_at_miss),
-                                         timeout=self.timeout_s, metadata=self._meta)
-        except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from None
-        blocks = list(lease.blocks)
+        lease_id, blocks = self._lease(keys, stop_at_miss)
         out: list[Any] = [None] * len(blocks)
         mapped = [i for i, b in enumerate(blocks) if b.state == MAPPED]
         ok = True
@@ -132,12 +139,7 @@ class TransferEngineTransport(BlockTransport):
         finally:
             # Not waited for: the checksum verified after the copy is what guards the bytes
             # (a slab range reused after an expired lease cannot match the block's checksum).
-            # The future is kept until it is done: gRPC cancels a call whose future is dropped.
-            if lease.lease_id:
-                self._releases = [f for f in self._releases if not f.done()]
-                self._releases.append(self._kv.ReleaseLease.future(
-                    kv_pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=self.timeout_s,
-                    metadata=self._meta))
+            self._release(lease_id)
         if not ok:
             log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
                         self.endpoint, len(mapped))
@@ -156,13 +158,49 @@ class TransferEngineTransport(BlockTransport):
             return out + [None] if len(out) < len(keys) else out
         return out + [None] * (len(keys) - len(out))
 
+    def _lease(self, keys: list[bytes], stop_at_miss: bool) -> tuple[int, list[Any]]:
+        """(lease id, per key a block with state, offset, size, checksum): over the TCP
+        control channel, or gRPC where there is none (or it just failed). Raises
+        Unavailable when the node cannot be reached, and the node's refusal as its class."""
+        ctl = self.control
+        if ctl is not None:
+            try:
+                grant = ctl.lease(keys, None, stop_at_miss, stop_at_miss)
+                return grant.lease_id, grant.blocks
+            except Unavailable as exc:
+                log.warning("control channel to %s failed (%s); leasing over gRPC from now on", self.address, exc)
+                self.control = None
+                ctl.close()
+        try:
+            lease = self._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=keys, stop_at_miss=stop_at_miss),
+                                         timeout=self.timeout_s, metadata=self._meta)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from None
+        return lease.lease_id, list(lease.blocks)
+
+    def _release(self, lease_id: int) -> None:
+        """End a lease without waiting for the node. Over gRPC the call's future is kept
+        until done: gRPC cancels a call whose future is dropped."""
+        if not lease_id:
+            return
+        ctl = self.control
+        if ctl is not None:
+            try:
+                ctl.release(lease_id)
+                return
+            except Unavailable:  # the connection is gone, and its leases with it
+                return
+        self._releases = [f for f in self._releases if not f.done()]
+        self._releases.append(self._kv.ReleaseLease.future(
+            kv_pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s, metadata=self._meta))
+
     def _read(self, blocks: list, mapped: list[int], out: list[Any], outs: Sequence[Any] | None) -> bool:
         """Read the ``mapped`` blocks with the engine: each into its caller's registered
         buffer, or else into the transport's buffer (then copied out, or to bytes when
-        ``outs`` is None). The pieces go in waves of about :data:`WAVE_BYTES`, all started
-        at once; each wave is hashed (streaming xxh3_64 per block) while the later ones are
-        still moving. Fills ``out`` with the blocks whose checksum holds. Returns whether
-        the engine reported success for every wave."""
+        ``outs`` is None). The pieces (at most :data:`PIECE_BYTES`) are all started at
+        once; each is hashed (streaming xxh3_64 per block) as it lands, while later ones
+        are still moving. Fills ``out`` with the blocks whose checksum holds. Returns
+        whether the engine reported success for every piece."""
         with self.engine.lock:
             direct = {i: _direct_target(outs[i], blocks[i].size, self.engine) for i in mapped} if outs else {}
             buf, base = self._buffer(max(1, sum(blocks[i].size for i in mapped if direct.get(i) is None)))
@@ -178,25 +216,16 @@ class TransferEngineTransport(BlockTransport):
                 for off in range(0, size, PIECE_BYTES):
                     n = min(PIECE_BYTES, size - off)
                     pieces.append((i, local + off, view[off:off + n], src + off, n))
-            waves, wave, total = [], [], 0
-            for piece in pieces:
-                if wave and total + piece[4] > WAVE_BYTES:
-                    waves.append(wave)
-                    wave, total = [], 0
-                wave.append(piece)
-                total += piece[4]
-            if wave:  # none when every block is empty
-                waves.append(wave)
-            ids = [self.engine.read_async(self.endpoint, [p[1] for p in w], [p[3] for p in w], [p[4] for p in w])
-                   for w in waves]
+            start, endpoint = self.engine.read_piece, self.endpoint
+            ids = [start(endpoint, p[1], p[3], p[4]) for p in pieces]
+            deadline = time.monotonic() + self.timeout_s
             hashers: dict[int, Any] = {}
             ok = True
-            for batch, wave in zip(ids, waves):
-                if not self.engine.wait(batch):
+            for tid, (i, _, view, _, _) in zip(ids, pieces):
+                if not self.engine.wait_piece(tid, deadline):
                     ok = False
-                    continue  # the later waves are still waited for: the buffers stay ours until then
-                for i, _, view, _, _ in wave:
-                    hashers.setdefault(i, new_hasher()).update(view)
+                    continue  # the later pieces are still waited for: the buffers stay ours until then
+                hashers.setdefault(i, new_hasher()).update(view)
             if not ok:
                 return False
             for i in mapped:
@@ -217,6 +246,9 @@ class TransferEngineTransport(BlockTransport):
             except grpc.RpcError:
                 pass
         self._releases = []
+        if getattr(self, "control", None) is not None:
+            self.control.close()  # type: ignore[union-attr]
+            self.control = None
         for addr in getattr(self, "_registered", ()):
             self.engine.unregister(addr)
         self._registered = []
