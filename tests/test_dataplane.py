@@ -399,3 +399,25 @@ def test_a_malformed_release_frame_ends_only_that_connection(node) -> None:
         ctl.lookup([_key(1)])
     ctl.close()
     assert UdsControl(path).lookup([_key(1)]) == (0, [])
+
+
+def test_a_one_block_put_whose_spare_timed_out_before_commit_is_put_again(node, client_of) -> None:
+    """The one-block fast path: a spare slot that the node no longer holds at commit (its
+    reservation ran out; here the write-by time is erased so the writer uses it anyway,
+    which a real writer never does) fails its commit, and the block is put again through
+    a fresh reservation: the put succeeds and the bytes read back."""
+    pool, address, _ = node(reservation_timeout_s=0.4)
+    client = client_of(address)
+    plane = client._local()
+    assert client.put(_key(1), _block(1)).ok
+    plane._stock(plane.control.take_spares(wait=True))
+    stock = plane._spares[64 << 10]
+    stock[:] = [g._replace(write_by=0.0) for g in stock]   # always "in time"
+    time.sleep(0.6)                                         # the node's reservations run out
+    redone = []
+    put_window = plane._put_window
+    plane._put_window = lambda *a, **kw: redone.append(a[0]) or put_window(*a, **kw)
+    assert client.put(_key(2), _block(2)).ok
+    assert redone == [[_key(2)]]                            # the commit failed; put again once
+    assert client.get_blocks([_key(1), _key(2)]) == [_block(1), _block(2)]
+    pool.check_integrity()
