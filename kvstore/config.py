@@ -73,9 +73,12 @@ class StoreConfig:
     # Same-host data plane (kvstore/dataplane): the Unix control socket; "auto": <data_dir>/<node_id>/
     # dataplane.sock (/tmp/kvstore-<node_id>-<pid>.sock when that path is too long), "": none.
     dataplane_socket: str = "auto"
+    # After serving a request on a control channel (Unix socket or TCP), a connection's thread
+    # polls this long for the next one before it sleeps: a woken thread costs 20-60 us on a VM.
+    dataplane_poll_us: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes"):
+        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")

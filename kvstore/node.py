@@ -48,7 +48,8 @@ def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
         agent = ClusterAgent(cfg, pool)
         server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
                                    extra_services=agent.services(),
-                                   dataplane_socket=cfg.dataplane_socket_path())
+                                   dataplane_socket=cfg.dataplane_socket_path(),
+                                   dataplane_poll_s=cfg.dataplane_poll_us * 1e-6)
     except BaseException:
         if agent is not None:
             agent.stop()

@@ -256,12 +256,13 @@ def close_dataplane(server: grpc.Server) -> None:
 
 def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | None = None,
                 workers: int = 8, extra_services: tuple = (),
-                dataplane_socket: str | None = None) -> tuple[grpc.Server, int]:
+                dataplane_socket: str | None = None, dataplane_poll_s: float = 200e-6) -> tuple[grpc.Server, int]:
     """Start the store service on ``address`` (host:port; port 0 picks a free one).
     ``extra_services``: callables ``add(server)`` that register more servicers on the same
     server (e.g. kvstore/transfer's BlockTransfer). ``dataplane_socket``: also serve the
     same-host control channel on this Unix socket path (close it with
-    :func:`close_dataplane`). Returns the started server and its bound port. Raises
+    :func:`close_dataplane`); ``dataplane_poll_s``: how long its connections poll for the
+    next request before sleeping. Returns the started server and its bound port. Raises
     RuntimeError if it cannot bind."""
     interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
@@ -276,6 +277,6 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     server.start()
     if dataplane is not None and dataplane_socket:
         from kvstore.dataplane.uds import UdsServer
-        _UDS[id(server)] = UdsServer(dataplane, dataplane_socket, auth_token)
+        _UDS[id(server)] = UdsServer(dataplane, dataplane_socket, auth_token, dataplane_poll_s)
     log.info("store node %s listening on %s (port %d)", pool.node_id, address, port)
     return server, port

@@ -421,3 +421,29 @@ def test_a_one_block_put_whose_spare_timed_out_before_commit_is_put_again(node, 
     assert redone == [[_key(2)]]                            # the commit failed; put again once
     assert client.get_blocks([_key(1), _key(2)]) == [_block(1), _block(2)]
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("node_poll_s, reply_poll_s", [(0.0, 0.0), (200e-6, 500e-6), (0.05, 0.0)])
+def test_control_channel_polling_is_only_a_latency_choice(make_dram, node_poll_s, reply_poll_s) -> None:
+    """However long the node polls for the next request and the client for its reply
+    (0: sleep at once), every request gets its own answer and the bytes are right."""
+    from kvstore.config import StoreConfig
+    with pytest.raises(ValueError, match="dataplane_poll_us"):
+        StoreConfig(dataplane_poll_us=-1)
+    pool = KVPool([make_dram(64 * MIB)], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
+    path = _socket_path()
+    server, port = serve_store(pool, dataplane_socket=path, dataplane_poll_s=node_poll_s)
+    try:
+        with StoreClient(f"127.0.0.1:{port}") as client:
+            plane = client._local()
+            plane.control.poll_s = reply_poll_s
+            blocks = [(_key(i), _block(i, (i + 1) << 14)) for i in range(40)]
+            for k, d in blocks:
+                assert client.put(k, d).ok
+            outs = [np.zeros(len(d), np.uint8) for _, d in blocks]
+            assert client.get_into([k for k, _ in blocks], outs) == [len(d) for _, d in blocks]
+            assert [o.tobytes() for o in outs] == [d for _, d in blocks]
+            assert client.lookup([k for k, _ in blocks]).blocks == 40
+    finally:
+        close_dataplane(server)
+        server.stop(grace=None).wait()

@@ -42,7 +42,8 @@ class ClusterAgent:
         self.control: TcpControlServer | None = None
         if self.node_te is not None:
             try:
-                self.control = TcpControlServer(DataPlaneHost(pool), cfg.host, cfg.control_port, cfg.auth_token)
+                self.control = TcpControlServer(DataPlaneHost(pool), cfg.host, cfg.control_port, cfg.auth_token,
+                                                cfg.dataplane_poll_us * 1e-6)
             except OSError:
                 self.node_te.close()
                 raise

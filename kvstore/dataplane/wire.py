@@ -28,8 +28,10 @@ status carries the error message; the status names its class (:data:`ERRORS`).
 """
 from __future__ import annotations
 
+import select
 import socket
 import struct
+import time
 from typing import Sequence
 
 from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVStoreError, LeaseExpired,
@@ -134,6 +136,32 @@ def read_frame(sock: socket.socket) -> tuple[int, bytes]:
     if n > MAX_FRAME_BYTES:
         raise InvalidArgument(f"control frame of {n} bytes; at most {MAX_FRAME_BYTES}")
     return code, recv_exact(sock, n) if n else b""
+
+
+def poller_of(sock: socket.socket) -> select.poll:
+    """A poll object watching ``sock`` for readable data (for :func:`spin_until_readable`)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
+
+
+def spin_until_readable(poller: select.poll, spin_s: float) -> bool:
+    """Poll without sleeping, for at most ``spin_s`` seconds, until the watched socket has
+    data (or was closed); whether it has. A thread asleep in ``recv`` takes 20-60 us to
+    wake up on a virtual machine, more than a request takes to serve: a UDS ping-pong
+    between two processes had a median round trip of 61 us with both blocking and 7 us
+    with both polling (2-core VM). Each poll releases the GIL, so other threads run."""
+    poll = poller.poll
+    if poll(0):
+        return True
+    if spin_s <= 0:
+        return False
+    clock = time.perf_counter
+    end = clock() + spin_s
+    while clock() < end:
+        if poll(0):
+            return True
+    return False
 
 
 def write_frame(sock: socket.socket, code: int, payload: bytes = b"") -> None:
