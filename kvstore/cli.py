@@ -60,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
                            transfer_engine=args.transfer_engine, te_metadata=args.te_metadata,
                            advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
-                           control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us)
+                           control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us,
+                           dram_prefault=args.dram_prefault)
     server, port, pool = start_node(cfg)
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--te-metadata", metavar="URL", help="transfer engine metadata: P2PHANDSHAKE (default) "
                    "or Mooncake's HTTP metadata server http://host:port/metadata")
     p.add_argument("--advertise-host", help="host other machines reach this node at (default --host)")
+    p.add_argument("--dram-prefault", action=argparse.BooleanOptionalAction, default=None,
+                   help="allocate and map the DRAM slab's pages in the background from the start, so no "
+                        "put pays page faults (default on; --no-dram-prefault takes memory as blocks arrive)")
     p.add_argument("--dataplane-poll-us", type=int, metavar="US",
                    help="after a request on the data plane's control channel, poll this many microseconds "
                         "for the next one before sleeping: faster back-to-back puts and gets for that much "

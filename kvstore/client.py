@@ -40,10 +40,13 @@ class StoreClient:
     slab when the node runs on this host, its top tier is that DRAM slab and the slab can be
     mapped here (control over the node's Unix socket, else gRPC), and through the gRPC
     stream otherwise; ``grpc`` always uses the stream. :attr:`data_path_in_use` says which was picked (logged once).
+    ``prefault``: once the slab is mapped, build this process's page tables for all of it
+    on a background thread (kvstore/tiers/prefault.py), so the first get or put touching a
+    page does not fault (about 4 MiB of page tables per GiB of slab).
     """
 
     def __init__(self, address: str, auth_token: str | None = None, timeout_s: float = 60.0,
-                 data_path: str = "auto") -> None:
+                 data_path: str = "auto", prefault: bool = True) -> None:
         if data_path not in DATA_PATHS:
             raise InvalidArgument(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.address = address
@@ -55,6 +58,7 @@ class StoreClient:
         self._plane: Any = None          # a kvstore.dataplane.local.LocalDataPlane once attached
         self._plane_decided = data_path == "grpc"
         self._plane_lock = threading.Lock()
+        self._prefault = prefault
 
     def close(self) -> None:
         if self._plane is not None:
@@ -98,7 +102,8 @@ class StoreClient:
             info = DataPlaneInfo(resp.slab_name, resp.slab_bytes, resp.socket_path, resp.host_id, resp.node_id,
                                  resp.puts_in_slab)
             try:
-                self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks)
+                self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks,
+                                             prefault=self._prefault)
             except Unavailable as exc:
                 log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc)
                 return None

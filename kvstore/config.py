@@ -76,14 +76,18 @@ class StoreConfig:
     # After serving a request on a control channel (Unix socket or TCP), a connection's thread
     # polls this long for the next one before it sleeps: a woken thread costs 20-60 us on a VM.
     dataplane_poll_us: int = 200
+    # Allocate and map the DRAM slab's pages in the background from the start: a put into a
+    # never-touched page costs a page fault per 4 KiB (1 MiB: 0.9 ms instead of 0.07).
+    dram_prefault: bool = True
 
     def __post_init__(self) -> None:
         for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-        if not isinstance(self.promote_on_hit, bool):
-            raise ValueError(f"promote_on_hit must be true or false, got {self.promote_on_hit!r}")
+        for name in ("promote_on_hit", "dram_prefault"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.node_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.node_id):
             raise ValueError(f"node_id must be 1-64 letters, digits, '.', '_' or '-' (starting with a "
                              f"letter or digit), got {self.node_id!r}")

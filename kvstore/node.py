@@ -20,13 +20,14 @@ log = logging.getLogger(__name__)
 
 
 def build_pool(cfg: StoreConfig) -> KVPool:
-    """HBM (if ``hbm_bytes`` > 0, on ``hbm_device``) over DRAM (if ``dram_bytes`` > 0) over
-    SSD (if ``ssd_bytes`` > 0, LMDB under ``data_dir/<node_id>/ssd``)."""
+    """HBM (if ``hbm_bytes`` > 0, on ``hbm_device``) over DRAM (if ``dram_bytes`` > 0,
+    pre-faulted in the background with ``dram_prefault``) over SSD (if ``ssd_bytes`` > 0,
+    LMDB under ``data_dir/<node_id>/ssd``)."""
     tiers = []
     if cfg.hbm_bytes > 0:
         tiers.append(TIERS["hbm"](cfg.hbm_bytes, device=cfg.hbm_device))
     if cfg.dram_bytes > 0:
-        tiers.append(TIERS["dram"](cfg.dram_bytes))
+        tiers.append(TIERS["dram"](cfg.dram_bytes, prefault=cfg.dram_prefault))
     if cfg.ssd_bytes > 0:
         tiers.append(TIERS["ssd"](cfg.ssd_bytes, path=os.path.join(cfg.data_dir, cfg.node_id, "ssd"),
                                   fsync=cfg.ssd_fsync))

@@ -447,3 +447,21 @@ def test_control_channel_polling_is_only_a_latency_choice(make_dram, node_poll_s
     finally:
         close_dataplane(server)
         server.stop(grace=None).wait()
+
+
+def test_a_client_builds_its_slab_mapping_in_the_background(node, client_of) -> None:
+    """The same-host client populates its own mapping of the slab (page tables) on a
+    thread; the whole slab ends up resident in this process; close() stops it first."""
+    pool, address, _ = node(dram_bytes=64 * MIB)
+    client = client_of(address)
+    plane = client._local()
+    assert plane._prefault is not None and plane._prefault.done.wait(30)
+    assert plane._prefault.populated == plane._slab.nbytes
+    assert client.put(_key(1), _block(1)).ok and client.get_blocks([_key(1)]) == [_block(1)]
+    client.close()
+    assert not plane._prefault._thread.is_alive()
+    plain = StoreClient(address, prefault=False)
+    try:
+        assert plain._local()._prefault is None
+    finally:
+        plain.close()

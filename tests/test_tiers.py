@@ -331,3 +331,51 @@ def test_ssd_fsync_on_commit(tmp_path: Path) -> None:
 def test_tier_rejects_nonpositive_capacity(cls, args) -> None:
     with pytest.raises(ValueError):
         cls(0, *args)
+
+
+def _rss_of_mapping(address: int) -> int:
+    """Resident bytes of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            for field in lines[i + 1:]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_dram_prefault_maps_the_whole_slab_without_touching_stored_bytes() -> None:
+    """The slab's pages become resident in the background; a block written while that
+    runs keeps its bytes; close() stops the thread first (no madvise on an unmapped range)."""
+    size = 64 << 20
+    tier = DramTier(size, prefault=True)
+    try:
+        data = os.urandom(3 << 20)
+        slot = tier.reserve(len(data))
+        tier.write(slot, 0, data)           # while the pre-faulting may still run
+        tier.commit(slot, b"k" * 16, checksum_of(data))
+        assert tier._prefault is not None and tier._prefault.done.wait(30)
+        assert tier._prefault.populated == size
+        assert _rss_of_mapping(int(tier._slab.ctypes.data)) >= size - (1 << 20)
+        assert tier.read(b"k" * 16, bytes) == data
+    finally:
+        tier.close()
+    assert not tier._prefault._thread.is_alive()
+
+
+def test_dram_prefault_stops_at_close_while_running() -> None:
+    tier = DramTier(512 << 20, prefault=True)
+    tier.close()                            # at once: the thread stops after its current chunk
+    assert tier._prefault.done.is_set() and not tier._prefault._thread.is_alive()
+    from kvstore.tiers.prefault import CHUNK_BYTES
+    assert tier._prefault.populated % CHUNK_BYTES == 0    # whole madvise calls only
+    plain = DramTier(1 << 20)
+    assert plain._prefault is None                        # off unless asked for (the node asks)
+    plain.close()
+
+
+def test_store_config_dram_prefault_is_a_bool() -> None:
+    from kvstore.config import StoreConfig
+    assert StoreConfig().dram_prefault is True
+    with pytest.raises(ValueError, match="dram_prefault must be true or false"):
+        StoreConfig(dram_prefault="yes")

@@ -25,6 +25,7 @@ from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of, new_hasher
 from kvstore.pool import PutResult
 from kvstore.tiers.buffers import as_u8, copy_into, nbytes
+from kvstore.tiers.prefault import Prefaulter
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
                                      SlotGrant, host_id)
 
@@ -102,13 +103,17 @@ class LocalDataPlane:
     """
 
     def __init__(self, info: DataPlaneInfo, control: Control, verify: bool = True,
-                 lease_ttl_s: float | None = None, fetch: Fetch | None = None) -> None:
+                 lease_ttl_s: float | None = None, fetch: Fetch | None = None, prefault: bool = True) -> None:
         self.info = info
         self.control = control
         self.verify = verify
         self.lease_ttl_s = lease_ttl_s
         self.fetch = fetch  # blocks held in another tier (SSD, HBM); None: they are misses
         self._mm, self._slab = map_slab(info)
+        # This process's page tables for the slab, built in the background: a first touch of
+        # each 4 KiB page of the mapping is a fault (1 MiB: ~0.5 ms on a VM, vs ~0.07 once mapped).
+        self._prefault = Prefaulter(int(self._slab.ctypes.data), int(self._slab.nbytes),
+                                    f"mapping of {info.slab_name}") if prefault and self._slab.nbytes else None
         self._spares: dict[int, list[SlotGrant]] = {}  # size -> spare slots in stock
         self._spare_lock = threading.Lock()
         self._hash_pool: ThreadPoolExecutor | None = None
@@ -481,6 +486,8 @@ class LocalDataPlane:
     def close(self) -> None:
         """Close the control channel and unmap the slab (views still held keep it mapped)."""
         self.control.close()
+        if self._prefault is not None:
+            self._prefault.stop()  # before the mapping goes
         if self._hash_pool is not None:
             self._hash_pool.shutdown(wait=True)
             self._hash_pool = None

@@ -14,6 +14,7 @@ from kvstore.errors import IntegrityError, InvalidArgument
 from kvstore.integrity import checksum_of
 from kvstore.tiers.base import register_tier
 from kvstore.tiers.buffers import as_u8, copy_into
+from kvstore.tiers.prefault import Prefaulter
 from kvstore.tiers.slab import PAGE_BYTES, ExtentAllocator, SlabTier
 
 __all__ = ["PAGE_BYTES", "DramTier", "ExtentAllocator", "SlabReader"]
@@ -25,9 +26,12 @@ class DramTier(SlabTier):
 
     The slab is named (``shm_name``, under /dev/shm) so another process on the host can map
     it; ``close`` unlinks it. Reads hand the sink a read-only numpy view of the slab.
+    ``prefault``: allocate and map all its pages on a background thread from the start
+    (kvstore/tiers/prefault.py), so no put pays a page fault per 4 KiB; the tier's memory
+    is then taken at once rather than as blocks arrive.
     """
 
-    def __init__(self, capacity_bytes: int, shm_name: str | None = None) -> None:
+    def __init__(self, capacity_bytes: int, shm_name: str | None = None, prefault: bool = False) -> None:
         super().__init__(capacity_bytes)
         self.shm_name = shm_name or f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         size = self.pages * PAGE_BYTES
@@ -36,6 +40,8 @@ class DramTier(SlabTier):
         self._slab = np.ndarray((size,), dtype=np.uint8, buffer=self._shm.buf)
         self._ro = self._slab.view()
         self._ro.flags.writeable = False
+        self._prefault = Prefaulter(int(self._slab.ctypes.data), size, f"dram slab {self.shm_name}") \
+            if prefault and size else None
 
     def _copy_in(self, offset: int, data: Any) -> None:
         src = as_u8(data)
@@ -65,6 +71,8 @@ class DramTier(SlabTier):
         shm, self._shm = self._shm, None
         if shm is None:
             return
+        if self._prefault is not None:
+            self._prefault.stop()  # before the mapping goes
         self._slab = self._ro = None  # type: ignore[assignment]
         try:
             shm.unlink()
