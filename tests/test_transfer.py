@@ -192,6 +192,14 @@ def test_unknown_transport_is_rejected():
         open_transport("carrier-pigeon", "127.0.0.1:1")
 
 
+def _assert_no_lease_left(client: StoreClient) -> None:
+    """Releases are not waited for, so they land a moment later: allow 5 s."""
+    deadline = time.monotonic() + 5
+    while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats()[1][0].leased_bytes == 0
+
+
 def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
     """A 0-byte block reads back empty; the lease of each engine read is released (the
     release is not waited for, so it lands a moment later), not held until its TTL."""
@@ -205,10 +213,7 @@ def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
         assert t.get_into([blocks[0][0]], [np.zeros(4, np.uint8)]) == [0]
     finally:
         t.close()
-    deadline = time.monotonic() + 5
-    while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.stats()[1][0].leased_bytes == 0
+    _assert_no_lease_left(client)
 
 
 def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(te_node):
@@ -237,10 +242,7 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(te_node):
         assert t.control is None and t.te_reads == 2 * len(blocks) and t.grpc_reads == 0
     finally:
         t.close()
-    deadline = time.monotonic() + 5
-    while client.stats()[1][0].leased_bytes and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.stats()[1][0].leased_bytes == 0
+    _assert_no_lease_left(client)
 
 
 def test_tcp_control_channel_needs_the_node_token(spawn_store_node):

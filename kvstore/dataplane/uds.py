@@ -60,7 +60,9 @@ class ControlServer:
     LOOKUP, LEASE and RELEASE are served (other ops get InvalidArgument). ``poll_s``:
     after each request, a connection's thread polls this long for the next one before it
     sleeps (:func:`~kvstore.dataplane.wire.spin_until_readable`; 0: never), trading that
-    much CPU per request for a faster answer to a client that keeps asking."""
+    much CPU per request for a faster answer to a client that keeps asking. One connection
+    polls at a time (the others sleep meanwhile), so a node never spends more than about
+    one core polling, however many clients it serves."""
 
     kind = "control"
 
@@ -68,6 +70,7 @@ class ControlServer:
                  read_only: bool = False, poll_s: float = NODE_POLL_S) -> None:
         self.host = host
         self.poll_s = poll_s
+        self._poll_gate = threading.Lock()  # held by the one connection thread polling now
         self._token = (auth_token or "").encode()
         self.read_only = read_only
         self._sock = sock
@@ -98,10 +101,14 @@ class ControlServer:
         slots: set[int] = set()
         spares: dict[int, int] = {}  # spare slots lent on this connection: id -> bytes
         authed = not self._token
-        poller, poll_s = w.poller_of(conn), self.poll_s
+        poller, poll_s, gate = w.poller_of(conn), self.poll_s, self._poll_gate
         try:
             while True:
-                w.spin_until_readable(poller, poll_s)  # a busy client's next request comes soon
+                if poll_s and gate.acquire(blocking=False):  # a busy client's next request comes soon
+                    try:
+                        w.spin_until_readable(poller, poll_s)
+                    finally:
+                        gate.release()
                 op, payload = w.read_frame(conn)
                 if op == w.OP_HELLO:
                     authed = not self._token or hmac.compare_digest(payload, self._token)
