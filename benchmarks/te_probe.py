@@ -107,6 +107,7 @@ def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Call
     """The engine's read of the block alone, as the get path moves it (pieces of
     ``PIECE_BYTES`` started at once, each polled), with one lease held throughout and no
     checksum or copy out: the ceiling of the get path on this machine."""
+    from kvstore.transfer.engine import DONE
     from kvstore.transfer.te_transport import PIECE_BYTES
     from protos import kvstore_pb2 as kv_pb
     block = te._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=[key], ttl_s=600)).blocks[0]
@@ -119,7 +120,7 @@ def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Call
     def read() -> None:
         ids = [te.engine.read_piece(te.endpoint, a, b, n) for a, b, n in zip(local, remote, lengths)]
         deadline = time.monotonic() + 60
-        assert all([te.engine.wait_piece(i, deadline) for i in ids]), "raw engine read failed"
+        assert all([te.engine.wait_piece(i, deadline) == DONE for i in ids]), "raw engine read failed"
     return read
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -465,3 +466,124 @@ def test_a_client_builds_its_slab_mapping_in_the_background(node, client_of) -> 
         assert plain._local()._prefault is None
     finally:
         plain.close()
+
+
+def test_a_connection_releases_only_its_own_leases(node) -> None:
+    """Lease ids are small integers, not secrets: a RELEASE of another connection's
+    lease is ignored (the lease keeps its blocks until its holder lets go)."""
+    pool, _, path = node()
+    pool.put(_key(1), _block(1))
+    a, b = UdsControl(path), UdsControl(path)
+    grant = a.lease([_key(1)], ttl_s=60)
+    assert grant.lease_id and pool.stats()[0].leased_bytes == len(_block(1))
+    for lid in range(1, grant.lease_id + 5):
+        b.release(lid)
+    assert b.lookup([_key(1)])[0] == 1                     # b's releases were all read
+    assert pool.stats()[0].leased_bytes == len(_block(1))  # a's lease stands
+    a.release(grant.lease_id)
+    assert a.lookup([_key(1)])[0] == 1 and pool.stats()[0].leased_bytes == 0
+    a.close(), b.close()
+
+
+def test_bad_frames_and_leases_get_clear_errors(node) -> None:
+    """A frame over the pre-auth limit gets an error reply, then the connection closes; a
+    lease whose reply could not fit a frame, or with a TTL that is not a sane number of
+    seconds, is refused and the connection stays usable; a reply that cannot be read
+    makes the client drop the connection (Unavailable), never read out of step."""
+    import socket as so
+    pool, _, path = node(token="s3cret")
+    raw = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    raw.connect(path)
+    raw.sendall(wire.HEADER.pack(wire.OP_HELLO, 1 << 20))  # claims 1 MiB before any token
+    status, reply = wire.read_frame(raw)
+    assert status == wire.STATUS_OF[InvalidArgument] and b"at most 4096" in reply
+    assert raw.recv(1) == b""                                # then closed
+    raw.close()
+    ctl = UdsControl(path, "s3cret")
+    for ttl in (float("nan"), -1.0, float("inf"), 1e9):
+        with pytest.raises(InvalidArgument, match="lease TTL"):
+            ctl.lease([_key(1)], ttl_s=ttl)
+    with pytest.raises(InvalidArgument, match="at most"):
+        ctl.lease([b"k"] * (wire.MAX_LEASE_KEYS + 1))
+    assert ctl.lookup([_key(1)]) == (0, []) and pool.stats()[0].leased_bytes == 0
+    ctl.close()
+
+
+def test_a_reply_that_cannot_be_read_drops_the_connection() -> None:
+    """A node (here a fake one) whose reply header claims more than a frame may hold: the
+    client raises Unavailable and closes, instead of reading the next replies out of step."""
+    import socket as so
+    path = _socket_path()
+    listener = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        wire.read_frame(conn)                      # HELLO
+        wire.write_frame(conn, wire.OK)
+        wire.read_frame(conn)                      # LOOKUP
+        conn.sendall(wire.HEADER.pack(wire.OK, wire.MAX_FRAME_BYTES + 1))
+        conn.recv(1)                               # until the client hangs up
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        ctl = UdsControl(path)
+        with pytest.raises(Unavailable, match="unreadable reply"):
+            ctl.lookup([_key(1)])
+        with pytest.raises(Unavailable):
+            ctl.lookup([_key(1)])                  # closed since: never out of step
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        listener.close()
+        os.unlink(path)
+
+
+def test_the_accept_loop_survives_accept_errors(node) -> None:
+    """EMFILE and the like are transient: the server logs, backs off and accepts again."""
+    import errno
+    from kvstore.service import _UDS
+    pool, _, path = node()
+    server = next(u for u in _UDS.values() if u.host.pool is pool)
+
+    class Flaky:
+        def __init__(self, sock):
+            self.sock, self.failures = sock, 3
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    flaky = server._sock = Flaky(server._sock)
+    UdsControl(path).close()           # wakes the accept already waiting; the next ones fail
+    deadline = time.monotonic() + 5
+    while flaky.failures and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert flaky.failures == 0
+    ctl = UdsControl(path)             # served after the failures
+    assert ctl.lookup([_key(1)]) == (0, [])
+    ctl.close()
+
+
+def test_unusable_buffers_get_invalid_argument(node, client_of) -> None:
+    pool, address, _ = node()
+    client = client_of(address)
+    assert client.put(_key(1), _block(1)).ok
+    frozen = np.zeros(len(_block(1)), np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="output buffer 0"):
+        client.get_into([_key(1)], [frozen])
+    strided = memoryview(bytearray(8192))[::2]
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        client.put(_key(2), strided)
+    assert client.get_blocks([_key(1)]) == [_block(1)]
+    assert client.lookup([_key(1)]).blocks == 1           # after the releases on that socket
+    assert pool.stats()[0].leased_bytes == 0

@@ -272,6 +272,8 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
 
     with pytest.raises(ValueError, match="control_port must be in"):
         StoreConfig(control_port=70000)
+    with pytest.raises(ValueError, match="a port of its own"):
+        StoreConfig(port=5000, control_port=5000)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -281,3 +283,48 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
         with pytest.raises(OSError, match="cannot listen for control connections"):
             start_node(cfg)
         assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind
+
+
+def test_a_stalled_read_retires_its_buffer_until_the_engine_lets_go(spawn_store_node, monkeypatch):
+    """A node that stops (SIGSTOP) mid-read: the reader gives up after its timeout, but its
+    transfers may still land, so the buffer they target is retired (kept registered and
+    alive, never reused) until they end; after the node resumes, reads are right again
+    and the retired buffer is let go."""
+    import signal
+
+    proc, address = spawn_store_node("te-stall", "--dram", "32MiB", "--ssd", "0", "--transfer-engine", "tcp")
+    blocks = [(b"stall%d" % i + b"\0" * 10, os.urandom(4 << 20)) for i in range(2)]
+    keys, want = [k for k, _ in blocks], [d for _, d in blocks]
+    with StoreClient(address) as client:
+        assert all(r.ok for r in client.put_blocks(blocks))
+    t = TransferEngineTransport(address, timeout_s=1.5)
+    stopped: list[bool] = []
+    try:
+        assert t.get_blocks(keys) == want
+        old_buf = t._buf
+        start = t.engine.read_piece
+
+        def stall(*args):
+            tid = start(*args)
+            if not stopped:
+                os.kill(proc.pid, signal.SIGSTOP)
+                stopped.append(True)
+            return tid
+
+        monkeypatch.setattr(t.engine, "read_piece", stall)
+        with pytest.raises(Unavailable):        # the engine gave up; the gRPC fallback timed out
+            t.get_blocks(keys)
+        assert t._buf is None and len(t._retired) == 1 and t._retired[0][1] is old_buf
+        monkeypatch.undo()
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:
+            assert t.get_blocks(keys) == want   # a fresh buffer: right bytes
+            if not t._retired or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert not t._retired                   # its transfers ended: unregistered, dropped
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        t.close()

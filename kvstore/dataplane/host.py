@@ -19,6 +19,7 @@ from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT
 MAX_KEY_BYTES = 64
 SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
 MAX_SPARES_PER_ASK = 64
+MAX_LEASE_TTL_S = 3600.0  # a longer lease would pin blocks past any reasonable copy
 _MISS = (MISS, 0, 0, 0)
 _ELSEWHERE = (ELSEWHERE, 0, 0, 0)
 
@@ -73,7 +74,10 @@ class DataPlaneHost:
     def lease_flat(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
                    chain: bool = False) -> tuple[int, float, list[int]]:
         """:meth:`lease` with the locations flattened (state, offset, size, checksum per
-        key), as the Unix socket packs them."""
+        key), as the Unix socket packs them. Raises InvalidArgument for a TTL that is not a
+        number of seconds in (0, :data:`MAX_LEASE_TTL_S`] (0 or None: the pool's)."""
+        if ttl_s and not 0 < ttl_s <= MAX_LEASE_TTL_S:  # NaN fails this too
+            raise InvalidArgument(f"lease TTL {ttl_s} s; 0 (the node's default) or up to {MAX_LEASE_TTL_S:.0f} s")
         lease, tiers = self.pool.lease_many(keys, ttl_s or None, stop_at_miss, chain)
         dram, locate = self.tier.name, self.tier.locate
         flat: list[int] = []

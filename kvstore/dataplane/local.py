@@ -185,33 +185,37 @@ class LocalDataPlane:
         later: list[int] = []
         slab, verify = self._slab, self.verify
         copyto, digest, big = np.copyto, checksum_of, PIPELINED_VERIFY_BYTES
-        for i, (state, off, size, csum) in enumerate(grant.blocks):
-            if state != MAPPED:
-                if state == ELSEWHERE:
-                    later.append(i)
-                continue
-            dst = outs[i]
-            src = slab[off:off + size]
-            if type(dst) is np.ndarray and dst.shape == (size,) and dst.dtype is _U8 and size < big:
-                copyto(dst, src)  # the common case (a uint8 array of the block's size), kept lean
-                out[i] = size
-                if verify and digest(dst) != csum:
-                    bad.append(i)
-                continue
-            if type(dst) is np.ndarray and dst.dtype is _U8 and dst.ndim == 1 and dst.shape[0] >= size:
-                d = dst if dst.shape[0] == size else dst[:size]
-                if verify and size >= PIPELINED_VERIFY_BYTES:
-                    ok = self._copy_hashed(d, src) == csum
+        i = 0
+        try:
+            for i, (state, off, size, csum) in enumerate(grant.blocks):
+                if state != MAPPED:
+                    if state == ELSEWHERE:
+                        later.append(i)
+                    continue
+                dst = outs[i]
+                src = slab[off:off + size]
+                if type(dst) is np.ndarray and dst.shape == (size,) and dst.dtype is _U8 and size < big:
+                    copyto(dst, src)  # the common case (a uint8 array of the block's size), kept lean
+                    out[i] = size
+                    if verify and digest(dst) != csum:
+                        bad.append(i)
+                    continue
+                if type(dst) is np.ndarray and dst.dtype is _U8 and dst.ndim == 1 and dst.shape[0] >= size:
+                    d = dst if dst.shape[0] == size else dst[:size]
+                    if verify and size >= PIPELINED_VERIFY_BYTES:
+                        ok = self._copy_hashed(d, src) == csum
+                    else:
+                        np.copyto(d, src)
+                        ok = not verify or checksum_of(d) == csum
                 else:
-                    np.copyto(d, src)
-                    ok = not verify or checksum_of(d) == csum
-            else:
-                copy_into(dst, src)
-                host = as_u8(dst)
-                ok = not verify or checksum_of(host[:size] if isinstance(host, np.ndarray) else src) == csum
-            out[i] = size
-            if not ok:
-                bad.append(i)
+                    copy_into(dst, src)
+                    host = as_u8(dst)
+                    ok = not verify or checksum_of(host[:size] if isinstance(host, np.ndarray) else src) == csum
+                out[i] = size
+                if not ok:
+                    bad.append(i)
+        except (ValueError, BufferError, TypeError) as exc:  # e.g. a read-only output array
+            raise InvalidArgument(f"output buffer {i}: {exc}") from None
         late = time.monotonic() - grant.deadline
         if late > 0:
             raise LeaseExpired(f"copy of {len(grant.blocks)} blocks outlived its lease by {late:.3f} s; "

@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
@@ -47,6 +48,7 @@ def _grant(reply: bytes) -> LeaseGrant:
 
 
 READ_OPS = frozenset((w.OP_HELLO, w.OP_LOOKUP, w.OP_LEASE, w.OP_RELEASE))
+MAX_CONNECTIONS = 1024   # per server; more are closed at once (each costs a thread)
 # Polling instead of sleeping while a reply or the next request is due: on this project's
 # 2-core VM, one-block 1 MiB gets went from 217 to 141-161 us (the lease's round trip from
 # 85 to 22-25 us) and puts from 236-357 to 165-218 us, with both sides polling.
@@ -82,14 +84,31 @@ class ControlServer:
         self._thread.start()
 
     def _accept(self) -> None:
+        failures = 0
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self._prepare(conn)
+            except OSError as exc:
+                if self._closed:
+                    return
+                # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: transient; the listener stays
+                failures += 1
+                if failures == 1 or failures % 100 == 0:
+                    log.warning("%s control channel: accept failed (%s; %d in a row); retrying", self.kind, exc,
+                                failures)
+                time.sleep(min(1.0, 0.01 * failures))
+                continue
+            failures = 0
             with self._lock:
-                self._conns.add(conn)
+                crowded = len(self._conns) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._conns.add(conn)
+            if crowded:
+                log.warning("%s control channel: %d connections open; refusing another", self.kind,
+                            MAX_CONNECTIONS)
+                conn.close()
+                continue
+            self._prepare(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"kvstore-{self.kind}-conn",
                              daemon=True).start()
 
@@ -109,7 +128,12 @@ class ControlServer:
                         w.spin_until_readable(poller, poll_s)
                     finally:
                         gate.release()
-                op, payload = w.read_frame(conn)
+                # before the token is checked, a frame is at most a HELLO's worth of bytes
+                try:
+                    op, payload = w.read_frame(conn, w.MAX_FRAME_BYTES if authed else w.MAX_HELLO_BYTES)
+                except InvalidArgument as exc:  # out of step with the client: say why, then hang up
+                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"{exc}; closing the connection".encode())
+                    return
                 if op == w.OP_HELLO:
                     authed = not self._token or hmac.compare_digest(payload, self._token)
                     if not authed:
@@ -129,8 +153,9 @@ class ControlServer:
                         log.warning("malformed RELEASE frame of %d bytes; closing the connection", len(payload))
                         return
                     (lid,) = w.U64.unpack(payload)
-                    leases.discard(lid)
-                    self.host.release(lid)
+                    if lid in leases:  # its own only: lease ids are not secrets
+                        leases.discard(lid)
+                        self.host.release(lid)
                     continue
                 spare = [0, 0]  # a COMMIT's ask: (size, count) slots, granted after its reply
                 try:
@@ -166,6 +191,8 @@ class ControlServer:
         if op == w.OP_LEASE:
             ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
             keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)
+            if len(keys) > w.MAX_LEASE_KEYS:  # its reply would not fit in a frame
+                raise InvalidArgument(f"a lease of {len(keys)} keys; at most {w.MAX_LEASE_KEYS} per request")
             lease_id, deadline, flat = host.lease_flat(keys, ttl, bool(flags & w.FLAG_STOP_AT_MISS),
                                                        bool(flags & w.FLAG_CHAIN))
             if lease_id:
@@ -334,9 +361,15 @@ class UdsControl:
         return reply
 
     def _reply(self) -> tuple[int, bytes]:
-        """The next frame from the node, polled for up to ``poll_s`` before sleeping."""
+        """The next frame from the node, polled for up to ``poll_s`` before sleeping. A
+        frame that cannot be read leaves the stream out of step: the connection is closed
+        and ConnectionError raised (callers turn it into Unavailable)."""
         w.spin_until_readable(self._poller, self.poll_s)
-        return w.read_frame(self._sock)
+        try:
+            return w.read_frame(self._sock)
+        except InvalidArgument as exc:
+            self._sock.close()
+            raise ConnectionError(f"unreadable reply ({exc}); connection closed") from None
 
     def _read_spares(self, wait: bool = True) -> None:
         """Read the spare-slot frames owed (lock held); without ``wait``, only those that

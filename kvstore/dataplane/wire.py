@@ -49,6 +49,8 @@ SPARE_ASK = struct.Struct("<QI")
 U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
 KEYS_HEAD = struct.Struct("<IB")
 MAX_FRAME_BYTES = 64 << 20
+MAX_HELLO_BYTES = 4096          # any frame before the connection's token was checked
+MAX_LEASE_KEYS = (MAX_FRAME_BYTES - LEASE_REPLY.size) // LOCATION.size  # a LEASE reply fits a frame
 
 OK = 0
 ERRORS: dict[int, type[KVStoreError]] = {1: InvalidArgument, 2: LeaseExpired, 3: CapacityError,
@@ -129,12 +131,13 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> tuple[int, bytes]:
     """(op or status, payload) of the next frame. Raises ConnectionError at the end of the
-    stream and InvalidArgument for a frame over :data:`MAX_FRAME_BYTES`."""
+    stream and InvalidArgument for a frame over ``max_bytes`` (its payload is not read:
+    the stream is out of step afterwards, and the caller must drop the connection)."""
     code, n = HEADER.unpack(recv_exact(sock, HEADER.size))
-    if n > MAX_FRAME_BYTES:
-        raise InvalidArgument(f"control frame of {n} bytes; at most {MAX_FRAME_BYTES}")
+    if n > max_bytes:
+        raise InvalidArgument(f"control frame of {n} bytes; at most {max_bytes}")
     return code, recv_exact(sock, n) if n else b""
 
 

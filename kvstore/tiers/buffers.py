@@ -49,7 +49,10 @@ def as_u8(data: Any) -> np.ndarray | Any:
             raise InvalidArgument("block data must be a contiguous tensor")
         flat = data.detach().reshape(-1).view(_torch().uint8)
         return flat.numpy() if flat.device.type == "cpu" else flat
-    return np.frombuffer(data, dtype=np.uint8)
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except (BufferError, ValueError, TypeError) as exc:  # e.g. a non-contiguous memoryview
+        raise InvalidArgument(f"block data must be contiguous bytes, an array or a tensor: {exc}") from None
 
 
 def host_u8(data: Any) -> np.ndarray:

@@ -28,6 +28,7 @@ PROTOCOLS = ("tcp", "rdma")
 # cores a 16 MiB read took 7.0-10.3 ms so and 4.8-5.7 ms polling each piece's status with
 # naps of this long between polls (benchmarks/te_probe.py's machine, best of 11).
 POLL_NAP_S = 50e-6
+DONE, FAILED, IN_FLIGHT = 1, -1, 0  # TransferEngineHandle.wait_piece
 _engines: dict[tuple[str, str, str], "TransferEngineHandle"] = {}
 _engines_lock = threading.Lock()
 
@@ -64,28 +65,29 @@ class TransferEngineHandle:
         self.host, self.metadata, self.protocol = host, metadata, protocol
         self.endpoint = f"{host}:{self.engine.get_rpc_port()}" if p2p else name
         self._regions: dict[int, Any] = {}
-        self.lock = threading.Lock()     # one transfer into the shared receive buffer at a time
+        self._lock = threading.Lock()    # guards _regions
         log.info("transfer engine (%s, metadata %s) at %s", protocol, metadata, self.endpoint)
 
     def register(self, array: np.ndarray) -> int:
         """Register ``array``'s bytes; returns their address. Raises TransferEngineUnavailable."""
         addr = int(array.ctypes.data)
-        rc = self.engine.register_memory(addr, int(array.nbytes))
-        if rc != 0:
-            raise TransferEngineUnavailable(f"register_memory of {array.nbytes} bytes returned {rc}")
-        self._regions[addr] = array
+        with self._lock:
+            rc = self.engine.register_memory(addr, int(array.nbytes))
+            if rc != 0:
+                raise TransferEngineUnavailable(f"register_memory of {array.nbytes} bytes returned {rc}")
+            self._regions[addr] = array
         return addr
 
     def unregister(self, addr: int) -> None:
-        if self._regions.pop(addr, None) is not None:
-            self.engine.unregister_memory(addr)
+        with self._lock:
+            if self._regions.pop(addr, None) is not None:
+                self.engine.unregister_memory(addr)
 
     def registered(self, addr: int, nbytes: int) -> bool:
         """Whether ``nbytes`` at ``addr`` lie inside one registered region."""
-        for start, array in self._regions.items():
-            if start <= addr and addr + nbytes <= start + array.nbytes:
-                return True
-        return False
+        with self._lock:
+            return any(start <= addr and addr + nbytes <= start + array.nbytes
+                       for start, array in self._regions.items())
 
     def read_piece(self, endpoint: str, local: int, remote: int, length: int) -> int:
         """Start reading ``length`` bytes at ``remote`` of the engine at ``endpoint`` into
@@ -94,22 +96,28 @@ class TransferEngineHandle:
         batch: only a one-transfer batch can be polled without blocking."""
         return self.engine.batch_transfer_async_read(endpoint, [local], [remote], [length])
 
-    def wait_piece(self, transfer_id: int, deadline: float) -> bool:
+    def wait_piece(self, transfer_id: int, deadline: float) -> int:
         """Wait for a transfer of :meth:`read_piece`, polling its status with naps of
-        :data:`POLL_NAP_S` instead of spinning; whether it succeeded. Gives up (False) at
-        ``deadline`` (monotonic seconds) or when the engine reports a timeout; the engine
-        may then still write into the transfer's buffer later."""
+        :data:`POLL_NAP_S` instead of spinning. Returns :data:`DONE`, :data:`FAILED` (the
+        engine ended it: refused, failed or timed out; the id is spent either way) or
+        :data:`IN_FLIGHT` when ``deadline`` (monotonic seconds; ``math.inf``: none) came
+        first: the engine may still write into the transfer's buffer, which must then stay
+        alive and unused until :meth:`ended` says so."""
         if transfer_id <= 0:
-            return False
-        check, nap = self.engine.transfer_check_status, time.sleep
+            return FAILED
+        check, nap, clock = self.engine.transfer_check_status, time.sleep, time.monotonic
         while True:
             status = check(transfer_id)  # 1 done, 0 in flight, -1 failed, -2 timed out
             if status:
-                return status == 1
-            if time.monotonic() > deadline:
-                log.warning("transfer engine read still in flight at its deadline; given up")
-                return False
+                return DONE if status == 1 else FAILED
+            if clock() > deadline:
+                return IN_FLIGHT
             nap(POLL_NAP_S)
+
+    def ended(self, transfer_id: int) -> bool:
+        """Whether a transfer that :meth:`wait_piece` left IN_FLIGHT has ended since (then
+        its id is spent: ask no more)."""
+        return self.engine.transfer_check_status(transfer_id) != 0
 
     def read(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
         """Read ``lengths[i]`` bytes at ``remote[i]`` of the engine at ``endpoint`` into

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Sequence
 
@@ -19,7 +20,8 @@ from kvstore.integrity import new_hasher
 from kvstore.tiers.buffers import copy_into
 from kvstore.service import GRPC_OPTIONS
 from kvstore.transfer.base import BlockTransport, register_transport
-from kvstore.transfer.engine import TransferEngineHandle, TransferEngineUnavailable, process_engine
+from kvstore.transfer.engine import (DONE, IN_FLIGHT, TransferEngineHandle, TransferEngineUnavailable,
+                                     process_engine)
 from kvstore.transfer.grpc_stream import grpc_only_client
 from protos import kvstore_pb2 as kv_pb
 from protos import kvstore_pb2_grpc as kv_grpc
@@ -35,6 +37,7 @@ MIN_BUFFER_BYTES = 16 << 20
 # loopback took 4.8-5.2 ms (best / median of 11) with 1 MiB pieces, 5.2-5.7 with 512 KiB
 # and 7.4-9.6 with 256 KiB (2-core machine).
 PIECE_BYTES = 1 << 20
+_STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
 
 def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndarray | None:
@@ -74,6 +77,8 @@ class TransferEngineTransport(BlockTransport):
         self._releases: list[Any] = []    # ReleaseLease calls in flight
         self._buf: np.ndarray | None = None
         self._buf_addr = 0
+        self._lock = threading.Lock()  # one read through the transport's buffer at a time
+        self._retired: list[tuple[list[int], np.ndarray, int]] = []  # (stalled transfers, buffer, address)
         self.control: TcpControl | None = None
         try:
             info = self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s, metadata=self._meta)
@@ -97,7 +102,20 @@ class TransferEngineTransport(BlockTransport):
             except Unavailable as exc:  # leases then go over gRPC, as for an older node
                 log.warning("no control channel to %s (%s); leasing over gRPC", address, exc)
 
+    def _reap(self) -> None:
+        """Unregister and drop the retired buffers whose stalled transfers have all ended."""
+        keep = []
+        for ids, buf, addr in self._retired:
+            ids = [t for t in ids if not self.engine.ended(t)]
+            if ids:
+                keep.append((ids, buf, addr))
+            else:
+                self.engine.unregister(addr)
+        self._retired = keep
+
     def _buffer(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """The transport's own registered buffer, at least ``nbytes`` (no transfer is in
+        flight into it: one that stalled retired it)."""
         if self._buf is None or self._buf.nbytes < nbytes:
             if self._buf is not None:
                 self.engine.unregister(self._buf_addr)
@@ -120,7 +138,9 @@ class TransferEngineTransport(BlockTransport):
         size); per key the bytes written or None for a miss (with ``stop_at_miss`` the list
         ends at the first miss). A contiguous uint8 array inside a buffer given to
         :meth:`register` is written by the engine directly; anything else through the
-        transport's own registered buffer. Raises InvalidArgument for too few buffers."""
+        transport's own registered buffer. A read into a caller's buffer never returns
+        while the engine may still write into it: from a node that stalls without dying it
+        waits on (a warning every ``timeout_s``). Raises InvalidArgument for too few buffers."""
         if len(outs) < len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         return self._get(list(keys), outs, stop_at_miss)  # type: ignore[return-value]
@@ -201,7 +221,8 @@ class TransferEngineTransport(BlockTransport):
         once; each is hashed (streaming xxh3_64 per block) as it lands, while later ones
         are still moving. Fills ``out`` with the blocks whose checksum holds. Returns
         whether the engine reported success for every piece."""
-        with self.engine.lock:
+        with self._lock:
+            self._reap()
             direct = {i: _direct_target(outs[i], blocks[i].size, self.engine) for i in mapped} if outs else {}
             buf, base = self._buffer(max(1, sum(blocks[i].size for i in mapped if direct.get(i) is None)))
             at, pieces = 0, []  # (block, local address, local view, remote address, length)
@@ -216,16 +237,31 @@ class TransferEngineTransport(BlockTransport):
                 for off in range(0, size, PIECE_BYTES):
                     n = min(PIECE_BYTES, size - off)
                     pieces.append((i, local + off, view[off:off + n], src + off, n))
-            start, endpoint = self.engine.read_piece, self.endpoint
+            start, endpoint, wait = self.engine.read_piece, self.endpoint, self.engine.wait_piece
             ids = [start(endpoint, p[1], p[3], p[4]) for p in pieces]
             deadline = time.monotonic() + self.timeout_s
             hashers: dict[int, Any] = {}
-            ok = True
+            ok, stalled = True, []
             for tid, (i, _, view, _, _) in zip(ids, pieces):
-                if not self.engine.wait_piece(tid, deadline):
+                status = wait(tid, deadline)
+                while status == IN_FLIGHT and direct.get(i) is not None:
+                    # the caller's buffer: never handed back while the engine may write into it
+                    log.warning("transfer engine read from %s into a caller's buffer still in flight after "
+                                "%.0f s; waiting on", self.endpoint, self.timeout_s)
+                    status = wait(tid, time.monotonic() + self.timeout_s)
+                if status == IN_FLIGHT:
+                    stalled.append(tid)
+                if status != DONE:
                     ok = False
-                    continue  # the later pieces are still waited for: the buffers stay ours until then
+                    continue  # the later pieces are still waited for
                 hashers.setdefault(i, new_hasher()).update(view)
+            if stalled:
+                # The transport's buffer may still be written: retire it (registered and alive)
+                # until those transfers end; the next read gets a fresh one.
+                log.warning("transfer engine read from %s still in flight after %.0f s (%d pieces); "
+                            "retiring its buffer", self.endpoint, self.timeout_s, len(stalled))
+                self._retired.append((stalled, buf, base))
+                self._buf = None
             if not ok:
                 return False
             for i in mapped:
@@ -252,9 +288,19 @@ class TransferEngineTransport(BlockTransport):
         for addr in getattr(self, "_registered", ()):
             self.engine.unregister(addr)
         self._registered = []
-        if self._buf is not None:
+        if getattr(self, "_buf", None) is not None:
             self.engine.unregister(self._buf_addr)
             self._buf = None
+        deadline = time.monotonic() + self.timeout_s
+        while getattr(self, "_retired", None) and time.monotonic() < deadline:
+            self._reap()
+            if self._retired:
+                time.sleep(0.01)
+        if getattr(self, "_retired", None):  # never freed while the engine may write there
+            log.warning("closing the transfer-engine reader of %s with %d stalled transfers; their buffers "
+                        "stay allocated", self.address, sum(len(ids) for ids, _, _ in self._retired))
+            _STALLED.extend(self._retired)
+            self._retired = []
         self.stream.close()
         self._channel.close()
 
