@@ -105,6 +105,9 @@ class StoreConfig:
         for name in ("port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.dataplane_poll_us > 10_000:
+            raise ValueError(f"dataplane_poll_us must be at most 10000 (10 ms of polling after each request), "
+                             f"got {self.dataplane_poll_us}")
         if self.control_port and self.control_port == self.port:
             raise ValueError(f"control_port and port are both {self.port}: the control channel needs a port "
                              f"of its own (0 picks a free one)")

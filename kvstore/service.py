@@ -243,7 +243,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
-_UDS: dict[int, object] = {}  # id(server) -> its same-host control socket (kvstore/dataplane/uds.py)
+_UDS: dict[int, object] = {}  # id(server) -> its same-host control socket (kvstore/dataplane/server.py)
 
 
 def close_dataplane(server: grpc.Server) -> None:
@@ -276,7 +276,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
         raise RuntimeError(f"store: cannot listen on {address} (port in use or address not local)")
     server.start()
     if dataplane is not None and dataplane_socket:
-        from kvstore.dataplane.uds import UdsServer
+        from kvstore.dataplane.server import UdsServer
         _UDS[id(server)] = UdsServer(dataplane, dataplane_socket, auth_token, dataplane_poll_s)
     log.info("store node %s listening on %s (port %d)", pool.node_id, address, port)
     return server, port

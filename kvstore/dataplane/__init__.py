@@ -6,7 +6,8 @@ reservations and lookups (DESIGN.md §5).
 - :mod:`kvstore.dataplane.types`: the small types both sides share;
 - :mod:`kvstore.dataplane.host`: the store side (leases and reservations over a pool);
 - :mod:`kvstore.dataplane.wire`: the compact framing of the Unix socket;
-- :mod:`kvstore.dataplane.uds`: the Unix-socket server and its client-side control;
+- :mod:`kvstore.dataplane.server`: the control channel servers (Unix socket; read-only TCP);
+- :mod:`kvstore.dataplane.uds`: their client side (:class:`UdsControl`, :class:`TcpControl`);
 - :mod:`kvstore.dataplane.grpc_control`: the same control over gRPC;
 - :mod:`kvstore.dataplane.local`: :class:`LocalDataPlane`, the same-host client.
 """

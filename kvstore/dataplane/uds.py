@@ -1,27 +1,24 @@
-"""The light control channel: a Unix domain socket served by the store node for same-host
-clients (:class:`UdsServer`, a thread per connection; client side :class:`UdsControl`), and
-the same frames over TCP for readers on other hosts (:class:`TcpControlServer`, reads only:
-LOOKUP, LEASE, RELEASE; client side :class:`TcpControl`), which move the bytes with the
-transfer engine. Frames are those of :mod:`kvstore.dataplane.wire`. A connection's leases
-and reservations end with it, so a client that dies holds nothing past its socket."""
+"""The client side of the light control channel (the store side is
+:mod:`kvstore.dataplane.server`): :class:`UdsControl` over the node's Unix domain socket,
+for a same-host client that maps the slab, and :class:`TcpControl` over its read-only TCP
+channel, for a reader on another host (transfer engine). Frames are those of
+:mod:`kvstore.dataplane.wire`."""
 from __future__ import annotations
 
-import hmac
-import logging
-import os
 import socket
 import struct
 import threading
-import time
 from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.pool import PutResult
 from kvstore.dataplane import wire as w
-from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.types import SLOT_FAILED, BlockLocation, LeaseGrant, SlotGrant
 
-log = logging.getLogger(__name__)
+# Polling instead of sleeping while a reply or the next request is due: on this project's
+# 2-core VM, one-block 1 MiB gets went from 217 to 141-161 us (the lease's round trip from
+# 85 to 22-25 us) and puts from 236-357 to 165-218 us, with both sides polling.
+REPLY_POLL_S = 500e-6    # a client, for the reply to its request
 
 
 def _commit_frame(res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None,
@@ -45,279 +42,6 @@ def _grant(reply: bytes) -> LeaseGrant:
     lease_id, deadline = w.LEASE_REPLY.unpack_from(reply, 0)
     blocks = [BlockLocation(*t) for t in w.LOCATION.iter_unpack(memoryview(reply)[w.LEASE_REPLY.size:])]
     return LeaseGrant(lease_id, deadline, blocks)
-
-
-READ_OPS = frozenset((w.OP_HELLO, w.OP_LOOKUP, w.OP_LEASE, w.OP_RELEASE))
-MAX_CONNECTIONS = 1024   # per server; more are closed at once (each costs a thread)
-# Polling instead of sleeping while a reply or the next request is due: on this project's
-# 2-core VM, one-block 1 MiB gets went from 217 to 141-161 us (the lease's round trip from
-# 85 to 22-25 us) and puts from 236-357 to 165-218 us, with both sides polling.
-NODE_POLL_S = 200e-6     # a node's connection thread, after each request (StoreConfig.dataplane_poll_us)
-REPLY_POLL_S = 500e-6    # a client, for the reply to its request
-
-
-class ControlServer:
-    """Serves a :class:`DataPlaneHost` on a listening socket, a thread per connection. With
-    an ``auth_token``, a connection must open with HELLO carrying it. ``read_only``: only
-    LOOKUP, LEASE and RELEASE are served (other ops get InvalidArgument). ``poll_s``:
-    after each request, a connection's thread polls this long for the next one before it
-    sleeps (:func:`~kvstore.dataplane.wire.spin_until_readable`; 0: never), trading that
-    much CPU per request for a faster answer to a client that keeps asking. One connection
-    polls at a time (the others sleep meanwhile), so a node never spends more than about
-    one core polling, however many clients it serves."""
-
-    kind = "control"
-
-    def __init__(self, host: DataPlaneHost, sock: socket.socket, auth_token: str | None = None,
-                 read_only: bool = False, poll_s: float = NODE_POLL_S) -> None:
-        self.host = host
-        self.poll_s = poll_s
-        self._poll_gate = threading.Lock()  # held by the one connection thread polling now
-        self._token = (auth_token or "").encode()
-        self.read_only = read_only
-        self._sock = sock
-        self._sock.listen(64)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name=f"kvstore-{self.kind}", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        failures = 0
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: transient; the listener stays
-                failures += 1
-                if failures == 1 or failures % 100 == 0:
-                    log.warning("%s control channel: accept failed (%s; %d in a row); retrying", self.kind, exc,
-                                failures)
-                time.sleep(min(1.0, 0.01 * failures))
-                continue
-            failures = 0
-            with self._lock:
-                crowded = len(self._conns) >= MAX_CONNECTIONS
-                if not crowded:
-                    self._conns.add(conn)
-            if crowded:
-                log.warning("%s control channel: %d connections open; refusing another", self.kind,
-                            MAX_CONNECTIONS)
-                conn.close()
-                continue
-            self._prepare(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"kvstore-{self.kind}-conn",
-                             daemon=True).start()
-
-    def _prepare(self, conn: socket.socket) -> None:
-        """Set up an accepted connection (TCP: no Nagle delay)."""
-
-    def _serve(self, conn: socket.socket) -> None:
-        leases: set[int] = set()
-        slots: set[int] = set()
-        spares: dict[int, int] = {}  # spare slots lent on this connection: id -> bytes
-        authed = not self._token
-        poller, poll_s, gate = w.poller_of(conn), self.poll_s, self._poll_gate
-        try:
-            while True:
-                if poll_s and gate.acquire(blocking=False):  # a busy client's next request comes soon
-                    try:
-                        w.spin_until_readable(poller, poll_s)
-                    finally:
-                        gate.release()
-                # before the token is checked, a frame is at most a HELLO's worth of bytes
-                try:
-                    op, payload = w.read_frame(conn, w.MAX_FRAME_BYTES if authed else w.MAX_HELLO_BYTES)
-                except InvalidArgument as exc:  # out of step with the client: say why, then hang up
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"{exc}; closing the connection".encode())
-                    return
-                if op == w.OP_HELLO:
-                    authed = not self._token or hmac.compare_digest(payload, self._token)
-                    if not authed:
-                        w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
-                        return
-                    w.write_frame(conn, w.OK)
-                    continue
-                if not authed:
-                    w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
-                    return
-                if self.read_only and op not in READ_OPS:
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument],
-                                  f"control op {op} is not served on {self.kind}: it reads only".encode())
-                    continue
-                if op == w.OP_RELEASE:  # no reply: a malformed one ends the connection
-                    if len(payload) != w.U64.size:
-                        log.warning("malformed RELEASE frame of %d bytes; closing the connection", len(payload))
-                        return
-                    (lid,) = w.U64.unpack(payload)
-                    if lid in leases:  # its own only: lease ids are not secrets
-                        leases.discard(lid)
-                        self.host.release(lid)
-                    continue
-                spare = [0, 0]  # a COMMIT's ask: (size, count) slots, granted after its reply
-                try:
-                    reply = self._dispatch(op, payload, leases, slots, spare, spares)
-                except KVStoreError as exc:
-                    w.write_frame(conn, w.status_of(exc), str(exc).encode())
-                    continue
-                except (struct.error, IndexError, ValueError) as exc:
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"malformed frame: {exc}".encode())
-                    continue
-                w.write_frame(conn, w.OK, reply)
-                if spare[1]:  # reserved while the client copies its next block, off its path
-                    for rid in set(spares) - set(self.host.still_open(list(spares))):
-                        del spares[rid]  # committed, given back or timed out
-                    grants = self.host.reserve_spares(spare[0], spare[1], sum(spares.values()))
-                    slots.update(g.res_id for g in grants)
-                    spares.update((g.res_id, spare[0]) for g in grants)
-                    w.write_frame(conn, w.OK, w.SPARE_ASK.pack(spare[0], len(grants))
-                                  + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants))
-        except (ConnectionError, OSError, KVStoreError):
-            pass
-        finally:
-            for lid in leases:
-                self.host.release(lid)
-            self.host.abort(list(slots))
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _dispatch(self, op: int, p: bytes, leases: set[int], slots: set[int], spare: list[int],
-                  spares: dict[int, int]) -> bytes:
-        host = self.host
-        if op == w.OP_LEASE:
-            ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
-            keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)
-            if len(keys) > w.MAX_LEASE_KEYS:  # its reply would not fit in a frame
-                raise InvalidArgument(f"a lease of {len(keys)} keys; at most {w.MAX_LEASE_KEYS} per request")
-            lease_id, deadline, flat = host.lease_flat(keys, ttl, bool(flags & w.FLAG_STOP_AT_MISS),
-                                                       bool(flags & w.FLAG_CHAIN))
-            if lease_id:
-                leases.add(lease_id)
-            return w.LEASE_REPLY.pack(lease_id, deadline) + struct.pack(f"<{len(flat)}Q", *flat)
-        if op == w.OP_RESERVE:
-            flags = p[0]
-            parents, pos = w.decode_keys(p, 1)
-            keys, pos = w.decode_keys(p, pos)
-            sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
-            grants = host.reserve(list(zip(keys, sizes)), bool(flags & w.FLAG_CHAIN),
-                                  parents[0] if parents else None)
-            slots.update(g.res_id for g in grants if g.res_id)
-            return (b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants)
-                    + w.encode_errors([g.error for g in grants if g.state == SLOT_FAILED]))
-        if op == w.OP_COMMIT:
-            (n,) = w.U32.unpack_from(p, 0)
-            ids = struct.unpack_from(f"<{n}Q", p, 4)
-            keys, pos = w.decode_keys(p, 4 + 8 * n)
-            parents, pos = w.decode_keys(p, pos)
-            spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
-            sections = p[pos + w.SPARE_ASK.size]
-            pos += w.SPARE_ASK.size + 1
-            checksums = None
-            if sections & w.COMMIT_CHECKSUMS:
-                checksums = struct.unpack_from(f"<{n}Q", p, pos)
-                pos += 8 * n
-            if sections & w.COMMIT_GIVE_BACK:
-                (m,) = w.U32.unpack_from(p, pos)
-                back = [i for i in struct.unpack_from(f"<{m}Q", p, pos + 4) if i in slots]  # its own only
-                pos += 4 + 8 * m
-                slots.difference_update(back)
-                host.abort(back)
-            if pos != len(p):
-                raise InvalidArgument(f"commit frame has {len(p) - pos} bytes past its sections")
-            slots.difference_update(ids)
-            results = host.commit(ids, keys, parents, checksums)
-            spare[:] = spare_size, spare_count
-            codes = bytes(0 if r.ok and not r.existed else 1 if r.ok else 2 for r in results)
-            return codes + w.encode_errors([r.error for r in results if not r.ok])
-        if op == w.OP_ABORT:
-            ids = struct.unpack(f"<{len(p) // 8}Q", p)
-            slots.difference_update(ids)
-            host.abort(ids)
-            return b""
-        if op == w.OP_LOOKUP:
-            keys, _ = w.decode_keys(p, 0)
-            n, tiers = host.pool.lookup(keys)
-            return w.U32.pack(n) + ",".join(tiers).encode()
-        raise InvalidArgument(f"unknown control op {op}")
-
-    def close(self) -> None:
-        """Stop accepting and drop every connection (their leases and reservations end);
-        idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for s in [self._sock] + list(self._conns):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._sock.close()
-        self._thread.join(timeout=2)
-
-
-class UdsServer(ControlServer):
-    """The same-host control channel: every op, on a Unix socket at ``path`` (mode 0600)."""
-
-    kind = "uds"
-
-    def __init__(self, host: DataPlaneHost, path: str, auth_token: str | None = None,
-                 poll_s: float = NODE_POLL_S) -> None:
-        self.path = path
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-                raise OSError(f"{path} is served by another store node")
-            except ConnectionRefusedError:
-                os.unlink(path)  # a stale socket of a node that died
-            finally:
-                probe.close()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
-        os.chmod(path, 0o600)
-        super().__init__(host, sock, auth_token, poll_s=poll_s)
-        log.info("same-host control channel on %s", path)
-
-    def close(self) -> None:
-        """As :meth:`ControlServer.close`, and unlink the socket."""
-        if self._closed:
-            return
-        super().close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class TcpControlServer(ControlServer):
-    """The control channel of readers on other hosts (transfer-engine path): LOOKUP, LEASE
-    and RELEASE only, on TCP at ``bind_host``:``port`` (0: a free one; see :attr:`port`).
-    A lease's ``deadline`` is this host's monotonic clock, meaningless elsewhere: such
-    readers trust a block by its checksum."""
-
-    kind = "tcp-control"
-
-    def __init__(self, host: DataPlaneHost, bind_host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | None = None, poll_s: float = NODE_POLL_S) -> None:
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((bind_host, port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot listen for control connections on {bind_host}:{port}: {exc}") from None
-        self.port: int = sock.getsockname()[1]
-        super().__init__(host, sock, auth_token, read_only=True, poll_s=poll_s)
-        log.info("read-only control channel on %s:%d (transfer-engine readers)", bind_host, self.port)
-
-    def _prepare(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class UdsControl:
@@ -513,9 +237,10 @@ class UdsControl:
 
 
 class TcpControl(UdsControl):
-    """The client side of :class:`TcpControlServer` (``address`` = host:port): LOOKUP,
-    LEASE and RELEASE as :class:`UdsControl` does them, one TCP connection, no Nagle delay.
-    About 0.1 ms a lease on loopback where a gRPC ``LeaseBlocks`` costs about 1 ms."""
+    """The client side of ``kvstore.dataplane.server.TcpControlServer`` (``address`` =
+    host:port): LOOKUP, LEASE and RELEASE as :class:`UdsControl` does them, one TCP
+    connection, no Nagle delay. About 0.3 ms a lease on loopback where a gRPC
+    ``LeaseBlocks`` costs about 1.1 ms."""
 
     name = "tcp"
     spares = False

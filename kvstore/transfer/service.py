@@ -1,7 +1,7 @@
 """The node side of the transfer-engine path: the ``BlockTransfer`` gRPC service
 (protos/transfer.proto) says where the node's transfer engine listens and where its
 registered DRAM slab lies, and the port of the node's compact TCP control channel
-(kvstore/dataplane/uds.py ``TcpControlServer``), where readers lease slab offsets; without
+(kvstore/dataplane/server.py ``TcpControlServer``), where readers lease slab offsets; without
 one they use the store service's own ``LeaseBlocks`` / ``ReleaseLease``."""
 from __future__ import annotations
 
