@@ -119,13 +119,6 @@ class TransferEngineHandle:
         its id is spent: ask no more)."""
         return self.engine.transfer_check_status(transfer_id) != 0
 
-    def read(self, endpoint: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
-        """Read ``lengths[i]`` bytes at ``remote[i]`` of the engine at ``endpoint`` into
-        ``local[i]`` (registered). Returns whether every transfer succeeded."""
-        if len(local) == 1:
-            return self.engine.transfer_sync_read(endpoint, local[0], remote[0], lengths[0]) == 0
-        return self.engine.batch_transfer_sync_read(endpoint, local, remote, lengths) == 0
-
 
 def _free_port(host: str) -> int:
     with socket.socket() as s:
