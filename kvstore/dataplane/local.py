@@ -315,18 +315,9 @@ class LocalDataPlane:
         reserves); spares too near their write-by time are given back unwritten."""
         ctl = self.control
         give_back: list[int] = []
-        slot: SlotGrant | None = None
         with self._spare_lock:
-            if not ctl.spares_owed or not self._spares.get(size):
-                self._stock(ctl.take_spares(wait=ctl.spares_owed > 0))
-            stock = self._spares.get(size)
-            now = time.monotonic()
-            while stock:
-                g = stock.pop()
-                if _in_time(g, size, now):
-                    slot = g
-                    break
-                give_back.append(g.res_id)
+            self._restock(size)
+            slot = self._pop_spare(size, time.monotonic(), give_back)
         if slot is None:
             if give_back:
                 ctl.abort(give_back)
@@ -359,20 +350,12 @@ class LocalDataPlane:
         give_back: list[int] = []
         if ctl.spares and retry:
             with self._spare_lock:
-                if not ctl.spares_owed or not self._spares.get(sizes[0]):
-                    # with spares in stock, a grant still owed is read by the next round trip
-                    # (after its request went out), not here on the put's path
-                    self._stock(ctl.take_spares(wait=ctl.spares_owed > 0))
+                self._restock(sizes[0])
                 now = time.monotonic()
                 for i, size in enumerate(sizes):
-                    free = self._spares.get(size)
-                    while free:
-                        g = free.pop()
-                        if _in_time(g, size, now):
-                            slots[i] = g
-                            spared.add(i)
-                            break
-                        give_back.append(g.res_id)  # too near its write-by time: never written
+                    slots[i] = self._pop_spare(size, now, give_back)
+                    if slots[i] is not None:
+                        spared.add(i)
         need = [i for i in range(n) if slots[i] is None]
         if need:
             whole = len(need) == n  # chain links can go with the reservation
@@ -481,6 +464,26 @@ class LocalDataPlane:
             unused = [g.res_id for s, stock in self._spares.items() if s != size for g in stock]
             self._spares = {size: self._spares.get(size, [])}
         return (size, want - held), unused
+
+    def _restock(self, size: int) -> None:
+        """Take in the spare grants the node sent (``_spare_lock`` held): those arrived, or
+        all owed when none of ``size`` is in stock. With spares in stock, a grant still owed
+        is read by the next round trip (after its request went out), not on the put's path."""
+        ctl = self.control
+        if not ctl.spares_owed or not self._spares.get(size):
+            self._stock(ctl.take_spares(wait=ctl.spares_owed > 0))
+
+    def _pop_spare(self, size: int, now: float, give_back: list[int]) -> SlotGrant | None:
+        """A spare slot of ``size`` a copy started at ``now`` surely fills in time
+        (``_spare_lock`` held), or None; the ones too near their write-by time, popped on
+        the way, go to ``give_back`` (never written)."""
+        stock = self._spares.get(size)
+        while stock:
+            g = stock.pop()
+            if _in_time(g, size, now):
+                return g
+            give_back.append(g.res_id)
+        return None
 
     def _stock(self, grants: list[tuple[int, SlotGrant]]) -> None:
         """Keep spare slots granted by the node (``_spare_lock`` held)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import Callable
 
 log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23            # <linux/mman.h>; not exported by Python's mmap module
@@ -39,32 +38,26 @@ class Prefaulter:
     called before the mapping goes away; it returns once no madvise call is running.
     ``done`` is set when the whole range is populated (or the kernel refused)."""
 
-    def __init__(self, address: int, nbytes: int, what: str,
-                 on_done: Callable[[bool], None] | None = None) -> None:
+    def __init__(self, address: int, nbytes: int, what: str) -> None:
         self.address, self.nbytes, self.what = address, nbytes, what
         self.populated = 0
         self.done = threading.Event()
         self._stop = threading.Event()
-        self._on_done = on_done
         self._thread = threading.Thread(target=self._run, name=f"kvstore-prefault-{what}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        ok = True
         try:
             while self.populated < self.nbytes and not self._stop.is_set():
                 n = min(CHUNK_BYTES, self.nbytes - self.populated)
                 err = populate(self.address + self.populated, n)
                 if err:
-                    ok = False
                     log.info("pre-faulting %s stopped after %d of %d bytes (errno %d); its pages fault in "
                              "on first use instead", self.what, self.populated, self.nbytes, err)
                     break
                 self.populated += n
         finally:
             self.done.set()
-            if self._on_done is not None:
-                self._on_done(ok and self.populated == self.nbytes)
 
     def stop(self) -> None:
         """Stop after the madvise call in progress (idempotent)."""

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from kvstore.client import _translate
+from kvstore.dataplane.types import MAPPED, MISS  # LeasedBlock.state (protos/kvstore.proto) too
 from kvstore.dataplane.uds import TcpControl
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
@@ -29,7 +30,6 @@ from protos import transfer_pb2 as pb
 from protos import transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-MISS, MAPPED, ELSEWHERE = 0, 1, 2    # LeasedBlock.state (protos/kvstore.proto)
 MIN_BUFFER_BYTES = 16 << 20
 # Blocks move in pieces of at most PIECE_BYTES, each its own async transfer, all started at
 # once: the first pieces land (and are hashed) while later ones still move, and each one's
