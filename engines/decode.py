@@ -72,7 +72,7 @@ class DecodeEngine:
                 # token's logits are discarded; the first token came from prefill).
                 with torch.inference_mode():
                     ids = torch.tensor([prompt[have:]], dtype=torch.long, device=lm.device)
-                    lm.model(input_ids=ids, cache=cache, use_cache=True)
+                    lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 self.recomputed_tokens += len(prompt) - have
                 log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
                             len(prompt) - have)
@@ -89,5 +89,5 @@ class DecodeEngine:
                 return
             with self._lock, torch.inference_mode():
                 ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
-                out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+                out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
             token = int(out.logits[0, -1].argmax())

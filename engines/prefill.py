@@ -122,7 +122,7 @@ class PrefillEngine:
                 cache.crop(-excess)
         with torch.inference_mode():
             ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=lm.device)
-            out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+            out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
         first = int(out.logits[0, -1].argmax())
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
