@@ -15,6 +15,7 @@ from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.pool import PutResult, TierStats, checksum_of
 from kvstore.service import CHUNK_BYTES, GRPC_OPTIONS
+from kvstore.tiers.buffers import Segments, to_bytes
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -177,6 +178,7 @@ class StoreClient:
                 return plane.put_blocks(blocks, chain, parent)
             except Unavailable as exc:  # puts are idempotent: the stream redoes the whole batch
                 self._drop_plane(exc)
+        blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]
         resp = self._call(self._stub.Put, _put_chunks(blocks, chain, parent))
         return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
 

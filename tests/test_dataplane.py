@@ -587,3 +587,25 @@ def test_unusable_buffers_get_invalid_argument(node, client_of) -> None:
     assert client.get_blocks([_key(1)]) == [_block(1)]
     assert client.lookup([_key(1)]).blocks == 1           # after the releases on that socket
     assert pool.stats()[0].leased_bytes == 0
+
+
+@pytest.mark.parametrize("data_path", ["auto", "grpc"])
+def test_a_block_in_segments_is_gathered_at_put_and_scattered_at_get(node, client_of, data_path) -> None:
+    """A paged KV block (one part per layer, engines/vllm/layout.py) goes into one slot and
+    comes back out into its parts, with no staging buffer on the same host; its checksum is
+    that of the concatenated parts, so a flipped byte in the slab is a miss."""
+    from kvstore.tiers.buffers import Segments
+
+    pool, address, _ = node(dram_bytes=16 * MIB)
+    client = client_of(address, data_path=data_path)
+    layers = [np.frombuffer(_block(i, 4096), dtype=np.uint8).copy() for i in range(3)]
+    whole = b"".join(p.tobytes() for p in layers)
+    assert client.put_blocks([(_key(1), Segments(layers))])[0].ok
+    assert client.get(_key(1)) == whole
+    assert pool.tiers[0].locate(_key(1))[2] == checksum_of(whole)
+    outs = [np.zeros(4096, dtype=np.uint8) for _ in range(3)]
+    assert client.get_into([_key(1)], [Segments(outs)]) == [3 * 4096]
+    assert all(np.array_equal(o, p) for o, p in zip(outs, layers))
+    offset, size, _ = pool.tiers[0].locate(_key(1))
+    pool.tiers[0]._slab[offset + 5000] ^= 0xFF
+    assert client.get_into([_key(1)], [Segments(outs)]) == [None]

@@ -24,7 +24,7 @@ import numpy as np
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of, new_hasher
 from kvstore.pool import PutResult
-from kvstore.tiers.buffers import as_u8, copy_into, nbytes
+from kvstore.tiers.buffers import Segments, as_u8, copy_into, nbytes
 from kvstore.tiers.prefault import Prefaulter
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
                                      SlotGrant, host_id)
@@ -207,6 +207,9 @@ class LocalDataPlane:
                     else:
                         np.copyto(d, src)
                         ok = not verify or checksum_of(d) == csum
+                elif isinstance(dst, Segments):  # a paged block: one part per layer, no staging
+                    dst.scatter(src)
+                    ok = not verify or dst.checksum() == csum
                 else:
                     copy_into(dst, src)
                     host = as_u8(dst)

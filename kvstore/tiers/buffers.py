@@ -24,8 +24,63 @@ def is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+class Segments:
+    """One block held in several buffers, back to back: its bytes are the concatenation of
+    ``parts`` (contiguous numpy arrays or tensors of any dtype) in order. A paged KV block is
+    one: vLLM keeps each layer's KV in its own tensor, so a block of all layers is one slice
+    per layer (engines/vllm/connector.py). The pool copies a Segments block into one slot
+    (a gather) and out of it into its parts (a scatter), with no staging buffer.
+
+    ``nbytes``: the block's size in bytes. Raises InvalidArgument for a non-contiguous part.
+    """
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Any) -> None:
+        self.parts = [as_u8(p) for p in parts]
+        self.nbytes = sum(int(p.shape[0]) for p in self.parts)
+
+    def scatter(self, view: Any) -> int:
+        """Copy the first :attr:`nbytes` of ``view`` (a flat uint8 array or tensor) into the
+        parts; returns the bytes copied. Raises InvalidArgument when ``view`` is shorter."""
+        n = view.shape[0] if hasattr(view, "shape") else nbytes(view)
+        if n < self.nbytes:
+            raise InvalidArgument(f"a block of {n} bytes cannot fill segments of {self.nbytes}")
+        at = 0
+        for part in self.parts:
+            size = int(part.shape[0])
+            copy_into(part, view[at:at + size])
+            at += size
+        return at
+
+    def gather(self, out: Any) -> int:
+        """Copy the parts, in order, to the start of ``out`` (a flat uint8 array or tensor of
+        at least :attr:`nbytes`); returns the bytes copied."""
+        if out.shape[0] < self.nbytes:
+            raise InvalidArgument(f"output buffer holds {out.shape[0]} bytes; the block has {self.nbytes}")
+        at = 0
+        for part in self.parts:
+            size = int(part.shape[0])
+            copy_into(out[at:at + size], part)
+            at += size
+        return at
+
+    def checksum(self) -> int:
+        """xxh3_64 of the concatenated parts (kvstore.integrity), read from the parts."""
+        from kvstore.integrity import new_hasher
+        hasher = new_hasher()
+        for part in self.parts:
+            hasher.update(part if isinstance(part, np.ndarray) else part.cpu().numpy())
+        return hasher.intdigest()
+
+    def tobytes(self) -> bytes:
+        return b"".join(to_bytes(p) for p in self.parts)
+
+
 def nbytes(data: Any) -> int:
-    """Size of ``data`` in bytes (bytes-like, array or tensor)."""
+    """Size of ``data`` in bytes (bytes-like, array, tensor or :class:`Segments`)."""
+    if isinstance(data, Segments):
+        return data.nbytes
     if isinstance(data, (bytes, bytearray)):
         return len(data)
     if isinstance(data, memoryview):
@@ -40,6 +95,8 @@ def as_u8(data: Any) -> np.ndarray | Any:
     tensor for a tensor on a device. Raises InvalidArgument for non-contiguous data."""
     if type(data) is np.ndarray and data.dtype == _U8 and data.ndim == 1 and data.flags.c_contiguous:
         return data  # already what is wanted (the pool's own views): the hot path
+    if isinstance(data, Segments):
+        return data
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise InvalidArgument("block data must be a contiguous array")
@@ -63,6 +120,8 @@ def host_u8(data: Any) -> np.ndarray:
 
 def to_bytes(view: Any) -> bytes:
     """A sink: the view's bytes as a new ``bytes`` object (one copy)."""
+    if isinstance(view, Segments):
+        return view.tobytes()
     if isinstance(view, np.ndarray):
         return view.tobytes()
     if is_tensor(view):
@@ -81,8 +140,12 @@ def copy_into(out: Any, view: Any) -> int:
             raise InvalidArgument(f"output buffer holds {m} bytes; the block has {n}")
         np.copyto(out if m == n else out[:n], view)  # the common case, without the checks below
         return n
-    n = view.nbytes if isinstance(view, np.ndarray) else nbytes(view)
+    if isinstance(out, Segments):
+        return out.scatter(view)
     dst = as_u8(out)
+    if isinstance(view, Segments):
+        return view.gather(dst)
+    n = view.nbytes if isinstance(view, np.ndarray) else nbytes(view)
     if dst.shape[0] < n:
         raise InvalidArgument(f"output buffer holds {dst.shape[0]} bytes; the block has {n}")
     if isinstance(dst, np.ndarray) and isinstance(view, np.ndarray):

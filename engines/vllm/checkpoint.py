@@ -1,0 +1,107 @@
+"""Offline Hugging Face checkpoints for vLLM on the CPU: a Llama-architecture model with
+seeded random weights saved with ``save_pretrained``, beside a byte-level BPE tokenizer built
+with the ``tokenizers`` library (no merges: one token per UTF-8 byte), so ``vllm serve DIR``
+and ``LLM(model=DIR)`` run with ``HF_HUB_OFFLINE=1`` and nothing downloaded.
+
+Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, 2 KV heads of 64 — vLLM's CPU attention takes no head size under 32; tests) and ``bench`` (8 layers,
+hidden 512, 8 KV heads of 64; recomputing a 2k-token prefix costs about a second on 2 CPU
+cores, loading its 64 MiB of KV a few milliseconds — what ``benchmarks/bench_vllm.py``
+needs to show the pool's worth)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+# Token ids of the byte-level tokenizer: 0 pad, 1 bos, 2 eos, then the 256 bytes.
+SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSize:
+    """Llama dimensions: layers, hidden size, attention heads, KV heads, MLP width; vocab in
+    tokens (at least 259: the specials and the 256 bytes)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 512
+
+
+SIZES = {
+    "tiny": CheckpointSize(num_layers=2, hidden=128, heads=2, kv_heads=2, intermediate=256),
+    "bench": CheckpointSize(num_layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1408),
+}
+
+
+def _byte_vocab() -> dict[str, int]:
+    from tokenizers.pre_tokenizers import ByteLevel
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(ByteLevel.alphabet(), key=lambda c: _byte_of(c)):
+        vocab[ch] = len(vocab)
+    return vocab
+
+
+def _byte_of(ch: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's printable mapping)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cps = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            cps.append(256 + extra)
+            extra += 1
+    return printable[cps.index(ord(ch))]
+
+
+def write_tokenizer(model_dir: str, max_len: int) -> None:
+    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) saved in ``model_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=max_len)
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(model_dir)
+
+
+def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: int = 0,
+                     max_model_len: int = 4096, dtype: str = "float32") -> str:
+    """Write a seeded random Llama checkpoint and its tokenizer to ``model_dir`` (created);
+    returns ``model_dir``. The same ``size`` and ``seed`` give the same weights. An existing
+    complete checkpoint with the same settings is kept as it is.
+
+    Raises ValueError for an unknown size name."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = SIZES[size] if isinstance(size, str) else size
+    if isinstance(size, str) and size not in SIZES:
+        raise ValueError(f"unknown checkpoint size {size!r}; valid: {sorted(SIZES)}")
+    stamp = {"dims": [dims.num_layers, dims.hidden, dims.heads, dims.kv_heads, dims.intermediate, dims.vocab],
+             "seed": seed, "max_model_len": max_model_len, "dtype": dtype}
+    stamp_path = os.path.join(model_dir, "kvstore_checkpoint.json")
+    if os.path.exists(stamp_path):
+        with open(stamp_path) as f:
+            if json.load(f) == stamp:
+                return model_dir
+    os.makedirs(model_dir, exist_ok=True)
+    cfg = LlamaConfig(vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.intermediate,
+                      num_hidden_layers=dims.num_layers, num_attention_heads=dims.heads,
+                      num_key_value_heads=dims.kv_heads, max_position_embeddings=max_model_len,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(model_dir)
+    write_tokenizer(model_dir, max_model_len)
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    return model_dir

@@ -1,0 +1,135 @@
+"""What a vLLM instance's KV blocks are, in kvstore's terms: the key extras of its requests
+(model, revision, KV layout, namespace from ``cache_salt``) and one paged block as the bytes
+the pool stores.
+
+A pool block is vLLM block ``b`` of every attention layer, back to back, in layer order::
+
+    kv_caches[layer_0][b] ‖ kv_caches[layer_1][b] ‖ …
+
+On the CPU backend each layer's tensor is ``[num_blocks, num_kv_heads, block_size,
+2 * head_size]``, so one layer's slice is contiguous (``2 * H * bs * D * itemsize`` bytes)
+and a block is a :class:`~kvstore.tiers.buffers.Segments` of one part per layer: the pool
+copies into and out of vLLM's paged tensors directly. A backend whose layers are
+``[2, num_blocks, …]`` (keys and values apart) gives two parts per layer. The per-layer
+shape goes into the key extras, so instances whose layouts differ never share a block.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvstore.errors import InvalidArgument
+from kvstore.index.keys import BlockKey, KeyExtras, KVLayout, block_keys
+from kvstore.tiers.buffers import Segments
+
+DEFAULT_NAMESPACE = "default"
+# The block format, in the extras: a change of it must change every key.
+BLOCK_FORMAT = "vllm-paged-v1: layers back to back, each its paged tensor's [block] slice"
+
+
+def model_identity(model: str, revision: str | None) -> tuple[str, str]:
+    """(model id, revision) of a vLLM model argument: for a local directory its base name and
+    the first 16 hex digits of the SHA-256 of its ``config.json`` (as engines/model.py names
+    a checkpoint), else the name and the configured revision (``""`` when none)."""
+    config = os.path.join(model, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        return os.path.basename(os.path.normpath(model)), digest
+    return model, revision or ""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLayout:
+    """The layout of one vLLM instance's KV blocks: ``layout`` (dtype, layers, KV heads, head
+    size, block size in tokens) and ``layer_shape``, the per-layer cache tensor's shape with
+    the block count left out (``None`` until the worker has seen its tensors)."""
+
+    model_id: str
+    revision: str
+    layout: KVLayout
+    layer_shape: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> "PagedLayout":
+        """From a ``VllmConfig``. Raises InvalidArgument for a set-up the connector does not
+        serve: tensor or pipeline parallelism above 1 (each rank would hold a shard of every
+        block under one key)."""
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise InvalidArgument("the kvstore connector serves tensor_parallel_size 1 and "
+                                  f"pipeline_parallel_size 1, got {par.tensor_parallel_size} and "
+                                  f"{par.pipeline_parallel_size}")
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
+        dtype_name = str(dtype).removeprefix("torch.")
+        model_id, revision = model_identity(mc.model, getattr(mc, "revision", None))
+        layout = KVLayout(dtype=dtype_name, num_layers=mc.get_num_layers(par),
+                          num_kv_heads=mc.get_num_kv_heads(par), head_dim=mc.get_head_size(),
+                          block_size=cc.block_size)
+        return cls(model_id, revision, layout)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    def extras(self, cache_salt: str | None) -> KeyExtras:
+        """The key extras of a request: its namespace is its ``cache_salt`` (set by the
+        front door from the caller's identity), ``default`` without one."""
+        return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
+                         namespace=cache_salt or DEFAULT_NAMESPACE, other=(BLOCK_FORMAT,))
+
+    def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[BlockKey]:
+        """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py)."""
+        return block_keys(tokens, self.block_size, self.extras(cache_salt))
+
+
+class PagedBlocks:
+    """Views of vLLM's paged KV tensors, one :class:`Segments` per block id.
+
+    ``kv_caches``: layer name → that layer's cache tensor, as vLLM registers them; the
+    layers' order is the dict's (model order). Raises InvalidArgument for tensors whose
+    block slices are not contiguous or whose layers disagree in shape or dtype.
+    """
+
+    def __init__(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise InvalidArgument("vLLM registered no KV cache tensors")
+        first = tensors[0]
+        for t in tensors:
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
+                raise InvalidArgument(f"KV cache layers differ: {tuple(t.shape)} {t.dtype} vs "
+                                      f"{tuple(first.shape)} {first.dtype}")
+            if not t.is_contiguous():
+                raise InvalidArgument("KV cache tensors must be contiguous")
+        if first.shape[0] == num_blocks:
+            self._split_kv = False
+        elif first.ndim > 1 and first.shape[0] == 2 and first.shape[1] == num_blocks:
+            self._split_kv = True
+        else:
+            raise InvalidArgument(f"cannot find the block dimension ({num_blocks} blocks) in KV cache "
+                                  f"tensors of shape {tuple(first.shape)}")
+        import torch
+        # One flat uint8 view per layer with a row per block (numpy on the CPU): a block's
+        # parts are rows of these, so building its Segments costs no tensor ops.
+        rows = []
+        for t in tensors:
+            u8 = t.view(torch.uint8).reshape((2, num_blocks, -1) if self._split_kv else (num_blocks, -1))
+            rows.append(u8.numpy() if u8.device.type == "cpu" else u8)
+        self._rows = rows
+        self.num_blocks = num_blocks
+        self.layer_shape = tuple(first.shape[2:] if self._split_kv else first.shape[1:])
+        self.device = str(first.device)
+        self.block_bytes = self.segments(0).nbytes
+
+    def segments(self, block_id: int) -> Segments:
+        """Block ``block_id`` of every layer, in layer order. Raises InvalidArgument for a
+        block id outside the cache."""
+        if not 0 <= block_id < self.num_blocks:
+            raise InvalidArgument(f"block id {block_id} outside [0, {self.num_blocks})")
+        if self._split_kv:
+            return Segments([part for r in self._rows for part in (r[0, block_id], r[1, block_id])])
+        return Segments([r[block_id] for r in self._rows])

@@ -1,0 +1,181 @@
+"""The connector's way to the pool: settings read from vLLM's ``kv_connector_extra_config``,
+and a :class:`PoolLink` that turns every pool failure into a miss.
+
+A link talks to one store node (:class:`~kvstore.client.StoreClient`: the node's mapped DRAM
+slab when it runs on this host, its gRPC stream otherwise) or, given a Redis URL, to the
+cluster (:class:`~kvstore.cluster.client.ClusterClient`: chain placement across nodes, the
+transfer engine or gRPC between hosts). A pool that fails a call is skipped for a back-off
+(1 s, doubling to 30 s), so a store that is down costs at most one timeout per back-off,
+never a failed request.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
+from kvstore.tiers.buffers import Segments
+
+log = logging.getLogger(__name__)
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+LOAD_ERROR_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """The connector's settings: ``kv_connector_extra_config`` keys of the form
+    ``kvstore.<field>``; ``store_token`` falls back to the ``KVSTORE_STORE_TOKEN`` environment
+    variable (so it stays off command lines).
+
+    ``store``: a store node's host:port. ``redis``: a Redis URL; when set, the cluster
+    registered there is the pool and ``store`` is unused. ``timeout_s``: seconds per pool
+    call. ``on_load_error``: ``recompute`` (default: a block that fails to load is recomputed
+    by vLLM) or ``fail`` (the request fails), set as vLLM's ``kv_load_failure_policy``.
+    """
+
+    store: str = "127.0.0.1:50051"
+    redis: str | None = None
+    store_token: str | None = None
+    timeout_s: float = 5.0
+    on_load_error: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise InvalidArgument(f"kvstore.timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        if self.on_load_error not in LOAD_ERROR_POLICIES:
+            raise InvalidArgument(f"kvstore.on_load_error must be one of {LOAD_ERROR_POLICIES}, "
+                                  f"got {self.on_load_error!r}")
+        if not self.redis and (not isinstance(self.store, str) or ":" not in self.store):
+            raise InvalidArgument(f"kvstore.store must be host:port, got {self.store!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        """From ``kv_connector_extra_config``. Raises InvalidArgument for an unknown
+        ``kvstore.`` key (the message lists the valid ones) or a bad value."""
+        fields = {f: v for f, v in cls.__dataclass_fields__.items()}
+        kw: dict[str, Any] = {}
+        for key, value in (extra or {}).items():
+            if not key.startswith("kvstore."):
+                continue
+            name = key.removeprefix("kvstore.")
+            if name not in fields:
+                raise InvalidArgument(f"unknown connector setting {key!r}; valid: "
+                                      f"{sorted('kvstore.' + f for f in fields)}")
+            kw[name] = float(value) if name == "timeout_s" and isinstance(value, (int, str)) else value
+        kw.setdefault("store_token", os.environ.get("KVSTORE_STORE_TOKEN") or None)
+        return cls(**kw)
+
+
+class PoolLink:
+    """Lookups, loads and saves against the pool; every failure is a miss, counted and
+    logged, and opens a back-off during which the pool is not asked. Thread-safe."""
+
+    def __init__(self, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self.failures = 0
+
+    @property
+    def target(self) -> str:
+        return f"cluster at {self.cfg.redis}" if self.cfg.redis else f"store node {self.cfg.store}"
+
+    def _get_client(self) -> Any:
+        """The client, made on first use; None while backing off after a failure."""
+        if time.monotonic() < self._down_until:
+            return None
+        with self._lock:
+            if self._client is None:
+                if self.cfg.redis:
+                    from kvstore.cluster.client import ClusterClient
+                    self._client = ClusterClient(self.cfg.redis, auth_token=self.cfg.store_token)
+                else:
+                    from kvstore.client import StoreClient
+                    self._client = StoreClient(self.cfg.store, auth_token=self.cfg.store_token,
+                                               timeout_s=self.cfg.timeout_s)
+            return self._client
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        with self._lock:
+            self._down_until = time.monotonic() + self._backoff
+            log.warning("kvstore connector: %s failed (%s: %s); recomputing, pool skipped for %.0f s",
+                        what, type(exc).__name__, exc, self._backoff)
+            self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def _ok(self) -> None:
+        self._backoff = BACKOFF_FIRST_S
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure)."""
+        client = self._get_client() if keys else None
+        if client is None:
+            return 0
+        try:
+            found = client.lookup(list(keys)).blocks
+        except (KVStoreError, OSError) as exc:
+            self._failed(f"lookup of {len(keys)} blocks in the {self.target}", exc)
+            return 0
+        self._ok()
+        return found
+
+    def load(self, keys: Sequence[bytes], outs: Sequence[Segments]) -> int:
+        """Copy the blocks of ``keys`` into ``outs`` (vLLM's paged blocks) and return how many
+        leading blocks were loaded whole and verified against their put-time checksums; the
+        rest hold undefined bytes and must be recomputed. Never raises for a pool failure."""
+        client = self._get_client() if keys else None
+        if client is None:
+            return 0
+        try:
+            if hasattr(client, "get_into"):
+                got = client.get_into(list(keys), list(outs), stop_at_miss=True)
+            else:  # the cluster client: bytes from whichever node holds each block
+                got = [None if d is None else o.scatter(np.frombuffer(d, dtype=np.uint8))
+                       for d, o in zip(client.get_blocks(list(keys), stop_at_miss=True), outs)]
+        except LeaseExpired as exc:
+            log.warning("kvstore connector: a load of %d blocks outlived its lease (%s); recomputing them",
+                        len(keys), exc)
+            return 0
+        except (KVStoreError, OSError) as exc:
+            self._failed(f"load of {len(keys)} blocks from the {self.target}", exc)
+            return 0
+        self._ok()
+        n = 0
+        for size, out in zip(got, outs):
+            if size is None or size != out.nbytes:
+                break
+            n += 1
+        return n
+
+    def save(self, blocks: Sequence[tuple[bytes, Segments]], parent: bytes | None) -> int:
+        """Put ``blocks`` (one prefix chain, head first, extending ``parent``); returns how
+        many the pool now holds (new or already there). Never raises for a pool failure."""
+        client = self._get_client() if blocks else None
+        if client is None:
+            return 0
+        try:
+            if self.cfg.redis:  # the cluster client sends bytes
+                results = client.put_blocks([(k, s.tobytes()) for k, s in blocks], chain=True, parent=parent)
+            else:
+                results = client.put_blocks(list(blocks), chain=True, parent=parent)
+        except (KVStoreError, OSError) as exc:
+            self._failed(f"save of {len(blocks)} blocks to the {self.target}", exc)
+            return 0
+        self._ok()
+        return sum(1 for r in results if r.ok)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

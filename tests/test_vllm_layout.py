@@ -1,0 +1,68 @@
+"""The connector's settings and its view of vLLM's paged KV tensors (engines/vllm/), without
+a vLLM engine: bad settings are refused with the valid ones named; a block's segments are the
+layers' slices of that block, in layer order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.vllm.layout import PagedBlocks, PagedLayout
+from engines.vllm.pool_link import ConnectorConfig, PoolLink
+from kvstore.errors import InvalidArgument
+from kvstore.index.keys import KVLayout
+
+
+def test_settings_come_from_the_extra_config_and_bad_ones_are_named(monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_STORE_TOKEN", "secret")
+    cfg = ConnectorConfig.from_extra({"kvstore.store": "127.0.0.1:7000", "kvstore.timeout_s": "2.5",
+                                      "lmcache.other": 1})
+    assert (cfg.store, cfg.timeout_s, cfg.store_token, cfg.on_load_error) == ("127.0.0.1:7000", 2.5, "secret",
+                                                                               "recompute")
+    with pytest.raises(InvalidArgument, match="kvstore.store_token"):
+        ConnectorConfig.from_extra({"kvstore.stroe": "x:1"})
+    with pytest.raises(InvalidArgument, match="recompute"):
+        ConnectorConfig.from_extra({"kvstore.on_load_error": "ignore"})
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        ConnectorConfig.from_extra({"kvstore.timeout_s": float("nan")})
+    with pytest.raises(InvalidArgument, match="host:port"):
+        ConnectorConfig.from_extra({"kvstore.store": "nowhere"})
+
+
+def test_a_block_is_its_slice_of_every_layer_in_order() -> None:
+    layers = {f"layer.{i}": torch.arange(4 * 2 * 8 * 6, dtype=torch.float32).reshape(4, 2, 8, 6) + 1000 * i
+              for i in range(3)}
+    paged = PagedBlocks(layers, num_blocks=4)
+    assert paged.block_bytes == 3 * 2 * 8 * 6 * 4 and paged.layer_shape == (2, 8, 6)
+    seg = paged.segments(2)
+    want = b"".join(t[2].numpy().tobytes() for t in layers.values())
+    assert seg.tobytes() == want
+    seg.scatter(np.zeros(seg.nbytes, dtype=np.uint8))      # writes go to vLLM's tensors themselves
+    assert all(float(t[2].abs().sum()) == 0 and float(t[1].abs().sum()) > 0 for t in layers.values())
+    with pytest.raises(InvalidArgument, match="outside"):
+        paged.segments(4)
+    split = PagedBlocks({"l": torch.zeros(2, 5, 8, 2, 6)}, num_blocks=5)   # keys and values apart
+    assert len(split.segments(0).parts) == 2
+    with pytest.raises(InvalidArgument, match="block dimension"):
+        PagedBlocks({"l": torch.zeros(3, 7)}, num_blocks=5)
+
+
+def test_namespaces_and_layouts_key_apart() -> None:
+    lay = PagedLayout("m", "r", KVLayout("float32", 2, 2, 64, 32))
+    tokens = list(range(100))
+    assert lay.keys(tokens, "a") != lay.keys(tokens, "b")
+    assert lay.keys(tokens, None) == lay.keys(tokens, "default")
+    assert len(lay.keys(tokens, "a")) == 3
+    other = PagedLayout("m", "r", KVLayout("bfloat16", 2, 2, 64, 32))
+    assert lay.keys(tokens, "a")[0] != other.keys(tokens, "a")[0]
+
+
+def test_a_pool_that_cannot_be_reached_is_a_miss_and_backs_off() -> None:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    link = PoolLink(ConnectorConfig(store=f"127.0.0.1:{port}", timeout_s=1))
+    assert link.lookup([b"k" * 32]) == 0 and link.failures == 1
+    assert link.lookup([b"k" * 32]) == 0 and link.failures == 1   # backing off: not asked again
+    link.close()
