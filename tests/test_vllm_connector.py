@@ -210,6 +210,32 @@ def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_n
         engine.close()
 
 
+def test_blocks_spread_over_a_cluster_load_through_the_cluster_client(model_dir, redis_url, spawn_store_node,
+                                                                      engines, tmp_path) -> None:
+    """Two store nodes found through Redis, each too small for the whole prompt: the chain is
+    placed across both and loaded back from both."""
+    for i in range(2):
+        spawn_store_node(f"vllm-n{i}", "--dram", "512KiB", "--ssd", "0", "--redis", redis_url,
+                         "--transfer-engine", "off", "--heartbeat", "0.3", "--node-ttl", "1.5")
+    conn = connector("127.0.0.1:1", "kv_both")
+    conn["kv_connector_extra_config"] = {"kvstore.redis": redis_url, "kvstore.timeout_s": 5}
+    engine = Engine(model_dir, tmp_path / "cluster.log", kv_transfer_config=conn)
+    try:
+        prompt = prompt_of(10, 10 * BS + 4)           # 10 blocks of 64 KiB; a node holds 7
+        engine.generate(prompt)
+        from kvstore.cluster.client import ClusterClient
+        paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+        with ClusterClient(redis_url) as cluster:
+            held_by = {n.node_id for n in cluster.locate(paged.keys(prompt, "tenant-a"))}
+        assert held_by == {"vllm-n0", "vllm-n1"}
+        again = prompt[:10 * BS] + prompt_of(11, 9)
+        tokens, cached = engine.generate(again)
+        assert cached == 10 * BS
+        assert tokens == engines("plain").generate(again)[0]
+    finally:
+        engine.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -36,26 +36,24 @@ SIZES = {
 }
 
 
-def _byte_vocab() -> dict[str, int]:
-    from tokenizers.pre_tokenizers import ByteLevel
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in sorted(ByteLevel.alphabet(), key=lambda c: _byte_of(c)):
-        vocab[ch] = len(vocab)
-    return vocab
-
-
-def _byte_of(ch: str) -> int:
-    """The byte a ByteLevel alphabet character stands for (GPT-2's printable mapping)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cps = printable[:]
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map, which a ByteLevel pre-tokenizer applies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            cps.append(256 + extra)
+        if b not in chars:
+            chars[b] = chr(256 + extra)
             extra += 1
-    return printable[cps.index(ord(ch))]
+    return chars
+
+
+def _byte_vocab() -> dict[str, int]:
+    """The specials, then byte ``b`` as id ``b + 3`` (as engines/tokenizer.py's ByteTokenizer)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for b, ch in sorted(_bytes_to_unicode().items()):
+        vocab[ch] = b + len(SPECIALS)
+    return vocab
 
 
 def write_tokenizer(model_dir: str, max_len: int) -> None:
@@ -105,3 +103,23 @@ def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: 
     with open(stamp_path, "w") as f:
         json.dump(stamp, f)
     return model_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engines.vllm.checkpoint DIR [--size tiny|bench] [--seed N]``."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m engines.vllm.checkpoint",
+                                     description="Write an offline random-weight Llama checkpoint and its "
+                                                 "byte-level tokenizer, for vLLM (no download).")
+    parser.add_argument("model_dir", help="directory to write (created)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                        help="tiny: 2 layers, hidden 128 (default); bench: 8 layers, hidden 512")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="context length in tokens (default 4096)")
+    args = parser.parse_args(argv)
+    path = write_checkpoint(args.model_dir, args.size, args.seed, args.max_model_len)
+    print(f"wrote {args.size} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

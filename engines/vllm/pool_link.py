@@ -98,7 +98,8 @@ class PoolLink:
             if self._client is None:
                 if self.cfg.redis:
                     from kvstore.cluster.client import ClusterClient
-                    self._client = ClusterClient(self.cfg.redis, auth_token=self.cfg.store_token)
+                    self._client = ClusterClient(self.cfg.redis, auth_token=self.cfg.store_token,
+                                                 timeout_s=self.cfg.timeout_s)
                 else:
                     from kvstore.client import StoreClient
                     self._client = StoreClient(self.cfg.store, auth_token=self.cfg.store_token,
