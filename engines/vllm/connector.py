@@ -20,11 +20,15 @@ the pool evicted them, so the two never drift apart).
 
 Worker side: loads copy each block from the pool straight into vLLM's paged KV tensors
 (one copy out of the mapped DRAM slab on the store's host, no staging buffer) in
-``start_load_kv``, before the forward pass; saves copy each completed block from the paged
-tensors straight into the pool in ``wait_for_save``, after it (one batched put per request;
-per-layer saves would cut every block into one pool entry per layer, and on the CPU there
-is no copy engine to overlap with compute). Loads and saves are synchronous, so vLLM never
-frees or reuses a block under a copy. A block that misses, fails its checksum or outlives
+``start_load_kv``, before the forward pass (synchronous: the forward reads them). Saves copy
+each completed block from the paged tensors straight into the pool after the forward pass,
+whole blocks of every layer in one batched put per request (per-layer saves would cut each
+block into one pool entry per layer). A ``kv_producer`` saves in ``wait_for_save`` itself,
+so its blocks are in the pool when vLLM answers (the consumer's hand-off); ``kv_both``
+(a cache: a save that lands late is only a later hit) saves on a background thread, off the
+step's critical path — vLLM then keeps a finished request's blocks until
+``get_finished`` reports its saves done, and ``handle_preemptions`` waits for a preempted
+request's saves before vLLM may reuse its blocks. A block that misses, fails its checksum or outlives
 its lease is reported through ``get_block_ids_with_load_errors`` and recomputed by vLLM
 (``kvstore.on_load_error``, default ``recompute``, is set as vLLM's
 ``kv_load_failure_policy``): never wrong KV. A pool that cannot be reached is a miss.
@@ -32,7 +36,9 @@ its lease is reported through ``get_block_ids_with_load_errors`` and recomputed 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +77,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -84,6 +91,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
     local_tokens: int = 0
+    sent_saves: bool = False
 
 
 @dataclass(slots=True)
@@ -112,6 +120,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.paged = PagedLayout.from_vllm(vllm_config)
         self.block_size = self.paged.block_size
         self.saves = bool(tc.is_kv_producer)
+        # kv_both is a cache: its saves run beside the next steps; a producer's hand-off is
+        # complete when vLLM answers.
+        self.async_saves = self.saves and bool(tc.is_kv_consumer) and self.cfg.async_save
         # A failed load must be recomputed, not fail the request (vLLM's default is "fail").
         tc.kv_load_failure_policy = self.cfg.on_load_error
         self.link = PoolLink(self.cfg)
@@ -122,6 +133,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._blocks: PagedBlocks | None = None
         self._load_errors: set[int] = set()
+        self._saver: ThreadPoolExecutor | None = None
+        self._pending: dict[str, list[Future]] = {}   # request -> its saves not yet reported
+        self._finishing: set[str] = set()              # finished requests whose saves may run
+        self._stats_lock = threading.Lock()
         log.info("kvstore connector (%s, role %s): pool %s, model %s, layout %s", role.name.lower(),
                  tc.kv_role, self.link.target, self.paged.model_id, self.paged.layout.to_json())
 
@@ -169,7 +184,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
         """This step's loads (every load recorded since the last step) and saves (the full
         prompt blocks this step completes that the pool lacks)."""
-        meta = KVStoreConnectorMetadata(loads=list(self._loads.values()))
+        meta = KVStoreConnectorMetadata(loads=list(self._loads.values()),
+                                        preempted=frozenset(scheduler_output.preempted_req_ids or ()))
         self._loads.clear()
         if not self.saves:
             return meta
@@ -199,13 +215,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta.saves.append(BlockTransfer(req_id, tuple(tr.keys[a:done]), tuple(tr.block_ids[a:done]),
                                             tr.keys[a - 1] if a else None))
             tr.saved = done
+            tr.sent_saves = True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its saves were done in the steps that computed its blocks, so
-        vLLM may free the blocks now."""
-        self._tracked.pop(request.request_id, None)
+        """Forget the request. True (vLLM keeps its blocks until ``get_finished`` names it)
+        when saves of it may still be running on the worker's background thread."""
+        tr = self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return False, None
+        return bool(self.async_saves and tr is not None and tr.sent_saves), None
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -247,18 +264,49 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # blocks are saved whole, all layers at once, in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Put the blocks this step completed, straight from the paged tensors."""
+        """Put the blocks this step completed, straight from the paged tensors: here (a
+        producer), or on the background thread (``kv_both``)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self._blocks is not None
         for save in meta.saves:
-            t0 = time.perf_counter()
-            blocks = [(k, self._blocks.segments(b)) for k, b in zip(save.keys, save.block_ids)]
-            self.stats.saved_blocks += self.link.save(blocks, save.parent)
+            if not self.async_saves:
+                self._save(save)
+                continue
+            if self._saver is None:
+                self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+            self._pending.setdefault(save.request_id, []).append(self._saver.submit(self._save, save))
+
+    def _save(self, save: BlockTransfer) -> None:
+        assert self._blocks is not None
+        t0 = time.perf_counter()
+        blocks = [(k, self._blocks.segments(b)) for k, b in zip(save.keys, save.block_ids)]
+        saved = self.link.save(blocks, save.parent)
+        with self._stats_lock:
+            self.stats.saved_blocks += saved
             self.stats.save_s += time.perf_counter() - t0
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before vLLM reuses a preempted request's blocks: wait for its saves."""
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        for req_id in kv_connector_metadata.preempted:
+            for fut in self._pending.get(req_id, ()):
+                fut.result()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose background saves are all done (vLLM may free their
+        blocks now); loads are synchronous, so none are reported."""
+        self._finishing.update(r for r in finished_req_ids if r in self._pending)
+        done = {r for r in self._finishing if all(f.done() for f in self._pending[r])}
+        for r in done:
+            self._finishing.discard(r)
+            del self._pending[r]
+        return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         self.link.close()
