@@ -279,7 +279,7 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
         taken.listen(1)
         before = set(glob.glob("/dev/shm/*"))
         cfg = StoreConfig(node_id="ctl-taken", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path),
-                          control_port=taken.getsockname()[1], dataplane_socket="")
+                          control_port=taken.getsockname()[1], dataplane_socket="", transfer_engine="tcp")
         with pytest.raises(OSError, match="cannot listen for control connections"):
             start_node(cfg)
         assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind

@@ -32,9 +32,14 @@ class ClusterAgent:
         self.node_te: NodeTransferEngine | None = None
         self.te_error: str | None = None
         dram = next((t for t in pool.tiers if t.name == "dram"), None)
-        if cfg.transfer_engine != "off" and dram is not None:
+        protocol = cfg.transfer_protocol()
+        if protocol and dram is not None:
             try:
-                self.node_te = NodeTransferEngine(dram.shm_name, self.host, cfg.transfer_engine, cfg.te_metadata)
+                self.node_te = NodeTransferEngine(dram.shm_name, self.host, protocol, cfg.te_metadata)
+                log.warning("store node %s: the Mooncake transfer engine (%s) listens on every interface, "
+                            "whatever --host says, and authenticates no one: a peer that reaches %s can read "
+                            "and write what is registered with it. Run it on a private fabric only "
+                            "(--transfer-engine off turns it off)", cfg.node_id, protocol, self.node_te.endpoint)
             except TransferEngineUnavailable as exc:
                 self.te_error = str(exc)
                 log.warning("store node %s: no transfer engine (%s); readers use the gRPC stream",
