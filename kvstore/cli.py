@@ -62,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
                            heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
                            transfer_engine=args.transfer_engine, te_metadata=args.te_metadata,
+                           te_staging_bytes=args.te_staging,
                            advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
                            control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us,
                            dram_prefault=args.dram_prefault)
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "authentication and listens on every interface: a private fabric only")
     p.add_argument("--te-metadata", metavar="URL", help="transfer engine metadata: P2PHANDSHAKE (default) "
                    "or Mooncake's HTTP metadata server http://host:port/metadata")
+    p.add_argument("--te-staging", metavar="SIZE", help="register only a staging area of this size with the "
+                   "transfer engine, holding the blocks being read (default 64MiB); 0 registers the whole "
+                   "DRAM slab: every block reachable by any peer of the engine")
     p.add_argument("--advertise-host", help="host other machines reach this node at (default --host)")
     p.add_argument("--dram-prefault", action=argparse.BooleanOptionalAction, default=None,
                    help="allocate and map the DRAM slab's pages in the background from the start, so no "

@@ -69,6 +69,9 @@ class StoreConfig:
     node_ttl_s: float = 3.0
     transfer_engine: str = "auto"
     te_metadata: str = "P2PHANDSHAKE"    # or Mooncake's HTTP metadata server, http://host:port/metadata
+    # Register only a staging area of this size with the transfer engine, holding the blocks
+    # being read (kvstore/transfer/staging.py); 0 registers the whole DRAM slab.
+    te_staging_bytes: int = 64 << 20
     advertise_host: str | None = None    # host others reach this node at (default: host)
     # Readers on other hosts lease blocks over a compact TCP channel on this port (0: a free
     # one, announced in BlockTransfer.Info); it runs beside the transfer engine.
@@ -84,7 +87,8 @@ class StoreConfig:
     dram_prefault: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us"):
+        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us",
+                     "te_staging_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
@@ -128,7 +132,7 @@ class StoreConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown store settings {unknown}; valid: {sorted(known)}")
-        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes"):
+        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes", "te_staging_bytes"):
             if key in values:
                 values[key] = parse_bytes(values[key])
         return replace(cls(), **values)
