@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from tabulate import tabulate
 
+from kvstore.auth import STORE_TOKEN_ENV, token_from
 from kvstore.config import parse_bytes
 from kvstore.errors import KVStoreError
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port (default %(default)s)")
-    parser.add_argument("--token", help="bearer token, if the node requires one")
+    parser.add_argument("--token", help="bearer token, if the node requires one (default: KVSTORE_STORE_TOKEN)")
     parser.add_argument("--timeout", type=_positive, default=10.0, help="seconds to wait for the node (default %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("tiers", help="show each tier's capacity, usage and counters")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvstore.client import StoreClient
     try:
-        with StoreClient(args.store, auth_token=args.token, timeout_s=args.timeout) as client:
+        with StoreClient(args.store, auth_token=token_from(args.token, STORE_TOKEN_ENV), timeout_s=args.timeout) as client:
             return args.func(client, args)
     except (KVStoreError, ValueError) as exc:
         print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)

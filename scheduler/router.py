@@ -143,8 +143,9 @@ class Router:
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       local_cache_blocks: int = 4096, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
-                      store_redis: str | None = None) -> "Router":
-        """Connect to the engines (host:port each) and the store node (``store_redis``: every
+                      store_redis: str | None = None, engine_auth_token: str | None = None) -> "Router":
+        """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
+        kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine
         answers ``Info``. Raises Unavailable if one does not within ``ready_timeout_s`` and
         InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
@@ -154,7 +155,7 @@ class Router:
             for addresses, kind, out in ((prefill_addresses, PrefillInstance, pre),
                                          (decode_addresses, DecodeInstance, dec)):
                 for address in addresses:
-                    client = EngineClient(address)
+                    client = EngineClient(address, auth_token=engine_auth_token)
                     opened.append(client)
                     await client.wait_ready(ready_timeout_s)
                     out.append(kind(client, await client.info()))
