@@ -98,7 +98,8 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
     from engines.model import ModelConfig, load_model
     from engines.prefill import PrefillEngine
 
-    procs = {f"n{i}": spawn_store_node(f"n{i}", "--dram", "200KiB", "--redis", redis_url, *NODE_FLAGS)[0]
+    # 64 blocks of 8 KiB + an 8-byte identity tag (3 pages each): about 25 a node, so the chain spans all three
+    procs = {f"n{i}": spawn_store_node(f"n{i}", "--dram", "300KiB", "--redis", redis_url, *NODE_FLAGS)[0]
              for i in range(3)}
     lm = load_model(ModelConfig(block_size=BS))
     prompt = torch.randint(3, 512, (64 * BS + 5,), generator=torch.Generator().manual_seed(64)).tolist()
