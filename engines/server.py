@@ -62,7 +62,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a prefill engine")
         steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
-                                   list(request.stop_token_ids), lambda: not context.is_active())
+                                   list(request.stop_token_ids), lambda: not context.is_active(),
+                                   namespace=request.namespace)
         try:
             for step in steps:
                 yield pb.DecodeToken(token=step.token, index=step.index, finished=step.finished,

@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            te_staging_bytes=args.te_staging,
                            advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
                            control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us,
-                           dram_prefault=args.dram_prefault)
+                           dram_prefault=args.dram_prefault, ssd_on_error=args.ssd_on_error)
     if not cfg.auth_token and token_from(None, STORE_TOKEN_ENV):   # flag, then file, then environment
         cfg = replace(cfg, auth_token=token_from(None, STORE_TOKEN_ENV))
     server, port, pool = start_node(cfg)
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 4GiB (default 4GiB)")
     p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
     p.add_argument("--ssd-fsync", choices=["never", "commit"], help="SSD durability (default never)")
+    p.add_argument("--ssd-on-error", choices=["fail", "disable"],
+                   help="an SSD data directory that cannot be used at start: fail (exit with the error; "
+                        "default) or disable (serve without the SSD tier)")
     p.add_argument("--hbm", help="HBM tier capacity above DRAM, e.g. 2GiB (default 0: none)")
     p.add_argument("--hbm-device", help="HBM tier device: auto (CUDA if present, else cpu), cpu, cuda:0, ...")
     p.add_argument("--policy", choices=["lru", "lfu", "fifo", "s3fifo"], help="eviction policy (default lru)")

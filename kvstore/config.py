@@ -51,6 +51,9 @@ class StoreConfig:
     ssd_bytes: int = 4 << 30
     data_dir: str = "var/store"
     ssd_fsync: str = "never"
+    # An SSD data directory that cannot be used at start: "fail" (the node does not start,
+    # one-line error) or "disable" (the node starts without its SSD tier, and logs so).
+    ssd_on_error: str = "fail"
     promote_on_hit: bool = True
     auth_token: str | None = None
     redis_url: str | None = None      # KV events go to this Redis; None: an in-process channel
@@ -103,6 +106,8 @@ class StoreConfig:
         self.pool_settings()  # validates watermarks, policy and times
         if self.ssd_fsync not in ("never", "commit"):
             raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
+        if self.ssd_on_error not in ("fail", "disable"):
+            raise ValueError(f"ssd_on_error must be 'fail' or 'disable', got {self.ssd_on_error!r}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:

@@ -33,12 +33,13 @@ def cmd_tiers(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
         return 0
     rows = [[s.name, s.device, s.policy, _mib(s.capacity_bytes), _mib(s.used_bytes),
              f"{100 * s.used_bytes / s.capacity_bytes:.1f}", _mib(s.leased_bytes), _mib(s.pinned_bytes),
-             s.blocks, s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures]
+             s.blocks, s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures,
+             s.quarantines]
             for s in stats]
     print(f"node {node} at {args.store}")
     print(tabulate(rows, headers=["tier", "device", "policy", "capacity MiB", "used MiB", "used %",
                                   "leased MiB", "pinned MiB", "blocks", "hits", "misses", "evictions",
-                                  "demotions", "promotions", "integrity failures"]))
+                                  "demotions", "promotions", "integrity failures", "quarantines"]))
     return 0
 
 

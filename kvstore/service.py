@@ -141,7 +141,8 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                          used_bytes=s.used_bytes, blocks=s.blocks, hits=s.hits, misses=s.misses,
                          evictions=s.evictions, demotions=s.demotions, promotions=s.promotions,
                          integrity_failures=s.integrity_failures, leased_bytes=s.leased_bytes,
-                         pinned_bytes=s.pinned_bytes, reserved_bytes=s.reserved_bytes, policy=s.policy)
+                         pinned_bytes=s.pinned_bytes, reserved_bytes=s.reserved_bytes, policy=s.policy,
+                         quarantines=s.quarantines)
             for s in self.pool.stats()])
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -208,6 +208,27 @@ def test_a_corrupted_block_is_recomputed_and_counted(engines, store, model_dir) 
     assert b.stats()["load_errors"] >= errors + 3     # the block and the two after it
 
 
+def test_a_block_of_other_tokens_under_a_colliding_key_is_recomputed(engines, store, model_dir) -> None:
+    """Two prompts whose keys collide (forced: the pool is given prompt 1's stored blocks,
+    tags included, under prompt 2's keys): the reader's identity check makes them load
+    errors, vLLM recomputes, the tokens are right and the mismatches are counted."""
+    pool, _ = store
+    a, b, plain = engines("both_a"), engines("both_b"), engines("plain")
+    p1, p2 = prompt_of(21, 3 * BS + 5), prompt_of(22, 3 * BS + 5)
+    a.generate(p1)
+    paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+    k1, k2 = paged.keys(p1, "tenant-a"), paged.keys(p2, "tenant-a")
+    assert pool.lookup(k1)[0] == 3 and pool.lookup(k2)[0] == 0
+    for src, dst in zip(k1, k2):
+        assert pool.put(dst, pool.get(src)).ok          # prompt 1's bytes under prompt 2's keys
+    before = b.stats()
+    tokens, _ = b.generate(p2)   # vLLM counts the blocks it was offered as cached, loaded or not
+    assert tokens == plain.generate(p2)[0]
+    after = b.stats()
+    assert after["identity_mismatches"] == before.get("identity_mismatches", 0) + 1
+    assert after["load_errors"] >= before["load_errors"] + 3
+
+
 def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_node, engines, tmp_path) -> None:
     proc, address = spawn_store_node("node-stop", "--dram", "64MiB", "--ssd", "64MiB", "--transfer-engine", "off")
     engine = Engine(model_dir, tmp_path / "stop.log", kv_transfer_config=connector(address, "kv_both"))

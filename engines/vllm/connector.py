@@ -48,7 +48,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
+from kvstore.identity import IdentityCheck, seal, tag_buffer
 from kvstore.index.keys import usable_prefix_tokens
+from kvstore.tiers.buffers import Segments
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -61,13 +63,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: ``keys[i]`` ↔ vLLM block ``block_ids[i]``;
+    """Blocks of one request to load or save: ``keys[i]`` ↔ vLLM block ``block_ids[i]``,
+    whose stored bytes end with the identity tag ``tags[i]`` (kvstore/identity.py);
     ``parent``: the key the first block extends (None for a prompt's head)."""
 
     request_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None = None
+    tags: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -87,6 +91,7 @@ class _Tracked:
     and the block-aligned tokens vLLM had computed locally at the last lookup."""
 
     keys: list[bytes]
+    tags: list[bytes]
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
@@ -97,12 +102,14 @@ class _Tracked:
 @dataclass(slots=True)
 class ConnectorStats:
     """Counters of one connector (blocks and seconds since start). ``load_errors``: blocks
-    vLLM was told to recompute (a miss, a failed checksum, an expired lease, a pool down)."""
+    vLLM was told to recompute (a miss, a failed checksum, an expired lease, a pool down, or
+    ``identity_mismatches``: a block holding another token sequence's KV under a colliding key)."""
 
     lookups: int = 0
     hit_blocks: int = 0
     loaded_blocks: int = 0
     load_errors: int = 0
+    identity_mismatches: int = 0
     load_s: float = 0.0
     saved_blocks: int = 0
     save_s: float = 0.0
@@ -127,6 +134,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         tc.kv_load_failure_policy = self.cfg.on_load_error
         self.link = PoolLink(self.cfg)
         self.stats = ConnectorStats()
+        self.identity = IdentityCheck("kvstore connector")
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, BlockTransfer] = {}
@@ -147,7 +155,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             prompt = request.prompt_token_ids
             if not prompt:
                 return None  # prompt embeddings: nothing to key
-            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)), len(prompt))
+            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)),
+                          self.paged.tags(prompt, request.cache_salt), len(prompt))
             self._tracked[request.request_id] = tr
         return tr
 
@@ -178,7 +187,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         count = num_external_tokens // self.block_size
         ids = blocks.get_block_ids()[0]
         self._loads[request.request_id] = BlockTransfer(request.request_id, tuple(tr.keys[start:start + count]),
-                                                        tuple(ids[start:start + count]))
+                                                        tuple(ids[start:start + count]),
+                                                        tags=tuple(tr.tags[start:start + count]))
         self.stats.hit_blocks += count
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
@@ -213,7 +223,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if done > tr.saved:
             a = tr.saved
             meta.saves.append(BlockTransfer(req_id, tuple(tr.keys[a:done]), tuple(tr.block_ids[a:done]),
-                                            tr.keys[a - 1] if a else None))
+                                            tr.keys[a - 1] if a else None, tuple(tr.tags[a:done])))
             tr.saved = done
             tr.sent_saves = True
 
@@ -247,8 +257,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata) and self._blocks is not None
         for load in meta.loads:
             t0 = time.perf_counter()
-            outs = [self._blocks.segments(b) for b in load.block_ids]
+            read_tags = [tag_buffer() for _ in load.block_ids]
+            outs = [Segments([*self._blocks.segments(b).parts, t]) for b, t in zip(load.block_ids, read_tags)]
             n = self.link.load(load.keys, outs)
+            for i in range(n):  # a block of other tokens under a colliding key is a load error
+                if not self.identity.verify(load.keys[i], read_tags[i], load.tags[i]):
+                    n = i
+                    break
+            self.stats.identity_mismatches = self.identity.mismatches
             self.stats.load_s += time.perf_counter() - t0
             self.stats.loaded_blocks += n
             if n < len(load.keys):
@@ -279,7 +295,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _save(self, save: BlockTransfer) -> None:
         assert self._blocks is not None
         t0 = time.perf_counter()
-        blocks = [(k, self._blocks.segments(b)) for k, b in zip(save.keys, save.block_ids)]
+        blocks = [(k, seal(self._blocks.segments(b), t)) for k, b, t in zip(save.keys, save.block_ids, save.tags)]
         saved = self.link.save(blocks, save.parent)
         with self._stats_lock:
             self.stats.saved_blocks += saved
