@@ -220,7 +220,10 @@ def test_a_killed_decode_instance_fails_its_requests_and_new_ones_go_to_the_othe
                     while router.inflight <= i:
                         await asyncio.sleep(0.01)
                 assert all(d.work for d in router.decode.values())     # one on each
-                await asyncio.sleep(1.0)
+                deadline = time.monotonic() + 60      # kill it mid-stream: once it has sent tokens
+                while await asyncio.to_thread(vllm_counter, servers["decode1"], "vllm:generation_tokens_total") < 20:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
                 await asyncio.to_thread(servers["decode1"].kill)
                 failed = await asyncio.wait_for(asyncio.gather(*longs), 120)
                 t0 = time.monotonic()
