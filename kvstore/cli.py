@@ -19,6 +19,7 @@ from pathlib import Path
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.config import positive_int
+from kvstore.stack_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
 log = logging.getLogger("kvstore")
 # The vendored trace, found from the checkout whatever the working directory.
@@ -94,11 +95,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    if args.vllm_prefill or args.vllm_decode or args.vllm_colocated:
+        from scheduler.vllm_app import serve_vllm_frontdoor_forever
+        return serve_vllm_frontdoor_forever(args)
+    if not args.prefill or not args.decode:
+        print("kvstore scheduler: give --prefill and --decode (engines), or --vllm-prefill and "
+              "--vllm-decode (or --vllm-colocated) URLs", file=sys.stderr)
+        return 2
     from scheduler.app import serve_frontdoor_forever
     return serve_frontdoor_forever(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvstore.stack_vllm import run_up_vllm
+        return run_up_vllm(args)
     from kvstore.stack import run_up
     return run_up(args)
 
@@ -236,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
                        description="Run the scheduler's HTTP front door (OpenAI-compatible "
                                    "/v1/completions, /health, /metrics) over running engines.")
-    p.add_argument("--prefill", required=True, help="prefill engine addresses, comma-separated")
-    p.add_argument("--decode", required=True, help="decode engine addresses, comma-separated")
+    p.add_argument("--prefill", help="prefill engine addresses, comma-separated")
+    p.add_argument("--decode", help="decode engine addresses, comma-separated")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
     p.add_argument("--redis", metavar="URL", help="look up blocks across every store node registered "
                    "in this Redis (cluster mode) instead of --store")
@@ -250,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     add_scheduler_flags(p)
+    add_vllm_scheduler_flags(p)
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("up", help="run the whole stack on this host", formatter_class=_formatter,
@@ -273,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL", help="Redis for membership and KV events (default with "
                    "--store-nodes > 1: a private redis-server, stopped at the end)")
     add_api_key_flags(p)
+    add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,

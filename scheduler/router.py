@@ -197,7 +197,7 @@ class Router:
         """Choose the instances for a prompt of token ids, or reject it (before any prefill).
         Raises InvalidArgument for bad token ids. A store node that cannot be reached counts
         as a pool miss."""
-        keys = tuple(prompt_keys(tokens, self.info, namespace))
+        keys = tuple(self.prompt_keys(tokens, namespace))
         pool_hit = await self._pool_hit(keys)
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
         result = self.policy.decide(request, self.cluster_view(keys, pool_hit))
@@ -205,6 +205,10 @@ class Router:
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
                          load_limit(result, pool_hit, self.info.block_size))
+
+    def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        """The pool keys of the prompt's full blocks, as the engines key them."""
+        return prompt_keys(tokens, self.info, namespace)
 
     def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit = NO_HIT,
                      now_s: float | None = None) -> ClusterView:

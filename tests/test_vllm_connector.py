@@ -316,7 +316,12 @@ def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(mode
                 time.sleep(1)
         shared = "The pool remembers every block it was given. " * 6     # ~270 tokens
         url = f"http://127.0.0.1:{port}/v1/completions"
+        pool = store[0]
+        before = pool.stats()[0].blocks
         one = _post(url, {"model": "tiny", "prompt": shared + "First question?", "max_tokens": 4, "temperature": 0})
+        deadline = time.monotonic() + 10          # kv_both saves on a background thread: let them land
+        while pool.stats()[0].blocks < before + len(shared.encode()) // BS - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         two = _post(url, {"model": "tiny", "prompt": shared + "Second one!", "max_tokens": 4, "temperature": 0})
         assert (one["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
         cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
