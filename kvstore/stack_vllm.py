@@ -17,7 +17,9 @@ import sys
 import time
 
 from kvstore.errors import Unavailable
-from kvstore.stack import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, port_is_free
+from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
+from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, port_is_free, stack_tokens,
+                           write_api_keys)
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
@@ -58,6 +60,11 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         from engines.vllm.checkpoint import write_checkpoint
         model = write_checkpoint(os.path.join(args.data_dir, "tiny-llama"), "tiny",
                                  max_model_len=args.vllm_max_model_len)
+    # Nothing it starts serves a caller without a token: the store takes KVSTORE_STORE_TOKEN,
+    # the vLLM instances the engines' token as their API key (only the front door sets a
+    # request's cache_salt, its tenant), both through the environment.
+    stack.env.update(stack_tokens(args.data_dir))
+    keys_file = write_api_keys(args)
     store_port = free_port(host)
     store = f"{host}:{store_port}"
     if args.topology == "colocated":
@@ -65,7 +72,8 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     else:
         roles = [("prefill", "kv_producer")] * n_prefill + [("decode", "kv_consumer")] * n_decode
     specs = [VLLMServerSpec(model, free_port(host), role, store, host=host,
-                            kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len)
+                            kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len,
+                            store_token=stack.env[STORE_TOKEN_ENV], api_key=stack.env[ENGINE_TOKEN_ENV])
              for _, role in roles]
     names = [f"vllm-{kind}-{sum(k == kind for k, _ in roles[:i])}" for i, (kind, _) in enumerate(roles)]
     servers = []
@@ -85,7 +93,8 @@ def run_up_vllm(args: argparse.Namespace) -> int:
                     "--model", model, "--max-inflight", str(args.max_inflight), "--admit-ttft-s", str(args.admit_ttft_s),
                     "--admit-tbt-s", str(args.admit_tbt_s), "--policy", args.policy,
                     "--decode-max-running", str(args.decode_max_running),
-                    "--balancing-threshold", str(args.balancing_threshold))
+                    "--balancing-threshold", str(args.balancing_threshold),
+                    *(["--api-keys-file", keys_file] if keys_file else []))
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         print(f"front door     {url}  over vLLM ({args.topology})", flush=True)

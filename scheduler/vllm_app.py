@@ -69,7 +69,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_max_running=config.decode_max_running,
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
-                                prefix_caching=prefix_caching)
+                                prefix_caching=prefix_caching, api_key=config.engine_auth_token)
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, model.vocab_size)
         frontdoor = VLLMFrontdoor(router, tokenizer, config)

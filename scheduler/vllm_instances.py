@@ -122,8 +122,10 @@ class VLLMClient:
     or "colocated"). Must be used inside a running event loop. ``timeout_s``: the limit of
     one request (seconds)."""
 
-    def __init__(self, url: str, role: str, model: VLLMModel, engine_id: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, role: str, model: VLLMModel, engine_id: str, timeout_s: float = 600.0,
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.address = self.url
         self.role, self.model, self.engine_id, self.timeout_s = role, model, engine_id, timeout_s
         self.served_model = SERVED_MODEL_NAME
@@ -134,7 +136,7 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0), headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5))
         return self._session
 

@@ -147,11 +147,12 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                        config: ConductorConfig | None = None, store_auth_token: str | None = None,
                        decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
                        ready_timeout_s: float = 60.0, store_redis: str | None = None,
-                       prefix_caching: bool = False) -> VLLMRouter:
+                       prefix_caching: bool = False, api_key: str | None = None) -> VLLMRouter:
     """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
     ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
     Waits until each answers. ``prefix_caching``: whether the instances keep vLLM's own
-    prefix cache (then the router mirrors what each prefill instance computed). Raises
+    prefix cache (then the router mirrors what each prefill instance computed); ``api_key``:
+    the instances' vLLM API key (the engines' token: only the front door may call them). Raises
     Unavailable (an instance not up in ``ready_timeout_s``) or InvalidArgument."""
     from kvstore.client import StoreClient
     if topology == "colocated":
@@ -163,7 +164,7 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
             raise InvalidArgument("the disaggregated topology needs --vllm-prefill and --vllm-decode URLs")
         named = [(f"vllm-prefill-{i}", u, "prefill") for i, u in enumerate(prefill_urls)]
         named += [(f"vllm-decode-{i}", u, "decode") for i, u in enumerate(decode_urls)]
-    clients = [VLLMClient(u, role, model, engine_id) for engine_id, u, role in named]
+    clients = [VLLMClient(u, role, model, engine_id, api_key=api_key) for engine_id, u, role in named]
     try:
         await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
         await asyncio.gather(*(c.load() for c in clients))

@@ -49,6 +49,7 @@ class VLLMServerSpec:
     cpus: tuple[int, ...] = ()
     dtype: str = "float32"
     store_token: str | None = None
+    api_key: str | None = None      # vLLM's own API key (VLLM_API_KEY): only its holder may call /v1
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,8 @@ class VLLMServerSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         if self.store_token:
             env["KVSTORE_STORE_TOKEN"] = self.store_token
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
         return env
 
 
