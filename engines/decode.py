@@ -63,11 +63,17 @@ class DecodeEngine:
     def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
                 max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool]) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
-        blocks = read_prefix(self.store, keys)
+        tail = to_tensor(tail_kv, lm.layout, lm.dtype) if tail_kv else None
+        tail_tokens = 0 if tail is None else tail.shape[3]
+        if tail_tokens > len(prompt) or (len(prompt) - tail_tokens) % bs:
+            raise InvalidArgument(f"tail KV of {tail_tokens} tokens does not end a prompt of "
+                                  f"{len(prompt)} tokens on a block boundary (block size {bs})")
+        want = (len(prompt) - tail_tokens) // bs    # blocks the pool holds before the tail
+        blocks = read_prefix(self.store, keys[:want])
         with self._lock:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs
-            if len(blocks) < len(keys) or (not tail_kv and have < len(prompt)):
+            if len(blocks) < want or (tail is None and have < len(prompt)):
                 # Missing blocks: recompute the rest of the prompt's KV (all but the last
                 # token's logits are discarded; the first token came from prefill).
                 with torch.inference_mode():
@@ -76,8 +82,8 @@ class DecodeEngine:
                 self.recomputed_tokens += len(prompt) - have
                 log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
                             len(prompt) - have)
-            elif tail_kv:
-                append(cache, [to_tensor(tail_kv, lm.layout, lm.dtype)], lm.device)
+            elif tail is not None:
+                append(cache, [tail], lm.device)
         if cache.get_seq_length() != len(prompt):
             raise InvalidArgument(f"KV for {cache.get_seq_length()} tokens, prompt has {len(prompt)}")
         token = first
