@@ -137,10 +137,12 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return asyncio.run(main())
+        code = asyncio.run(main())
     except KVStoreError as exc:
         print(f"kvstore scheduler: {exc}", file=sys.stderr)
         return 1
+    shutdown.exit(code)
+    return code
 
 
 def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> int:
