@@ -251,6 +251,8 @@ class Router:
         if engine_id not in self.down:
             log.warning("engine %s is down, routing around it: %s", engine_id, reason)
         self.down[engine_id] = reason
+        if engine_id in self.prefill:   # a restarted engine comes back with an empty cache
+            self.replica.clear(engine_id)
 
     def mark_up(self, engine_id: str) -> None:
         if self.down.pop(engine_id, None) is not None:
