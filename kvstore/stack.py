@@ -43,13 +43,21 @@ BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second
 STOP_DEADLINE_S = 9.5    # SIGTERM, then SIGKILL of what is left (children force themselves at 8 s)
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: SIGTERM when ``kvstore up`` dies, even by SIGKILL (Linux)."""
+def _prctl():  # type: ignore[no-untyped-def]
     try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_PRCTL = _prctl()   # looked up here: a child between fork and exec must not import
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM when ``kvstore up`` dies, even by SIGKILL (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 @dataclass
