@@ -16,6 +16,7 @@ from engines.model import LoadedModel
 from engines.types import EngineLoad, PrefillResult, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.identity import IdentityCheck, block_tags, seal
 from kvstore.index.keys import block_keys, usable_prefix_tokens
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,12 @@ def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 
                               f"the model's limit of {lm.max_model_len} tokens")
 
 
-def read_prefix(store: StoreClient | None, keys: Sequence[bytes]) -> list[bytes]:
+def read_prefix(store: StoreClient | None, keys: Sequence[bytes], tags: Sequence[bytes],
+                check: IdentityCheck) -> list[bytes]:
     """Bytes of the longest prefix of ``keys`` the pool returns (one batched, streamed get
-    that stops at the first miss). A pool that cannot be reached is a miss, logged."""
+    that stops at the first miss) whose blocks carry the identity ``tags`` of the tokens
+    they stand for (kvstore/identity.py; a block of other tokens under a colliding key is a
+    miss, counted by ``check``). A pool that cannot be reached is a miss, logged."""
     if not keys or store is None:
         return []
     try:
@@ -44,12 +48,7 @@ def read_prefix(store: StoreClient | None, keys: Sequence[bytes]) -> list[bytes]
     except KVStoreError as exc:
         log.warning("pool unavailable, recomputing: %s", exc)
         return []
-    out = []
-    for data in got:
-        if data is None:
-            break
-        out.append(data)
-    return out
+    return check.prefix(keys, got, tags)
 
 
 class PrefillEngine:
@@ -64,12 +63,13 @@ class PrefillEngine:
         self.engine_id = engine_id
         self.block_size = lm.layout.block_size
         self.local = LocalBlockCache(local_cache_blocks)
+        self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
+        self.restored_blocks = 0   # blocks put back into the pool from the local cache
         self._lock = threading.Lock()  # one prefill on the model at a time
         self._stats_lock = threading.Lock()
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
-        self.restored_blocks = 0   # blocks put back into the pool from the local cache
 
     def load(self) -> EngineLoad:
         return EngineLoad(self._queued, self._running, self._queued_tokens)
@@ -102,13 +102,16 @@ class PrefillEngine:
                  max_load_blocks: int | None) -> PrefillResult:
         t0 = time.perf_counter()
         lm, bs = self.lm, self.block_size
-        keys = block_keys(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        extras = extras_for(lm.model_id, lm.revision, lm.layout, namespace)
+        keys = block_keys(prompt, bs, extras)
+        tags = block_tags(prompt, bs, extras)
+        local_ids = [k + t for k, t in zip(keys, tags)]  # the local cache checks identity too
         want = -(-usable_prefix_tokens(len(keys), bs, len(prompt)) // bs)  # blocks worth loading
-        tensors = self.local.prefix(keys[:want])
+        tensors = self.local.prefix(local_ids[:want])
         from_local = len(tensors)
         upto = want if max_load_blocks is None else min(want, max(from_local, max_load_blocks))
         t_load = time.perf_counter()
-        pooled, raw, tier = self._fetch(keys, from_local, upto)
+        pooled, raw, tier = self._fetch(keys, tags, from_local, upto)
         load_s = time.perf_counter() - t_load if raw else 0.0
         load_bytes = sum(len(b) for b in raw)
         fetched = [to_tensor(b, lm.layout, lm.dtype) for b in raw]
@@ -130,11 +133,13 @@ class PrefillEngine:
         # What this engine served from its own cache but the pool has lost goes back, so
         # decode (which reads the pool) reuses it as prefill did instead of recomputing it.
         back = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(pooled, from_local)]
+        sealed = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(back, pooled)]
+        sealed_new = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(new, loaded)]
         if back and loaded == from_local:   # one chain: the restored blocks, then the new ones
-            fresh, held = self._publish(back + new, keys[pooled - 1] if pooled else None)
+            fresh, held = self._publish(sealed + sealed_new, keys[pooled - 1] if pooled else None)
         else:
-            fresh, held = self._publish(back, keys[pooled - 1] if pooled else None)
-            fresh2, held2 = self._publish(new, keys[loaded - 1] if loaded else None)
+            fresh, held = self._publish(sealed, keys[pooled - 1] if pooled else None)
+            fresh2, held2 = self._publish(sealed_new, keys[loaded - 1] if loaded else None)
             fresh, held = fresh | fresh2, held | held2 | set(keys[from_local:loaded])
         restored = sum(1 for k, _ in back if k in fresh)
         if restored:
@@ -144,25 +149,24 @@ class PrefillEngine:
         stored = len(fresh) - restored
         # Decode reads the blocks the pool holds; the KV past them goes with the result, so
         # decode recomputes nothing prefill computed or reused, even when a put failed.
-        in_pool = pooled
-        if self.store is None:
-            in_pool = n_full
+        in_pool = n_full if self.store is None else pooled
         while in_pool < n_full and keys[in_pool] in held:
             in_pool += 1
         # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
-        self.local.put_chain(list(zip(keys[from_local:loaded], fetched))
-                             + [(k, to_tensor(b, lm.layout, lm.dtype)) for k, b in new])
+        self.local.put_chain(list(zip(local_ids[from_local:loaded], fetched))
+                             + [(local_ids[i], to_tensor(b, lm.layout, lm.dtype)) for i, (_, b) in enumerate(new, loaded)])
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
                              slice_bytes(cache, in_pool * bs, len(prompt)), len(prompt) - in_pool * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
                              tier if load_bytes else "")
 
-    def _fetch(self, keys: Sequence[bytes], have: int, upto: int) -> tuple[int, list[bytes], str]:
+    def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int,
+               upto: int) -> tuple[int, list[bytes], str]:
         """One pool lookup of ``keys[:upto]``, of which this engine holds the first ``have``
         blocks itself. Returns how many leading blocks of those ``have`` the pool still
-        holds (fewer: the pool lost them; 0 when it cannot be reached), the bytes of
-        the pool's blocks that extend ``keys[have:upto]`` as far as they go, and the tier
-        most of them came from ("" when unknown)."""
+        holds (fewer: the pool lost them; 0 when it cannot be reached), the bytes (tags
+        stripped) of the pool's blocks carrying ``tags`` that extend ``keys[have:upto]`` as
+        far as they go, and the tier most of them came from ("" when unknown)."""
         if self.store is None or upto <= 0:
             return have, [], ""
         try:
@@ -179,7 +183,7 @@ class PrefillEngine:
             log.warning("pool unavailable, recomputing the prefix: %s", exc)
             return 0, [], ""
         tier = max(set(tiers), key=tiers.count) if tiers else ""
-        return pooled, read_prefix(self.store, ext), tier
+        return pooled, read_prefix(self.store, ext, tags[have:have + len(ext)], self.identity), tier
 
     def _publish(self, blocks: list[tuple[bytes, bytes]],
                  parent: bytes | None) -> tuple[set[bytes], set[bytes]]:

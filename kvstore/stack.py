@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 
 
@@ -81,9 +82,12 @@ class Stack:
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     log_dir: str = "var/up/logs"
+    env: dict[str, str] = field(default_factory=dict)   # added to each child's environment (tokens)
     max_restarts: int = MAX_RESTARTS
     children: dict[str, Child] = field(default_factory=dict)
     restarts: int = 0
+    stopping: bool = False            # set once a stop began: a signal then kills the children
+    handlers_installed: bool = False
 
     def start(self, name: str, *argv: str) -> None:
         self.children[name] = Child(name, tuple(argv), self._spawn(name, argv, "wb"))
@@ -99,7 +103,7 @@ class Stack:
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
             return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent)
+                                    env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
 
     def pid(self, name: str) -> int:
         return self.children[name].proc.pid
@@ -239,8 +243,11 @@ def run_up(args: argparse.Namespace) -> int:
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()
-    signals = _install_stop_handlers(stack)
+    _install_stop_handlers(stack)
+    stack.handlers_installed = True
     try:
+        stack.env.update(stack_tokens(args.data_dir))
+        keys_file = write_api_keys(args)
         if n_store > 1 and not redis_url:   # a cluster needs a registry: a private Redis
             from kvstore.cluster.redis_server import start_private_redis
             os.makedirs(stack.log_dir, exist_ok=True)
@@ -271,7 +278,8 @@ def run_up(args: argparse.Namespace) -> int:
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
-                    "--balancing-threshold", str(args.balancing_threshold), *model)
+                    "--balancing-threshold", str(args.balancing_threshold), *model,
+                    *(["--api-keys-file", keys_file] if keys_file else []))
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         stack.check_alive()  # the answer must come from our own front door
@@ -283,14 +291,14 @@ def run_up(args: argparse.Namespace) -> int:
             return 0
         from scheduler.app import replay_and_report
         return replay_and_report(url, args.replay, args)
-    except (RuntimeError, Unavailable) as exc:
+    except (RuntimeError, Unavailable, OSError, ValueError) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)
         return 1
     except (_Stopped, KeyboardInterrupt) as exc:
         print(f"kvstore up: {exc or 'SIGINT'}: stopping", flush=True)
         return 0
     finally:
-        signals["stopping"] = True   # a signal from here on kills the children, never unwinds
+        stack.stopping = True   # a signal from here on kills the children, never unwinds
         stack.stop()
         print("stopped all services", flush=True)
 
@@ -299,14 +307,12 @@ class _Stopped(BaseException):
     """Raised by the signal handler of ``kvstore up`` to unwind to its ``finally``."""
 
 
-def _install_stop_handlers(stack: Stack) -> dict[str, bool]:
-    """SIGTERM/SIGINT: the first unwinds ``run_up`` to its stop of every child; one while
-    stopping (``state["stopping"]``) kills every child at once."""
-    state = {"stopping": False}
-
+def _install_stop_handlers(stack: Stack) -> None:
+    """SIGTERM/SIGINT: the first unwinds to the caller's stop of every child (raising
+    :class:`_Stopped`); one once ``stack.stopping`` is set kills every child at once."""
     def handler(signum: int, _frame: object) -> None:
-        if not state["stopping"]:
-            state["stopping"] = True
+        if not stack.stopping:
+            stack.stopping = True
             raise _Stopped(signal.Signals(signum).name)
         for _, proc in stack.procs:
             if proc.poll() is None:
@@ -314,11 +320,48 @@ def _install_stop_handlers(stack: Stack) -> dict[str, bool]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-    return state
 
 
 def _serve_until_signal(stack: Stack) -> None:
-    """Supervise the children until a signal (raised as :class:`_Stopped`)."""
-    while True:
-        stack.supervise()
-        time.sleep(0.2)
+    """Supervise the children until SIGTERM/SIGINT, then return (the caller stops them)."""
+    if not stack.handlers_installed:
+        _install_stop_handlers(stack)
+        stack.handlers_installed = True
+    try:
+        while True:
+            stack.supervise()
+            time.sleep(0.2)
+    except (_Stopped, KeyboardInterrupt) as exc:
+        stack.stopping = True
+        print(f"kvstore up: {exc or 'SIGINT'}: stopping", flush=True)
+
+
+def stack_tokens(data_dir: str) -> dict[str, str]:
+    """The store and engine tokens of the services ``kvstore up`` starts (kvstore/auth.py):
+    those in the environment, else fresh ones, so nothing it starts serves a caller without
+    one. Written to ``<data_dir>/auth.env`` (mode 0600, shell syntax) for kvctl and clients."""
+    tokens = {env: token_from(None, env) or new_token() for env in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV)}
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, "auth.env")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in tokens.items())
+    print(f"auth           store and engine ports take bearer tokens only ({', '.join(tokens)} in {path})",
+          flush=True)
+    return tokens
+
+
+def write_api_keys(args: argparse.Namespace) -> str | None:
+    """The front door's API keys (``--api-key``, ``--api-keys-file``) in one file (mode 0600,
+    under ``--data-dir``) for the scheduler's ``--api-keys-file``, keeping them off its
+    command line; None when none were given. Raises OSError / ValueError as
+    :func:`scheduler.api_keys.load_api_keys`."""
+    from scheduler.api_keys import load_api_keys
+    keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
+    if not keys:
+        return None
+    path = os.path.join(args.data_dir, "api-keys")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}\n" for k in sorted(keys))
+    return path
