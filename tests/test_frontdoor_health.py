@@ -127,3 +127,13 @@ def test_nothing_left_to_serve_is_a_clean_503_and_health_says_unavailable(cluste
     status, headers, data = call(door.url, "/v1/completions", {"prompt": "hello again", "max_tokens": 4})
     assert status == 503 and headers.get("Retry-After") == "1"
     assert "no decode instance is up" in json.loads(data)["error"]["message"]
+
+
+def test_a_store_node_that_is_down_is_degraded_and_requests_are_still_served(cluster):
+    door = cluster.start(FAST)
+    cluster.store_server.stop(None).wait()                              # the pool goes away
+    wait_for(lambda: health(door.url)[1]["status"] == "degraded", 15)
+    status, body = health(door.url)
+    assert status == 200 and any(r.startswith("store:") for r in body["reasons"])
+    status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, 2 * BS + 3), "max_tokens": 3})
+    assert status == 200, data                                          # recomputed, not failed
