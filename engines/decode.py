@@ -69,12 +69,18 @@ class DecodeEngine:
                 max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool],
                 namespace: str) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
+        tail = to_tensor(tail_kv, lm.layout, lm.dtype) if tail_kv else None
+        tail_tokens = 0 if tail is None else tail.shape[3]
+        if tail_tokens > len(prompt) or (len(prompt) - tail_tokens) % bs:
+            raise InvalidArgument(f"tail KV of {tail_tokens} tokens does not end a prompt of "
+                                  f"{len(prompt)} tokens on a block boundary (block size {bs})")
+        want = (len(prompt) - tail_tokens) // bs    # blocks the pool holds before the tail
         tags = block_tags(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
-        blocks = read_prefix(self.store, keys, tags, self.identity)
+        blocks = read_prefix(self.store, keys[:want], tags[:want], self.identity)
         with self._lock:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs
-            if len(blocks) < len(keys) or (not tail_kv and have < len(prompt)):
+            if len(blocks) < want or (tail is None and have < len(prompt)):
                 # Missing blocks: recompute the rest of the prompt's KV (all but the last
                 # token's logits are discarded; the first token came from prefill).
                 with torch.inference_mode():
@@ -83,8 +89,8 @@ class DecodeEngine:
                 self.recomputed_tokens += len(prompt) - have
                 log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
                             len(prompt) - have)
-            elif tail_kv:
-                append(cache, [to_tensor(tail_kv, lm.layout, lm.dtype)], lm.device)
+            elif tail is not None:
+                append(cache, [tail], lm.device)
         if cache.get_seq_length() != len(prompt):
             raise InvalidArgument(f"KV for {cache.get_seq_length()} tokens, prompt has {len(prompt)}")
         token = first

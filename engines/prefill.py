@@ -64,6 +64,7 @@ class PrefillEngine:
         self.block_size = lm.layout.block_size
         self.local = LocalBlockCache(local_cache_blocks)
         self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
+        self.restored_blocks = 0   # blocks put back into the pool from the local cache
         self._lock = threading.Lock()  # one prefill on the model at a time
         self._stats_lock = threading.Lock()
         self._queued = 0
@@ -110,7 +111,7 @@ class PrefillEngine:
         from_local = len(tensors)
         upto = want if max_load_blocks is None else min(want, max(from_local, max_load_blocks))
         t_load = time.perf_counter()
-        raw, tier = self._fetch(keys[from_local:upto], tags[from_local:upto])
+        pooled, raw, tier = self._fetch(keys, tags, from_local, upto)
         load_s = time.perf_counter() - t_load if raw else 0.0
         load_bytes = sum(len(b) for b in raw)
         fetched = [to_tensor(b, lm.layout, lm.dtype) for b in raw]
@@ -129,38 +130,73 @@ class PrefillEngine:
         first = int(out.logits[0, -1].argmax())
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
-        stored = self._publish([(k, seal(b, tags[i])) for i, (k, b) in enumerate(new, loaded)],
-                               keys[loaded - 1] if loaded else None)
+        # What this engine served from its own cache but the pool has lost goes back, so
+        # decode (which reads the pool) reuses it as prefill did instead of recomputing it.
+        back = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(pooled, from_local)]
+        sealed = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(back, pooled)]
+        sealed_new = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(new, loaded)]
+        if back and loaded == from_local:   # one chain: the restored blocks, then the new ones
+            fresh, held = self._publish(sealed + sealed_new, keys[pooled - 1] if pooled else None)
+        else:
+            fresh, held = self._publish(sealed, keys[pooled - 1] if pooled else None)
+            fresh2, held2 = self._publish(sealed_new, keys[loaded - 1] if loaded else None)
+            fresh, held = fresh | fresh2, held | held2 | set(keys[from_local:loaded])
+        restored = sum(1 for k, _ in back if k in fresh)
+        if restored:
+            self.restored_blocks += restored
+            log.info("%s: %d blocks served from the local cache were missing from the pool, put back",
+                     request_id, restored)
+        stored = len(fresh) - restored
+        # Decode reads the blocks the pool holds; the KV past them goes with the result, so
+        # decode recomputes nothing prefill computed or reused, even when a put failed.
+        in_pool = n_full if self.store is None else pooled
+        while in_pool < n_full and keys[in_pool] in held:
+            in_pool += 1
         # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
         self.local.put_chain(list(zip(local_ids[from_local:loaded], fetched))
                              + [(local_ids[i], to_tensor(b, lm.layout, lm.dtype)) for i, (_, b) in enumerate(new, loaded)])
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
-                             slice_bytes(cache, n_full * bs, len(prompt)), len(prompt) - n_full * bs,
+                             slice_bytes(cache, in_pool * bs, len(prompt)), len(prompt) - in_pool * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
                              tier if load_bytes else "")
 
-    def _fetch(self, keys: list[bytes], tags: list[bytes]) -> tuple[list[bytes], str]:
-        """The pool's longest prefix of ``keys`` whose blocks carry ``tags`` (bytes per block,
-        tags stripped) and the tier most of it came from ("" when unknown)."""
-        if not keys or self.store is None:
-            return [], ""
+    def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int,
+               upto: int) -> tuple[int, list[bytes], str]:
+        """One pool lookup of ``keys[:upto]``, of which this engine holds the first ``have``
+        blocks itself. Returns how many leading blocks of those ``have`` the pool still
+        holds (fewer: the pool lost them; 0 when it cannot be reached), the bytes (tags
+        stripped) of the pool's blocks carrying ``tags`` that extend ``keys[have:upto]`` as
+        far as they go, and the tier most of them came from ("" when unknown)."""
+        if self.store is None or upto <= 0:
+            return have, [], ""
         try:
-            found = self.store.lookup(keys)
-        except KVStoreError as exc:
+            found = self.store.lookup(list(keys[:upto]))
+            pooled = min(found.blocks, have)
+            if found.blocks >= have:
+                tiers, ext = list(found.tiers[have:found.blocks]), list(keys[have:found.blocks])
+            elif have < upto:      # the pool lost part of the local prefix: ask past it
+                more = self.store.lookup(list(keys[have:upto]))
+                tiers, ext = list(more.tiers[:more.blocks]), list(keys[have:have + more.blocks])
+            else:
+                tiers, ext = [], []
+        except KVStoreError as exc:   # the pool cannot tell what it holds: count none of it
             log.warning("pool unavailable, recomputing the prefix: %s", exc)
-            return [], ""
-        tiers = list(found.tiers[:found.blocks])
+            return 0, [], ""
         tier = max(set(tiers), key=tiers.count) if tiers else ""
-        return read_prefix(self.store, keys[:found.blocks], tags, self.identity), tier
+        return pooled, read_prefix(self.store, ext, tags[have:have + len(ext)], self.identity), tier
 
-    def _publish(self, blocks: list[tuple[bytes, bytes]], parent: bytes | None) -> int:
-        """Put the new blocks as one chain extending ``parent`` (so the pool evicts the
-        chain's tail before its head); returns how many were newly stored."""
+    def _publish(self, blocks: list[tuple[bytes, bytes]],
+                 parent: bytes | None) -> tuple[set[bytes], set[bytes]]:
+        """Put ``blocks`` as one chain extending ``parent`` (so the pool evicts the chain's
+        tail before its head). Returns the keys newly stored and the keys the pool holds
+        after the put (new or existing); a pool that cannot be reached holds none."""
         if not blocks or self.store is None:
-            return 0
+            return set(), set()
         try:
             results = self.store.put_blocks(blocks, chain=True, parent=parent)
         except KVStoreError as exc:
             log.warning("pool unavailable, %d blocks not published: %s", len(blocks), exc)
-            return 0
-        return sum(1 for r in results if r.ok and not r.existed)
+            return set(), set()
+        pairs = list(zip(blocks, results))
+        return ({key for (key, _), r in pairs if r.ok and not r.existed},
+                {key for (key, _), r in pairs if r.ok})

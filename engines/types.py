@@ -23,8 +23,10 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What a prefill hands to decode: the first token, the prompt's block keys (the full
-    blocks are in the pool) and the KV of the partial tail block (bytes, see engines/kv.py).
+    """What a prefill hands to decode: the first token, the prompt's block keys and the KV
+    (bytes, see engines/kv.py) of the last ``tail_tokens`` prompt tokens: the partial tail
+    block, and before it any full blocks the pool could not take (the blocks before the
+    tail are in the pool), so decode recomputes nothing prefill computed or reused.
     ``load_s``/``load_bytes``: seconds and bytes spent loading the prefix from the pool
     (0 when it came from the engine's own cache or was recomputed); ``load_tier``: the pool
     tier it came from (``"hbm"``, ``"dram"``, ``"ssd"``; ``""`` when unknown or nothing

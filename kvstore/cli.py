@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.config import positive_int
+from kvstore.shutdown import Shutdown
 from kvstore.stack_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
 log = logging.getLogger("kvstore")
@@ -42,11 +41,12 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+def _wait_for_signal(name: str) -> Shutdown:
+    """Until SIGTERM/SIGINT; the stop that follows is bounded (kvstore/shutdown.py): the
+    caller stops, then ends with the returned Shutdown's ``exit``."""
+    shutdown = Shutdown(name).install()
+    shutdown.wait()
+    return shutdown
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -70,11 +70,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not cfg.auth_token and token_from(None, STORE_TOKEN_ENV):   # flag, then file, then environment
         cfg = replace(cfg, auth_token=token_from(None, STORE_TOKEN_ENV))
     server, port, pool = start_node(cfg)
+    from kvstore.shutdown import leave_nothing  # a forced exit unlinks these
+    leave_nothing(cfg.dataplane_socket_path(),
+                  *(f"/dev/shm/{t.shm_name}" for t in pool.tiers if getattr(t, "shm_name", None)))
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
     print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
-    _wait_for_signal()
+    shutdown = _wait_for_signal(f"store node {cfg.node_id}")
     stop_node(server, pool)
+    if "kvstore.transfer.engine" in sys.modules:   # unregister from the metadata service
+        sys.modules["kvstore.transfer.engine"].shutdown_engines()
+    shutdown.exit(0)
     return 0
 
 
@@ -89,8 +95,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 store_redis=args.redis,
                                 auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV))
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
-    _wait_for_signal()
+    shutdown = _wait_for_signal(f"{args.role} engine")
     server.stop(grace=2).wait()
+    shutdown.exit(0)
     return 0
 
 
@@ -284,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store nodes to start; > 1 forms a cluster registered in Redis")
     p.add_argument("--redis", metavar="URL", help="Redis for membership and KV events (default with "
                    "--store-nodes > 1: a private redis-server, stopped at the end)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a crashed engine, store node or front door within 5 minutes "
+                        "(back-off 0.5 s doubling to 8 s) before the stack stops")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up)

@@ -46,6 +46,7 @@ class RunningFrontdoor:
 
     async def stop(self) -> None:
         """Stop serving, then close the engine and store clients."""
+        await self.frontdoor.health_checks.stop()
         await self.runner.cleanup()
         await self.frontdoor.router.close()
 
@@ -84,6 +85,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
+        frontdoor.health_checks.start()
     except BaseException:
         await router.close()
         raise
@@ -125,11 +127,19 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
     """``kvstore scheduler``: serve until SIGINT/SIGTERM. Reads ``args.prefill`` and
     ``args.decode`` (comma-separated host:port), ``args.store``, ``args.host``, ``args.port``
     and the flags of :func:`config_from_args`. Returns 0, or 1 when it cannot start."""
+    from kvstore.shutdown import Shutdown
+    shutdown = Shutdown("front door")   # a stop that hangs is forced after its grace
+
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(name: str) -> None:
+            shutdown.trigger(name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig.name)
         running = await start_frontdoor(_split(args.prefill), _split(args.decode), args.store or None,
                                         args.host, args.port, config_from_args(args),
                                         store_redis=getattr(args, "redis", None))
@@ -141,10 +151,12 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return asyncio.run(main())
+        code = asyncio.run(main())
     except KVStoreError as exc:
         print(f"kvstore scheduler: {exc}", file=sys.stderr)
         return 1
+    shutdown.exit(code)
+    return code
 
 
 def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> int:

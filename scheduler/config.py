@@ -23,7 +23,8 @@ class FrontdoorConfig:
     ``local_cache_blocks``: capacity of each prefill engine's own cache (blocks), mirrored by
     the router; ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
     instance's batch and KV limits as admission sees them; ``ready_timeout_s``: how long to
-    wait for the engines at start (seconds)."""
+    wait for the engines at start (seconds); ``health_interval_s``: how often each engine
+    and the store are health-checked (seconds; scheduler/health.py)."""
 
     model_dir: str | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -37,6 +38,7 @@ class FrontdoorConfig:
     decode_max_running: int = 64
     decode_kv_capacity_tokens: int = 1 << 20
     ready_timeout_s: float = 60.0
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -47,5 +49,7 @@ class FrontdoorConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 0):
                 raise InvalidArgument(f"{name} must be an integer >= 0, got {v!r}")
+        if not self.health_interval_s > 0:
+            raise InvalidArgument(f"health_interval_s must be > 0 s, got {self.health_interval_s!r}")
         if not self.ready_timeout_s > 0:
             raise InvalidArgument(f"ready_timeout_s must be > 0 s, got {self.ready_timeout_s!r}")

@@ -27,6 +27,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
+from scheduler.health import HealthChecker
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, TextStream, chunk_body,
@@ -50,6 +51,7 @@ class Frontdoor:
         infos = [p.info for p in router.prefill.values()] + [d.info for d in router.decode.values()]
         self.info = router.info
         self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos))
+        self.health_checks = HealthChecker(router, config.health_interval_s)
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.config.api_keys)] if self.config.api_keys else []
@@ -62,11 +64,13 @@ class Frontdoor:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "policy": self.router.policy.name,
+        report = self.health_checks.report()
+        return web.json_response({"status": report.status, "reasons": list(report.reasons),
+                                  "policy": self.router.policy.name,
                                   "prefill": len(self.router.prefill),
                                   "decode": len(self.router.decode), "model": self.info.model_id,
                                   "block_size": self.info.block_size, "vocab_size": self.limits.vocab_size,
-                                  "max_model_len": self.limits.max_model_len})
+                                  "max_model_len": self.limits.max_model_len}, status=report.http_status)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -124,6 +128,9 @@ class Frontdoor:
             plan = await self.router.plan(request_id, req.prompt, namespace, req.max_tokens)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
+        except KVStoreError as exc:     # no instance up for a role
+            raise APIError(503, str(exc), "service_unavailable", "engine_unavailable",
+                           {"Retry-After": "1"}) from None
         # No await between here and Router.begin: the decision saw the state it admits into.
         if isinstance(plan, Rejection):
             self.metrics.rejected.labels(reason=plan.reason).inc()
@@ -131,45 +138,77 @@ class Frontdoor:
                            {"Retry-After": str(plan.retry_after_s)})
         return plan
 
-    async def _generate(self, req: GenerationRequest, plan: RoutePlan, emit: Emit) -> tuple[PrefillResult, str]:
+    async def _generate(self, req: GenerationRequest, plan: RoutePlan,
+                        emit: Emit) -> tuple[PrefillResult, str, RoutePlan]:
         """Prefill, then decode; ``emit`` is awaited with each token id in order (the first from
-        prefill). Returns the prefill result and the finish reason. Raises APIError 503 when an
-        engine fails, 400 when it rejects the request."""
-        result = None
-        try:
-            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace,
-                                                                    plan.max_load_blocks)
-        except InvalidArgument as exc:
-            raise APIError(400, str(exc)) from None
-        except KVStoreError as exc:
-            raise APIError(503, f"prefill failed: {exc}", "service_unavailable", "engine_unavailable") from None
-        finally:
-            self.router.prefill_finished(plan, result)
+        prefill). Returns the prefill result, the finish reason and the plan as it ended (an
+        engine that fails is marked down and the request moves to another instance of its
+        role: a prefill before anything was sent, a decode from the token it had reached —
+        greedy decoding gives the same tokens). Raises APIError 503 (naming the engine and
+        why) when no other instance is up, 400 when an engine rejects the request."""
+        tried: set[str] = set()
+        while True:
+            try:
+                result = await self.router.prefill_client(plan).prefill(
+                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks)
+                break
+            except KVStoreError as exc:
+                if isinstance(exc, InvalidArgument):
+                    self.router.prefill_finished(plan, None)
+                    raise APIError(400, str(exc)) from None
+                try:
+                    plan = self._failover(plan, "prefill", tried, exc, 0)   # moves its queue entry
+                except APIError:
+                    self.router.prefill_finished(plan, None)
+                    raise
+            except BaseException:
+                self.router.prefill_finished(plan, None)
+                raise
+        self.router.prefill_finished(plan, result)
         stop = () if req.ignore_eos else (self.info.eos_token_id,)
         await emit(result.first_token)
         if result.first_token in stop:
-            return result, "stop"
+            return result, "stop", plan
         if req.max_tokens == 1:
-            return result, "length"
-        steps = self.router.decode_client(plan).decode(plan.request_id, req.prompt, plan.namespace,
-                                                       result, req.max_tokens, stop)
+            return result, "length", plan
         sent = 1
-        try:
-            async with contextlib.aclosing(steps):
-                async for step in steps:
-                    if step.index > 0:
-                        await emit(step.token)
-                        sent += 1
-                    if step.finished:
-                        return result, step.finish_reason or "length"
-        except InvalidArgument as exc:
-            raise APIError(400, str(exc)) from None
-        except KVStoreError as exc:
-            raise APIError(503, f"decode failed: {exc}", "service_unavailable", "engine_unavailable") from None
-        if sent < req.max_tokens:
-            raise APIError(503, f"decode stream ended after {sent} of {req.max_tokens} tokens",
-                           "service_unavailable", "engine_unavailable")
-        return result, "length"
+        tried = set()
+        while True:
+            steps = self.router.decode_client(plan).decode(plan.request_id, req.prompt, plan.namespace,
+                                                           result, req.max_tokens, stop)
+            try:
+                async with contextlib.aclosing(steps):
+                    async for step in steps:
+                        if step.index >= sent:   # a decode resumed elsewhere repeats the first ones
+                            await emit(step.token)
+                            sent += 1
+                        if step.finished:
+                            return result, step.finish_reason or "length", plan
+            except InvalidArgument as exc:
+                raise APIError(400, str(exc)) from None
+            except KVStoreError as exc:
+                plan = self._failover(plan, "decode", tried, exc, sent)
+                continue
+            if sent < req.max_tokens:
+                raise APIError(503, f"decode stream ended after {sent} of {req.max_tokens} tokens",
+                               "service_unavailable", "engine_unavailable")
+            return result, "length", plan
+
+    def _failover(self, plan: RoutePlan, role: str, tried: set[str], exc: Exception, sent: int) -> RoutePlan:
+        """``plan``'s ``role`` engine failed: mark it down and move the request to another
+        one, or raise the 503 that ends it."""
+        engine_id = plan.prefill_id if role == "prefill" else plan.decode_id
+        tried.add(engine_id)
+        self.router.mark_down(engine_id, f"{role} failed: {exc}")
+        moved = self.router.reroute(plan, role, tried)
+        if moved is None:
+            raise APIError(503, f"{role} engine {engine_id} failed after {sent} tokens were sent "
+                                f"and no other {role} instance is up: {exc}", "service_unavailable",
+                           "engine_unavailable", {"Retry-After": "1"}) from None
+        self.metrics.retried.labels(role=role).inc()
+        log.warning("request %s: %s engine %s failed (%s); moved to %s after %d tokens", plan.request_id,
+                    role, engine_id, exc, moved.prefill_id if role == "prefill" else moved.decode_id, sent)
+        return moved
 
     def _timer(self, t0: float, plan: RoutePlan) -> "_TokenClock":
         return _TokenClock(self, t0, plan)
@@ -182,7 +221,7 @@ class Frontdoor:
             ids.append(token)
             tick()
 
-        result, finish = await self._generate(req, plan, emit)
+        result, finish, tick.plan = await self._generate(req, plan, emit)
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
         body = response_body(req, plan.request_id, int(time.time()), self.info.model_id,
@@ -212,7 +251,7 @@ class Frontdoor:
             tick()
 
         try:
-            result, finish = await self._generate(req, plan, emit)
+            result, finish, tick.plan = await self._generate(req, plan, emit)
         except APIError as exc:
             if not resp.prepared:
                 raise

@@ -44,6 +44,8 @@ class FrontdoorMetrics:
         self.ttft_error = Histogram(p + "ttft_prediction_error_seconds",
                                     "Absolute error of the predicted TTFT (measured minus predicted)",
                                     buckets=TTFT_BUCKETS, registry=r)
+        self.retried = Counter(p + "requests_moved", "Requests moved to another instance after "
+                               "their engine failed", ["role"], registry=r)
         self.hit_ratio = Gauge(p + "prefix_hit_ratio",
                                "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
 

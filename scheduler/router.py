@@ -33,7 +33,7 @@ from engines.client import EngineClient
 from engines.kv import block_bytes
 from engines.types import EngineInfo, PrefillResult
 from kvstore.client import StoreClient
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.cache_replica import LocalCacheReplica
 from scheduler.conductor import Conductor, ConductorConfig
@@ -136,6 +136,8 @@ class Router:
         self.decode_max_running = decode_max_running
         self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
         self.inflight = 0
+        # engine id -> why it is out of routing (scheduler/health.py keeps it current)
+        self.down: dict[str, str] = {}
 
     @classmethod
     async def connect(cls, prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
@@ -198,7 +200,9 @@ class Router:
         Raises InvalidArgument for bad token ids. A store node that cannot be reached counts
         as a pool miss."""
         keys = tuple(self.prompt_keys(tokens, namespace))
+        self.check_serving()
         pool_hit = await self._pool_hit(keys)
+        self.check_serving()   # the lookup awaited: an instance may have gone down since
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
         result = self.policy.decide(request, self.cluster_view(keys, pool_hit))
         if isinstance(result, Rejection):
@@ -216,10 +220,10 @@ class Router:
         per_node = self.replica.index.match(keys).per_node if keys else {}
         prefill = tuple(PrefillView(engine_id, inst.queue_s, len(inst.inflight),
                                     TierHit.from_tiers(per_node[engine_id]) if engine_id in per_node else NO_HIT)
-                        for engine_id, inst in self.prefill.items())
+                        for engine_id, inst in self.prefill.items() if engine_id not in self.down)
         decode = tuple(DecodeView(engine_id, tuple(inst.work.values()), self.decode_max_running,
                                   self.decode_kv_capacity_tokens)
-                       for engine_id, inst in self.decode.items())
+                       for engine_id, inst in self.decode.items() if engine_id not in self.down)
         now = time.monotonic() if now_s is None else now_s
         return ClusterView(now, prefill, decode, pool_hit, self.inflight)
 
@@ -232,6 +236,52 @@ class Router:
             log.warning("store lookup failed, counting a pool miss: %s", exc)
             return NO_HIT
         return TierHit.from_tiers(found.tiers[:found.blocks])
+
+    # -- health -----------------------------------------------------------------------------
+    def serving(self, role: str) -> list[str]:
+        """Ids of the ``role`` ("prefill"/"decode") instances in routing (not down)."""
+        pool = self.prefill if role == "prefill" else self.decode
+        return [engine_id for engine_id in pool if engine_id not in self.down]
+
+    def check_serving(self) -> None:
+        """Raises Unavailable (with the reasons) when no prefill or no decode instance is up."""
+        for role in ("prefill", "decode"):
+            if not self.serving(role):
+                pool = self.prefill if role == "prefill" else self.decode
+                why = "; ".join(f"{e}: {self.down.get(e, '?')}" for e in pool)
+                raise Unavailable(f"no {role} instance is up ({why})")
+
+    def mark_down(self, engine_id: str, reason: str) -> None:
+        """Take an instance out of routing until a health check finds it up again."""
+        if engine_id not in self.down:
+            log.warning("engine %s is down, routing around it: %s", engine_id, reason)
+        self.down[engine_id] = reason
+        if engine_id in self.prefill:   # a restarted engine comes back with an empty cache
+            self.replica.clear(engine_id)
+
+    def mark_up(self, engine_id: str) -> None:
+        if self.down.pop(engine_id, None) is not None:
+            log.info("engine %s is up again, back in routing", engine_id)
+
+    def reroute(self, plan: RoutePlan, role: str, tried: set[str]) -> RoutePlan | None:
+        """``plan`` with its ``role`` instance replaced by the least loaded other one that is
+        up and not in ``tried`` (bookkeeping moved with it), or None when there is none."""
+        if role == "prefill":
+            ids = [e for e in self.serving("prefill") if e not in tried]
+            if not ids:
+                return None
+            new_id = min(ids, key=lambda e: self.prefill[e].queue_s)
+            old = self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
+            self.prefill[new_id].inflight[plan.request_id] = plan.decision.prefill_s if old is None else old
+            return dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, prefill_id=new_id))
+        ids = [e for e in self.serving("decode") if e not in tried]
+        if not ids:
+            return None
+        new_id = min(ids, key=lambda e: self.decode[e].running)
+        work = self.decode[plan.decode_id].work.pop(plan.request_id, None)
+        if work is not None:
+            self.decode[new_id].work[plan.request_id] = work
+        return dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, decode_id=new_id))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def begin(self, plan: RoutePlan) -> None:
@@ -275,8 +325,10 @@ class Router:
         """The request is over, whatever the outcome; call exactly once per ``begin``. Aborts
         the request's KV transfers still running (their leases and reservations are freed)."""
         self.transfers.finish(plan.request_id)
-        self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
-        self.decode[plan.decode_id].work.pop(plan.request_id, None)
+        for inst in self.prefill.values():   # wherever a reroute moved it
+            inst.inflight.pop(plan.request_id, None)
+        for dec in self.decode.values():
+            dec.work.pop(plan.request_id, None)
         self.inflight -= 1
 
     def prefill_client(self, plan: RoutePlan) -> EngineClient:

@@ -90,13 +90,20 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
 def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
     """``kvstore scheduler --vllm-prefill ... --vllm-decode ...`` (or ``--vllm-colocated``):
     serve until SIGINT/SIGTERM. Returns 0, or 1 when it cannot start."""
+    from kvstore.shutdown import Shutdown
     from scheduler.app import _split, config_from_args
+    shutdown = Shutdown("front door")   # a stop that hangs is forced after its grace
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(name: str) -> None:
+            shutdown.trigger(name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig.name)
         colocated = _split(args.vllm_colocated or "")
         running = await start_vllm_frontdoor(
             args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
@@ -110,7 +117,9 @@ def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return asyncio.run(main())
+        code = asyncio.run(main())
     except KVStoreError as exc:
         print(f"kvstore scheduler: {exc}", file=sys.stderr)
         return 1
+    shutdown.exit(code)
+    return code

@@ -145,6 +145,74 @@ def test_bad_requests_are_rejected(lm, store):
         list(decode.decode("r", [3] * (2 * BS), 5, [], b"", 4))
 
 
+def _evict_everything(client: StoreClient) -> None:
+    """A forced eviction of every tier (DRAM demotes to SSD, then SSD drops)."""
+    for tier in ("dram", "ssd"):
+        client.evict(tier, 1 << 30)
+
+
+def test_local_hits_the_pool_lost_are_put_back_so_decode_recomputes_nothing(lm, store):
+    """No drift: the pool evicted a prompt's blocks, the prefill engine still has them in its
+    own cache. It serves them (cached_tokens says so), puts them back, and decode reads them
+    from the pool: nothing the response calls cached is recomputed."""
+    client, pool = store
+    prefill, decode = PrefillEngine(lm, client, local_cache_blocks=64), DecodeEngine(lm, client)
+    prompt = prompt_of(11, 4 * BS + 3)
+    r, _ = disaggregated(prefill, decode, prompt, 2)
+    assert r.stored_blocks == 4 and client.lookup(r.block_keys).blocks == 4
+    _evict_everything(client)
+    assert client.lookup(r.block_keys).blocks == 0
+    r, tokens = disaggregated(prefill, decode, prompt, 8)
+    assert r.cached_tokens == 4 * BS and r.loaded_blocks == 4      # from the engine's own cache
+    assert prefill.restored_blocks == 4 and r.stored_blocks == 0
+    assert client.lookup(r.block_keys).blocks == 4                   # the pool has them again
+    assert decode.recomputed_tokens == 0
+    assert r.tail_tokens == 3
+    assert tokens == reference(lm, prompt, 8)
+
+
+def test_a_pool_that_lost_the_middle_of_a_local_prefix_gets_it_back(lm, store):
+    client, pool = store
+    prefill, decode = PrefillEngine(lm, client, local_cache_blocks=64), DecodeEngine(lm, client)
+    prompt = prompt_of(12, 5 * BS + 1)
+    r, _ = disaggregated(prefill, decode, prompt, 2)
+    pool.remove(r.block_keys[2])
+    assert client.lookup(r.block_keys).blocks == 2
+    r, tokens = disaggregated(prefill, decode, prompt, 6)
+    assert prefill.restored_blocks == 1 and client.lookup(r.block_keys).blocks == 5
+    assert decode.recomputed_tokens == 0 and tokens == reference(lm, prompt, 6)
+
+
+def test_kv_the_pool_cannot_take_goes_to_decode_with_the_result(lm, tmp_path):
+    """A pool that cannot be reached: prefill hands decode the KV of every prompt token, so
+    decode recomputes none of what prefill reused or computed."""
+    pool = KVPool([TIERS["dram"](8 << 20)])
+    server, port = serve_store(pool)
+    client = StoreClient(f"127.0.0.1:{port}", timeout_s=2)
+    try:
+        prefill, decode = PrefillEngine(lm, client, local_cache_blocks=64), DecodeEngine(lm, client)
+        prompt = prompt_of(13, 3 * BS + 5)
+        disaggregated(prefill, decode, prompt, 2)
+        server.stop(0).wait()                                        # the pool goes away
+        r, tokens = disaggregated(prefill, decode, prompt, 6)
+        assert r.cached_tokens == 3 * BS and r.tail_tokens == len(prompt)
+        assert decode.recomputed_tokens == 0 and tokens == reference(lm, prompt, 6)
+    finally:
+        client.close()
+        server.stop(0).wait()
+        pool.close()
+
+
+def test_decode_rejects_a_tail_that_does_not_start_on_a_block_boundary(lm, store):
+    client, _ = store
+    prefill, decode = PrefillEngine(lm, client, local_cache_blocks=0), DecodeEngine(lm, client)
+    prompt = prompt_of(14, 2 * BS + 3)
+    r = prefill.prefill("req", prompt, "tenant")
+    longer = prompt + [5]
+    with pytest.raises(InvalidArgument, match="block boundary"):
+        list(decode.decode("req", longer, r.first_token, r.block_keys, r.tail_kv, 4))
+
+
 def test_a_block_of_other_tokens_under_a_colliding_key_is_a_miss(lm, store, monkeypatch):
     """A key spec too weak to tell two prompts apart (forced: keys that ignore the tokens):
     the second prompt's prefill and decode read the first prompt's blocks under its keys,

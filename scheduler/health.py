@@ -1,0 +1,111 @@
+"""The front door's health checks: every ``interval_s`` each engine is asked for its load
+(``Engine/Load``, one gRPC round trip, ``timeout_s`` at most) and the store node for its
+health; an engine that fails the check — or a request (:meth:`Router.mark_down`) — is out of
+routing until a check succeeds again. :meth:`HealthChecker.report` is what ``GET /health``
+answers: ``ok``, ``degraded`` (something is down, requests are still served; the reasons
+say what) or ``unavailable`` (no prefill or no decode instance is up: HTTP 503)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from scheduler.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """``status``: ok / degraded / unavailable; ``reasons``: one line per part that is down."""
+
+    status: str
+    reasons: tuple[str, ...]
+
+    @property
+    def http_status(self) -> int:
+        return 503 if self.status == "unavailable" else 200
+
+
+class HealthChecker:
+    """Runs the checks in a task of the front door's event loop (:meth:`start`/:meth:`stop`)."""
+
+    def __init__(self, router: Router, interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+        self.router = router
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.store_down: str = ""
+        self.rounds = 0          # checks completed
+        self._task: asyncio.Task[None] | None = None
+        self._store_probe: asyncio.Future[Any] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="health-checks")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_once(self) -> None:
+        """Ask every engine (in parallel) and the store once; update the router's ``down``."""
+        insts = [*self.router.prefill.items(), *self.router.decode.items()]
+        results = await asyncio.gather(*(self._probe(inst.client) for _, inst in insts))
+        for (engine_id, _), error in zip(insts, results):
+            if error:
+                self.router.mark_down(engine_id, error)
+            else:
+                self.router.mark_up(engine_id)
+        await self._check_store()
+        self.rounds += 1
+
+    async def _probe(self, client: Any) -> str:
+        try:
+            await asyncio.wait_for(client.load(), self.timeout_s)
+            return ""
+        except asyncio.TimeoutError:
+            return f"no answer to a health check within {self.timeout_s:g} s"
+        except KVStoreError as exc:
+            return f"health check failed: {exc}"
+
+    async def _check_store(self) -> None:
+        store = self.router.store
+        if store is None or not hasattr(store, "health"):
+            return
+        if self._store_probe is None or self._store_probe.done():   # never two probes at once
+            self._store_probe = asyncio.ensure_future(asyncio.to_thread(store.health))
+        try:
+            status = await asyncio.wait_for(asyncio.shield(self._store_probe), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._mark_store(f"no answer to a health check within {self.timeout_s:g} s")
+        except KVStoreError as exc:
+            self._mark_store(f"health check failed: {exc}")
+        else:
+            self._mark_store("" if str(status).upper() in ("SERVING", "OK") else f"health {status}")
+
+    def _mark_store(self, reason: str) -> None:
+        if reason and not self.store_down:
+            log.warning("store is down (prompts are recomputed, not loaded): %s", reason)
+        elif self.store_down and not reason:
+            log.info("store is up again")
+        self.store_down = reason
+
+    def report(self) -> HealthReport:
+        r = self.router
+        reasons = [f"{role} {e}: {r.down[e]}" for role, pool in (("prefill", r.prefill), ("decode", r.decode))
+                   for e in pool if e in r.down]
+        if self.store_down:
+            reasons.append(f"store: {self.store_down} (prompts are recomputed)")
+        if not r.serving("prefill") or not r.serving("decode"):
+            return HealthReport("unavailable", tuple(reasons))
+        return HealthReport("degraded" if reasons else "ok", tuple(reasons))

@@ -1,0 +1,139 @@
+"""Supervision in the front door, over real engines, a real store node and a real HTTP
+server on 127.0.0.1: health checks take a dead engine out of routing and put it back when it
+answers again; /health says degraded (with the reason) or unavailable (503); a request whose
+prefill engine fails moves to another one before anything is sent, one whose decode engine
+dies mid-stream resumes on another with the same tokens; with nothing left, a clean 503."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from engines.server import start_engine
+from scheduler.config import FrontdoorConfig
+from tests.test_frontdoor import BS, Cluster, call, prompt_of, sse_events
+
+FAST = FrontdoorConfig(health_interval_s=0.2)
+
+
+@pytest.fixture()
+def cluster(tmp_path):
+    c = Cluster(str(tmp_path))
+    yield c
+    c.close()
+
+
+def health(url: str) -> tuple[int, dict]:
+    status, _, data = call(url, "/health")
+    return status, json.loads(data)
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_dead_prefill_engine_is_routed_around_and_comes_back(cluster):
+    second = cluster.engine("prefill", "prefill-1")
+    port = int(second.rsplit(":", 1)[1])
+    door = cluster.start(FAST, prefill=[cluster.prefill, second])
+    assert health(door.url)[1]["status"] == "ok"
+    cluster.servers.pop().stop(None).wait()                       # prefill-1 dies
+    # Requests keep succeeding: a prefill routed to the dead engine moves to prefill-0.
+    for seed in range(6):
+        status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(40 + seed, 2 * BS + 1),
+                                                             "max_tokens": 3})
+        assert status == 200, data
+    wait_for(lambda: health(door.url)[1]["status"] == "degraded")
+    status, body = health(door.url)
+    assert status == 200 and any("prefill-1" in r for r in body["reasons"])
+    assert "prefill-1" in door.frontdoor.router.down
+    server, _ = start_engine("prefill", cluster.store, block_size=BS, engine_id="prefill-1",
+                             address=f"127.0.0.1:{port}")             # it comes back on its port
+    cluster.servers.append(server)
+    wait_for(lambda: health(door.url)[1]["status"] == "ok", 15)
+    assert door.frontdoor.router.down == {}
+
+
+def test_a_failed_prefill_moves_to_another_instance_before_anything_is_sent(cluster):
+    second = cluster.engine("prefill", "prefill-1")
+    door = cluster.start(FrontdoorConfig(health_interval_s=60), prefill=[second, cluster.prefill])
+    wait_for(lambda: door.frontdoor.health_checks.rounds >= 1)       # the next one in 60 s
+    cluster.servers.pop().stop(None).wait()       # dead, and no health check has seen it yet
+    router = door.frontdoor.router
+    for seed in range(4):
+        status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(50 + seed, BS + 3),
+                                                             "max_tokens": 2, "stream": True})
+        assert status == 200 and sse_events(data)[-1]["choices"][0]["finish_reason"] == "length", data
+    wait_for(lambda: router.inflight == 0)          # the last handler ends just after its reply
+    assert "prefill-1" in router.down
+    assert all(not inst.inflight for inst in router.prefill.values())
+    _, _, metrics = call(door.url, "/metrics")
+    assert 'kvstore_scheduler_requests_moved_total{role="prefill"}' in metrics.decode()
+
+
+def test_a_decode_engine_dying_mid_stream_resumes_on_another_with_the_same_tokens(cluster):
+    second = cluster.engine("decode", "decode-1")
+    door = cluster.start(FrontdoorConfig(health_interval_s=60))
+    reference_door = cluster.start(FrontdoorConfig(health_interval_s=60))
+    wait_for(lambda: door.frontdoor.health_checks.rounds >= 1)       # the next one in 60 s
+    # Only decode-1 in routing for the request, decode-0 out until the health check (60 s).
+    from engines.client import EngineClient
+    router = door.frontdoor.router
+
+    async def add_decode() -> None:
+        from scheduler.router import DecodeInstance
+        client = EngineClient(second)
+        router.decode["decode-1"] = DecodeInstance(client, await client.info())
+
+    cluster.loop.run(add_decode())
+    router.mark_down("decode-0", "kept out by the test")
+    prompt = {"prompt": prompt_of(60, 2 * BS + 5), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    import http.client
+    host, port = door.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(prompt), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = [resp.readline() for _ in range(20)]                       # 10 tokens streamed
+    router.mark_up("decode-0")
+    cluster.servers.pop().stop(None).wait()                            # decode-1 dies mid-stream
+    data = b"".join(lines) + resp.read()
+    conn.close()
+    events = sse_events(data)
+    tokens = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and "error" not in events[-1]
+    status, _, whole = call(reference_door.url, "/v1/completions", {**prompt, "stream": False})
+    assert status == 200 and tokens == json.loads(whole)["choices"][0]["token_ids"]
+    assert len(tokens) == 200
+    assert "decode-1" in router.down                                   # seen failing by the request
+    _, _, metrics = call(door.url, "/metrics")
+    assert 'kvstore_scheduler_requests_moved_total{role="decode"} 1.0' in metrics.decode()
+
+
+def test_nothing_left_to_serve_is_a_clean_503_and_health_says_unavailable(cluster):
+    door = cluster.start(FAST)
+    cluster.servers.pop().stop(None).wait()                            # the only decode engine
+    status, _, data = call(door.url, "/v1/completions", {"prompt": "hello there", "max_tokens": 4})
+    body = json.loads(data)
+    assert status == 503 and body["error"]["code"] == "engine_unavailable"
+    assert "decode" in body["error"]["message"]
+    wait_for(lambda: health(door.url)[0] == 503)
+    status, body = health(door.url)
+    assert body["status"] == "unavailable" and any("decode-0" in r for r in body["reasons"])
+    status, headers, data = call(door.url, "/v1/completions", {"prompt": "hello again", "max_tokens": 4})
+    assert status == 503 and headers.get("Retry-After") == "1"
+    assert "no decode instance is up" in json.loads(data)["error"]["message"]
+
+
+def test_a_store_node_that_is_down_is_degraded_and_requests_are_still_served(cluster):
+    door = cluster.start(FAST)
+    cluster.store_server.stop(None).wait()                              # the pool goes away
+    wait_for(lambda: health(door.url)[1]["status"] == "degraded", 15)
+    status, body = health(door.url)
+    assert status == 200 and any(r.startswith("store:") for r in body["reasons"])
+    status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, 2 * BS + 3), "max_tokens": 3})
+    assert status == 200, data                                          # recomputed, not failed

@@ -1,0 +1,46 @@
+"""``kvstore up``'s supervision (kvstore/stack.py) with real child processes: a child that
+exits is restarted after a back-off that doubles, at most ``max_restarts`` times, then the
+stack gives up with the child's log; a child that cannot be restarted stops the stack."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.stack import BACKOFF_S, Stack
+
+
+def test_a_crashing_child_is_restarted_with_back_off_then_given_up(tmp_path, capsys):
+    stack = Stack(log_dir=str(tmp_path / "logs"), max_restarts=2)
+    stack.start("flaky", "--version")              # prints the version and exits 0 at once
+    now, delays = 0.0, []
+    try:
+        with pytest.raises(RuntimeError, match="flaky exited .*2 restarts within 300 s already"):
+            for _ in range(10):
+                stack.children["flaky"].proc.wait(30)
+                stack.supervise(now)                # sees the exit: schedules a restart
+                child = stack.children["flaky"]
+                delays.append(child.restart_at - now)
+                stack.supervise(now + delays[-1] - 0.01)
+                assert child.restart_at is not None  # not before its back-off
+                now += delays[-1]
+                stack.supervise(now)                # restarts it
+                assert child.restart_at is None
+    finally:
+        stack.stop()
+    assert delays == [BACKOFF_S[0], 2 * BACKOFF_S[0]]
+    assert stack.restarts == 2
+    out = capsys.readouterr().out
+    assert out.count("restarted (pid") == 2 and "restart 2 of 2 in 1.0 s" in out
+    assert (tmp_path / "logs" / "flaky.log").read_text().count("kvstore ") == 3   # appended
+
+
+def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    stack.adopt("redis", proc)
+    proc.wait(30)
+    with pytest.raises(RuntimeError, match="redis exited .*cannot be restarted"):
+        stack.supervise()
+    stack.stop()
