@@ -21,6 +21,9 @@ import grpc
 
 STORE_TOKEN_ENV = "KVSTORE_STORE_TOKEN"
 ENGINE_TOKEN_ENV = "KVSTORE_ENGINE_TOKEN"
+# A Redis URL may hold a password (redis://:PASSWORD@host:port/db): services also read it from
+# the environment, so kvstore up never puts it on a command line.
+REDIS_URL_ENV = "KVSTORE_REDIS_URL"
 
 
 def new_token() -> str:

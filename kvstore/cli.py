@@ -20,6 +20,13 @@ from kvstore.config import positive_int
 from kvstore.shutdown import Shutdown
 from kvstore.stack_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
+
+def _env_redis() -> str | None:
+    """The Redis URL of the environment (kvstore.auth.REDIS_URL_ENV), which may hold a password."""
+    import os
+    from kvstore.auth import REDIS_URL_ENV
+    return os.environ.get(REDIS_URL_ENV) or None
+
 log = logging.getLogger("kvstore")
 # The vendored trace, found from the checkout whatever the working directory.
 DEFAULT_TRACE = str(Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_trace.jsonl")
@@ -200,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "KVSTORE_STORE_TOKEN environment variable, which keeps it off the command line)")
     p.add_argument("--dataplane-socket", metavar="PATH", help="Unix socket of the same-host data plane's "
                    "control channel (default auto: <data-dir>/<node-id>/dataplane.sock; '' for none)")
-    p.add_argument("--redis", metavar="URL", help="publish KV events to this Redis (redis://host:port/db) "
-                   "and register the node there (cluster membership); default: in-process, single node")
+    p.add_argument("--redis", metavar="URL", default=_env_redis(), help="publish KV events to this Redis "
+                   "(redis://[:password@]host:port/db) and register the node there (cluster membership); "
+                   "default: KVSTORE_REDIS_URL, else in-process, single node")
     p.add_argument("--heartbeat", type=float, metavar="S", help="membership heartbeat, seconds (default 1)")
     p.add_argument("--node-ttl", type=float, metavar="S",
                    help="membership TTL: a node silent this long leaves lookups (default 3)")
@@ -238,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token", help="require this bearer token from callers (the front door's "
                    "--engine-token; default: KVSTORE_ENGINE_TOKEN; none: any caller may run requests "
                    "in any namespace, and the engine warns)")
-    p.add_argument("--redis", metavar="URL", help="use every store node registered in this Redis "
-                   "(cluster mode) instead of --store")
+    p.add_argument("--redis", metavar="URL", default=_env_redis(), help="use every store node registered "
+                   "in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks a free one)")
     p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
@@ -257,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", help="prefill engine addresses, comma-separated")
     p.add_argument("--decode", help="decode engine addresses, comma-separated")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
-    p.add_argument("--redis", metavar="URL", help="look up blocks across every store node registered "
-                   "in this Redis (cluster mode) instead of --store")
+    p.add_argument("--redis", metavar="URL", default=_env_redis(), help="look up blocks across every store "
+                   "node registered in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     p.add_argument("--store-token", help="bearer token for the store node (if it requires one; "

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, new_token, token_from
+from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 
 
@@ -248,19 +248,24 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
+        private_redis = False
         if n_store > 1 and not redis_url:   # a cluster needs a registry: a private Redis
-            from kvstore.cluster.redis_server import start_private_redis
+            from kvstore.cluster.redis_server import redact_url, start_private_redis
             os.makedirs(stack.log_dir, exist_ok=True)
-            proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"))
+            proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token())
             stack.adopt("redis", proc)
-            print(f"redis          {redis_url}  (private, no persistence)", flush=True)
+            print(f"redis          {redact_url(redis_url)}  (private, password in KVSTORE_REDIS_URL, "
+                  f"no persistence)", flush=True)
+            stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
+            private_redis = True
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
-        pool_flags = ["--redis", redis_url] if n_store > 1 else ["--store", store]
+        redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
+        pool_flags = redis_flags if n_store > 1 else ["--store", store]
         for i, port in enumerate(store_ports):
             name = "store" if n_store == 1 else f"store-{i}"
             stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
                         "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
-                        "--node-id", name, *(["--redis", redis_url] if redis_url else []))
+                        "--node-id", name, *redis_flags)
         for name, role, port in engines:
             stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
                         "--port", str(port), "--engine-id", name, *model)
