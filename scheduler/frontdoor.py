@@ -28,13 +28,13 @@ from scheduler.admission import Rejection
 from scheduler.config import FrontdoorConfig
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
-from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, TextStream, chunk_body,
+from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, StopText, TextStream, chunk_body,
                                   parse_chat, parse_completion, response_body, usage)
 from scheduler.router import RoutePlan, Router
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[int], Awaitable[None]]
+Emit = Callable[[int], Awaitable[bool]]  # True: a stop string appeared, end the generation
 MAX_BODY_BYTES = 32 << 20
 
 
@@ -89,6 +89,9 @@ class Frontdoor:
                 body = json.loads(await request.read())
             except ValueError:
                 raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+            except RecursionError:  # json's decoder recurses once per nesting level
+                raise APIError(400, "the request body is nested too deeply to parse",
+                               code="invalid_json") from None
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             plan = await self._admit(request, req)
         except APIError as exc:
@@ -131,7 +134,8 @@ class Frontdoor:
 
     async def _generate(self, req: GenerationRequest, plan: RoutePlan, emit: Emit) -> tuple[PrefillResult, str]:
         """Prefill, then decode; ``emit`` is awaited with each token id in order (the first from
-        prefill). Returns the prefill result and the finish reason. Raises APIError 503 when an
+        prefill) and says whether a stop string appeared (the decode stream is then closed,
+        which cancels it on the engine). Returns the prefill result and the finish reason. Raises APIError 503 when an
         engine fails, 400 when it rejects the request."""
         result = None
         try:
@@ -144,8 +148,7 @@ class Frontdoor:
         finally:
             self.router.prefill_finished(plan, result)
         stop = () if req.ignore_eos else (self.info.eos_token_id,)
-        await emit(result.first_token)
-        if result.first_token in stop:
+        if await emit(result.first_token) or result.first_token in stop:
             return result, "stop"
         if req.max_tokens == 1:
             return result, "length"
@@ -156,8 +159,9 @@ class Frontdoor:
             async with contextlib.aclosing(steps):
                 async for step in steps:
                     if step.index > 0:
-                        await emit(step.token)
                         sent += 1
+                        if await emit(step.token):
+                            return result, "stop"
                     if step.finished:
                         return result, step.finish_reason or "length"
         except InvalidArgument as exc:
@@ -175,16 +179,20 @@ class Frontdoor:
     async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:
         ids: list[int] = []
         tick = self._timer(t0, plan)
+        pieces, stream, stop = [], TextStream(self.tokenizer), StopText(req.stop)
 
-        async def emit(token: int) -> None:
+        async def emit(token: int) -> bool:
             ids.append(token)
             tick()
+            if req.stop:
+                pieces.append(stop.push(stream.push(token)))
+            return stop.hit
 
         result, finish = await self._generate(req, plan, emit)
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
-        body = response_body(req, plan.request_id, int(time.time()), self.info.model_id,
-                             self.tokenizer.decode(ids), ids, finish,
+        text = "".join(pieces) + stop.push(stream.flush()) + stop.flush() if req.stop else self.tokenizer.decode(ids)
+        body = response_body(req, plan.request_id, int(time.time()), self.info.model_id, text, ids, finish,
                              usage(len(req.prompt), len(ids), result.cached_tokens))
         return web.json_response(body)
 
@@ -194,20 +202,22 @@ class Frontdoor:
         ``[DONE]``. Headers go out with the first token, so a failed prefill is still a 503."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
+        stop = StopText(req.stop)
         count = 0
 
         async def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await resp.write(f"data: {data}\n\n".encode())
 
-        async def emit(token: int) -> None:
+        async def emit(token: int) -> bool:
             nonlocal count
             if not resp.prepared:
                 await resp.prepare(request)
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.push(token),
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id, stop.push(text.push(token)),
                                   [token], first=count == 0))
             count += 1
             tick()
+            return stop.hit
 
         try:
             result, finish = await self._generate(req, plan, emit)
@@ -225,7 +235,8 @@ class Frontdoor:
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
         try:
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.flush(), [],
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id,
+                                  stop.push(text.flush()) + stop.flush(), [],
                                   finish, usage(len(req.prompt), count, result.cached_tokens)))
             await send("[DONE]")
             await resp.write_eof()
