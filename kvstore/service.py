@@ -9,6 +9,7 @@ from concurrent import futures
 from typing import Any, Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.dataplane.host import DataPlaneHost
@@ -86,6 +87,9 @@ class StoreServicer(pb_grpc.KVStoreServicer):
 
         try:
             for chunk in request_iterator:
+                if chunk is UNPARSED:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a put chunk that does not parse as "
+                                  "kvstore.v1.PutChunk")
                 if chunk.key:
                     finish()
                     try:
@@ -265,6 +269,31 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.AbortBlocksResponse()
 
 
+UNPARSED = object()  # a client-streamed message that did not parse (see _StreamParseGuard)
+
+
+class _StreamParseGuard(grpc.ServerInterceptor):
+    """gRPC (1.85) answers a client-streamed message that does not parse by sending the
+    call's status itself and ending the handler's request iterator; the handler's reply is
+    then a second status on that call, whose batch never completes, and the server never
+    stops (``server.stop()`` hung after one such Put, found by tests/test_fuzz_store_grpc.py).
+    This wraps the deserializer of client-streamed requests: a message that does not parse
+    arrives as :data:`UNPARSED`, and the handler refuses it (INVALID_ARGUMENT)."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or not handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def safe(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError:
+                return UNPARSED
+        return handler._replace(request_deserializer=safe)
+
+
 class _TokenInterceptor(grpc.ServerInterceptor):
     """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
 
@@ -303,7 +332,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     :func:`close_dataplane`); ``dataplane_poll_s``: how long its connections poll for the
     next request before sleeping. Returns the started server and its bound port. Raises
     RuntimeError if it cannot bind."""
-    interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
+    interceptors = ([_TokenInterceptor(auth_token)] if auth_token else []) + [_StreamParseGuard()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")

@@ -227,3 +227,22 @@ def test_unreachable_node_is_unavailable() -> None:
     with StoreClient("127.0.0.1:1", timeout_s=2) as c:
         with pytest.raises(Unavailable):
             c.health()
+
+
+def test_a_put_chunk_that_does_not_parse_is_refused_and_the_server_still_stops(make_dram) -> None:
+    """A client-streamed message that does not parse used to leave the call unfinished in
+    gRPC, and ``server.stop()`` then hung forever (found by tests/test_fuzz_store_grpc.py)."""
+    import threading
+    pool = KVPool([make_dram(1 << 20)])
+    server, port = serve_store(pool)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        put = channel.stream_unary("/kvstore.v1.KVStore/Put", lambda b: b, pb.PutResponse.FromString)
+        for raw in (b"\xff", b"\x0a\x05ab"):  # a bad tag; a length past the end
+            with pytest.raises(grpc.RpcError) as exc:
+                put(iter([raw]), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "PutChunk" in exc.value.details()
+    stopper = threading.Thread(target=lambda: server.stop(grace=None).wait(), daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "the store server did not stop"
+    pool.close()
