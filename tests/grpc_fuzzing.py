@@ -53,12 +53,14 @@ def _scalar(field: FD, keys: st.SearchStrategy[bytes], overrides: dict[str, st.S
 
 
 def message(cls: type, known_keys: list[bytes] = (), overrides: dict[str, st.SearchStrategy[Any]] | None = None,
-            strings: list[str] = (), max_repeated: int = 6) -> st.SearchStrategy[Any]:
+            strings: list[str] = (), max_repeated: int = 6,
+            lists: dict[str, st.SearchStrategy[list[Any]]] | None = None) -> st.SearchStrategy[Any]:
     """Requests of message class ``cls``: each field set or left unset at random. Keys
     (bytes fields named ``*key*`` or ``parent``) are of every length or one of
     ``known_keys``; strings are random or one of ``strings``; ``overrides`` maps a field
-    name to its own strategy (for a repeated field: of one item)."""
-    overrides = overrides or {}
+    name to its own strategy (for a repeated field: of one item), ``lists`` a repeated
+    field's name to a strategy of whole lists."""
+    overrides, lists = overrides or {}, lists or {}
     keys = st.one_of(_KEY_LENGTHS.flatmap(lambda n: st.binary(min_size=n, max_size=n)),
                      *( [st.sampled_from(list(known_keys))] if known_keys else []))
     text = st.one_of(st.text(max_size=40), *([st.sampled_from(list(strings))] if strings else []))
@@ -66,6 +68,9 @@ def message(cls: type, known_keys: list[bytes] = (), overrides: dict[str, st.Sea
     for f in cls.DESCRIPTOR.fields:
         if f.type in (FD.TYPE_MESSAGE, FD.TYPE_GROUP):
             continue  # no request of this project nests messages
+        if f.name in lists:
+            fields[f.name] = lists[f.name]
+            continue
         one = _scalar(f, keys, overrides, text)
         fields[f.name] = st.lists(one, max_size=max_repeated) if f.is_repeated else one
     return st.fixed_dictionaries({}, optional=fields).map(lambda kw: cls(**kw))
