@@ -246,3 +246,19 @@ def test_a_put_chunk_that_does_not_parse_is_refused_and_the_server_still_stops(m
     stopper.join(10)
     assert not stopper.is_alive(), "the store server did not stop"
     pool.close()
+
+
+def test_the_client_splits_a_chain_longer_than_the_node_takes(client: StoreClient, monkeypatch) -> None:
+    """StoreClient reads and looks up more keys than MAX_KEYS_PER_CALL in parts (here the
+    client's limit is lowered to 3; the node's stays what it is)."""
+    monkeypatch.setattr("kvstore.client.MAX_KEYS_PER_CALL", 3)
+    blocks = [(_key(i), _block(i, 100)) for i in range(8)]
+    assert all(r.ok for r in client.put_blocks(blocks))
+    keys = [k for k, _ in blocks]
+    assert client.lookup(keys).blocks == 8 and len(client.lookup(keys).tiers) == 8
+    assert client.lookup(keys[:4] + [_key(99)] + keys[5:]).blocks == 4
+    assert client.get_blocks(keys) == [d for _, d in blocks]
+    got = client.get_blocks(keys[:4] + [_key(99)] + keys[5:], stop_at_miss=True)
+    assert got[:4] == [d for _, d in blocks[:4]] and all(g is None for g in got[4:]) and len(got) <= 6
+    assert client.get_blocks(keys[:2] + [_key(99)] + keys[3:]) == [d for _, d in blocks[:2]] + [None] + \
+        [d for _, d in blocks[3:]]
