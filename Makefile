@@ -71,4 +71,4 @@ bench: setup $(LMC_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2.pyi var/ build/ *.egg-info
+	rm -rf $(VENV) $(LMC_VENV) protos/*_pb2*.py protos/*_pb2.pyi var/ build/ *.egg-info

@@ -40,15 +40,17 @@ RESULTS = ROOT / "benchmarks" / "results" / "te_probe.json"
 
 
 @contextmanager
-def store_node_process(dram_bytes: int, transfer_engine: str = "tcp") -> Iterator[str]:
-    """A store node process on 127.0.0.1 (DRAM only); yields its gRPC address."""
+def store_node_process(dram_bytes: int, transfer_engine: str = "tcp", te_staging: str = "64MiB") -> Iterator[str]:
+    """A store node process on 127.0.0.1 (DRAM only; ``te_staging``: its ``--te-staging``,
+    "0" registers the whole slab); yields its gRPC address."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
                                  "--node-id", "te-probe", "--port", str(port), "--dram", str(dram_bytes),
-                                 "--ssd", "0", "--data-dir", tmp, "--transfer-engine", transfer_engine],
+                                 "--ssd", "0", "--data-dir", tmp, "--transfer-engine", transfer_engine,
+                                 "--te-staging", te_staging],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         address = f"127.0.0.1:{port}"
         try:
@@ -69,12 +71,13 @@ def _rounds_gbps(read: Callable[[], object], size: int, rounds: int) -> list[flo
     return out
 
 
-def measure(size_bytes: int = 16 << 20, rounds: int = 7) -> dict[str, float]:
+def measure(size_bytes: int = 16 << 20, rounds: int = 7, te_staging: str = "64MiB") -> dict[str, float]:
     """GB/s over ``rounds`` gets of one ``size_bytes`` block from the same node process:
     the transfer engine into a registered buffer (``get_into``, as Mooncake Store's
     ``get_into`` is measured), the transfer engine to ``bytes`` (``get_blocks``), the gRPC
-    stream, and the raw engine read; best and median of the rounds."""
-    with store_node_process(max(64 << 20, 3 * size_bytes)) as address:
+    stream, and the raw engine read; best and median of the rounds. ``te_staging``: the
+    node's staging area (the default, as deployed) or "0" (its whole slab registered)."""
+    with store_node_process(max(64 << 20, 3 * size_bytes), te_staging=te_staging) as address:
         key, data = b"te-probe".ljust(16, b"\0"), os.urandom(size_bytes)
         with StoreClient(address) as client:
             assert client.put(key, data).ok
@@ -95,7 +98,7 @@ def measure(size_bytes: int = 16 << 20, rounds: int = 7) -> dict[str, float]:
             te.close()
             grpc_t.close()
     med = statistics.median
-    return {"size_bytes": size_bytes, "rounds": rounds,
+    return {"size_bytes": size_bytes, "rounds": rounds, "te_staging": te_staging,
             "te_tcp_get_into_best_gbps": max(into_r), "te_tcp_get_into_median_gbps": med(into_r),
             "te_tcp_get_bytes_best_gbps": max(te_r), "te_tcp_get_bytes_median_gbps": med(te_r),
             "grpc_stream_get_best_gbps": max(grpc_r), "grpc_stream_get_median_gbps": med(grpc_r),
@@ -106,11 +109,15 @@ def measure(size_bytes: int = 16 << 20, rounds: int = 7) -> dict[str, float]:
 def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Callable[[], object]:
     """The engine's read of the block alone, as the get path moves it (pieces of
     ``PIECE_BYTES`` started at once, each polled), with one lease held throughout and no
-    checksum or copy out: the ceiling of the get path on this machine."""
+    checksum or copy out: the ceiling of the get path on this machine (from a staging node,
+    of the one staged copy its lease made)."""
     from kvstore.transfer.engine import DONE
     from kvstore.transfer.te_transport import PIECE_BYTES
     from protos import kvstore_pb2 as kv_pb
-    block = te._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=[key], ttl_s=600)).blocks[0]
+    if te.staged:
+        block = te.control.lease([key], 600).blocks[0]  # type: ignore[union-attr]
+    else:
+        block = te._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=[key], ttl_s=600)).blocks[0]
     _, base = te._buffer(size)
     offs = range(0, size, PIECE_BYTES)
     local = [base + o for o in offs]
@@ -131,13 +138,41 @@ def measure_te_tcp_get_gbps(size_bytes: int = 16 << 20, rounds: int = 7) -> floa
     return measure(size_bytes, rounds)["te_tcp_get_into_best_gbps"]
 
 
+def compare(size_bytes: int, rounds: int, staging: str, runs: int) -> int:
+    """What staging costs: ``runs`` alternating measurements of a staging node and a node
+    with its whole slab registered; prints and writes the best of each and their ratios."""
+    keys = ("te_tcp_get_into_best_gbps", "te_tcp_get_bytes_best_gbps", "te_raw_read_best_gbps")
+    best: dict[str, dict[str, float]] = {staging: {}, "0": {}}
+    for _ in range(runs):
+        for mode in (staging, "0"):
+            r = measure(size_bytes, rounds, mode)
+            for k in keys:
+                best[mode][k] = max(best[mode].get(k, 0.0), r[k])
+    out = {"size_bytes": size_bytes, "rounds": rounds, "runs": runs, "staged": best[staging],
+           "whole_slab": best["0"],
+           **{f"{k}_staged_vs_whole_slab": best[staging][k] / best["0"][k] for k in keys}}
+    for k in keys:
+        print(f"{k:28s} staged {best[staging][k]:.2f}  whole slab {best['0'][k]:.2f}  "
+              f"ratio {out[f'{k}_staged_vs_whole_slab']:.2f}")
+    path = RESULTS.with_name("te_staging.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="16MiB")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--te-staging", default="64MiB", help="the node's --te-staging; 0: its whole slab")
+    p.add_argument("--compare", type=int, default=0, metavar="N",
+                   help="instead: N alternating runs, staging (--te-staging) and whole slab (0), best of each")
     args = p.parse_args()
-    r = measure(parse_bytes(args.size), args.rounds)
-    print(f"transfer engine tcp get {args.size} (best / median of {args.rounds}):\n"
+    if args.compare:
+        return compare(parse_bytes(args.size), args.rounds, args.te_staging, args.compare)
+    r = measure(parse_bytes(args.size), args.rounds, args.te_staging)
+    print(f"transfer engine tcp get {args.size} (staging {args.te_staging}; best / median of {args.rounds}):\n"
           f"  get_into a registered buffer {r['te_tcp_get_into_best_gbps']:.2f} / "
           f"{r['te_tcp_get_into_median_gbps']:.2f} GB/s\n"
           f"  get_blocks (to bytes)        {r['te_tcp_get_bytes_best_gbps']:.2f} / "

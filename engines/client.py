@@ -6,6 +6,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 
 from engines.types import DecodeStep, EngineInfo, EngineLoad, PrefillResult
+from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 from kvstore.service import GRPC_OPTIONS
@@ -16,11 +17,14 @@ from protos import engine_pb2_grpc as pb_grpc
 class EngineClient:
     """Calls one engine at ``address`` (host:port). Must be created inside a running event
     loop. Raises :class:`Unavailable` when the engine cannot be reached or fails, and
-    :class:`InvalidArgument` when it rejects the request."""
+    :class:`InvalidArgument` when it rejects the request. ``auth_token``: the engines' token
+    (kvstore/auth.py), sent with every call; an engine that requires another refuses the
+    calls (Unavailable, naming UNAUTHENTICATED)."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 600.0, auth_token: str | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._meta = bearer_metadata(auth_token)
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.EngineStub(self._channel)
 
@@ -63,7 +67,7 @@ class EngineClient:
             request_id=request_id, prompt=list(prompt), namespace=namespace,
             first_token=prefill.first_token, block_keys=list(prefill.block_keys),
             tail_kv=prefill.tail_kv, tail_tokens=prefill.tail_tokens, max_tokens=max_tokens,
-            stop_token_ids=list(stop_token_ids)), timeout=self.timeout_s)
+            stop_token_ids=list(stop_token_ids)), timeout=self.timeout_s, metadata=self._meta)
         try:
             async for m in call:
                 yield DecodeStep(m.token, m.index, m.finished, m.finish_reason)
@@ -74,7 +78,7 @@ class EngineClient:
 
     async def _unary(self, fn, request):  # type: ignore[no-untyped-def]
         try:
-            return await fn(request, timeout=self.timeout_s)
+            return await fn(request, timeout=self.timeout_s, metadata=self._meta)
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc, self.address) from None
 

@@ -11,9 +11,10 @@ import torch
 from engines.kv import append, build_cache, to_tensor
 from engines.model import LoadedModel
 from engines.prefill import read_prefix, validate_prompt
-from engines.types import DecodeStep, EngineLoad
+from engines.types import DecodeStep, EngineLoad, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument
+from kvstore.identity import IdentityCheck, block_tags
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class DecodeEngine:
         self._stats_lock = threading.Lock()
         self._running = 0
         self.recomputed_tokens = 0
+        self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
 
     def load(self) -> EngineLoad:
         return EngineLoad(0, self._running, 0)
@@ -40,10 +42,13 @@ class DecodeEngine:
     def decode(self, request_id: str, prompt: Sequence[int], first_token: int,
                block_keys: Sequence[bytes], tail_kv: bytes, max_tokens: int,
                stop_token_ids: Sequence[int] = (),
-               is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[DecodeStep]:
+               is_cancelled: Callable[[], bool] = lambda: False,
+               namespace: str = "default") -> Iterator[DecodeStep]:
         """Yield ``max_tokens`` tokens at most (index 0 is ``first_token``), stopping early at a
-        stop token. Blocks missing from the pool are recomputed from the prompt (and counted
-        in ``recomputed_tokens``), never a failed request. Raises InvalidArgument for a bad
+        stop token. Blocks missing from the pool — or holding another token sequence's KV
+        (their identity tags, computed from ``prompt`` and ``namespace``, differ; counted in
+        ``identity.mismatches``) — are recomputed from the prompt (and counted in
+        ``recomputed_tokens``), never a failed request. Raises InvalidArgument for a bad
         request."""
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
@@ -57,15 +62,17 @@ class DecodeEngine:
             self._running += 1
         try:
             yield from self._decode(list(prompt), first_token, list(block_keys), tail_kv,
-                                    max_tokens, set(stop_token_ids), is_cancelled)
+                                    max_tokens, set(stop_token_ids), is_cancelled, namespace)
         finally:
             with self._stats_lock:
                 self._running -= 1
 
     def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
-                max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool]) -> Iterator[DecodeStep]:
+                max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool],
+                namespace: str) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
-        blocks = read_prefix(self.store, keys)
+        tags = block_tags(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        blocks = read_prefix(self.store, keys, tags, self.identity)
         with self._lock:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs

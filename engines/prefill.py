@@ -16,6 +16,7 @@ from engines.model import LoadedModel
 from engines.types import EngineLoad, PrefillResult, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.identity import IdentityCheck, block_tags, seal
 from kvstore.index.keys import block_keys, usable_prefix_tokens
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,12 @@ def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 
                               f"the model's limit of {lm.max_model_len} tokens")
 
 
-def read_prefix(store: StoreClient | None, keys: Sequence[bytes]) -> list[bytes]:
+def read_prefix(store: StoreClient | None, keys: Sequence[bytes], tags: Sequence[bytes],
+                check: IdentityCheck) -> list[bytes]:
     """Bytes of the longest prefix of ``keys`` the pool returns (one batched, streamed get
-    that stops at the first miss). A pool that cannot be reached is a miss, logged."""
+    that stops at the first miss) whose blocks carry the identity ``tags`` of the tokens
+    they stand for (kvstore/identity.py; a block of other tokens under a colliding key is a
+    miss, counted by ``check``). A pool that cannot be reached is a miss, logged."""
     if not keys or store is None:
         return []
     try:
@@ -44,12 +48,7 @@ def read_prefix(store: StoreClient | None, keys: Sequence[bytes]) -> list[bytes]
     except KVStoreError as exc:
         log.warning("pool unavailable, recomputing: %s", exc)
         return []
-    out = []
-    for data in got:
-        if data is None:
-            break
-        out.append(data)
-    return out
+    return check.prefix(keys, got, tags)
 
 
 class PrefillEngine:
@@ -64,6 +63,7 @@ class PrefillEngine:
         self.engine_id = engine_id
         self.block_size = lm.layout.block_size
         self.local = LocalBlockCache(local_cache_blocks)
+        self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
         self._lock = threading.Lock()  # one prefill on the model at a time
         self._stats_lock = threading.Lock()
         self._queued = 0
@@ -101,13 +101,16 @@ class PrefillEngine:
                  max_load_blocks: int | None) -> PrefillResult:
         t0 = time.perf_counter()
         lm, bs = self.lm, self.block_size
-        keys = block_keys(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        extras = extras_for(lm.model_id, lm.revision, lm.layout, namespace)
+        keys = block_keys(prompt, bs, extras)
+        tags = block_tags(prompt, bs, extras)
+        local_ids = [k + t for k, t in zip(keys, tags)]  # the local cache checks identity too
         want = -(-usable_prefix_tokens(len(keys), bs, len(prompt)) // bs)  # blocks worth loading
-        tensors = self.local.prefix(keys[:want])
+        tensors = self.local.prefix(local_ids[:want])
         from_local = len(tensors)
         upto = want if max_load_blocks is None else min(want, max(from_local, max_load_blocks))
         t_load = time.perf_counter()
-        raw, tier = self._fetch(keys[from_local:upto])
+        raw, tier = self._fetch(keys[from_local:upto], tags[from_local:upto])
         load_s = time.perf_counter() - t_load if raw else 0.0
         load_bytes = sum(len(b) for b in raw)
         fetched = [to_tensor(b, lm.layout, lm.dtype) for b in raw]
@@ -126,18 +129,19 @@ class PrefillEngine:
         first = int(out.logits[0, -1].argmax())
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
-        stored = self._publish(new, keys[loaded - 1] if loaded else None)
+        stored = self._publish([(k, seal(b, tags[i])) for i, (k, b) in enumerate(new, loaded)],
+                               keys[loaded - 1] if loaded else None)
         # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
-        self.local.put_chain(list(zip(keys[from_local:loaded], fetched))
-                             + [(k, to_tensor(b, lm.layout, lm.dtype)) for k, b in new])
+        self.local.put_chain(list(zip(local_ids[from_local:loaded], fetched))
+                             + [(local_ids[i], to_tensor(b, lm.layout, lm.dtype)) for i, (_, b) in enumerate(new, loaded)])
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
                              slice_bytes(cache, n_full * bs, len(prompt)), len(prompt) - n_full * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
                              tier if load_bytes else "")
 
-    def _fetch(self, keys: list[bytes]) -> tuple[list[bytes], str]:
-        """The pool's longest prefix of ``keys`` (bytes per block) and the tier most of it
-        came from ("" when unknown)."""
+    def _fetch(self, keys: list[bytes], tags: list[bytes]) -> tuple[list[bytes], str]:
+        """The pool's longest prefix of ``keys`` whose blocks carry ``tags`` (bytes per block,
+        tags stripped) and the tier most of it came from ("" when unknown)."""
         if not keys or self.store is None:
             return [], ""
         try:
@@ -147,7 +151,7 @@ class PrefillEngine:
             return [], ""
         tiers = list(found.tiers[:found.blocks])
         tier = max(set(tiers), key=tiers.count) if tiers else ""
-        return read_prefix(self.store, keys[:found.blocks]), tier
+        return read_prefix(self.store, keys[:found.blocks], tags, self.identity), tier
 
     def _publish(self, blocks: list[tuple[bytes, bytes]], parent: bytes | None) -> int:
         """Put the new blocks as one chain extending ``parent`` (so the pool evicts the

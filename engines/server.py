@@ -13,6 +13,7 @@ import torch
 from engines.decode import DecodeEngine
 from engines.model import LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
+from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.limits import check_keys
@@ -66,7 +67,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
-                                   list(request.stop_token_ids), lambda: not context.is_active())
+                                   list(request.stop_token_ids), lambda: not context.is_active(),
+                                   namespace=request.namespace)
         try:
             for step in steps:
                 yield pb.DecodeToken(token=step.token, index=step.index, finished=step.finished,
@@ -81,12 +83,15 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                  block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
                  store_token: str | None = None, workers: int = 16,
-                 store_redis: str | None = None) -> tuple[grpc.Server, int]:
+                 store_redis: str | None = None, auth_token: str | None = None) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
-    (kvstore/cluster) — (neither: no pool), and serve it on ``address``. Returns (server,
-    port). Raises ValueError for an unknown role, RuntimeError when the address cannot be
-    bound."""
+    (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
+    every call must carry ``authorization: Bearer <auth_token>`` (kvstore/auth.py), else it
+    is refused with UNAUTHENTICATED — the request's namespace is the caller's word, so only
+    the front door may hold this token; None serves any caller (and logs a warning).
+    Returns (server, port). Raises ValueError for an unknown role, RuntimeError when the
+    address cannot be bound."""
     if role not in ROLES:
         raise ValueError(f"engine role must be one of {ROLES}, got {role!r}")
     lm = load_model(ModelConfig(model_dir=model_dir, dtype=dtype, device=device, block_size=block_size))
@@ -100,11 +105,16 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+                         interceptors=interceptors_for(auth_token))
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"engine: cannot listen on {address} (port in use or address not local)")
     server.start()
     log.info("%s engine %s on %s (port %d), model on %s", role, engine_id, address, port, lm.device)
+    if not auth_token:
+        log.warning("%s engine %s takes calls without a token: any caller that reaches port %d can run "
+                    "requests in any tenant's namespace (give --auth-token or %s)", role, engine_id, port,
+                    ENGINE_TOKEN_ENV)
     return server, port

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.config import positive_int
+from kvstore.stack_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
 log = logging.getLogger("kvstore")
 # The vendored trace, found from the checkout whatever the working directory.
@@ -49,6 +50,9 @@ def _wait_for_signal() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvstore.auth import STORE_TOKEN_ENV, token_from
     from kvstore.config import StoreConfig
     from kvstore.node import start_node, stop_node
     cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
@@ -59,9 +63,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
                            heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
                            transfer_engine=args.transfer_engine, te_metadata=args.te_metadata,
+                           te_staging_bytes=args.te_staging,
                            advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
                            control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us,
-                           dram_prefault=args.dram_prefault)
+                           dram_prefault=args.dram_prefault, ssd_on_error=args.ssd_on_error)
+    if not cfg.auth_token and token_from(None, STORE_TOKEN_ENV):   # flag, then file, then environment
+        cfg = replace(cfg, auth_token=token_from(None, STORE_TOKEN_ENV))
     server, port, pool = start_node(cfg)
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
@@ -73,11 +80,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from engines.server import start_engine
+    from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, token_from
     server, port = start_engine(args.role, args.store, model_dir=args.model, block_size=args.block_size,
                                 address=f"{args.host}:{args.port}", engine_id=args.engine_id,
                                 dtype=args.dtype, device=args.device,
-                                local_cache_blocks=args.local_cache_blocks, store_token=args.store_token,
-                                store_redis=args.redis)
+                                local_cache_blocks=args.local_cache_blocks,
+                                store_token=token_from(args.store_token, STORE_TOKEN_ENV),
+                                store_redis=args.redis,
+                                auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV))
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
     _wait_for_signal()
     server.stop(grace=2).wait()
@@ -85,11 +95,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    if args.vllm_prefill or args.vllm_decode or args.vllm_colocated:
+        from scheduler.vllm_app import serve_vllm_frontdoor_forever
+        return serve_vllm_frontdoor_forever(args)
+    if not args.prefill or not args.decode:
+        print("kvstore scheduler: give --prefill and --decode (engines), or --vllm-prefill and "
+              "--vllm-decode (or --vllm-colocated) URLs", file=sys.stderr)
+        return 2
     from scheduler.app import serve_frontdoor_forever
     return serve_frontdoor_forever(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvstore.stack_vllm import run_up_vllm
+        return run_up_vllm(args)
     from kvstore.stack import run_up
     return run_up(args)
 
@@ -131,6 +151,14 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="fetch a better cached prefix only when it saves this many times its transfer time")
 
 
+def add_api_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="serve only callers sending 'Authorization: Bearer KEY' (repeatable; others get "
+                        "401); without keys every caller is served")
+    p.add_argument("--api-keys-file", metavar="FILE",
+                   help="more API keys, one per line ('#' starts a comment)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
@@ -149,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 4GiB (default 4GiB)")
     p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
     p.add_argument("--ssd-fsync", choices=["never", "commit"], help="SSD durability (default never)")
+    p.add_argument("--ssd-on-error", choices=["fail", "disable"],
+                   help="an SSD data directory that cannot be used at start: fail (exit with the error; "
+                        "default) or disable (serve without the SSD tier)")
     p.add_argument("--hbm", help="HBM tier capacity above DRAM, e.g. 2GiB (default 0: none)")
     p.add_argument("--hbm-device", help="HBM tier device: auto (CUDA if present, else cpu), cpu, cuda:0, ...")
     p.add_argument("--policy", choices=["lru", "lfu", "fifo", "s3fifo"], help="eviction policy (default lru)")
@@ -158,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, metavar="S", help="read lease TTL, seconds (default 5)")
     p.add_argument("--reservation-timeout", type=float, metavar="S",
                    help="an unfinished put frees its space after this many seconds (default 30)")
-    p.add_argument("--auth-token", help="require this bearer token from clients")
+    p.add_argument("--auth-token", help="require this bearer token from clients (default: the "
+                   "KVSTORE_STORE_TOKEN environment variable, which keeps it off the command line)")
     p.add_argument("--dataplane-socket", metavar="PATH", help="Unix socket of the same-host data plane's "
                    "control channel (default auto: <data-dir>/<node-id>/dataplane.sock; '' for none)")
     p.add_argument("--redis", metavar="URL", help="publish KV events to this Redis (redis://host:port/db) "
@@ -166,10 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat", type=float, metavar="S", help="membership heartbeat, seconds (default 1)")
     p.add_argument("--node-ttl", type=float, metavar="S",
                    help="membership TTL: a node silent this long leaves lookups (default 3)")
-    p.add_argument("--transfer-engine", choices=["tcp", "rdma", "off"],
-                   help="Mooncake Transfer Engine protocol for across-host reads (default tcp)")
+    p.add_argument("--transfer-engine", choices=["auto", "tcp", "rdma", "off"],
+                   help="Mooncake Transfer Engine for across-host reads: auto (tcp when the node joins a "
+                        "cluster with --redis, else off), tcp, rdma or off (default auto). It has no "
+                        "authentication and listens on every interface: a private fabric only")
     p.add_argument("--te-metadata", metavar="URL", help="transfer engine metadata: P2PHANDSHAKE (default) "
                    "or Mooncake's HTTP metadata server http://host:port/metadata")
+    p.add_argument("--te-staging", metavar="SIZE", help="register only a staging area of this size with the "
+                   "transfer engine, holding the blocks being read (default 64MiB); 0 registers the whole "
+                   "DRAM slab: every block reachable by any peer of the engine")
     p.add_argument("--advertise-host", help="host other machines reach this node at (default --host)")
     p.add_argument("--dram-prefault", action=argparse.BooleanOptionalAction, default=None,
                    help="allocate and map the DRAM slab's pages in the background from the start, so no "
@@ -190,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["prefill", "decode"], required=True,
                    help="prefill computes prompts and publishes blocks; decode loads them and generates")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
-    p.add_argument("--store-token", help="bearer token for the store node")
+    p.add_argument("--store-token", help="bearer token for the store node (default: KVSTORE_STORE_TOKEN)")
+    p.add_argument("--auth-token", help="require this bearer token from callers (the front door's "
+                   "--engine-token; default: KVSTORE_ENGINE_TOKEN; none: any caller may run requests "
+                   "in any namespace, and the engine warns)")
     p.add_argument("--redis", metavar="URL", help="use every store node registered in this Redis "
                    "(cluster mode) instead of --store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -207,16 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
                        description="Run the scheduler's HTTP front door (OpenAI-compatible "
                                    "/v1/completions, /health, /metrics) over running engines.")
-    p.add_argument("--prefill", required=True, help="prefill engine addresses, comma-separated")
-    p.add_argument("--decode", required=True, help="decode engine addresses, comma-separated")
+    p.add_argument("--prefill", help="prefill engine addresses, comma-separated")
+    p.add_argument("--decode", help="decode engine addresses, comma-separated")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
     p.add_argument("--redis", metavar="URL", help="look up blocks across every store node registered "
                    "in this Redis (cluster mode) instead of --store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
-    p.add_argument("--store-token", help="bearer token for the store node (if it requires one)")
+    p.add_argument("--store-token", help="bearer token for the store node (if it requires one; "
+                   "default: KVSTORE_STORE_TOKEN)")
+    p.add_argument("--engine-token", help="bearer token for the engines (their --auth-token; default: "
+                   "KVSTORE_ENGINE_TOKEN)")
+    add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     add_scheduler_flags(p)
+    add_vllm_scheduler_flags(p)
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("up", help="run the whole stack on this host", formatter_class=_formatter,
@@ -239,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store nodes to start; > 1 forms a cluster registered in Redis")
     p.add_argument("--redis", metavar="URL", help="Redis for membership and KV events (default with "
                    "--store-nodes > 1: a private redis-server, stopped at the end)")
+    add_api_key_flags(p)
+    add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
@@ -246,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
     p.add_argument("--target", required=True, help="front door URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    p.add_argument("--api-key", metavar="KEY", help="send 'Authorization: Bearer KEY' (a front door with API keys)")
     add_replay_flags(p)
     p.set_defaults(func=cmd_replay)
 

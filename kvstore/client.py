@@ -288,7 +288,7 @@ class StoreClient:
                                         t.hits, t.misses, t.evictions, t.demotions, t.promotions,
                                         t.integrity_failures, leased_bytes=t.leased_bytes,
                                         pinned_bytes=t.pinned_bytes, reserved_bytes=t.reserved_bytes,
-                                        policy=t.policy) for t in resp.tiers]
+                                        policy=t.policy, quarantines=t.quarantines) for t in resp.tiers]
 
     def evict(self, tier: str, nbytes: int) -> tuple[int, int]:
         resp = self._call(self._stub.Evict, pb.EvictRequest(tier=tier, bytes=nbytes))

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvstore.pool_types import PoolSettings
 
+TRANSFER_ENGINES = ("auto", "tcp", "rdma", "off")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -50,6 +51,9 @@ class StoreConfig:
     ssd_bytes: int = 4 << 30
     data_dir: str = "var/store"
     ssd_fsync: str = "never"
+    # An SSD data directory that cannot be used at start: "fail" (the node does not start,
+    # one-line error) or "disable" (the node starts without its SSD tier, and logs so).
+    ssd_on_error: str = "fail"
     promote_on_hit: bool = True
     auth_token: str | None = None
     redis_url: str | None = None      # KV events go to this Redis; None: an in-process channel
@@ -61,11 +65,16 @@ class StoreConfig:
     lease_ttl_s: float = 5.0
     reservation_timeout_s: float = 30.0
     # Cluster (kvstore/cluster): membership at redis_url (None: an embedded registry) and the
-    # across-host transfer engine (kvstore/transfer): tcp | rdma | off.
+    # across-host transfer engine (kvstore/transfer): auto (tcp when the node joins a cluster
+    # through redis_url, else off: the same-host path needs none) | tcp | rdma | off. Mooncake's
+    # engine has no authentication and listens on every interface (see README, trust boundary).
     heartbeat_s: float = 1.0
     node_ttl_s: float = 3.0
-    transfer_engine: str = "tcp"
+    transfer_engine: str = "auto"
     te_metadata: str = "P2PHANDSHAKE"    # or Mooncake's HTTP metadata server, http://host:port/metadata
+    # Register only a staging area of this size with the transfer engine, holding the blocks
+    # being read (kvstore/transfer/staging.py); 0 registers the whole DRAM slab.
+    te_staging_bytes: int = 64 << 20
     advertise_host: str | None = None    # host others reach this node at (default: host)
     # Readers on other hosts lease blocks over a compact TCP channel on this port (0: a free
     # one, announced in BlockTransfer.Info); it runs beside the transfer engine.
@@ -81,7 +90,8 @@ class StoreConfig:
     dram_prefault: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us"):
+        for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us",
+                     "te_staging_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
@@ -96,12 +106,14 @@ class StoreConfig:
         self.pool_settings()  # validates watermarks, policy and times
         if self.ssd_fsync not in ("never", "commit"):
             raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
+        if self.ssd_on_error not in ("fail", "disable"):
+            raise ValueError(f"ssd_on_error must be 'fail' or 'disable', got {self.ssd_on_error!r}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
             raise ValueError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
-        if self.transfer_engine not in ("tcp", "rdma", "off"):
-            raise ValueError(f"transfer_engine must be 'tcp', 'rdma' or 'off', got {self.transfer_engine!r}")
+        if self.transfer_engine not in TRANSFER_ENGINES:
+            raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
         for name in ("port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
@@ -125,10 +137,17 @@ class StoreConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown store settings {unknown}; valid: {sorted(known)}")
-        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes"):
+        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes", "te_staging_bytes"):
             if key in values:
                 values[key] = parse_bytes(values[key])
         return replace(cls(), **values)
+
+    def transfer_protocol(self) -> str | None:
+        """The transfer engine's protocol this node runs (``tcp`` or ``rdma``), or None for
+        none: ``auto`` is ``tcp`` for a node in a Redis cluster and none otherwise."""
+        if self.transfer_engine == "auto":
+            return "tcp" if self.redis_url else None
+        return None if self.transfer_engine == "off" else self.transfer_engine
 
     def dataplane_socket_path(self) -> str | None:
         """The Unix control socket of the same-host data plane, or None for none."""

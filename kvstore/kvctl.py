@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from tabulate import tabulate
 
+from kvstore.auth import STORE_TOKEN_ENV, token_from
 from kvstore.config import parse_bytes
 from kvstore.errors import KVStoreError
 
@@ -32,12 +33,13 @@ def cmd_tiers(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
         return 0
     rows = [[s.name, s.device, s.policy, _mib(s.capacity_bytes), _mib(s.used_bytes),
              f"{100 * s.used_bytes / s.capacity_bytes:.1f}", _mib(s.leased_bytes), _mib(s.pinned_bytes),
-             s.blocks, s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures]
+             s.blocks, s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures,
+             s.quarantines]
             for s in stats]
     print(f"node {node} at {args.store}")
     print(tabulate(rows, headers=["tier", "device", "policy", "capacity MiB", "used MiB", "used %",
                                   "leased MiB", "pinned MiB", "blocks", "hits", "misses", "evictions",
-                                  "demotions", "promotions", "integrity failures"]))
+                                  "demotions", "promotions", "integrity failures", "quarantines"]))
     return 0
 
 
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port (default %(default)s)")
-    parser.add_argument("--token", help="bearer token, if the node requires one")
+    parser.add_argument("--token", help="bearer token, if the node requires one (default: KVSTORE_STORE_TOKEN)")
     parser.add_argument("--timeout", type=_positive, default=10.0, help="seconds to wait for the node (default %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("tiers", help="show each tier's capacity, usage and counters")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvstore.client import StoreClient
     try:
-        with StoreClient(args.store, auth_token=args.token, timeout_s=args.timeout) as client:
+        with StoreClient(args.store, auth_token=token_from(args.token, STORE_TOKEN_ENV), timeout_s=args.timeout) as client:
             return args.func(client, args)
     except (KVStoreError, ValueError) as exc:
         print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)

@@ -221,7 +221,8 @@ class Placement:
                          if k in book.blocks and p.active(now))
             out.append(TierStats(tier.name, tier.device, u.capacity_bytes, u.used_bytes, u.blocks,
                                  **book.counters.as_dict(), leased_bytes=leased, pinned_bytes=pinned,
-                                 reserved_bytes=u.reserved_bytes, policy=book.policy.name))
+                                 reserved_bytes=u.reserved_bytes, policy=book.policy.name,
+                                 quarantines=tier.quarantines))
         return out
 
     def evictable_bytes(self, level: int, now: float) -> int:

@@ -53,8 +53,20 @@ class KVPool:
         self._place = Placement(self.tiers, self.index, node_id, self.settings)
         self._writes = Reservations(self._place, self._lock, self.settings.reservation_timeout_s)
         self._lease_ids = itertools.count(1)
+        for level, tier in enumerate(self.tiers):
+            tier.on_lost = functools.partial(self._tier_lost, level)
         with self._lock:
             self._place.load()
+
+    def _tier_lost(self, level: int, keys: list[bytes]) -> None:
+        """Tier ``level`` lost these committed blocks by itself (its storage was damaged and
+        replaced): forget them, counting each as an integrity failure."""
+        with self._lock:
+            book = self._place.books[level]
+            lost = [key for key in keys if key in book.blocks]
+            for key in lost:
+                self._place.drop(level, key)
+            book.counters.integrity_failures += len(lost)
 
     def tier(self, name: str) -> Tier:
         return self.tiers[self._place.level_of(name)]

@@ -55,7 +55,9 @@ class PutResult(NamedTuple):
 class TierStats:
     """One tier's figures; bytes and block counts. ``used_bytes`` includes
     ``reserved_bytes`` (puts in flight); ``leased_bytes`` / ``pinned_bytes``: committed
-    blocks under an unexpired lease / an active pin."""
+    blocks under an unexpired lease / an active pin. ``quarantines``: times the tier found
+    its storage damaged (an SSD file truncated or corrupt) and replaced it with an empty one;
+    the blocks lost then count in ``integrity_failures``."""
 
     name: str
     device: str
@@ -72,3 +74,4 @@ class TierStats:
     pinned_bytes: int = 0
     reserved_bytes: int = 0
     policy: str = ""
+    quarantines: int = 0      # times the tier found its storage damaged and replaced it

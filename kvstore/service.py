@@ -3,7 +3,6 @@ kvstore errors to gRPC status codes. Block bytes travel in chunks of ``CHUNK_BYT
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from concurrent import futures
 from typing import Any, Callable, Iterator
@@ -12,6 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore import __version__
+from kvstore.auth import interceptors_for
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
 from kvstore.events.publisher import snapshot_of
@@ -169,7 +169,8 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                          used_bytes=s.used_bytes, blocks=s.blocks, hits=s.hits, misses=s.misses,
                          evictions=s.evictions, demotions=s.demotions, promotions=s.promotions,
                          integrity_failures=s.integrity_failures, leased_bytes=s.leased_bytes,
-                         pinned_bytes=s.pinned_bytes, reserved_bytes=s.reserved_bytes, policy=s.policy)
+                         pinned_bytes=s.pinned_bytes, reserved_bytes=s.reserved_bytes, policy=s.policy,
+                         quarantines=s.quarantines)
             for s in self.pool.stats()])
 
     @_refusing
@@ -294,23 +295,6 @@ class _StreamParseGuard(grpc.ServerInterceptor):
         return handler._replace(request_deserializer=safe)
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
-
-        def deny(request: object, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        meta = dict(handler_call_details.invocation_metadata or ())
-        if not hmac.compare_digest(str(meta.get("authorization", "")).encode(), self._expected.encode()):
-            return self._deny
-        return continuation(handler_call_details)
-
-
 _UDS: dict[int, object] = {}  # id(server) -> its same-host control socket (kvstore/dataplane/server.py)
 
 
@@ -332,7 +316,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     :func:`close_dataplane`); ``dataplane_poll_s``: how long its connections poll for the
     next request before sleeping. Returns the started server and its bound port. Raises
     RuntimeError if it cannot bind."""
-    interceptors = ([_TokenInterceptor(auth_token)] if auth_token else []) + [_StreamParseGuard()]
+    interceptors = interceptors_for(auth_token) + [_StreamParseGuard()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 
 
@@ -42,12 +43,14 @@ class Stack:
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     log_dir: str = "var/up/logs"
+    env: dict[str, str] = field(default_factory=dict)   # added to each child's environment (tokens)
 
     def start(self, name: str, *argv: str) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **self.env})
         self.procs.append((name, proc))
 
     def check_alive(self) -> None:
@@ -135,6 +138,8 @@ def run_up(args: argparse.Namespace) -> int:
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()
     try:
+        stack.env.update(stack_tokens(args.data_dir))
+        keys_file = write_api_keys(args)
         if n_store > 1 and not redis_url:   # a cluster needs a registry: a private Redis
             from kvstore.cluster.redis_server import start_private_redis
             os.makedirs(stack.log_dir, exist_ok=True)
@@ -165,7 +170,8 @@ def run_up(args: argparse.Namespace) -> int:
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
-                    "--balancing-threshold", str(args.balancing_threshold), *model)
+                    "--balancing-threshold", str(args.balancing_threshold), *model,
+                    *(["--api-keys-file", keys_file] if keys_file else []))
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         stack.check_alive()  # the answer must come from our own front door
@@ -177,12 +183,43 @@ def run_up(args: argparse.Namespace) -> int:
             return 0
         from scheduler.app import replay_and_report
         return replay_and_report(url, args.replay, args)
-    except (RuntimeError, Unavailable) as exc:
+    except (RuntimeError, Unavailable, OSError, ValueError) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)
         return 1
     finally:
         stack.stop()
         print("stopped all services", flush=True)
+
+
+def stack_tokens(data_dir: str) -> dict[str, str]:
+    """The store and engine tokens of the services ``kvstore up`` starts (kvstore/auth.py):
+    those in the environment, else fresh ones, so nothing it starts serves a caller without
+    one. Written to ``<data_dir>/auth.env`` (mode 0600, shell syntax) for kvctl and clients."""
+    tokens = {env: token_from(None, env) or new_token() for env in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV)}
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, "auth.env")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in tokens.items())
+    print(f"auth           store and engine ports take bearer tokens only ({', '.join(tokens)} in {path})",
+          flush=True)
+    return tokens
+
+
+def write_api_keys(args: argparse.Namespace) -> str | None:
+    """The front door's API keys (``--api-key``, ``--api-keys-file``) in one file (mode 0600,
+    under ``--data-dir``) for the scheduler's ``--api-keys-file``, keeping them off its
+    command line; None when none were given. Raises OSError / ValueError as
+    :func:`scheduler.api_keys.load_api_keys`."""
+    from scheduler.api_keys import load_api_keys
+    keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
+    if not keys:
+        return None
+    path = os.path.join(args.data_dir, "api-keys")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}\n" for k in sorted(keys))
+    return path
 
 
 def _serve_until_signal(stack: Stack) -> None:

@@ -15,8 +15,10 @@ from typing import Sequence
 from aiohttp import web
 
 from engines.tokenizer import load_tokenizer
+from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, token_from
 from kvstore.errors import KVStoreError
 from scheduler.admission import AdmissionConfig
+from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
@@ -73,7 +75,8 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
                                   local_cache_blocks=config.local_cache_blocks,
                                   decode_max_running=config.decode_max_running,
                                   decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
-                                  ready_timeout_s=config.ready_timeout_s, store_redis=store_redis)
+                                  ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
+                                  engine_auth_token=config.engine_auth_token)
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir, router.info.vocab_size)
         frontdoor = Frontdoor(router, tokenizer, config)
@@ -87,6 +90,11 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
     bound = runner.addresses[0][1]
     log.info("front door on http://%s:%d: %d prefill, %d decode engines (model %s)", host, bound,
              len(router.prefill), len(router.decode), router.info.model_id)
+    if config.api_keys:
+        log.info("front door requires an API key (%d accepted) on every path but /health", len(config.api_keys))
+    else:
+        log.warning("front door takes no API keys (--api-key / --api-keys-file): every caller is served, "
+                    "in the tenant its own bearer token names ('public' without one)")
     return RunningFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}")
 
 
@@ -95,8 +103,12 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
 def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
     (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``,
-    ``--decode-max-running``, ``--balancing-threshold``); a flag not defined keeps its default."""
+    ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
+    — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
+    ``--api-keys-file``); a flag not defined keeps its default. Raises ValueError / OSError
+    for an API keys file that cannot be read or holds no key."""
     admit_tbt = getattr(args, "admit_tbt_s", None)
+    api_keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
     return FrontdoorConfig(model_dir=getattr(args, "model", None),
                            admission=AdmissionConfig(ttft_slo_s=getattr(args, "admit_ttft_s", 30.0),
                                                      max_inflight=getattr(args, "max_inflight", 64),
@@ -104,7 +116,9 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            conductor=ConductorConfig(balancing_threshold=getattr(args, "balancing_threshold", 1.0)),
                            policy=getattr(args, "policy", None) or DEFAULT_POLICY,
                            decode_max_running=getattr(args, "decode_max_running", 64),
-                           store_auth_token=getattr(args, "store_token", None))
+                           store_auth_token=token_from(getattr(args, "store_token", None), STORE_TOKEN_ENV),
+                           engine_auth_token=token_from(getattr(args, "engine_token", None), ENGINE_TOKEN_ENV),
+                           api_keys=api_keys)
 
 
 def serve_frontdoor_forever(args: argparse.Namespace) -> int:
@@ -142,7 +156,8 @@ def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> in
         report = asyncio.run(run_replay(
             url, trace_path, requests=args.requests, speed=args.speed,
             max_output_tokens=args.max_output_tokens, tokens_per_block=args.tokens_per_block,
-            ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, json_path=getattr(args, "json", None)))
+            ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, json_path=getattr(args, "json", None),
+            api_key=_replay_key(args)))
     except KVStoreError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 1
@@ -150,6 +165,15 @@ def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> in
     if getattr(args, "json", None):
         print(f"report written to {args.json}", flush=True)
     return 0 if report.completed or not report.requests_sent else 1
+
+
+def _replay_key(args: argparse.Namespace) -> str | None:
+    """The API key a replay sends: the first ``--api-key``, else the first of ``--api-keys-file``."""
+    keys = getattr(args, "api_key", None)
+    if keys:
+        return keys if isinstance(keys, str) else keys[0]
+    path = getattr(args, "api_keys_file", None)
+    return read_keys_file(path)[0] if path else None
 
 
 def replay_command(args: argparse.Namespace) -> int:

@@ -17,6 +17,9 @@ class FrontdoorConfig:
     ``conductor``: predictor seeds, bandwidths, balancing threshold; ``policy``: scheduling
     policy name (see ``scheduler.policy.POLICIES``); ``default_max_tokens``: tokens generated
     when a request names none; ``store_auth_token``: bearer token of the store node;
+    ``engine_auth_token``: the engines' token (only the front door holds it: it sets each
+    request's namespace); ``api_keys``: the keys a caller must send (empty: every caller is
+    served, scheduler/api_keys.py);
     ``local_cache_blocks``: capacity of each prefill engine's own cache (blocks), mirrored by
     the router; ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
     instance's batch and KV limits as admission sees them; ``ready_timeout_s``: how long to
@@ -28,6 +31,8 @@ class FrontdoorConfig:
     policy: str = DEFAULT_POLICY
     default_max_tokens: int = 16
     store_auth_token: str | None = None
+    engine_auth_token: str | None = None
+    api_keys: frozenset[str] = frozenset()
     local_cache_blocks: int = 4096
     decode_max_running: int = 64
     decode_kv_capacity_tokens: int = 1 << 20

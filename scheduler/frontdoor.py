@@ -25,6 +25,7 @@ from engines.tokenizer import Tokenizer
 from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, KVStoreError
 from scheduler.admission import Rejection
+from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
@@ -51,7 +52,8 @@ class Frontdoor:
         self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [api_key_middleware(self.config.api_keys)] if self.config.api_keys else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

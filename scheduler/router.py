@@ -143,8 +143,9 @@ class Router:
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       local_cache_blocks: int = 4096, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
-                      store_redis: str | None = None) -> "Router":
-        """Connect to the engines (host:port each) and the store node (``store_redis``: every
+                      store_redis: str | None = None, engine_auth_token: str | None = None) -> "Router":
+        """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
+        kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine
         answers ``Info``. Raises Unavailable if one does not within ``ready_timeout_s`` and
         InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
@@ -154,7 +155,7 @@ class Router:
             for addresses, kind, out in ((prefill_addresses, PrefillInstance, pre),
                                          (decode_addresses, DecodeInstance, dec)):
                 for address in addresses:
-                    client = EngineClient(address)
+                    client = EngineClient(address, auth_token=engine_auth_token)
                     opened.append(client)
                     await client.wait_ready(ready_timeout_s)
                     out.append(kind(client, await client.info()))
@@ -196,7 +197,7 @@ class Router:
         """Choose the instances for a prompt of token ids, or reject it (before any prefill).
         Raises InvalidArgument for bad token ids. A store node that cannot be reached counts
         as a pool miss."""
-        keys = tuple(prompt_keys(tokens, self.info, namespace))
+        keys = tuple(self.prompt_keys(tokens, namespace))
         pool_hit = await self._pool_hit(keys)
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
         result = self.policy.decide(request, self.cluster_view(keys, pool_hit))
@@ -204,6 +205,10 @@ class Router:
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
                          load_limit(result, pool_hit, self.info.block_size))
+
+    def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        """The pool keys of the prompt's full blocks, as the engines key them."""
+        return prompt_keys(tokens, self.info, namespace)
 
     def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit = NO_HIT,
                      now_s: float | None = None) -> ClusterView:

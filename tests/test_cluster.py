@@ -98,7 +98,8 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
     from engines.model import ModelConfig, load_model
     from engines.prefill import PrefillEngine
 
-    procs = {f"n{i}": spawn_store_node(f"n{i}", "--dram", "200KiB", "--redis", redis_url, *NODE_FLAGS)[0]
+    # 64 blocks of 8 KiB + an 8-byte identity tag (3 pages each): about 25 a node, so the chain spans all three
+    procs = {f"n{i}": spawn_store_node(f"n{i}", "--dram", "300KiB", "--redis", redis_url, *NODE_FLAGS)[0]
              for i in range(3)}
     lm = load_model(ModelConfig(block_size=BS))
     prompt = torch.randint(3, 512, (64 * BS + 5,), generator=torch.Generator().manual_seed(64)).tolist()
@@ -111,7 +112,7 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
         assert r.stored_blocks == 64
         owners = [n.node_id for n in cluster.locate(list(r.block_keys))]
         assert len(owners) == 64 and len(set(owners)) == 3           # the chain spans all three
-        assert [s.token for s in decode.decode("r1", prompt, r.first_token, r.block_keys, r.tail_kv, 8)] == want
+        assert [s.token for s in decode.decode("r1", prompt, r.first_token, r.block_keys, r.tail_kv, 8, namespace="t")] == want
 
         victim = owners[32]                                            # holds a middle run
         survive = owners.index(victim)
@@ -128,5 +129,5 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
         prefill2 = PrefillEngine(lm, cluster, local_cache_blocks=0)
         r2 = prefill2.prefill("r2", prompt, "t")
         assert r2.loaded_blocks == survive and r2.cached_tokens == survive * BS
-        tokens = [s.token for s in decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8)]
+        tokens = [s.token for s in decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8, namespace="t")]
         assert tokens == want

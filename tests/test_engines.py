@@ -44,7 +44,7 @@ def reference(lm, prompt: list[int], n: int) -> list[int]:
 
 def disaggregated(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], n: int):
     r = prefill.prefill("req", prompt, "tenant")
-    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, n)]
+    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, n, namespace="tenant")]
     return r, tokens
 
 
@@ -106,7 +106,7 @@ def test_decode_recomputes_blocks_missing_from_the_pool(lm, store):
     prompt = prompt_of(5, 3 * BS + 2)
     r = prefill.prefill("req", prompt, "tenant")
     pool.remove(r.block_keys[1])
-    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, 6)]
+    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, 6, namespace="tenant")]
     assert decode.recomputed_tokens == len(prompt) - BS
     assert tokens == reference(lm, prompt, 6)
 
@@ -145,3 +145,30 @@ def test_bad_requests_are_rejected(lm, store):
         list(decode.decode("r", [3] * (2 * BS), 5, [], b"", 4))
     with pytest.raises(InvalidArgument, match="first_token 4294967295 outside the vocabulary"):  # was IndexError
         list(decode.decode("r", [3] * 5, 2**32 - 1, [], b"", 4))
+
+
+def test_a_block_of_other_tokens_under_a_colliding_key_is_a_miss(lm, store, monkeypatch):
+    """A key spec too weak to tell two prompts apart (forced: keys that ignore the tokens):
+    the second prompt's prefill and decode read the first prompt's blocks under its keys,
+    find their identity tags wrong, count them and recompute — the tokens are those of an
+    uncached run and ``cached_tokens`` is 0."""
+    import engines.prefill as prefill_module
+    from kvstore.index.keys import block_keys
+
+    client, _ = store
+    prompt_a, prompt_b = prompt_of(31, 3 * BS + 5), prompt_of(32, 3 * BS + 5)
+    want = reference(lm, prompt_b, 6)
+    monkeypatch.setattr(prefill_module, "block_keys",
+                        lambda tokens, bs, extras: block_keys([7] * len(tokens), bs, extras))
+    prefill, decode = PrefillEngine(lm, client), DecodeEngine(lm, client)
+    ra = prefill.prefill("a", prompt_a, "tenant")
+    assert ra.stored_blocks == 3
+    rb = prefill.prefill("b", prompt_b, "tenant")
+    assert rb.block_keys == ra.block_keys                  # the keys collide ...
+    assert rb.cached_tokens == 0 and prefill.identity.mismatches == 1   # ... the blocks are not reused
+    tokens = [s.token for s in decode.decode("b", prompt_b, rb.first_token, rb.block_keys, rb.tail_kv, 6,
+                                             namespace="tenant")]
+    assert tokens == want
+    assert decode.identity.mismatches == 1 and decode.recomputed_tokens == len(prompt_b)
+    again = prefill.prefill("a2", prompt_a, "tenant")      # the first prompt still hits its own blocks
+    assert again.cached_tokens == 3 * BS and prefill.identity.mismatches == 1

@@ -216,13 +216,18 @@ def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
     _assert_no_lease_left(client)
 
 
-def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(te_node):
+@pytest.mark.parametrize("staging", ["16MiB", "0"])
+def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_store_node, staging):
     """The reader leases over the node's compact TCP channel (not gRPC); that channel
-    serves reads only; when it breaks, leases go over gRPC and the bytes stay right."""
+    serves reads only; when it breaks, the bytes stay right: from a node that registers its
+    slab (``--te-staging 0``) leases go over gRPC, from a staging node (whose gRPC leases
+    point outside what its engine registered) blocks come over the gRPC stream."""
     from kvstore.dataplane.uds import TcpControl
     from kvstore.errors import InvalidArgument
 
-    address, client = te_node
+    _, address = spawn_store_node("te-ctl", "--dram", "32MiB", "--ssd", "0", "--transfer-engine", "tcp",
+                                  "--te-staging", staging)
+    client = StoreClient(address)
     blocks = blocks_of(7)
     assert all(r.ok for r in client.put_blocks(blocks))
     keys, want = [k for k, _ in blocks], [d for _, d in blocks]
@@ -239,10 +244,15 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(te_node):
         import socket
         t.control._sock.shutdown(socket.SHUT_RDWR)   # the channel breaks mid-session
         assert t.get_blocks(keys) == want
-        assert t.control is None and t.te_reads == 2 * len(blocks) and t.grpc_reads == 0
+        assert t.control is None and t.staged == (staging != "0")
+        if t.staged:
+            assert t.te_reads == len(blocks) and t.grpc_reads == len(blocks)
+        else:
+            assert t.te_reads == 2 * len(blocks) and t.grpc_reads == 0
     finally:
         t.close()
     _assert_no_lease_left(client)
+    client.close()
 
 
 def test_tcp_control_channel_needs_the_node_token(spawn_store_node):
@@ -279,7 +289,7 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
         taken.listen(1)
         before = set(glob.glob("/dev/shm/*"))
         cfg = StoreConfig(node_id="ctl-taken", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path),
-                          control_port=taken.getsockname()[1], dataplane_socket="")
+                          control_port=taken.getsockname()[1], dataplane_socket="", transfer_engine="tcp")
         with pytest.raises(OSError, match="cannot listen for control connections"):
             start_node(cfg)
         assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind

@@ -83,6 +83,22 @@ class Engine:
         self._log.close()
 
 
+def held(pool, model_dir: str, prompt: list[int], salt: str = "tenant-a", want: int | None = None,
+         timeout_s: float = 10.0) -> int:
+    """Blocks of ``prompt``'s chain the pool holds, once it holds ``want`` of them (a kv_both
+    engine saves on a background thread, so its blocks land just after it answers). The keys
+    are the key spec over vLLM's blocks, so a test computes them as the connector does."""
+    paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+    keys = paged.keys(prompt, salt)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = pool.lookup(keys)
+        n = found[0] if isinstance(found, tuple) else found.blocks
+        if want is None or n >= want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
+
+
 def prompt_of(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 259) for _ in range(n)]
@@ -128,11 +144,12 @@ def engines(model_dir, store, tmp_path_factory):
         engine.close()
 
 
-def test_second_kv_both_engine_loads_a_shared_three_block_prefix(engines, store) -> None:
+def test_second_kv_both_engine_loads_a_shared_three_block_prefix(engines, store, model_dir) -> None:
     pool, _ = store
     a, b, plain = engines("both_a"), engines("both_b"), engines("plain")
     first = prompt_of(1, 3 * BS + 20)
     a.generate(first)
+    assert held(pool, model_dir, first, want=3) == 3
     second = first[:3 * BS] + prompt_of(2, 25)       # shares 3 full blocks with the first
     tokens, cached = b.generate(second)
     assert cached >= 3 * BS
@@ -141,11 +158,12 @@ def test_second_kv_both_engine_loads_a_shared_three_block_prefix(engines, store)
     pool.check_integrity()
 
 
-def test_consumer_skips_the_prefill_and_continues_the_producers_tokens(engines, store) -> None:
+def test_consumer_skips_the_prefill_and_continues_the_producers_tokens(engines, store, model_dir) -> None:
     pool, _ = store
     producer, consumer, plain = engines("producer"), engines("consumer"), engines("plain")
     prompt = prompt_of(3, 5 * BS + 7)
     first, _ = producer.generate(prompt, max_tokens=1)
+    assert held(pool, model_dir, prompt) == 5         # a producer's saves are done when it answers
     blocks_before = pool.stats()[0].blocks
     tokens, cached = consumer.generate(prompt, max_tokens=8)
     assert cached == 5 * BS                           # every full block; the tail is computed
@@ -158,14 +176,16 @@ def test_consumer_skips_the_prefill_and_continues_the_producers_tokens(engines, 
     assert consumer.generate(whole)[1] == 3 * BS
 
 
-def test_two_namespaces_never_share_a_block(engines, store) -> None:
+def test_two_namespaces_never_share_a_block(engines, store, model_dir) -> None:
     pool, _ = store
     a, b = engines("both_a"), engines("both_b")
     prompt = prompt_of(5, 4 * BS + 3)
     before = pool.stats()[0].blocks
     a.generate(prompt, salt="tenant-1")
+    assert held(pool, model_dir, prompt, "tenant-1", want=4) == 4
     assert pool.stats()[0].blocks == before + 4
     assert b.generate(prompt, salt="tenant-2")[1] == 0  # the other tenant's blocks are not found
+    assert held(pool, model_dir, prompt, "tenant-2", want=4) == 4
     assert pool.stats()[0].blocks == before + 8       # ... and it stored its own
     assert b.generate(prompt, salt="tenant-1")[1] == 4 * BS
     assert b.generate(prompt, salt=None)[1] == 0       # no salt: the default namespace
@@ -176,10 +196,9 @@ def test_a_corrupted_block_is_recomputed_and_counted(engines, store, model_dir) 
     a, b, plain = engines("both_a"), engines("both_b"), engines("plain")
     prompt = prompt_of(6, 4 * BS + 9)
     a.generate(prompt)
-    # The connector's keys are the key spec over vLLM's blocks, so a test can compute them.
+    assert held(pool, model_dir, prompt, want=4) == 4
     paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
     keys = paged.keys(prompt, "tenant-a")
-    assert pool.lookup(keys)[0] == 4
     tier = pool.tiers[0]
     offset, size, _ = tier.locate(keys[1])
     tier._slab[offset + size // 2] ^= 0xFF            # one flipped byte in the second block
@@ -189,6 +208,27 @@ def test_a_corrupted_block_is_recomputed_and_counted(engines, store, model_dir) 
     assert b.stats()["load_errors"] >= errors + 3     # the block and the two after it
 
 
+def test_a_block_of_other_tokens_under_a_colliding_key_is_recomputed(engines, store, model_dir) -> None:
+    """Two prompts whose keys collide (forced: the pool is given prompt 1's stored blocks,
+    tags included, under prompt 2's keys): the reader's identity check makes them load
+    errors, vLLM recomputes, the tokens are right and the mismatches are counted."""
+    pool, _ = store
+    a, b, plain = engines("both_a"), engines("both_b"), engines("plain")
+    p1, p2 = prompt_of(21, 3 * BS + 5), prompt_of(22, 3 * BS + 5)
+    a.generate(p1)
+    paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+    k1, k2 = paged.keys(p1, "tenant-a"), paged.keys(p2, "tenant-a")
+    assert pool.lookup(k1)[0] == 3 and pool.lookup(k2)[0] == 0
+    for src, dst in zip(k1, k2):
+        assert pool.put(dst, pool.get(src)).ok          # prompt 1's bytes under prompt 2's keys
+    before = b.stats()
+    tokens, _ = b.generate(p2)   # vLLM counts the blocks it was offered as cached, loaded or not
+    assert tokens == plain.generate(p2)[0]
+    after = b.stats()
+    assert after["identity_mismatches"] == before.get("identity_mismatches", 0) + 1
+    assert after["load_errors"] >= before["load_errors"] + 3
+
+
 def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_node, engines, tmp_path) -> None:
     proc, address = spawn_store_node("node-stop", "--dram", "64MiB", "--ssd", "64MiB", "--transfer-engine", "off")
     engine = Engine(model_dir, tmp_path / "stop.log", kv_transfer_config=connector(address, "kv_both"))
@@ -196,6 +236,9 @@ def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_n
         plain = engines("plain")
         first = prompt_of(7, 3 * BS + 5)
         engine.generate(first)
+        from kvstore.client import StoreClient
+        with StoreClient(address) as client:
+            assert held(client, model_dir, first, want=3) == 3
         assert engine.generate(first)[1] == 3 * BS
         proc.kill()
         proc.wait()
@@ -226,6 +269,7 @@ def test_blocks_spread_over_a_cluster_load_through_the_cluster_client(model_dir,
         from kvstore.cluster.client import ClusterClient
         paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
         with ClusterClient(redis_url) as cluster:
+            assert held(cluster, model_dir, prompt, want=10) == 10
             held_by = {n.node_id for n in cluster.locate(paged.keys(prompt, "tenant-a"))}
         assert held_by == {"vllm-n0", "vllm-n1"}
         again = prompt[:10 * BS] + prompt_of(11, 9)
@@ -272,7 +316,12 @@ def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(mode
                 time.sleep(1)
         shared = "The pool remembers every block it was given. " * 6     # ~270 tokens
         url = f"http://127.0.0.1:{port}/v1/completions"
+        pool = store[0]
+        before = pool.stats()[0].blocks
         one = _post(url, {"model": "tiny", "prompt": shared + "First question?", "max_tokens": 4, "temperature": 0})
+        deadline = time.monotonic() + 10          # kv_both saves on a background thread: let them land
+        while pool.stats()[0].blocks < before + len(shared.encode()) // BS - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         two = _post(url, {"model": "tiny", "prompt": shared + "Second one!", "max_tokens": 4, "temperature": 0})
         assert (one["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
         cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]

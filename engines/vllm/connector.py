@@ -20,11 +20,15 @@ the pool evicted them, so the two never drift apart).
 
 Worker side: loads copy each block from the pool straight into vLLM's paged KV tensors
 (one copy out of the mapped DRAM slab on the store's host, no staging buffer) in
-``start_load_kv``, before the forward pass; saves copy each completed block from the paged
-tensors straight into the pool in ``wait_for_save``, after it (one batched put per request;
-per-layer saves would cut every block into one pool entry per layer, and on the CPU there
-is no copy engine to overlap with compute). Loads and saves are synchronous, so vLLM never
-frees or reuses a block under a copy. A block that misses, fails its checksum or outlives
+``start_load_kv``, before the forward pass (synchronous: the forward reads them). Saves copy
+each completed block from the paged tensors straight into the pool after the forward pass,
+whole blocks of every layer in one batched put per request (per-layer saves would cut each
+block into one pool entry per layer). A ``kv_producer`` saves in ``wait_for_save`` itself,
+so its blocks are in the pool when vLLM answers (the consumer's hand-off); ``kv_both``
+(a cache: a save that lands late is only a later hit) saves on a background thread, off the
+step's critical path — vLLM then keeps a finished request's blocks until
+``get_finished`` reports its saves done, and ``handle_preemptions`` waits for a preempted
+request's saves before vLLM may reuse its blocks. A block that misses, fails its checksum or outlives
 its lease is reported through ``get_block_ids_with_load_errors`` and recomputed by vLLM
 (``kvstore.on_load_error``, default ``recompute``, is set as vLLM's
 ``kv_load_failure_policy``): never wrong KV. A pool that cannot be reached is a miss.
@@ -32,7 +36,9 @@ its lease is reported through ``get_block_ids_with_load_errors`` and recomputed 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +48,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
+from kvstore.identity import IdentityCheck, seal, tag_buffer
 from kvstore.index.keys import usable_prefix_tokens
+from kvstore.tiers.buffers import Segments
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -55,13 +63,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: ``keys[i]`` ↔ vLLM block ``block_ids[i]``;
+    """Blocks of one request to load or save: ``keys[i]`` ↔ vLLM block ``block_ids[i]``,
+    whose stored bytes end with the identity tag ``tags[i]`` (kvstore/identity.py);
     ``parent``: the key the first block extends (None for a prompt's head)."""
 
     request_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None = None
+    tags: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -71,6 +81,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -80,21 +91,25 @@ class _Tracked:
     and the block-aligned tokens vLLM had computed locally at the last lookup."""
 
     keys: list[bytes]
+    tags: list[bytes]
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
     local_tokens: int = 0
+    sent_saves: bool = False
 
 
 @dataclass(slots=True)
 class ConnectorStats:
     """Counters of one connector (blocks and seconds since start). ``load_errors``: blocks
-    vLLM was told to recompute (a miss, a failed checksum, an expired lease, a pool down)."""
+    vLLM was told to recompute (a miss, a failed checksum, an expired lease, a pool down, or
+    ``identity_mismatches``: a block holding another token sequence's KV under a colliding key)."""
 
     lookups: int = 0
     hit_blocks: int = 0
     loaded_blocks: int = 0
     load_errors: int = 0
+    identity_mismatches: int = 0
     load_s: float = 0.0
     saved_blocks: int = 0
     save_s: float = 0.0
@@ -112,16 +127,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.paged = PagedLayout.from_vllm(vllm_config)
         self.block_size = self.paged.block_size
         self.saves = bool(tc.is_kv_producer)
+        # kv_both is a cache: its saves run beside the next steps; a producer's hand-off is
+        # complete when vLLM answers.
+        self.async_saves = self.saves and bool(tc.is_kv_consumer) and self.cfg.async_save
         # A failed load must be recomputed, not fail the request (vLLM's default is "fail").
         tc.kv_load_failure_policy = self.cfg.on_load_error
         self.link = PoolLink(self.cfg)
         self.stats = ConnectorStats()
+        self.identity = IdentityCheck("kvstore connector")
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, BlockTransfer] = {}
         # worker side
         self._blocks: PagedBlocks | None = None
         self._load_errors: set[int] = set()
+        self._saver: ThreadPoolExecutor | None = None
+        self._pending: dict[str, list[Future]] = {}   # request -> its saves not yet reported
+        self._finishing: set[str] = set()              # finished requests whose saves may run
+        self._stats_lock = threading.Lock()
         log.info("kvstore connector (%s, role %s): pool %s, model %s, layout %s", role.name.lower(),
                  tc.kv_role, self.link.target, self.paged.model_id, self.paged.layout.to_json())
 
@@ -132,7 +155,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             prompt = request.prompt_token_ids
             if not prompt:
                 return None  # prompt embeddings: nothing to key
-            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)), len(prompt))
+            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)),
+                          self.paged.tags(prompt, request.cache_salt), len(prompt))
             self._tracked[request.request_id] = tr
         return tr
 
@@ -163,13 +187,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         count = num_external_tokens // self.block_size
         ids = blocks.get_block_ids()[0]
         self._loads[request.request_id] = BlockTransfer(request.request_id, tuple(tr.keys[start:start + count]),
-                                                        tuple(ids[start:start + count]))
+                                                        tuple(ids[start:start + count]),
+                                                        tags=tuple(tr.tags[start:start + count]))
         self.stats.hit_blocks += count
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
         """This step's loads (every load recorded since the last step) and saves (the full
         prompt blocks this step completes that the pool lacks)."""
-        meta = KVStoreConnectorMetadata(loads=list(self._loads.values()))
+        meta = KVStoreConnectorMetadata(loads=list(self._loads.values()),
+                                        preempted=frozenset(scheduler_output.preempted_req_ids or ()))
         self._loads.clear()
         if not self.saves:
             return meta
@@ -197,15 +223,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         if done > tr.saved:
             a = tr.saved
             meta.saves.append(BlockTransfer(req_id, tuple(tr.keys[a:done]), tuple(tr.block_ids[a:done]),
-                                            tr.keys[a - 1] if a else None))
+                                            tr.keys[a - 1] if a else None, tuple(tr.tags[a:done])))
             tr.saved = done
+            tr.sent_saves = True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its saves were done in the steps that computed its blocks, so
-        vLLM may free the blocks now."""
-        self._tracked.pop(request.request_id, None)
+        """Forget the request. True (vLLM keeps its blocks until ``get_finished`` names it)
+        when saves of it may still be running on the worker's background thread."""
+        tr = self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return False, None
+        return bool(self.async_saves and tr is not None and tr.sent_saves), None
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -230,8 +257,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata) and self._blocks is not None
         for load in meta.loads:
             t0 = time.perf_counter()
-            outs = [self._blocks.segments(b) for b in load.block_ids]
+            read_tags = [tag_buffer() for _ in load.block_ids]
+            outs = [Segments([*self._blocks.segments(b).parts, t]) for b, t in zip(load.block_ids, read_tags)]
             n = self.link.load(load.keys, outs)
+            for i in range(n):  # a block of other tokens under a colliding key is a load error
+                if not self.identity.verify(load.keys[i], read_tags[i], load.tags[i]):
+                    n = i
+                    break
+            self.stats.identity_mismatches = self.identity.mismatches
             self.stats.load_s += time.perf_counter() - t0
             self.stats.loaded_blocks += n
             if n < len(load.keys):
@@ -247,18 +280,49 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # blocks are saved whole, all layers at once, in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Put the blocks this step completed, straight from the paged tensors."""
+        """Put the blocks this step completed, straight from the paged tensors: here (a
+        producer), or on the background thread (``kv_both``)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self._blocks is not None
         for save in meta.saves:
-            t0 = time.perf_counter()
-            blocks = [(k, self._blocks.segments(b)) for k, b in zip(save.keys, save.block_ids)]
-            self.stats.saved_blocks += self.link.save(blocks, save.parent)
+            if not self.async_saves:
+                self._save(save)
+                continue
+            if self._saver is None:
+                self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+            self._pending.setdefault(save.request_id, []).append(self._saver.submit(self._save, save))
+
+    def _save(self, save: BlockTransfer) -> None:
+        assert self._blocks is not None
+        t0 = time.perf_counter()
+        blocks = [(k, seal(self._blocks.segments(b), t)) for k, b, t in zip(save.keys, save.block_ids, save.tags)]
+        saved = self.link.save(blocks, save.parent)
+        with self._stats_lock:
+            self.stats.saved_blocks += saved
             self.stats.save_s += time.perf_counter() - t0
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before vLLM reuses a preempted request's blocks: wait for its saves."""
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        for req_id in kv_connector_metadata.preempted:
+            for fut in self._pending.get(req_id, ()):
+                fut.result()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose background saves are all done (vLLM may free their
+        blocks now); loads are synchronous, so none are reported."""
+        self._finishing.update(r for r in finished_req_ids if r in self._pending)
+        done = {r for r in self._finishing if all(f.done() for f in self._pending[r])}
+        for r in done:
+            self._finishing.discard(r)
+            del self._pending[r]
+        return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         self.link.close()

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvstore.errors import InvalidArgument
+from kvstore.identity import block_tags
 from kvstore.index.keys import BlockKey, KeyExtras, KVLayout, block_keys
 from kvstore.tiers.buffers import Segments
 
 DEFAULT_NAMESPACE = "default"
 # The block format, in the extras: a change of it must change every key.
-BLOCK_FORMAT = "vllm-paged-v1: layers back to back, each its paged tensor's [block] slice"
+BLOCK_FORMAT = "vllm-paged-v2: layers back to back, each its paged tensor's [block] slice, then the 8-byte identity tag"
 
 
 def model_identity(model: str, revision: str | None) -> tuple[str, str]:
@@ -84,6 +85,11 @@ class PagedLayout:
     def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[BlockKey]:
         """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py)."""
         return block_keys(tokens, self.block_size, self.extras(cache_salt))
+
+    def tags(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """Identity tags of the full blocks of ``tokens`` (kvstore/identity.py): each stored
+        block ends with its tag, checked on every load."""
+        return block_tags(tokens, self.block_size, self.extras(cache_salt))
 
 
 class PagedBlocks:

@@ -39,6 +39,8 @@ class ConnectorConfig:
     registered there is the pool and ``store`` is unused. ``timeout_s``: seconds per pool
     call. ``on_load_error``: ``recompute`` (default: a block that fails to load is recomputed
     by vLLM) or ``fail`` (the request fails), set as vLLM's ``kv_load_failure_policy``.
+    ``async_save``: a ``kv_both`` instance saves on a background thread (default True; a
+    ``kv_producer`` always saves before vLLM answers).
     """
 
     store: str = "127.0.0.1:50051"
@@ -46,6 +48,7 @@ class ConnectorConfig:
     store_token: str | None = None
     timeout_s: float = 5.0
     on_load_error: str = "recompute"
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
@@ -53,6 +56,8 @@ class ConnectorConfig:
         if self.on_load_error not in LOAD_ERROR_POLICIES:
             raise InvalidArgument(f"kvstore.on_load_error must be one of {LOAD_ERROR_POLICIES}, "
                                   f"got {self.on_load_error!r}")
+        if not isinstance(self.async_save, bool):
+            raise InvalidArgument(f"kvstore.async_save must be true or false, got {self.async_save!r}")
         if not self.redis and (not isinstance(self.store, str) or ":" not in self.store):
             raise InvalidArgument(f"kvstore.store must be host:port, got {self.store!r}")
 

@@ -17,6 +17,7 @@ from kvstore.dataplane.server import TcpControlServer
 from kvstore.pool import KVPool
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable
 from kvstore.transfer.service import transfer_service
+from kvstore.transfer.staging import StagedReads
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,18 @@ class ClusterAgent:
         self.node_te: NodeTransferEngine | None = None
         self.te_error: str | None = None
         dram = next((t for t in pool.tiers if t.name == "dram"), None)
-        if cfg.transfer_engine != "off" and dram is not None:
+        protocol = cfg.transfer_protocol()
+        if protocol and dram is not None:
             try:
-                self.node_te = NodeTransferEngine(dram.shm_name, self.host, cfg.transfer_engine, cfg.te_metadata)
+                self.node_te = NodeTransferEngine(dram.shm_name, self.host, protocol, cfg.te_metadata,
+                                                  cfg.te_staging_bytes)
+                exposed = (f"the blocks being read (a {cfg.te_staging_bytes / 2**20:.0f} MiB staging area)"
+                           if cfg.te_staging_bytes else "the whole DRAM slab (--te-staging 0)")
+                log.warning("store node %s: the Mooncake transfer engine (%s) listens on every interface, "
+                            "whatever --host says, and authenticates no one: a peer that reaches %s can read "
+                            "and write what is registered with it, here %s. Run it on a private fabric only "
+                            "(--transfer-engine off turns it off)", cfg.node_id, protocol, self.node_te.endpoint,
+                            exposed)
             except TransferEngineUnavailable as exc:
                 self.te_error = str(exc)
                 log.warning("store node %s: no transfer engine (%s); readers use the gRPC stream",
@@ -42,7 +52,10 @@ class ClusterAgent:
         self.control: TcpControlServer | None = None
         if self.node_te is not None:
             try:
-                self.control = TcpControlServer(DataPlaneHost(pool), cfg.host, cfg.control_port, cfg.auth_token,
+                host: DataPlaneHost | StagedReads = DataPlaneHost(pool)
+                if self.node_te.staging is not None:   # leases stage their blocks; the slab stays unregistered
+                    host = StagedReads(host, self.node_te.staging, cfg.lease_ttl_s)
+                self.control = TcpControlServer(host, cfg.host, cfg.control_port, cfg.auth_token,  # type: ignore[arg-type]
                                                 cfg.dataplane_poll_us * 1e-6)
             except OSError:
                 self.node_te.close()

@@ -17,6 +17,7 @@ from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
 from kvstore.errors import KVStoreError
 from kvstore.pool import PutResult
+from kvstore.tiers.slab import PAGE_BYTES, pages_for
 from kvstore.transfer import BlockTransport, open_transport
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,10 @@ class ClusterClient:
         held = self.locate([parent]) if chain and parent else []
         head = held[0].node_id if held else None
         free = self._free(live)
-        plan = plan_chain([len(d) for _, d in blocks], free, prefer=head, replicas=self.replicas)
+        # A slab tier takes whole pages: count a block as the pages it takes, or a node of
+        # small blocks looks roomier than it is (and evicts what was just placed there).
+        sizes = [pages_for(len(d)) * PAGE_BYTES for _, d in blocks]
+        plan = plan_chain(sizes, free, prefer=head, replicas=self.replicas)
         results: list[PutResult | None] = [None] * len(blocks)
         by_id = {n.node_id: n for n in live}
         for node_id, start, end in plan:
@@ -220,7 +224,7 @@ class ClusterClient:
             except (KVStoreError, OSError) as exc:
                 self._fail(by_id[node_id], exc)
                 got = [PutResult(k, False, False, str(exc)) for k, _ in part]
-            self._account(node_id, sum(len(d) for _, d in part))
+            self._account(node_id, sum(sizes[start:end]))
             for i, r in enumerate(got, start):
                 if results[i] is None or (r.ok and not results[i].ok):
                     results[i] = r

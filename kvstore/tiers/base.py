@@ -58,6 +58,10 @@ class Tier(ABC):
     name: str = "tier"
     device: str = "cpu"
     holds_bytes: bool = True   # False: sizes only (kvstore.tiers.accounting)
+    # Set by the pool: called with the keys of committed blocks the tier lost by itself
+    # (a damaged SSD environment moved aside, kvstore/tiers/ssd.py), so it forgets them.
+    on_lost: Callable[[list[bytes]], None] | None = None
+    quarantines: int = 0       # times the tier found its storage damaged and replaced it
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

@@ -1,12 +1,22 @@
 """The SSD tier: blocks in LMDB under a data directory, each with its checksum (verified on
 every read), usage accounting that survives restart (rebuilt from what is on disk when
-opened), an LMDB map grown as needed and a configurable fsync policy."""
+opened), an LMDB map grown as needed and a configurable fsync policy.
+
+Damage never kills the node. LMDB maps its file, so touching a page past the end of a
+truncated file is SIGBUS; the tier therefore checks the file's size against the pages LMDB
+uses (``(last_pgno + 1) * page size``) when it opens and before every read, write and remove
+(one ``fstat``), and treats LMDB's own corruption errors the same way. A damaged
+environment is moved aside (``ssd.damaged-<unix time>``) and an empty one opened in its
+place; the blocks it held are reported to the pool (``on_lost``) as lost, one log line says
+what happened and ``quarantines`` counts it."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -18,9 +28,18 @@ from kvstore.integrity import checksum_of
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 from kvstore.tiers.buffers import host_u8, nbytes
 
+log = logging.getLogger(__name__)
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
 FSYNC_POLICIES = ("never", "commit")
 _MIN_MAP = 64 << 20
+# LMDB errors that mean the file is damaged (any other LMDB error at open: the directory is
+# unusable, an OSError for the caller).
+_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
+           lmdb.VersionMismatchError, lmdb.BadTxnError)
+
+
+class _Damaged(Exception):
+    """The environment is damaged (the message says how); it must be quarantined."""
 
 
 @register_tier("ssd")
@@ -43,28 +62,139 @@ class SsdTier(TableTier):
         super().__init__(capacity_bytes)
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"ssd fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        os.makedirs(path, exist_ok=True)
         self.path = path
+        self.fsync = fsync
         self.max_map_bytes = max_map_bytes or 2 * capacity_bytes + _MIN_MAP
-        on_disk = os.path.getsize(os.path.join(path, "data.mdb")) if os.path.exists(
-            os.path.join(path, "data.mdb")) else 0
-        self._env = lmdb.open(path, map_size=min(self.max_map_bytes, max(initial_map_bytes, 2 * on_disk)),
-                              max_dbs=2, sync=fsync == "commit", metasync=fsync == "commit",
-                              readahead=False, lock=True)
-        self._data = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
+        self._initial_map = initial_map_bytes
         self._blocks: dict[bytes, tuple[int, int]] = {}  # key -> (size, checksum), write order
         self._seq = 0
         self._readers = 0
         self._growing = False
         self._cv = threading.Condition()
+        self._fd = -1
+        self._need = 0               # bytes of data.mdb that LMDB's pages use
+        self.quarantines = 0
         self.write_fault: Callable[[bytes], None] | None = None
-        with self._env.begin(db=self._meta) as txn:
-            rows = [(_META.unpack(raw), bytes(key)) for key, raw in txn.cursor()]
-        for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
-            self._blocks[key] = (size, checksum)
-            self._seq = max(self._seq, seq)
-        self._used = sum(size for size, _ in self._blocks.values())
+        try:
+            self._open(load=True)
+        except _Damaged as exc:
+            self._quarantine(str(exc), lost=None)
+
+    # -- opening, damage and quarantine ----------------------------------------------------
+    def _open(self, load: bool) -> None:
+        """Open (creating) the environment at :attr:`path`; with ``load``, read the books
+        of what it holds. Raises OSError (one line) when the directory cannot be used and
+        _Damaged when the file is damaged."""
+        data = os.path.join(self.path, "data.mdb")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            on_disk = os.path.getsize(data) if os.path.exists(data) else 0
+            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
+                    os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
+                raise PermissionError(errno.EACCES, "permission denied")
+        except OSError as exc:
+            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
+                                     f"{exc.strerror or exc}") from None
+        if 0 < on_disk < 2 * 4096:
+            raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
+        try:
+            self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
+                                  max_dbs=2, sync=self.fsync == "commit", metasync=self.fsync == "commit",
+                                  readahead=False, lock=True)
+        except _DAMAGE as exc:
+            raise _Damaged(f"LMDB cannot open it ({exc})") from None
+        except lmdb.Error as exc:
+            raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
+        self._fd = os.open(data, os.O_RDONLY)
+        try:
+            self._measure()
+            self._check()
+            self._data = self._env.open_db(b"blocks")
+            self._meta = self._env.open_db(b"meta")
+            self._measure()
+            if load:
+                with self._env.begin(db=self._meta) as txn:
+                    rows = [(_META.unpack(raw), bytes(key)) for key, raw in txn.cursor()]
+                for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
+                    self._blocks[key] = (size, checksum)
+                    self._seq = max(self._seq, seq)
+                self._used = sum(size for size, _ in self._blocks.values())
+        except (*_DAMAGE, struct.error) as exc:
+            self._close_env()
+            raise _Damaged(f"LMDB reports damage ({exc})") from None
+        except _Damaged:
+            self._close_env()
+            raise
+
+    def _measure(self) -> None:
+        """Record the bytes of data.mdb LMDB's pages use (after opening and every write)."""
+        self._need = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+
+    def _check(self) -> None:
+        """Raises _Damaged when data.mdb is shorter than LMDB's pages (a read there would
+        be SIGBUS). One fstat."""
+        size = os.fstat(self._fd).st_size
+        if size < self._need:
+            raise _Damaged(f"data.mdb shrank to {size} bytes; LMDB's pages need {self._need}")
+
+    def _close_env(self) -> None:
+        try:
+            self._env.close()
+        except Exception:  # noqa: BLE001 — closing a damaged environment
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _quarantine(self, reason: str, lost: list[bytes] | None, seen: int | None = None) -> None:
+        """Move the damaged environment aside and open an empty one in its place (waiting
+        for reads in flight); report the blocks it held to :attr:`on_lost`. ``seen``: the
+        :attr:`quarantines` count when the damage was seen (another thread may have replaced
+        the environment since: then nothing is done). Raises OSError when the directory
+        cannot be moved or reopened."""
+        with self._cv:
+            if seen is not None and seen != self.quarantines:
+                return
+            self._growing = True
+            self._cv.wait_for(lambda: self._readers == 0)
+            try:
+                if self._fd >= 0:
+                    self._close_env()
+                aside = f"{self.path}.damaged-{int(time.time())}"
+                n = 1
+                while os.path.exists(aside):
+                    aside, n = f"{self.path}.damaged-{int(time.time())}-{n}", n + 1
+                try:
+                    os.rename(self.path, aside)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"ssd tier: {self.path} is damaged ({reason}) and cannot "
+                                             f"be moved aside: {exc.strerror}") from None
+                self._blocks = {}
+                self._used = 0
+                self._seq = 0
+                self.quarantines += 1
+                what = "its blocks are lost" if lost is None else f"{len(lost)} blocks lost"
+                log.error("ssd tier at %s is damaged: %s; moved it to %s and opened an empty one (%s); "
+                          "the other tiers keep serving", self.path, reason, aside, what)
+                try:
+                    self._open(load=False)
+                except _Damaged as exc:
+                    raise OSError(errno.EIO, f"ssd tier: a fresh environment at {self.path} is damaged "
+                                             f"too: {exc}") from None
+            finally:
+                self._growing = False
+                self._cv.notify_all()
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
+
+    def _guard(self) -> None:
+        """Before touching LMDB: quarantine a damaged environment. Raises OSError when it
+        cannot be replaced."""
+        seen = self.quarantines
+        try:
+            self._check()
+        except _Damaged as exc:
+            self._quarantine(str(exc), list(self._blocks), seen)
 
     @property
     def map_bytes(self) -> int:
@@ -87,6 +217,7 @@ class SsdTier(TableTier):
     def commit_many(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
         """One LMDB transaction for all blocks that pass the write-fault hook."""
         errors: list[Exception | None] = [None] * len(items)
+        self._guard()
         rows = []
         for i, (slot, key, checksum) in enumerate(items):
             try:
@@ -117,11 +248,15 @@ class SsdTier(TableTier):
                     for _, slot, key, checksum, seq in rows:
                         txn.put(key, b"" if slot.data is None else slot.data, db=self._data)
                         txn.put(key, _META.pack(slot.size, checksum, seq), db=self._meta)
+                self._measure()
                 return
             except lmdb.MapFullError:
                 if not self._grow():
                     raise OSError(errno.ENOSPC, f"ssd: LMDB map full at {self.map_bytes} bytes "
                                                 f"({self.path})") from None
+            except _DAMAGE as exc:
+                self._quarantine(f"LMDB reports damage on a write ({exc})", list(self._blocks), self.quarantines)
+                raise OSError(errno.EIO, f"ssd: LMDB write failed at {self.path}: {exc}") from exc
             except lmdb.Error as exc:
                 raise OSError(errno.EIO, f"ssd: LMDB write failed at {self.path}: {exc}") from exc
 
@@ -170,33 +305,56 @@ class SsdTier(TableTier):
 
     def read(self, key: bytes, sink: Sink[T]) -> T | None:
         """Verifies the checksum before ``sink`` sees the bytes; the view is valid only
-        during the call. Raises IntegrityError on a mismatch (the pool drops the block)."""
+        during the call. Raises IntegrityError on a mismatch (the pool drops the block). A
+        damaged file is quarantined first: then this and every block it held are misses."""
         if key not in self._blocks:
             return None
-        with self._reading(), self._env.begin(buffers=True) as txn:
-            return self._read_in(txn, key, sink)
+        out = self.read_many([key], [sink])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def read_many(self, keys: Sequence[bytes], sinks: Sequence[Sink[T]]) -> list[T | None | Exception]:
         """One read transaction for all keys; per-block exceptions are returned in place."""
         out: list[T | None | Exception] = []
-        with self._reading(), self._env.begin(buffers=True) as txn:
-            for key, sink in zip(keys, sinks):
-                try:
-                    out.append(self._read_in(txn, key, sink))
-                except Exception as exc:  # noqa: BLE001 — handed back per block to the pool
-                    out.append(exc)
+        self._guard()
+        seen = self.quarantines
+        try:
+            with self._reading():
+                self._check()
+                with self._env.begin(buffers=True) as txn:
+                    for key, sink in zip(keys, sinks):
+                        try:
+                            out.append(self._read_in(txn, key, sink))
+                        except _DAMAGE:
+                            raise
+                        except Exception as exc:  # noqa: BLE001 — handed back per block to the pool
+                            out.append(exc)
+        except (_Damaged, *_DAMAGE) as exc:
+            self._quarantine(f"LMDB reports damage on a read ({exc})" if not isinstance(exc, _Damaged)
+                             else str(exc), list(self._blocks), seen)
+            return [None] * len(keys)
         return out
 
     def remove(self, key: bytes) -> int:
+        if key not in self._blocks:
+            return 0
+        self._guard()
         info = self._blocks.pop(key, None)
         if info is None:
+            return 0  # lost with a damaged environment
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.delete(key, db=self._data)
+                txn.delete(key, db=self._meta)
+        except _DAMAGE as exc:
+            self._blocks[key] = info
+            self._quarantine(f"LMDB reports damage on a delete ({exc})", list(self._blocks), self.quarantines)
             return 0
-        with self._env.begin(write=True) as txn:
-            txn.delete(key, db=self._data)
-            txn.delete(key, db=self._meta)
         self._used -= info[0]
+        self._measure()
         return info[0]
 
-
     def close(self) -> None:
-        self._env.close()
+        if self._fd >= 0:
+            self._close_env()

@@ -150,18 +150,28 @@ def shutdown_engines(metadata: str | None = None) -> int:
 
 
 class NodeTransferEngine:
-    """A store node's side: its DRAM slab (mapped by name) registered with its engine.
+    """A store node's side: what it registers with its engine — a staging area of
+    ``staging_bytes`` holding only the blocks being read (``staging``, kvstore/transfer/
+    staging.py), or with ``staging_bytes`` 0 its whole DRAM slab (mapped by name).
 
-    ``endpoint`` (host:rpc_port) and ``slab_address`` go into the node's membership record
-    and lease answers; an offset from ``DramTier.locate`` is read at ``slab_address + offset``.
+    ``endpoint`` (host:rpc_port) and ``slab_address`` (the registered region's address,
+    ``slab_bytes`` long) go into the node's membership record and ``BlockTransfer.Info``; an
+    offset in a lease answer is read at ``slab_address + offset``.
     """
 
     def __init__(self, shm_name: str, host: str, protocol: str = "tcp",
-                 metadata: str = "P2PHANDSHAKE") -> None:
+                 metadata: str = "P2PHANDSHAKE", staging_bytes: int = 0) -> None:
+        from kvstore.transfer.staging import StagingArea
         self.handle = process_engine(host, metadata, protocol)
-        # Mapped by name in the node's own process (the slab's creator, which unlinks it).
-        self._shm = shared_memory.SharedMemory(name=shm_name)
-        self._slab = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+        self._shm: shared_memory.SharedMemory | None = None
+        self.staging: StagingArea | None = None
+        if staging_bytes:
+            self.staging = StagingArea(staging_bytes)
+            self._slab = self.staging.buf
+        else:
+            # Mapped by name in the node's own process (the slab's creator, which unlinks it).
+            self._shm = shared_memory.SharedMemory(name=shm_name)
+            self._slab = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
         self.slab_address = self.handle.register(self._slab)
         self.slab_bytes = int(self._slab.nbytes)
         self.endpoint = self.handle.endpoint
@@ -170,7 +180,8 @@ class NodeTransferEngine:
     def close(self) -> None:
         self.handle.unregister(self.slab_address)
         self._slab = None  # type: ignore[assignment]
-        try:
-            self._shm.close()
-        except BufferError:
-            pass
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:
+                pass

@@ -27,7 +27,8 @@ class TransferServicer(pb_grpc.BlockTransferServicer):
             return pb.TransferInfoResponse(node_id=self.pool.node_id)
         return pb.TransferInfoResponse(node_id=self.pool.node_id, te_endpoint=te.endpoint, protocol=te.protocol,
                                        slab_address=te.slab_address, slab_bytes=te.slab_bytes,
-                                       metadata=te.handle.metadata, control_port=self.control_port)
+                                       metadata=te.handle.metadata, control_port=self.control_port,
+                                       staged=te.staging is not None)
 
 
 def transfer_service(pool: KVPool, node_te: NodeTransferEngine | None,

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from kvstore.client import _translate
-from kvstore.dataplane.types import MAPPED, MISS  # LeasedBlock.state (protos/kvstore.proto) too
+from kvstore.dataplane.types import ELSEWHERE, MAPPED, MISS, BlockLocation  # LeasedBlock.state too
 from kvstore.dataplane.uds import TcpControl
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
@@ -80,11 +80,15 @@ class TransferEngineTransport(BlockTransport):
         self._lock = threading.Lock()  # one read through the transport's buffer at a time
         self._retired: list[tuple[list[int], np.ndarray, int]] = []  # (stalled transfers, buffer, address)
         self.control: TcpControl | None = None
+        self.staged = False
         try:
             info = self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s, metadata=self._meta)
             if not info.te_endpoint:
                 raise TransferEngineUnavailable(f"store node at {address} runs no transfer engine")
             self.endpoint, self.protocol, self.slab_address = info.te_endpoint, info.protocol, info.slab_address
+            # A staging node registers a staging area, not its slab: only the control
+            # channel's leases point into it (kvstore/transfer/staging.py).
+            self.staged = info.staged
             self.engine = engine or process_engine(os.environ.get("KVSTORE_TE_HOST", "127.0.0.1"),
                                                    os.environ.get("KVSTORE_TE_METADATA",
                                                                   info.metadata or "P2PHANDSHAKE"),
@@ -181,7 +185,8 @@ class TransferEngineTransport(BlockTransport):
     def _lease(self, keys: list[bytes], stop_at_miss: bool) -> tuple[int, list[Any]]:
         """(lease id, per key a block with state, offset, size, checksum): over the TCP
         control channel, or gRPC where there is none (or it just failed). Raises
-        Unavailable when the node cannot be reached, and the node's refusal as its class."""
+        Unavailable when the node cannot be reached, and the node's refusal as its class.
+        A staging node without a control channel: every block ELSEWHERE (the gRPC stream)."""
         ctl = self.control
         if ctl is not None:
             try:
@@ -191,6 +196,8 @@ class TransferEngineTransport(BlockTransport):
                 log.warning("control channel to %s failed (%s); leasing over gRPC from now on", self.address, exc)
                 self.control = None
                 ctl.close()
+        if self.staged:   # gRPC leases give slab offsets, which lie outside what the engine may read
+            return 0, [BlockLocation(ELSEWHERE)] * len(keys)
         try:
             lease = self._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=keys, stop_at_miss=stop_at_miss),
                                          timeout=self.timeout_s, metadata=self._meta)

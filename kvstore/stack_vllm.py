@@ -1,0 +1,110 @@
+"""``kvstore up --engine vllm``: the stack with vLLM instances instead of the built-in engines —
+a store node, ``vllm serve`` processes with the kvstore connector and the front door over
+them (``kvstore scheduler --vllm-prefill ... --vllm-decode ...``), then a replay or serving
+until Ctrl-C.
+
+Topologies (``--topology``): ``disaggregated`` — ``--prefill-instances`` kv_producer and
+``--decode-instances`` kv_consumer instances; ``colocated`` — as many instances in all, each
+kv_both (prefills and decodes, prefix reuse through kvstore). Without ``--model`` a tiny
+random Llama checkpoint is written under ``--data-dir`` (nothing is downloaded).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from kvstore.errors import Unavailable
+from kvstore.stack import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, port_is_free
+
+
+def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="builtin: the torch engines of engines/; vllm: vllm serve instances with the kvstore connector")
+    p.add_argument("--topology", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="with --engine vllm: prefill and decode instances apart, or each instance doing both")
+    p.add_argument("--vllm-kv-cache", default="256MiB", help="with --engine vllm: each instance's own paged KV cache")
+    p.add_argument("--vllm-max-model-len", type=int, default=8192, help="with --engine vllm: context length (tokens)")
+
+
+def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-prefill", nargs="+", metavar="URL", help="vLLM prefill instances (kv_producer), "
+                   "http://host:port each; with --vllm-decode instead of --prefill/--decode")
+    p.add_argument("--vllm-decode", nargs="+", metavar="URL", help="vLLM decode instances (kv_consumer)")
+    p.add_argument("--vllm-colocated", nargs="+", metavar="URL",
+                   help="vLLM instances that prefill and decode (kv_both): the colocated topology")
+    p.add_argument("--vllm-block-size", type=int, default=32, help="the vLLM instances' --block-size")
+
+
+def run_up_vllm(args: argparse.Namespace) -> int:
+    from engines.vllm.launch import VLLMServerSpec, start_servers
+    from kvstore.config import parse_bytes
+    host = args.host
+    if not args.keep_data:
+        shutil.rmtree(args.data_dir, ignore_errors=True)
+    n_prefill, n_decode = args.prefill_instances, args.decode_instances
+    if n_prefill < 1 or n_decode < 1:
+        print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)
+        return 2
+    http_port = args.port or free_port(host)
+    if not port_is_free(host, http_port):
+        print(f"kvstore up: port {http_port} on {host} is in use; pick another with --port", file=sys.stderr)
+        return 2
+    stack = Stack(log_dir=os.path.join(args.data_dir, "logs"))
+    model = args.model
+    if not model:
+        from engines.vllm.checkpoint import write_checkpoint
+        model = write_checkpoint(os.path.join(args.data_dir, "tiny-llama"), "tiny",
+                                 max_model_len=args.vllm_max_model_len)
+    store_port = free_port(host)
+    store = f"{host}:{store_port}"
+    if args.topology == "colocated":
+        roles = [("colocated", "kv_both")] * (n_prefill + n_decode)
+    else:
+        roles = [("prefill", "kv_producer")] * n_prefill + [("decode", "kv_consumer")] * n_decode
+    specs = [VLLMServerSpec(model, free_port(host), role, store, host=host,
+                            kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len)
+             for _, role in roles]
+    names = [f"vllm-{kind}-{sum(k == kind for k, _ in roles[:i])}" for i, (kind, _) in enumerate(roles)]
+    servers = []
+    t0 = time.monotonic()
+    try:
+        stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
+                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"), "--node-id", "store")
+        _wait_grpc(stack, store, 60)
+        print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd})", flush=True)
+        servers = start_servers(specs, stack.log_dir, names, timeout_s=600)
+        for name, spec in zip(names, specs):
+            print(f"vLLM {spec.role:<11} {name} {spec.url}", flush=True)
+        urls = {kind: [s.url for (k, _), s in zip(roles, specs) if k == kind] for kind in ("prefill", "decode", "colocated")}
+        flags = (["--vllm-colocated", *urls["colocated"]] if args.topology == "colocated"
+                 else ["--vllm-prefill", *urls["prefill"], "--vllm-decode", *urls["decode"]])
+        stack.start("scheduler", "scheduler", *flags, "--store", store, "--host", host, "--port", str(http_port),
+                    "--model", model, "--max-inflight", str(args.max_inflight), "--admit-ttft-s", str(args.admit_ttft_s),
+                    "--admit-tbt-s", str(args.admit_tbt_s), "--policy", args.policy,
+                    "--decode-max-running", str(args.decode_max_running),
+                    "--balancing-threshold", str(args.balancing_threshold))
+        url = f"http://{host}:{http_port}"
+        _wait_http(stack, f"{url}/health", 120)
+        print(f"front door     {url}  over vLLM ({args.topology})", flush=True)
+        print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
+        if not args.replay:
+            print("serving; Ctrl-C stops everything", flush=True)
+            _serve_until_signal(stack)
+            return 0
+        from scheduler.app import replay_and_report
+        if args.tokens_per_block % specs[0].block_size:
+            print(f"replay: {specs[0].block_size} tokens per trace block (vLLM's block size), not "
+                  f"{args.tokens_per_block}", flush=True)
+            args.tokens_per_block = specs[0].block_size
+        return replay_and_report(url, args.replay, args)
+    except (RuntimeError, Unavailable) as exc:
+        print(f"kvstore up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        for server in servers:
+            server.stop(grace_s=10)
+        print("stopped all services", flush=True)

@@ -1,0 +1,156 @@
+"""The transfer engine's trust boundary on a store node: a staging area.
+
+Mooncake's engine authenticates no one and (0.3.13) listens on every interface, and its only
+check on a request is that the address lies inside memory registered with it. So the node
+registers not its DRAM slab but a staging area (``te_staging_bytes``) that holds only the
+blocks being read: a transfer-engine reader's LEASE, over the token-checked TCP control
+channel, copies each leased block out of the slab into staging space and ends the pool's
+lease at once; the reply's offsets are staging offsets. RELEASE, the connection's end or
+the lease's TTL frees that space. A stranger who reaches the engine can then read at most
+blocks in flight, and anything it writes into them fails the reader's checksum (taken at
+put), so it is a miss, never wrong bytes. Freed staging space is zeroed.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.dataplane.host import DataPlaneHost
+from kvstore.dataplane.types import ELSEWHERE, MAPPED
+
+log = logging.getLogger(__name__)
+ALIGN = 4096
+
+
+class StagingArea:
+    """``nbytes`` of host memory (a numpy array, registered by the caller) cut into extents
+    by first fit. Invariant: free extents are sorted, disjoint, never adjacent (coalesced),
+    and together with the allocated ones cover the area exactly."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes < ALIGN:
+            raise ValueError(f"a staging area needs at least {ALIGN} bytes, got {nbytes}")
+        self.nbytes = nbytes - nbytes % ALIGN
+        self.buf = np.zeros(self.nbytes, dtype=np.uint8)
+        self.buf.fill(0)   # touched now: no copy into it pays page faults
+        self._starts: list[int] = [0]        # free extents: starts (sorted) ...
+        self._sizes: list[int] = [self.nbytes]  # ... and their lengths
+        self.used = 0
+
+    def alloc(self, size: int) -> int | None:
+        """The offset of ``size`` bytes (rounded up to 4 KiB; 0 bytes take one page), or None
+        when no free extent is that large."""
+        need = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        for i, n in enumerate(self._sizes):
+            if n >= need:
+                at = self._starts[i]
+                if n == need:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i], self._sizes[i] = at + need, n - need
+                self.used += need
+                return at
+        return None
+
+    def free(self, offset: int, size: int) -> None:
+        """Give back what :meth:`alloc` returned for ``size`` bytes at ``offset``; its bytes
+        are zeroed, so what a stranger reads there is only ever a block in flight."""
+        need = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        self.buf[offset:offset + size].fill(0)
+        self.used -= need
+        i = bisect.bisect_left(self._starts, offset)
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:   # merge with the left one
+            i -= 1
+            self._sizes[i] += need
+        else:
+            self._starts.insert(i, offset)
+            self._sizes.insert(i, need)
+        if i + 1 < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[i + 1]:
+            self._sizes[i] += self._sizes.pop(i + 1)
+            self._starts.pop(i + 1)
+
+
+class StagedReads:
+    """The read side of a :class:`DataPlaneHost` (LOOKUP, LEASE, RELEASE) for
+    transfer-engine readers, through ``area``: a lease's blocks are copied into staging
+    space under the pool's lease, which ends before the reply; a block that finds no room is
+    answered ELSEWHERE (the reader fetches it over the gRPC stream). Staged space is held
+    until RELEASE or ``ttl_s`` (the pool's lease TTL) after the lease, whichever is first.
+    ``staged``, ``copied_bytes`` and ``crowded`` count blocks staged, their bytes and blocks
+    that found no room."""
+
+    def __init__(self, host: DataPlaneHost, area: StagingArea, ttl_s: float) -> None:
+        self.host, self.pool, self.area, self.ttl_s = host, host.pool, area, ttl_s
+        self._held: dict[int, tuple[float, list[tuple[int, int]]]] = {}  # lease id -> (expiry, extents)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.staged = self.copied_bytes = self.crowded = 0
+
+    def lease_flat(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
+                   chain: bool = False) -> tuple[int, float, list[int]]:
+        """As :meth:`DataPlaneHost.lease_flat`, offsets in the staging area. Raises what it raises."""
+        lease_id, _, flat = self.host.lease_flat(keys, ttl_s, stop_at_miss, chain)
+        extents: list[tuple[int, int]] = []
+        try:
+            for j in range(0, len(flat), 4):
+                if flat[j] != MAPPED:
+                    continue
+                offset, size = flat[j + 1], flat[j + 2]
+                at = self._alloc(size)
+                if at is None:
+                    flat[j] = ELSEWHERE
+                    self.crowded += 1
+                    continue
+                extents.append((at, size))
+                np.copyto(self.area.buf[at:at + size], self.host.tier.view(offset, size))
+                flat[j + 1] = at
+                self.staged += 1
+                self.copied_bytes += size
+        finally:
+            if lease_id:
+                self.host.release(lease_id)   # the bytes are staged: the slab may move on
+        if not extents:
+            return 0, time.monotonic() + (ttl_s or self.ttl_s), flat
+        expiry = time.monotonic() + (ttl_s or self.ttl_s)
+        with self._lock:
+            staged_id = next(self._ids)
+            self._held[staged_id] = (expiry, extents)
+        return staged_id, expiry, flat
+
+    def _alloc(self, size: int) -> int | None:
+        with self._lock:
+            at = self.area.alloc(size)
+            if at is None and self._sweep():
+                at = self.area.alloc(size)
+            return at
+
+    def _sweep(self) -> bool:
+        """Free the staged space of leases past their TTL (lock held); whether any was."""
+        now = time.monotonic()
+        gone = [lid for lid, (expiry, _) in self._held.items() if expiry <= now]
+        for lid in gone:
+            for at, size in self._held.pop(lid)[1]:
+                self.area.free(at, size)
+        return bool(gone)
+
+    def release(self, lease_id: int) -> bool:
+        with self._lock:
+            held = self._held.pop(lease_id, None)
+            if held is None:
+                return False
+            for at, size in held[1]:
+                self.area.free(at, size)
+        return True
+
+    def abort(self, res_ids: Sequence[int]) -> None:
+        """Nothing to abort: staged reads reserve no slot (the control server calls it at a
+        connection's end)."""
+
+    def close(self) -> None:
+        self.host.close()

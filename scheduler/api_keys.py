@@ -1,0 +1,67 @@
+"""API keys of the front door: which callers it serves. Without keys every caller is served
+(the tenant is then named by whatever bearer token the caller sends, ``public`` without
+one); with keys, a request to anything but ``/health`` must carry ``Authorization: Bearer
+<key>`` of one of them, else HTTP 401 in OpenAI's error shape. The tenant stays the key's
+hash (scheduler/keys.py), so each key is one tenant."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+OPEN_PATHS = frozenset({"/health"})   # liveness probes and supervisors carry no key
+
+
+def read_keys_file(path: str) -> list[str]:
+    """The keys in ``path``: one per line; blank lines and lines starting with ``#`` are
+    skipped, surrounding whitespace is dropped. Raises OSError when it cannot be read and
+    ValueError when it holds no key."""
+    with open(path, encoding="utf-8") as f:
+        keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"API keys file {path} holds no key (one per line; '#' starts a comment)")
+    return keys
+
+
+def load_api_keys(keys: Iterable[str] = (), path: str | None = None) -> frozenset[str]:
+    """The keys given one by one and those in the file at ``path``. Raises ValueError for a
+    key with whitespace inside or an empty one, and what :func:`read_keys_file` raises."""
+    every = list(keys) + (read_keys_file(path) if path else [])
+    for key in every:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("an API key must be non-empty and hold no whitespace")
+    return frozenset(every)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _unauthorized(message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_api_key"}}
+    return web.Response(status=401, text=json.dumps(body), content_type="application/json",
+                        headers={"WWW-Authenticate": 'Bearer realm="kvstore"'})
+
+
+def api_key_middleware(keys: frozenset[str]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """An aiohttp middleware serving only requests that carry one of ``keys``. Keys are
+    compared by their SHA-256 (a set lookup whose timing tells nothing about a key)."""
+    digests = frozenset(_digest(k) for k in keys)
+
+    @web.middleware
+    async def require_api_key(request: web.Request,
+                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return _unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'.")
+        if _digest(key.strip()) not in digests:
+            return _unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return require_api_key

@@ -1,0 +1,116 @@
+"""Entry points for the front door over vLLM instances: start (and stop) it in an event loop,
+and ``kvstore scheduler --vllm-prefill URL... --vllm-decode URL...`` (or ``--vllm-colocated``)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from aiohttp import web
+
+from engines.tokenizer import load_tokenizer
+from kvstore.errors import InvalidArgument, KVStoreError
+from scheduler.config import FrontdoorConfig
+from scheduler.vllm_frontdoor import VLLMFrontdoor
+from scheduler.vllm_instances import VLLMModel
+from scheduler.vllm_router import connect_vllm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningVLLMFrontdoor:
+    """A started front door over vLLM: ``runner`` (aiohttp), ``port``, ``frontdoor``,
+    ``url``, ``watcher`` (the task polling the instances' ``/metrics``)."""
+
+    runner: web.AppRunner
+    port: int
+    frontdoor: VLLMFrontdoor
+    url: str
+    watcher: asyncio.Task
+
+    async def stop(self) -> None:
+        self.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.watcher
+        await self.runner.cleanup()
+        await self.frontdoor.router.close()
+
+
+async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
+                               store_address: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                               config: FrontdoorConfig | None = None, *, topology: str = "disaggregated",
+                               colocated_urls: Sequence[str] = (), block_size: int = 32,
+                               store_redis: str | None = None, prefix_caching: bool = False,
+                               watch_interval_s: float = 0.5) -> RunningVLLMFrontdoor:
+    """Connect to running vLLM instances (``http://host:port``) and the store node, serve HTTP
+    on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
+    tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``.
+
+    Raises:
+        Unavailable: an instance did not answer within ``config.ready_timeout_s``.
+        InvalidArgument: no checkpoint at ``model_dir``, a bad topology or config.
+        OSError: the port cannot be bound.
+    """
+    if not model_dir:
+        raise InvalidArgument("the front door over vLLM needs --model DIR: the checkpoint the instances serve")
+    config = config or FrontdoorConfig(model_dir=model_dir)
+    model = VLLMModel.from_dir(model_dir, block_size)
+    router = await connect_vllm(model, prefill_urls, decode_urls, store_address, topology=topology,
+                                colocated_urls=colocated_urls, policy=config.policy,
+                                config=dataclasses.replace(config.conductor, admission=config.admission),
+                                store_auth_token=config.store_auth_token,
+                                decode_max_running=config.decode_max_running,
+                                decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
+                                ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
+                                prefix_caching=prefix_caching)
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, model.vocab_size)
+        frontdoor = VLLMFrontdoor(router, tokenizer, config)
+        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await router.close()
+        raise
+    watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))
+    bound = runner.addresses[0][1]
+    log.info("front door on http://%s:%d over vLLM (%s): %d prefill, %d decode instances", host, bound,
+             topology, len(router.prefill), len(router.decode))
+    return RunningVLLMFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}", watcher)
+
+
+def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
+    """``kvstore scheduler --vllm-prefill ... --vllm-decode ...`` (or ``--vllm-colocated``):
+    serve until SIGINT/SIGTERM. Returns 0, or 1 when it cannot start."""
+    from scheduler.app import _split, config_from_args
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        colocated = _split(args.vllm_colocated or "")
+        running = await start_vllm_frontdoor(
+            args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
+            args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
+            colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None))
+        print(f"front door serving on {running.url} over vLLM", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except KVStoreError as exc:
+        print(f"kvstore scheduler: {exc}", file=sys.stderr)
+        return 1

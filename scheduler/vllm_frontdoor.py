@@ -1,0 +1,207 @@
+"""The front door over vLLM instances (disaggregated prefill and decode, or colocated): the
+same HTTP API, tokenizer, Conductor and admission as :mod:`scheduler.frontdoor`, with the
+generation done by vLLM.
+
+Per request: validate and tokenize with the model's tokenizer, key the prompt as the kvstore
+connector does, route (the pool's hit by tier, the instances' load; 429 before any prefill),
+then — disaggregated — a one-token completion on the chosen prefill instance (``cache_salt``
+= the tenant's namespace; the ``kv_producer`` has saved every full block when it answers)
+and the request itself on the chosen decode instance (``kv_consumer``: loads those blocks
+from kvstore and computes the tail), relayed back as vLLM streams it; colocated, the request
+goes to the one chosen instance. ``usage`` is vLLM's (``cached_tokens``: the prompt tokens
+the decode instance loaded). Sampling parameters (:data:`PASSTHROUGH`) go to vLLM as sent.
+
+Errors: as :mod:`scheduler.frontdoor` (400, 413, 429, 503 when an instance fails — it is
+then routed around until its ``/health`` answers again); a 4xx from vLLM is relayed as 400.
+Responses carry ``X-Kvstore-Prefill`` and ``X-Kvstore-Decode``: the instances chosen.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from scheduler.frontdoor import Frontdoor, _TokenClock
+from scheduler.openai_api import APIError, GenerationRequest, parse_chat, parse_completion
+from scheduler.router import RoutePlan
+from scheduler.vllm_router import VLLMRouter
+
+log = logging.getLogger(__name__)
+
+PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs",
+               "top_logprobs", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "min_tokens", "ignore_eos", "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens")
+MAX_N = 16
+
+
+class VLLMFrontdoor(Frontdoor):
+    """:class:`Frontdoor` whose generation is relayed to vLLM instances (``router`` is a
+    :class:`VLLMRouter`)."""
+
+    router: VLLMRouter
+
+    async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        chat = parse is parse_chat
+        try:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+            if isinstance(body, dict):
+                n = body.get("n", 1)
+                if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+                    raise APIError(400, f"'n' must be an integer in [1, {MAX_N}], got {n!r}", code="invalid_value")
+                body_n = {k: v for k, v in body.items() if k != "n"}
+            else:
+                body_n = body
+            req = parse(body_n, self.tokenizer, self.limits, self.config.default_max_tokens)
+            try:
+                plan = await self._admit(request, req)
+            except Unavailable as exc:
+                raise APIError(503, str(exc), "service_unavailable", "engine_unavailable") from None
+        except APIError as exc:
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        self.router.begin(plan)
+        self.metrics.admitted.inc()
+        self.metrics.routed.labels(policy=self.router.policy.name, prefill=plan.prefill_id,
+                                   decode=plan.decode_id).inc()
+        self.metrics.count_prompt(len(req.prompt))
+        outcome = "error"
+        try:
+            resp, outcome = await self._relay(request, body, req, plan, t0, chat)
+            return resp
+        except APIError as exc:
+            return web.json_response(exc.body(), status=exc.status, headers={**exc.headers, **_route(plan)})
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.router.finished(plan)
+            self.metrics.finished.labels(outcome=outcome).inc()
+
+    def _failed(self, engine_id: str, stage: str, exc: KVStoreError) -> APIError:
+        if isinstance(exc, InvalidArgument):
+            return APIError(400, str(exc), code="invalid_value")
+        self.router.mark_down(engine_id, str(exc))
+        return APIError(503, f"{stage} failed: {exc}", "service_unavailable", "engine_unavailable")
+
+    async def _prefill(self, req: GenerationRequest, plan: RoutePlan) -> None:
+        result = None
+        try:
+            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace)
+        except KVStoreError as exc:
+            raise self._failed(plan.prefill_id, "prefill", exc) from None
+        finally:
+            self.router.prefill_finished(plan, result)
+
+    def _decode_body(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan, chat: bool) -> dict[str, Any]:
+        out = {k: body[k] for k in PASSTHROUGH if k in body}
+        out.update(model=self.router.decode_client(plan).served_model, max_tokens=req.max_tokens,
+                   cache_salt=plan.namespace, request_id=plan.request_id, stream=req.stream,
+                   return_token_ids=True)
+        if chat:
+            out["messages"] = body["messages"]
+        else:
+            out["prompt"] = list(req.prompt)
+        if req.stream:
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    async def _relay(self, request: web.Request, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan,
+                     t0: float, chat: bool) -> tuple[web.StreamResponse, str]:
+        if not self.router.colocated:
+            await self._prefill(req, plan)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        out = self._decode_body(body, req, plan, chat)
+        client = self.router.decode_client(plan)
+        if not req.stream:
+            try:
+                answer = await client.complete(path, out)
+            except KVStoreError as exc:
+                raise self._failed(plan.decode_id, "decode", exc) from None
+            answer["id"] = plan.request_id
+            self._account(plan, answer.get("usage"), time.perf_counter() - t0)
+            self.metrics.generated_tokens.inc(int((answer.get("usage") or {}).get("completion_tokens") or 0))
+            return web.json_response(answer, headers=_route(plan)), "ok"
+        return await self._stream_relay(request, client.stream(path, out), plan, t0)
+
+    def _account(self, plan: RoutePlan, usage: dict[str, Any] | None, ttft_s: float) -> None:
+        cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.metrics.count_cached(cached)
+        if self.router.colocated:
+            self.router.first_token(plan)
+            self.router.colocated_prefilled(plan, cached, ttft_s)
+
+    async def _stream_relay(self, request: web.Request, events, plan: RoutePlan,
+                            t0: float) -> tuple[web.StreamResponse, str]:
+        """vLLM's server-sent events as they come, with our request id; headers go out with
+        the first event, so a decode that fails before it is still a 503."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **_route(plan)})
+        tick = _TokenClock(self, t0, plan)
+        ttft = 0.0
+
+        async def send(obj: dict[str, Any] | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    event["id"] = plan.request_id
+                    tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
+                                 for c in event.get("choices") or ())
+                    if not resp.prepared:
+                        await resp.prepare(request)
+                    if tokens and not tick.tokens and self.router.colocated:
+                        self.router.first_token(plan)
+                    for _ in range(tokens):
+                        tick()
+                    if tokens and not ttft:
+                        ttft = time.perf_counter() - t0
+                    if event.get("usage"):
+                        self._account_stream(plan, event["usage"], ttft)
+                    await send(event)
+        except KVStoreError as exc:
+            err = self._failed(plan.decode_id, "decode", exc)
+            if not resp.prepared:
+                raise err from None
+            with contextlib.suppress(ConnectionResetError):
+                await send(err.body())
+                await send("[DONE]")
+                await resp.write_eof()
+            return resp, "error"
+        except ConnectionResetError:
+            log.info("client went away, request %s cancelled", plan.request_id)
+            return resp, "cancelled"
+        tick.done()
+        try:
+            if not resp.prepared:
+                await resp.prepare(request)
+            await send("[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, "cancelled"
+        return resp, "ok"
+
+    def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float) -> None:
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.metrics.count_cached(cached)
+        if self.router.colocated:
+            self.router.colocated_prefilled(plan, cached, ttft_s)
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+def _route(plan: RoutePlan) -> dict[str, str]:
+    return {"X-Kvstore-Prefill": plan.prefill_id, "X-Kvstore-Decode": plan.decode_id}

@@ -1,0 +1,243 @@
+"""vLLM instances as the router sees them: the model they serve (keyed exactly as the kvstore
+connector keys it), an HTTP client of one instance's OpenAI API, and its load as its
+``/metrics`` reports it.
+
+:class:`VLLMClient` answers what the router asks of an engine — ``info()``, ``prefill(...)``
+(a one-token completion with ``cache_salt`` set from the tenant: the instance, a
+``kv_producer``, has saved every full prompt block to the pool when it answers) — plus
+``complete``/``stream`` (a request relayed to a decode instance, whose ``kv_consumer``
+connector loads the prompt's blocks from the pool) and ``load()``.
+
+Errors: an instance that cannot be reached, times out, breaks a stream or answers 5xx raises
+:class:`~kvstore.errors.Unavailable`; a 4xx (vLLM rejected the request) raises
+:class:`~kvstore.errors.InvalidArgument` with vLLM's message.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import aiohttp
+
+from engines.types import EngineInfo, PrefillResult
+from engines.vllm.launch import SERVED_MODEL_NAME
+from engines.vllm.layout import PagedLayout, model_identity
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.index.keys import BlockKey, KVLayout
+
+
+@dataclass(frozen=True)
+class VLLMModel:
+    """The checkpoint the instances serve: ``paged`` (the connector's key layout: model id,
+    revision, KV layout), ``vocab_size`` (model), ``eos_token_id``. Built from the local
+    checkpoint directory, as the connector builds it from vLLM's config."""
+
+    model_dir: str
+    paged: PagedLayout
+    vocab_size: int
+    eos_token_id: int
+
+    @classmethod
+    def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> "VLLMModel":
+        """``dtype``: the instances' ``--dtype`` (default: the checkpoint's). Raises
+        InvalidArgument when ``model_dir`` holds no ``config.json``."""
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise InvalidArgument(f"{model_dir} is not a local checkpoint (no config.json): the front door "
+                                  "keys prompts as the connector does and needs the model's directory")
+        with open(path) as f:
+            cfg = json.load(f)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        layout = KVLayout(dtype=dtype, num_layers=int(cfg["num_hidden_layers"]),
+                          num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+                          block_size=block_size)
+        eos = cfg.get("eos_token_id", 0)
+        eos = eos[0] if isinstance(eos, list) else eos
+        return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout), int(cfg["vocab_size"]),
+                   int(eos or 0))
+
+    @property
+    def block_size(self) -> int:
+        return self.paged.block_size
+
+    def keys(self, tokens: Sequence[int], namespace: str) -> list[BlockKey]:
+        """The pool keys of ``tokens``' full blocks for tenant ``namespace`` (sent to vLLM as
+        ``cache_salt``): the connector's own keys."""
+        return self.paged.keys(tokens, namespace)
+
+    def engine_info(self, engine_id: str, role: str, max_model_len: int) -> EngineInfo:
+        p = self.paged
+        return EngineInfo(engine_id, role, p.model_id, p.revision, p.layout, p.block_size, self.vocab_size,
+                          self.eos_token_id, "cpu", max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMLoad:
+    """An instance's ``/metrics``: requests ``running`` and ``waiting`` in its scheduler,
+    ``kv_usage`` (fraction of its paged KV cache in use, 0–1), ``kv_blocks`` (its cache's
+    size in blocks; 0 when not reported), ``at_s`` (``time.monotonic()`` of the read)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_blocks: int
+    at_s: float
+
+
+_SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_metrics(text: str) -> VLLMLoad:
+    """A :class:`VLLMLoad` from vLLM's Prometheus text (summed over its engines)."""
+    running = waiting = 0.0
+    usage, blocks = 0.0, 0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:num_requests_running":
+            running += value
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name == "vllm:kv_cache_usage_perc":
+            usage = max(usage, value)
+        elif name == "vllm:cache_config_info":
+            found = dict(_LABEL.findall(labels)).get("num_gpu_blocks")
+            if found and found.isdigit():
+                blocks = int(found)
+    return VLLMLoad(int(running), int(waiting), usage, blocks, time.monotonic())
+
+
+class VLLMClient:
+    """One vLLM instance at ``url`` (``http://host:port``) in ``role`` ("prefill", "decode"
+    or "colocated"). Must be used inside a running event loop. ``timeout_s``: the limit of
+    one request (seconds)."""
+
+    def __init__(self, url: str, role: str, model: VLLMModel, engine_id: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.address = self.url
+        self.role, self.model, self.engine_id, self.timeout_s = role, model, engine_id, timeout_s
+        self.served_model = SERVED_MODEL_NAME
+        self.max_model_len = 0
+        self.last_load: VLLMLoad | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until ``/health`` answers 200 and ``/v1/models`` names the model. Raises Unavailable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                async with self._http().get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        data = (await r.json())["data"][0]
+                        self.served_model = data["id"]
+                        self.max_model_len = int(data.get("max_model_len") or 0)
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise Unavailable(f"vLLM instance at {self.url} not ready after {timeout_s} s")
+            await asyncio.sleep(0.5)
+
+    async def info(self) -> EngineInfo:
+        return self.model.engine_info(self.engine_id, self.role, self.max_model_len or 4096)
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def load(self) -> VLLMLoad:
+        """The instance's ``/metrics``. Raises Unavailable."""
+        try:
+            async with self._http().get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    raise Unavailable(f"vLLM instance at {self.url}: /metrics answered {r.status}")
+                self.last_load = parse_metrics(await r.text())
+                return self.last_load
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
+
+    async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
+                      max_load_blocks: int | None = None) -> PrefillResult:
+        """Prefill ``prompt`` on this instance: a one-token greedy completion with
+        ``cache_salt=namespace``. ``max_load_blocks`` is not honoured (the connector loads any
+        pool hit). Returns the result with ``prefill_s`` the measured seconds of the call and
+        ``cached_tokens`` as vLLM reports them (loaded from the pool)."""
+        body = {"model": self.served_model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0,
+                "cache_salt": namespace, "request_id": f"{request_id}-prefill", "return_token_ids": True}
+        t0 = time.perf_counter()
+        out = await self.complete("/v1/completions", body)
+        seconds = time.perf_counter() - t0
+        choice = out["choices"][0]
+        cached = int(((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        bs = self.model.block_size
+        keys = tuple(self.model.keys(prompt, namespace))
+        first = (choice.get("token_ids") or [0])[0]
+        return PrefillResult(request_id, int(first), keys, cached, len(prompt) - cached, b"", len(prompt) % bs,
+                             seconds, cached // bs, len(keys) - cached // bs)
+
+    async def complete(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` (not streamed) to ``path``; the JSON answer."""
+        try:
+            async with self._http().post(self.url + path, json=body) as r:
+                if r.status != 200:
+                    raise await _error(r, self.url)
+                return await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` with ``stream: true`` to ``path``; yields each server-sent event's
+        JSON until ``[DONE]``. A stream that ends without ``[DONE]`` raises Unavailable;
+        closing the iteration closes the connection (vLLM aborts the request)."""
+        try:
+            async with self._http().post(self.url + path, json=body) as r:
+                if r.status != 200:
+                    raise await _error(r, self.url)
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise Unavailable(f"vLLM instance at {self.url}: {event['error'].get('message')}")
+                    yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
+        raise Unavailable(f"vLLM instance at {self.url}: the stream ended before [DONE]")
+
+
+async def _error(r: aiohttp.ClientResponse, url: str) -> Exception:
+    try:
+        message = str((await r.json(content_type=None)).get("error", {}).get("message"))
+    except (ValueError, AttributeError, aiohttp.ClientError):
+        message = (await r.text())[:500]
+    if 400 <= r.status < 500:
+        return InvalidArgument(f"vLLM: {message}")
+    return Unavailable(f"vLLM instance at {url} answered {r.status}: {message}")

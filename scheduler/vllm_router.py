@@ -1,0 +1,185 @@
+"""The router over vLLM instances: the same :class:`~scheduler.router.Router` (the Conductor or
+a baseline, admission, the in-flight books), with the prompt keyed as the kvstore connector
+keys it (:class:`~scheduler.vllm_instances.VLLMModel`), instances that fail taken out of the
+views until their ``/health`` answers again, and the load vLLM reports in ``/metrics``
+folded into the views:
+
+* a prefill instance's T_queue gains, for each request vLLM holds (running or waiting)
+  beyond those the router routed there, the mean measured prefill time — load that came
+  from elsewhere;
+* a decode instance's KV capacity is its paged cache (blocks × block size, from
+  ``vllm:cache_config_info``) less what ``vllm:kv_cache_usage_perc`` shows in use beyond the
+  router's own requests there.
+
+T_prefill is fitted from the measured seconds of each prefill call and the cached tokens
+vLLM reports; TBT from the gaps between the tokens streamed to clients (the front door).
+
+Topologies: ``disaggregated`` (prefill instances are ``kv_producer``, decode instances
+``kv_consumer``) and ``colocated`` (every instance ``kv_both`` is both; a request's decode
+instance is its prefill instance).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Sequence
+
+from engines.types import PrefillResult
+from kvstore.errors import InvalidArgument, Unavailable
+from scheduler.admission import Rejection
+from scheduler.conductor import ConductorConfig
+from scheduler.policy import DEFAULT_POLICY
+from scheduler.router import DecodeInstance, PrefillInstance, RoutePlan, Router
+from scheduler.views import ClusterView, NO_HIT, TierHit
+from scheduler.vllm_instances import VLLMClient, VLLMModel
+
+log = logging.getLogger(__name__)
+
+TOPOLOGIES = ("disaggregated", "colocated")
+
+
+class VLLMRouter(Router):
+    """Invariant (beyond Router's): an engine id in ``down`` is in no view the policy sees;
+    ``plan`` raises Unavailable when no prefill or no decode instance is up."""
+
+    def __init__(self, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance], store,
+                 model: VLLMModel, topology: str = "disaggregated", **kw) -> None:
+        if topology not in TOPOLOGIES:
+            raise InvalidArgument(f"unknown topology {topology!r}; valid: {list(TOPOLOGIES)}")
+        super().__init__(prefill, decode, store, **kw)
+        self.model = model
+        self.topology = topology
+        self.down: set[str] = set()
+        self.mean_prefill_s = 0.0
+
+    @property
+    def colocated(self) -> bool:
+        return self.topology == "colocated"
+
+    def clients(self) -> dict[str, VLLMClient]:
+        """Every instance by engine id (a colocated instance once)."""
+        out = {i: p.client for i, p in self.prefill.items()}
+        out.update({i: d.client for i, d in self.decode.items()})
+        return out  # type: ignore[return-value]
+
+    def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        return self.model.keys(tokens, namespace)
+
+    # -- deciding ---------------------------------------------------------------------------
+    async def plan(self, request_id: str, tokens: Sequence[int], namespace: str,
+                   max_tokens: int = 16) -> RoutePlan | Rejection:
+        """As :meth:`Router.plan`; raises Unavailable when every prefill or every decode
+        instance is down."""
+        if all(i in self.down for i in self.prefill) or all(i in self.down for i in self.decode):
+            raise Unavailable(f"no vLLM instance is up (down: {sorted(self.down)})")
+        plan = await super().plan(request_id, tokens, namespace, max_tokens)
+        if isinstance(plan, RoutePlan) and self.colocated and plan.decode_id != plan.prefill_id:
+            plan = dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, decode_id=plan.prefill_id))
+        return plan
+
+    def cluster_view(self, keys, pool_hit: TierHit = NO_HIT, now_s: float | None = None) -> ClusterView:
+        view = super().cluster_view(keys, pool_hit, now_s)
+        prefill = []
+        for v in view.prefill:
+            if v.instance_id in self.down:
+                continue
+            load = self.prefill[v.instance_id].client.last_load
+            ours = len(self.prefill[v.instance_id].inflight)
+            if self.colocated:
+                ours += self.decode[v.instance_id].running
+            if load is not None and load.running + load.waiting > ours:
+                v = v._replace(queue_s=v.queue_s + (load.running + load.waiting - ours) * self.mean_prefill_s)
+            prefill.append(v)
+        decode = []
+        for v in view.decode:
+            if v.instance_id in self.down:
+                continue
+            load = self.decode[v.instance_id].client.last_load
+            if load is not None and load.kv_blocks:
+                capacity = load.kv_blocks * self.model.block_size
+                ours = sum(w.kv_tokens for w in v.work if w.start_s <= view.now_s)
+                foreign = max(0, int(load.kv_usage * capacity) - ours)
+                v = v._replace(kv_capacity_tokens=min(v.kv_capacity_tokens, max(0, capacity - foreign)))
+            decode.append(v)
+        return dataclasses.replace(view, prefill=tuple(prefill), decode=tuple(decode), colocated=self.colocated)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
+        super().prefill_finished(plan, result)
+        if result is not None:
+            a = 0.2
+            self.mean_prefill_s = result.prefill_s if not self.mean_prefill_s else \
+                (1 - a) * self.mean_prefill_s + a * result.prefill_s
+
+    def first_token(self, plan: RoutePlan) -> None:
+        """Colocated: the instance's prefill is over (its first token arrived)."""
+        self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
+
+    def colocated_prefilled(self, plan: RoutePlan, cached_tokens: int, ttft_s: float) -> None:
+        """Colocated: feed the T_prefill fit once the request's usage says what was cached."""
+        self.prefill_finished(plan, PrefillResult(plan.request_id, 0, plan.keys, cached_tokens,
+                                                  plan.prompt_tokens - cached_tokens, b"", 0, ttft_s, 0, 0))
+
+    def mark_down(self, engine_id: str, why: str) -> None:
+        if engine_id not in self.down:
+            log.warning("vLLM instance %s is down, routing around it: %s", engine_id, why)
+            self.down.add(engine_id)
+
+    async def watch(self, interval_s: float = 0.5) -> None:
+        """Poll every instance's ``/metrics`` (its load) forever: one that fails is down, one
+        that answers again is up."""
+        while True:
+            clients = self.clients()
+            results = await asyncio.gather(*(c.load() for c in clients.values()), return_exceptions=True)
+            for engine_id, res in zip(clients, results):
+                if isinstance(res, BaseException):
+                    self.mark_down(engine_id, str(res))
+                elif engine_id in self.down:
+                    log.info("vLLM instance %s is up again", engine_id)
+                    self.down.discard(engine_id)
+            await asyncio.sleep(interval_s)
+
+
+async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_urls: Sequence[str],
+                       store_address: str | None, *, topology: str = "disaggregated",
+                       colocated_urls: Sequence[str] = (), policy: str = DEFAULT_POLICY,
+                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
+                       decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
+                       ready_timeout_s: float = 60.0, store_redis: str | None = None,
+                       prefix_caching: bool = False) -> VLLMRouter:
+    """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
+    ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
+    Waits until each answers. ``prefix_caching``: whether the instances keep vLLM's own
+    prefix cache (then the router mirrors what each prefill instance computed). Raises
+    Unavailable (an instance not up in ``ready_timeout_s``) or InvalidArgument."""
+    from kvstore.client import StoreClient
+    if topology == "colocated":
+        if not colocated_urls:
+            raise InvalidArgument("the colocated topology needs at least one instance (--vllm-colocated URL)")
+        named = [(f"vllm-{i}", u, "colocated") for i, u in enumerate(colocated_urls)]
+    else:
+        if not prefill_urls or not decode_urls:
+            raise InvalidArgument("the disaggregated topology needs --vllm-prefill and --vllm-decode URLs")
+        named = [(f"vllm-prefill-{i}", u, "prefill") for i, u in enumerate(prefill_urls)]
+        named += [(f"vllm-decode-{i}", u, "decode") for i, u in enumerate(decode_urls)]
+    clients = [VLLMClient(u, role, model, engine_id) for engine_id, u, role in named]
+    try:
+        await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
+        await asyncio.gather(*(c.load() for c in clients))
+        infos = [await c.info() for c in clients]
+        pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]  # type: ignore[arg-type]
+        dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]  # type: ignore[arg-type]
+        local = max((c.last_load.kv_blocks for c in clients if c.last_load), default=0) if prefix_caching else 0
+        if store_redis:
+            from kvstore.cluster.client import ClusterClient
+            store = ClusterClient(store_redis, auth_token=store_auth_token)
+        else:
+            store = StoreClient(store_address, auth_token=store_auth_token) if store_address else None
+        return VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
+                          local_cache_blocks=local, decode_max_running=decode_max_running,
+                          decode_kv_capacity_tokens=decode_kv_capacity_tokens)
+    except BaseException:
+        for c in clients:
+            await c.close()
+        raise

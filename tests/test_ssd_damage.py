@@ -1,0 +1,191 @@
+"""Damage never kills a node (kvstore/tiers/ssd.py): a truncated or corrupt LMDB file is
+found at open and before every read, moved aside, and the rest keeps serving; an unusable
+data directory is a one-line error, or with ``--ssd-on-error disable`` a node without SSD."""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.integrity import checksum_of
+from kvstore.pool import KVPool
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.ssd import SsdTier
+
+BLOCK = 64 << 10
+
+
+def _block(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def _fill_ssd(path: Path, n: int) -> None:
+    tier = SsdTier(64 << 20, str(path))
+    for i in range(n):
+        tier.put(_key(i), _block(i), checksum_of(_block(i)))
+    tier.close()
+
+
+def _damage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+
+
+@pytest.mark.parametrize("keep", [0.5, 4096])
+def test_a_truncated_file_is_moved_aside_at_open(tmp_path: Path, caplog, keep: float) -> None:
+    path = tmp_path / "ssd"
+    _fill_ssd(path, 20)
+    data = path / "data.mdb"
+    os.truncate(data, int(data.stat().st_size * keep) if keep < 1 else int(keep))
+    with caplog.at_level(logging.ERROR, logger="kvstore.tiers.ssd"):
+        tier = SsdTier(64 << 20, str(path))
+    try:
+        assert tier.quarantines == 1 and tier.usage().blocks == 0 and tier.used_bytes == 0
+        assert len(_damage_lines(caplog)) == 1
+        assert glob.glob(f"{path}.damaged-*")          # kept aside for a person to look at
+        tier.put(_key(1), _block(1), checksum_of(_block(1)))  # the fresh environment works
+        assert tier.get(_key(1)) == _block(1)
+    finally:
+        tier.close()
+    reopened = SsdTier(64 << 20, str(path))           # and survives a restart
+    assert reopened.quarantines == 0 and reopened.get(_key(1)) == _block(1)
+    reopened.close()
+
+
+def test_garbage_file_is_moved_aside_at_open(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "ssd"
+    path.mkdir()
+    (path / "data.mdb").write_bytes(os.urandom(3 * 4096))
+    with caplog.at_level(logging.ERROR, logger="kvstore.tiers.ssd"):
+        tier = SsdTier(64 << 20, str(path))
+    assert tier.quarantines == 1 and len(_damage_lines(caplog)) == 1
+    tier.close()
+
+
+def test_a_file_that_shrinks_under_a_running_pool(make_dram, tmp_path: Path, caplog) -> None:
+    """SSD blocks become misses counted as integrity failures, DRAM blocks keep serving, one
+    log line; no SIGBUS (this test would die by the signal without the size check)."""
+    dram = make_dram(4 * BLOCK)
+    ssd = SsdTier(64 << 20, str(tmp_path / "ssd"))
+    pool = KVPool([dram, ssd], promote_on_hit=False)
+    try:
+        for i in range(12):
+            assert pool.put(_key(i), _block(i)).ok
+        on_ssd = [i for i in range(12) if pool.lookup([_key(i)])[1] == ["ssd"]]
+        in_dram = [i for i in range(12) if pool.lookup([_key(i)])[1] == ["dram"]]
+        assert len(on_ssd) >= 6 and in_dram
+        data = tmp_path / "ssd" / "data.mdb"
+        os.truncate(data, data.stat().st_size // 3)
+        with caplog.at_level(logging.ERROR, logger="kvstore.tiers.ssd"):
+            got = pool.get_many([_key(i) for i in range(12)])
+            again = pool.get_many([_key(i) for i in on_ssd])
+        assert all(got[i] is None for i in on_ssd) and all(g is None for g in again)
+        assert all(got[i] == _block(i) for i in in_dram)
+        assert len(_damage_lines(caplog)) == 1
+        ssd_stats = next(s for s in pool.stats() if s.name == "ssd")
+        assert ssd_stats.quarantines == 1
+        assert ssd_stats.integrity_failures == len(on_ssd) and ssd_stats.blocks == 0
+        assert ssd_stats.used_bytes == 0
+        pool.check_integrity()
+        assert pool.lookup([_key(on_ssd[0])]) == (0, [])
+        for i in range(12, 24):                       # puts and demotions go on into the fresh env
+            assert pool.put(_key(i), _block(i)).ok
+        assert any(pool.lookup([_key(i)])[1] == ["ssd"] for i in range(12, 24))
+        assert all(pool.get(_key(i)) == _block(i) for i in range(12, 24))
+        pool.check_integrity()
+    finally:
+        pool.close()
+
+
+def test_a_shrink_before_a_write_is_caught(tmp_path: Path) -> None:
+    tier = SsdTier(64 << 20, str(tmp_path / "ssd"))
+    lost: list[list[bytes]] = []
+    tier.on_lost = lost.append
+    try:
+        for i in range(10):
+            tier.put(_key(i), _block(i), checksum_of(_block(i)))
+        os.truncate(tmp_path / "ssd" / "data.mdb", 8192)
+        tier.put(_key(99), _block(99), checksum_of(_block(99)))
+        assert sorted(lost[0]) == sorted(_key(i) for i in range(10))
+        assert tier.get(_key(99)) == _block(99) and tier.usage().blocks == 1
+    finally:
+        tier.close()
+
+
+def test_an_unusable_directory_is_an_oserror(tmp_path: Path) -> None:
+    (tmp_path / "ssd").write_text("not a directory")
+    with pytest.raises(OSError, match="ssd tier: cannot use data directory"):
+        SsdTier(64 << 20, str(tmp_path / "ssd"))
+
+
+def _serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--dram", "4MiB",
+                           "--ssd", "16MiB", "--transfer-engine", "off", "--data-dir", str(tmp_path / "data"),
+                           *flags], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_serve_on_an_unusable_directory_exits_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "data" / "node-0").mkdir(parents=True)
+    (tmp_path / "data" / "node-0" / "ssd").write_text("not a directory")
+    out = _serve(tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot use data directory" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_with_ssd_on_error_disable_serves_dram_only(tmp_path: Path, spawn_store_node) -> None:
+    (tmp_path / "data" / "n1").mkdir(parents=True)
+    (tmp_path / "data" / "n1" / "ssd").write_text("not a directory")
+    _, address = spawn_store_node("n1", "--dram", "4MiB", "--ssd", "16MiB", "--transfer-engine", "off",
+                                  "--ssd-on-error", "disable")
+    with StoreClient(address) as client:
+        _, stats = client.stats()
+        assert [s.name for s in stats] == ["dram"]
+        assert client.put_blocks([(_key(1), _block(1))])[0].ok and client.get(_key(1)) == _block(1)
+    assert "serving without an SSD tier" in (tmp_path / "n1.log").read_text()
+
+
+def test_truncating_a_running_node_s_file(tmp_path: Path, spawn_store_node) -> None:
+    """A real node process: SSD blocks are misses, DRAM blocks are served, one log line and
+    the counters say what happened; a restart on the damaged directory works."""
+    flags = ("--dram", "1MiB", "--ssd", "16MiB", "--transfer-engine", "off")
+    proc, address = spawn_store_node("n2", *flags)
+    keys = [_key(i) for i in range(40)]
+    with StoreClient(address) as client:
+        assert all(r.ok for r in client.put_blocks([(k, _block(i)) for i, k in enumerate(keys)]))
+        tiers = {}
+        for k in keys:
+            tiers[k] = client.lookup([k]).tiers[0]
+        on_ssd = [k for k in keys if tiers[k] == "ssd"]
+        in_dram = [k for k in keys if tiers[k] == "dram"]
+        assert len(on_ssd) >= 20 and in_dram
+        data = tmp_path / "data" / "n2" / "ssd" / "data.mdb"
+        os.truncate(data, data.stat().st_size // 2)
+        got = client.get_blocks(keys)
+        assert proc.poll() is None
+        assert all(got[keys.index(k)] is None for k in on_ssd)
+        assert all(got[keys.index(k)] == _block(keys.index(k)) for k in in_dram)
+        assert client.get_blocks(on_ssd) == [None] * len(on_ssd)
+        ssd = next(s for s in client.stats()[1] if s.name == "ssd")
+        assert ssd.quarantines == 1 and ssd.integrity_failures == len(on_ssd) and ssd.blocks == 0
+    log = (tmp_path / "n2.log").read_text()
+    assert log.count("is damaged") == 1, log
+    proc.kill()
+    proc.wait()
+    os.truncate(tmp_path / "data" / "n2" / "ssd" / "data.mdb", 5000)  # damaged again, at rest
+    proc, address = spawn_store_node("n2", *flags)
+    with StoreClient(address) as client:
+        ssd = next(s for s in client.stats()[1] if s.name == "ssd")
+        assert ssd.quarantines == 1 and ssd.blocks == 0
+        assert client.put_blocks([(keys[0], _block(0))])[0].ok and client.get(keys[0]) == _block(0)

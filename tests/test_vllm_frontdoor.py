@@ -1,0 +1,243 @@
+"""The front door and Conductor over real vLLM servers on the CPU (scheduler/vllm_*.py): one
+kv_producer prefill instance, two kv_consumer decode instances and one kv_both colocated
+instance, all sharing one store node in this process and started once for the module;
+vLLM's own prefix cache is off, so every cached token came from kvstore."""
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import aiohttp
+import pytest
+
+pytest.importorskip("vllm")
+
+from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
+from kvstore.pool import KVPool, PoolSettings  # noqa: E402
+from kvstore.service import close_dataplane, serve_store  # noqa: E402
+from kvstore.stack import free_port  # noqa: E402
+from kvstore.tiers.dram import DramTier  # noqa: E402
+from scheduler.admission import AdmissionConfig  # noqa: E402
+from scheduler.config import FrontdoorConfig  # noqa: E402
+from scheduler.keys import namespace_from_authorization  # noqa: E402
+from scheduler.trace import TraceMapping, load_trace  # noqa: E402
+from scheduler.vllm_app import start_vllm_frontdoor  # noqa: E402
+from scheduler.vllm_instances import VLLMModel, parse_metrics  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BS = 32
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces",
+                     "conversation_trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from engines.vllm.checkpoint import write_checkpoint
+    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-llama"), "tiny", max_model_len=8192)
+
+
+@pytest.fixture(scope="module")
+def store():
+    tier = DramTier(256 << 20)
+    pool = KVPool([tier], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
+    path = os.path.join(tempfile.gettempdir(), f"kvstore-pd-{uuid.uuid4().hex[:8]}.sock")
+    server, port = serve_store(pool, dataplane_socket=path)
+    yield pool, f"127.0.0.1:{port}"
+    close_dataplane(server)
+    server.stop(grace=None).wait()
+    tier.close()
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, store, tmp_path_factory):
+    """name -> VLLMServer: prefill (kv_producer), decode0/decode1 (kv_consumer), colocated (kv_both)."""
+    _, address = store
+    roles = {"prefill": "kv_producer", "decode0": "kv_consumer", "decode1": "kv_consumer", "colocated": "kv_both"}
+    specs = [VLLMServerSpec(model_dir, free_port(), role, address, kv_cache_bytes=64 << 20, max_model_len=8192)
+             for role in roles.values()]
+    started = start_servers(specs, tmp_path_factory.mktemp("vllm-logs"), list(roles), timeout_s=300)
+    yield dict(zip(roles, started))
+    for s in started:
+        s.stop(grace_s=10)
+
+
+def frontdoor(model_dir, store, servers, *decode: str, topology: str = "disaggregated", **admission):
+    """An async context manager: a front door over the named decode servers (or colocated)."""
+    _, address = store
+    config = FrontdoorConfig(model_dir=model_dir, admission=AdmissionConfig(**admission), ready_timeout_s=60)
+    if topology == "colocated":
+        return _Running(start_vllm_frontdoor(model_dir, (), (), address, config=config, topology="colocated",
+                                             colocated_urls=[servers["colocated"].url]))
+    return _Running(start_vllm_frontdoor(model_dir, [servers["prefill"].url], [servers[d].url for d in decode],
+                                         address, config=config, watch_interval_s=0.2))
+
+
+class _Running:
+    def __init__(self, starting) -> None:
+        self.starting = starting
+
+    async def __aenter__(self):
+        self.running = await self.starting
+        return self.running
+
+    async def __aexit__(self, *exc) -> None:
+        await self.running.stop()
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict, key: str | None = None) -> dict:
+    """POST a streamed completion; returns {status, tokens, cached, error, decode}."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    out = {"tokens": [], "cached": None, "error": None}
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+        out["status"], out["decode"] = r.status, r.headers.get("X-Kvstore-Decode")
+        if r.status != 200:
+            out["error"] = (await r.json())["error"]
+            return out
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            import json
+            event = json.loads(line[5:])
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            for c in event.get("choices") or ():
+                out["tokens"].extend(c.get("token_ids") or ())
+            if event.get("usage"):
+                out["cached"] = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return out
+
+
+def vllm_counter(server, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def trace_prompts(n: int) -> list[tuple[list[int], int]]:
+    mapping = TraceMapping(BS, 512)
+    return [(list(mapping.prompt(r)), max(1, min(r.output_length, 8))) for r in load_trace(TRACE, n)]
+
+
+def test_parse_metrics_reads_load_and_cache_size() -> None:
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="512"} 1.0\n# HELP x\n')
+    load = parse_metrics(text)
+    assert (load.running, load.waiting, load.kv_usage, load.kv_blocks) == (3, 2, 0.25, 512)
+
+
+def test_twenty_trace_requests_disaggregated_load_every_block_and_match_colocated(model_dir, store, servers) -> None:
+    prompts = trace_prompts(20)
+
+    async def run(topology: str, key: str) -> list[dict]:
+        async with frontdoor(model_dir, store, servers, "decode0", topology=topology) as door:
+            async with aiohttp.ClientSession() as s:
+                return await asyncio.gather(*(stream(s, door.url, {"prompt": p, "max_tokens": m, "temperature": 0,
+                                                                   "ignore_eos": True}, key)
+                                              for p, m in prompts))
+
+    disagg = asyncio.run(run("disaggregated", "tenant-pd"))
+    colocated = asyncio.run(run("colocated", "tenant-colocated"))
+    for (prompt, max_tokens), d, c in zip(prompts, disagg, colocated):
+        assert d["status"] == 200 and d["error"] is None and len(d["tokens"]) == max_tokens
+        assert d["decode"] == "vllm-decode-0"
+        if len(prompt) > BS:       # every full block but one holding the last token came from the pool
+            assert d["cached"] >= (len(prompt) - 1) // BS * BS
+        assert d["tokens"] == c["tokens"]                 # greedy: loaded KV == recomputed KV
+    pool, _ = store
+    pool.check_integrity()
+
+
+def test_admission_rejects_before_any_prefill_reaches_vllm(model_dir, store, servers) -> None:
+    prompt = trace_prompts(1)[0][0]
+
+    async def run() -> tuple[dict, dict, float, float]:
+        async with frontdoor(model_dir, store, servers, "decode0", max_inflight=1) as door:
+            async with aiohttp.ClientSession() as s:
+                long = asyncio.ensure_future(stream(s, door.url, {"prompt": prompt, "max_tokens": 400,
+                                                                  "ignore_eos": True}))
+                while not door.frontdoor.router.inflight:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.5)
+                before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                rejected = await stream(s, door.url, {"prompt": prompt[:-3] + [7, 8, 9], "max_tokens": 4})
+                after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                return await long, rejected, before, after
+
+    first, rejected, before, after = asyncio.run(run())
+    assert first["status"] == 200 and len(first["tokens"]) == 400
+    assert rejected["status"] == 429 and rejected["error"]["code"] == "max_inflight"
+    assert after == before > 0
+
+
+def test_two_tenants_never_share_blocks(model_dir, store, servers) -> None:
+    pool, _ = store
+    model = VLLMModel.from_dir(model_dir, BS)
+    prompt = [5 + (i * 7) % 250 for i in range(4 * BS + 9)]
+    ns_a, ns_b = namespace_from_authorization("Bearer alice"), namespace_from_authorization("Bearer bob")
+
+    def held(ns: str) -> int:
+        return pool.lookup(model.keys(prompt, ns))[0]
+
+    async def run() -> tuple[dict, dict]:
+        async with frontdoor(model_dir, store, servers, "decode0") as door:
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+                a = await stream(s, door.url, body, "alice")
+                assert held(ns_a) == 4 and held(ns_b) == 0
+                blocks = pool.stats()[0].blocks
+                prefilled = vllm_counter(servers["prefill"], "vllm:prompt_tokens_total")
+                b = await stream(s, door.url, body, "bob")
+                assert pool.stats()[0].blocks == blocks + 4           # bob's prefill stored its own
+                assert vllm_counter(servers["prefill"], "vllm:prompt_tokens_total") == prefilled + len(prompt)
+                return a, b
+
+    a, b = asyncio.run(run())
+    assert a["cached"] == b["cached"] == 4 * BS        # each loaded its own tenant's blocks
+    assert held(ns_a) == held(ns_b) == 4
+
+
+def test_a_killed_decode_instance_fails_its_requests_and_new_ones_go_to_the_other(model_dir, store, servers) -> None:
+    """Runs last: it kills decode1. Two long requests spread over the two decode instances."""
+    prompt = trace_prompts(2)[1][0]
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with frontdoor(model_dir, store, servers, "decode0", "decode1") as door:
+            router = door.frontdoor.router
+            async with aiohttp.ClientSession() as s:
+                longs = []
+                for i in range(2):
+                    longs.append(asyncio.ensure_future(stream(s, door.url, {"prompt": prompt[:-1] + [i + 3],
+                                                                            "max_tokens": 600, "ignore_eos": True})))
+                    while router.inflight <= i:
+                        await asyncio.sleep(0.01)
+                assert all(d.work for d in router.decode.values())     # one on each
+                deadline = time.monotonic() + 60      # kill it mid-stream: once it has sent tokens
+                while await asyncio.to_thread(vllm_counter, servers["decode1"], "vllm:generation_tokens_total") < 20:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                await asyncio.to_thread(servers["decode1"].kill)
+                failed = await asyncio.wait_for(asyncio.gather(*longs), 120)
+                t0 = time.monotonic()
+                after = [await stream(s, door.url, {"prompt": prompt, "max_tokens": 4}) for _ in range(4)]
+                assert time.monotonic() - t0 < 60
+                return failed, after
+
+    longs, after = asyncio.run(run())
+    by_decode = {r["decode"]: r for r in longs}
+    assert set(by_decode) == {"vllm-decode-0", "vllm-decode-1"}
+    dead, alive = by_decode["vllm-decode-1"], by_decode["vllm-decode-0"]
+    assert dead["status"] == 200 and dead["error"]["code"] == "engine_unavailable"
+    assert 0 < len(dead["tokens"]) < 600
+    assert alive["error"] is None and len(alive["tokens"]) == 600
+    for r in after:
+        assert r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 4
+        assert r["decode"] == "vllm-decode-0"
