@@ -30,7 +30,7 @@ from scheduler.config import FrontdoorConfig
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, StopText, TextStream, chunk_body,
-                                  parse_chat, parse_completion, response_body, usage)
+                                  parse_chat, parse_completion, read_json, response_body, usage)
 from scheduler.router import RoutePlan, Router
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,7 @@ class Frontdoor:
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-            except RecursionError:  # json's decoder recurses once per nesting level
-                raise APIError(400, "the request body is nested too deeply to parse",
-                               code="invalid_json") from None
+            body = read_json(await request.read())
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             plan = await self._admit(request, req)
         except APIError as exc:

@@ -11,6 +11,7 @@ chunk), ``ignore_eos`` in the request (generate exactly ``max_tokens``) and
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -60,6 +61,18 @@ class GenerationRequest:
 
 def _bad(message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code)
+
+
+def read_json(raw: bytes) -> Any:
+    """The request body as JSON. Raises APIError 400 for bytes that are not JSON (or not
+    UTF-8) and for JSON nested deeper than Python's decoder recurses (a RecursionError,
+    which was a 500)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise _bad("the request body is not valid JSON", "invalid_json") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise _bad("the request body is nested too deeply to parse", "invalid_json") from None
 
 
 def _encode(tokenizer: Tokenizer, text: str, field: str) -> list[int]:

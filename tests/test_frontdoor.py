@@ -450,3 +450,13 @@ def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
     assert all(s.leased_bytes == 0 and s.reserved_bytes == 0 for s in stats)
     assert [s.used_bytes for s in stats] == used_before
     cluster.pool.check_integrity()
+
+
+def test_read_json_refuses_what_both_front_doors_cannot_parse():
+    """The one body reader of the front door and the vLLM front door (scheduler/vllm_frontdoor.py)."""
+    from scheduler.openai_api import APIError, read_json
+    assert read_json(b'{"prompt": [1]}') == {"prompt": [1]}
+    for raw, needle in ((b"[" * 100_000, "nested too deeply"), (b"{", "not valid JSON"), (b"\xff", "not valid JSON")):
+        with pytest.raises(APIError, match=needle) as exc:
+            read_json(raw)
+        assert exc.value.status == 400
