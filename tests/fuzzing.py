@@ -3,7 +3,7 @@ deterministic run (``make test``) or a long, random one (``make fuzz``), and the
 executions per wire that the test session prints at its end (tests/conftest.py).
 
 ``KVSTORE_FUZZ_SCALE`` (default 1) multiplies every target's example count; ``make fuzz``
-sets it (100) and with it turns derandomization off, so each long run explores new inputs
+sets it (FUZZ_SCALE, default 20) and with it turns derandomization off, so each long run explores new inputs
 (hypothesis prints the seed of a failing one).
 """
 from __future__ import annotations
