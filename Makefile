@@ -12,8 +12,9 @@ PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REQUESTS ?= 100
+FUZZ_SCALE ?= 20
 
-.PHONY: setup demo test bench clean system-deps protos lmcache-venv
+.PHONY: setup demo test fuzz bench clean system-deps protos lmcache-venv
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -48,6 +49,11 @@ demo: setup
 test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The fuzz targets (tests/test_fuzz_*.py) run short and derandomized inside `make test`; here
+# FUZZ_SCALE times as many inputs each, freshly random (minutes; executions per wire at the end).
+fuzz: setup
+	KVSTORE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider -o timeout=0 tests/test_fuzz_*.py
 
 # LMCache (the vLLM connector peer of benchmarks/bench_vllm.py) pins older numpy, protobuf and
 # grpcio than kvstore's, so it lives in a venv of its own; torch is pinned first, as above.

@@ -53,6 +53,8 @@ class DecodeEngine:
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
         validate_prompt(prompt, self.lm, max_tokens)
+        if not 0 <= first_token < self.lm.vocab_size:
+            raise InvalidArgument(f"first_token {first_token} outside the vocabulary [0, {self.lm.vocab_size})")
         if len(block_keys) != len(prompt) // self.block_size:
             raise InvalidArgument(f"{len(block_keys)} block keys for a prompt of {len(prompt)} tokens "
                                   f"(block size {self.block_size})")

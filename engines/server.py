@@ -16,6 +16,7 @@ from engines.prefill import PrefillEngine
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.limits import check_keys
 from kvstore.service import SERVER_OPTIONS
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
@@ -60,6 +61,10 @@ class EngineServicer(pb_grpc.EngineServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeToken]:
         if not isinstance(self.engine, DecodeEngine):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a prefill engine")
+        try:
+            check_keys(request.block_keys, "block_keys")
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
                                    list(request.stop_token_ids), lambda: not context.is_active(),
@@ -70,6 +75,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                                      finish_reason=step.finish_reason)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVStoreError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
 
 
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,

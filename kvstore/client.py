@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
+from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.pool import PutResult, TierStats, checksum_of
 from kvstore.service import CHUNK_BYTES, GRPC_OPTIONS
 from kvstore.tiers.buffers import Segments, to_bytes
@@ -154,7 +155,16 @@ class StoreClient:
             raise Unavailable(f"store node at {self.address} not ready after {timeout_s} s") from None
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix of the key chain the node holds (renews nothing)."""
+        """Longest prefix of the key chain the node holds (renews nothing). A chain longer
+        than the node takes in one call (MAX_KEYS_PER_CALL) is looked up in parts."""
+        if len(keys) > MAX_KEYS_PER_CALL:
+            n, tiers = 0, ()
+            for start in range(0, len(keys), MAX_KEYS_PER_CALL):
+                part = self.lookup(keys[start:start + MAX_KEYS_PER_CALL])
+                n, tiers = n + part.blocks, tiers + part.tiers
+                if part.blocks < min(MAX_KEYS_PER_CALL, len(keys) - start):
+                    break
+            return LookupResult(n, tiers)
         plane = self._local()
         if plane is not None:
             try:
@@ -188,9 +198,13 @@ class StoreClient:
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """Bytes of each key (None for a miss; with ``stop_at_miss`` the list ends at the
         first miss). Each block's checksum is verified after it crosses the process
-        boundary (socket or mapped slab); a block that fails it is returned as a miss."""
+        boundary (socket or mapped slab); a block that fails it is returned as a miss. More
+        keys than the node takes in one call (MAX_KEYS_PER_CALL) are read in parts."""
         if not keys:
             return []
+        if len(keys) > MAX_KEYS_PER_CALL:
+            return self._in_parts(lambda lo, hi: self.get_blocks(keys[lo:hi], stop_at_miss), len(keys),
+                                  stop_at_miss)
         plane = self._local()
         if plane is not None:
             try:
@@ -207,6 +221,9 @@ class StoreClient:
         (with ``stop_at_miss`` the list ends at the first miss). Same host: one copy out of
         the mapped slab per block; otherwise over the gRPC stream. Raises LeaseExpired when
         a slab copy outlived its lease, InvalidArgument for a too-small buffer."""
+        if len(keys) > MAX_KEYS_PER_CALL:
+            return self._in_parts(lambda lo, hi: self.get_into(keys[lo:hi], outs[lo:hi], stop_at_miss), len(keys),
+                                  stop_at_miss)
         plane = self._local()
         if plane is not None:
             try:
@@ -216,6 +233,19 @@ class StoreClient:
         from kvstore.tiers.buffers import copy_into
         return [None if d is None else copy_into(o, np.frombuffer(d, dtype=np.uint8))
                 for d, o in zip(self._grpc_get_blocks(keys, stop_at_miss), outs)]
+
+    @staticmethod
+    def _in_parts(read: Callable[[int, int], list[Any]], n: int, stop_at_miss: bool) -> list[Any]:
+        """``read(lo, hi)`` over ``[0, n)`` in parts of MAX_KEYS_PER_CALL keys, joined; with
+        ``stop_at_miss`` it stops after the first part that ended at a miss."""
+        out: list[Any] = []
+        for lo in range(0, n, MAX_KEYS_PER_CALL):
+            hi = min(n, lo + MAX_KEYS_PER_CALL)
+            part = read(lo, hi)
+            out += part
+            if stop_at_miss and (len(part) < hi - lo or (part and part[-1] is None)):
+                break
+        return out
 
     def _grpc_get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """:meth:`get_blocks` over the gRPC stream."""

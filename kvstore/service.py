@@ -2,11 +2,13 @@
 kvstore errors to gRPC status codes. Block bytes travel in chunks of ``CHUNK_BYTES``."""
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent import futures
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.auth import interceptors_for
@@ -14,6 +16,7 @@ from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
 from kvstore.events.publisher import snapshot_of
 from kvstore.lease import Reservation
+from kvstore.limits import check_count, check_key, check_keys, check_ttl
 from kvstore.pool import KVPool
 from kvstore.tiers.buffers import to_bytes
 from protos import kvstore_pb2 as pb
@@ -22,7 +25,6 @@ from protos import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 SNAPSHOT_CHUNK_ENTRIES = 8192        # index entries per Snapshot chunk (~0.5 MiB)
-MAX_KEY_BYTES = 64
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
                 # a client finds a restarted peer within 0.1-2 s (gRPC's default backs off to 120 s)
@@ -33,14 +35,31 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
+def _refusing(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A unary servicer method whose InvalidArgument (raised anywhere under it) is answered
+    as INVALID_ARGUMENT with its message, instead of gRPC's UNKNOWN."""
+    @functools.wraps(method)
+    def call(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return call
+
+
 class StoreServicer(pb_grpc.KVStoreServicer):
+    """Every call naming keys is checked first (kvstore/limits.py): key lengths the key spec
+    makes, at most MAX_KEYS_PER_CALL keys, finite TTLs; a refusal is INVALID_ARGUMENT."""
+
     def __init__(self, pool: KVPool, max_block_bytes: int = 1 << 30,
                  dataplane: DataPlaneHost | None = None) -> None:
         self.pool = pool
         self.max_block_bytes = max_block_bytes
         self.dataplane = dataplane  # the same-host data plane (kvstore/dataplane); None: no DRAM slab
 
+    @_refusing
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        check_keys(request.keys)
         n, tiers = self.pool.lookup(list(request.keys))
         return pb.LookupResponse(prefix_blocks=n, tiers=tiers)
 
@@ -71,11 +90,16 @@ class StoreServicer(pb_grpc.KVStoreServicer):
 
         try:
             for chunk in request_iterator:
+                if chunk is UNPARSED:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a put chunk that does not parse as "
+                                  "kvstore.v1.PutChunk")
                 if chunk.key:
                     finish()
-                    if len(chunk.key) > MAX_KEY_BYTES:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"block key of {len(chunk.key)} bytes; at most {MAX_KEY_BYTES}")
+                    try:
+                        check_key(chunk.key, "key")
+                        check_key(chunk.parent, "parent", allow_empty=True)
+                    except InvalidArgument as exc:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if chunk.size > self.max_block_bytes:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                       f"block of {chunk.size} bytes; at most {self.max_block_bytes}")
@@ -107,6 +131,10 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         otherwise one read per block. A read whose lease expired is a miss. Each block goes
         with the checksum taken at put, so the reader verifies it end to end (bytes changed
         in the slab since are a miss at the reader, not passed on as good)."""
+        try:
+            check_keys(request.keys)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         keys = list(request.keys)
         if request.stop_at_miss:
             try:
@@ -148,6 +176,7 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                          quarantines=s.quarantines)
             for s in self.pool.stats()])
 
+    @_refusing
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         try:
             freed, blocks = self.pool.evict(request.tier, request.bytes)
@@ -155,16 +184,21 @@ class StoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.EvictResponse(evicted_bytes=freed, evicted_blocks=blocks)
 
+    @_refusing
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
-        keys, ttl = list(request.keys), request.ttl_s or None
+        check_keys(request.keys)
+        keys, ttl = list(request.keys), check_ttl(request.ttl_s)
         pin = self.pool.pin_prefix if request.prefix else self.pool.pin
         return pb.PinResponse(blocks=pin(keys, hard=request.hard, ttl_s=ttl))
 
+    @_refusing
     def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+        check_keys(request.keys)
         keys = list(request.keys)
         unpin = self.pool.unpin_prefix if request.prefix else self.pool.unpin
         return pb.UnpinResponse(blocks=unpin(keys))
 
+    @_refusing
     def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.ServicerContext) -> pb.SetPolicyResponse:
         try:
             previous = self.pool.set_policy(request.policy, request.tier or None)
@@ -199,7 +233,9 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                                         socket_path=i.socket_path, host_id=i.host_id, node_id=i.node_id,
                                         puts_in_slab=i.puts_in_slab)
 
+    @_refusing
     def LeaseBlocks(self, request: pb.LeaseBlocksRequest, context: grpc.ServicerContext) -> pb.LeaseBlocksResponse:
+        check_keys(request.keys)
         g = self._plane(context).lease(list(request.keys), request.ttl_s or None, request.stop_at_miss,
                                        request.chain)
         return pb.LeaseBlocksResponse(lease_id=g.lease_id, deadline=g.deadline, blocks=[
@@ -208,16 +244,21 @@ class StoreServicer(pb_grpc.KVStoreServicer):
     def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseResponse:
         return pb.ReleaseLeaseResponse(released=self._plane(context).release(request.lease_id))
 
+    @_refusing
     def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context: grpc.ServicerContext) -> pb.ReserveBlocksResponse:
         if len(request.keys) != len(request.sizes):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "keys and sizes differ in length")
+        check_keys(request.keys)
+        check_key(request.parent, "parent", allow_empty=True)
         grants = self._plane(context).reserve(list(zip(request.keys, request.sizes)), request.chain,
                                               request.parent or None)
         return pb.ReserveBlocksResponse(slots=[pb.ReservedSlot(state=g.state, reservation_id=g.res_id,
                                                                offset=g.offset, error=g.error, write_by=g.write_by)
                                                for g in grants])
 
+    @_refusing
     def CommitBlocks(self, request: pb.CommitBlocksRequest, context: grpc.ServicerContext) -> pb.CommitBlocksResponse:
+        check_count(len(request.reservation_ids), "reservation_ids")
         if request.checksums and len(request.checksums) != len(request.reservation_ids):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums and reservation_ids differ in length")
         results = self._plane(context).commit(list(request.reservation_ids),
@@ -225,9 +266,36 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.CommitBlocksResponse(results=[pb.PutResult(key=r.key, ok=r.ok, existed=r.existed, error=r.error)
                                                 for r in results])
 
+    @_refusing
     def AbortBlocks(self, request: pb.AbortBlocksRequest, context: grpc.ServicerContext) -> pb.AbortBlocksResponse:
+        check_count(len(request.reservation_ids), "reservation_ids")
         self._plane(context).abort(list(request.reservation_ids))
         return pb.AbortBlocksResponse()
+
+
+UNPARSED = object()  # a client-streamed message that did not parse (see _StreamParseGuard)
+
+
+class _StreamParseGuard(grpc.ServerInterceptor):
+    """gRPC (1.85) answers a client-streamed message that does not parse by sending the
+    call's status itself and ending the handler's request iterator; the handler's reply is
+    then a second status on that call, whose batch never completes, and the server never
+    stops (``server.stop()`` hung after one such Put, found by tests/test_fuzz_store_grpc.py).
+    This wraps the deserializer of client-streamed requests: a message that does not parse
+    arrives as :data:`UNPARSED`, and the handler refuses it (INVALID_ARGUMENT)."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or not handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def safe(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError:
+                return UNPARSED
+        return handler._replace(request_deserializer=safe)
 
 
 _UDS: dict[int, object] = {}  # id(server) -> its same-host control socket (kvstore/dataplane/server.py)
@@ -251,7 +319,7 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     :func:`close_dataplane`); ``dataplane_poll_s``: how long its connections poll for the
     next request before sleeping. Returns the started server and its bound port. Raises
     RuntimeError if it cannot bind."""
-    interceptors = interceptors_for(auth_token)
+    interceptors = interceptors_for(auth_token) + [_StreamParseGuard()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")

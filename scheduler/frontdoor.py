@@ -30,13 +30,13 @@ from scheduler.config import FrontdoorConfig
 from scheduler.health import HealthChecker
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
-from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, TextStream, chunk_body,
-                                  parse_chat, parse_completion, response_body, usage)
+from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, StopText, TextStream, chunk_body,
+                                  parse_chat, parse_completion, read_json, response_body, usage)
 from scheduler.router import RoutePlan, Router
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[int], Awaitable[None]]
+Emit = Callable[[int], Awaitable[bool]]  # True: a stop string appeared, end the generation
 MAX_BODY_BYTES = 32 << 20
 
 
@@ -91,10 +91,7 @@ class Frontdoor:
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+            body = read_json(await request.read())
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             plan = await self._admit(request, req)
         except APIError as exc:
@@ -141,7 +138,8 @@ class Frontdoor:
     async def _generate(self, req: GenerationRequest, plan: RoutePlan,
                         emit: Emit) -> tuple[PrefillResult, str, RoutePlan]:
         """Prefill, then decode; ``emit`` is awaited with each token id in order (the first from
-        prefill). Returns the prefill result, the finish reason and the plan as it ended (an
+        prefill; it returns True once a stop string appeared, and the decode stream is then
+        closed, which cancels it on the engine). Returns the prefill result, the finish reason and the plan as it ended (an
         engine that fails is marked down and the request moves to another instance of its
         role: a prefill before anything was sent, a decode from the token it had reached —
         greedy decoding gives the same tokens). Raises APIError 503 (naming the engine and
@@ -166,8 +164,7 @@ class Frontdoor:
                 raise
         self.router.prefill_finished(plan, result)
         stop = () if req.ignore_eos else (self.info.eos_token_id,)
-        await emit(result.first_token)
-        if result.first_token in stop:
+        if await emit(result.first_token) or result.first_token in stop:
             return result, "stop", plan
         if req.max_tokens == 1:
             return result, "length", plan
@@ -180,8 +177,9 @@ class Frontdoor:
                 async with contextlib.aclosing(steps):
                     async for step in steps:
                         if step.index >= sent:   # a decode resumed elsewhere repeats the first ones
-                            await emit(step.token)
                             sent += 1
+                            if await emit(step.token):
+                                return result, "stop", plan
                         if step.finished:
                             return result, step.finish_reason or "length", plan
             except InvalidArgument as exc:
@@ -216,16 +214,20 @@ class Frontdoor:
     async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:
         ids: list[int] = []
         tick = self._timer(t0, plan)
+        pieces, stream, stop = [], TextStream(self.tokenizer), StopText(req.stop)
 
-        async def emit(token: int) -> None:
+        async def emit(token: int) -> bool:
             ids.append(token)
             tick()
+            if req.stop:
+                pieces.append(stop.push(stream.push(token)))
+            return stop.hit
 
         result, finish, tick.plan = await self._generate(req, plan, emit)
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
-        body = response_body(req, plan.request_id, int(time.time()), self.info.model_id,
-                             self.tokenizer.decode(ids), ids, finish,
+        text = "".join(pieces) + stop.push(stream.flush()) + stop.flush() if req.stop else self.tokenizer.decode(ids)
+        body = response_body(req, plan.request_id, int(time.time()), self.info.model_id, text, ids, finish,
                              usage(len(req.prompt), len(ids), result.cached_tokens))
         return web.json_response(body)
 
@@ -235,20 +237,22 @@ class Frontdoor:
         ``[DONE]``. Headers go out with the first token, so a failed prefill is still a 503."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
+        stop = StopText(req.stop)
         count = 0
 
         async def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await resp.write(f"data: {data}\n\n".encode())
 
-        async def emit(token: int) -> None:
+        async def emit(token: int) -> bool:
             nonlocal count
             if not resp.prepared:
                 await resp.prepare(request)
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.push(token),
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id, stop.push(text.push(token)),
                                   [token], first=count == 0))
             count += 1
             tick()
+            return stop.hit
 
         try:
             result, finish, tick.plan = await self._generate(req, plan, emit)
@@ -266,7 +270,8 @@ class Frontdoor:
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
         try:
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id, text.flush(), [],
+            await send(chunk_body(req, plan.request_id, created, self.info.model_id,
+                                  stop.push(text.flush()) + stop.flush(), [],
                                   finish, usage(len(req.prompt), count, result.cached_tokens)))
             await send("[DONE]")
             await resp.write_eof()

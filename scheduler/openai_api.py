@@ -1,12 +1,17 @@
 """The OpenAI-compatible wire format of the front door: request validation and the shapes of
 responses, stream chunks and errors (``/v1/completions``, ``/v1/chat/completions``).
 
+``stop`` (a string or a list of up to :data:`MAX_STOP_STRINGS`) is honoured: generation ends
+when the decoded text contains one, the text is cut before it and ``finish_reason`` is
+``"stop"`` (:class:`StopText`).
+
 Extensions to OpenAI's shapes: ``choices[0].token_ids`` (generated ids, also one per stream
 chunk), ``ignore_eos`` in the request (generate exactly ``max_tokens``) and
 ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens loaded from a cache).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -14,6 +19,8 @@ from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 4          # as OpenAI's API
+MAX_STOP_CHARS = 256          # per stop string
 
 
 class APIError(Exception):
@@ -49,10 +56,23 @@ class GenerationRequest:
     stream: bool
     ignore_eos: bool
     chat: bool
+    stop: tuple[str, ...] = ()
 
 
 def _bad(message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code)
+
+
+def read_json(raw: bytes) -> Any:
+    """The request body as JSON. Raises APIError 400 for bytes that are not JSON (or not
+    UTF-8) and for JSON nested deeper than Python's decoder recurses (a RecursionError,
+    which was a 500)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise _bad("the request body is not valid JSON", "invalid_json") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise _bad("the request body is nested too deeply to parse", "invalid_json") from None
 
 
 def _encode(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
@@ -70,6 +90,23 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise _bad(f"'{name}' must be true or false, got {type(value).__name__}", "invalid_type")
     return value
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    """``stop``: absent/None, a string or a list of up to MAX_STOP_STRINGS non-empty strings
+    of at most MAX_STOP_CHARS characters each. Raises APIError 400 otherwise."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _bad(f"'stop' must be a string or a list of strings, got {type(stop).__name__}", "invalid_type")
+    if len(items) > MAX_STOP_STRINGS:
+        raise _bad(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS}")
+    for x in items:
+        if not x or len(x) > MAX_STOP_CHARS:
+            raise _bad(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters, got {len(x)}")
+    return tuple(dict.fromkeys(items))
 
 
 def _common(body: Any) -> None:
@@ -99,7 +136,8 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
         raise APIError(413, f"the prompt has {len(tokens)} tokens and {max_tokens} were asked for: "
                             f"{len(tokens) + max_tokens} exceeds the model's limit of "
                             f"{limits.max_model_len} tokens", code="context_length_exceeded")
-    return GenerationRequest(tuple(tokens), max_tokens, _flag(body, "stream"), _flag(body, "ignore_eos"), chat)
+    return GenerationRequest(tuple(tokens), max_tokens, _flag(body, "stream"), _flag(body, "ignore_eos"), chat,
+                             _stops(body))
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
@@ -205,3 +243,33 @@ class TextStream:
     def _take(self, text: str) -> str:
         delta, self._sent = text[self._sent:], len(text)
         return delta
+
+
+class StopText:
+    """Cuts generated text at the first of ``stops`` (OpenAI's ``stop``). :meth:`push` takes
+    each new piece of text and returns what may be sent now: everything before a stop string
+    once one appeared (then :attr:`hit` is true and nothing more is returned), else all but
+    the last ``max(len(stop)) - 1`` characters, held back because a stop string may begin
+    there. :meth:`flush` returns what is held back at the end (nothing after a hit)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        text = self._pending + piece
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self._pending = True, ""
+            return text[:min(found)]
+        keep = max(0, len(text) - self._hold)
+        out, self._pending = text[:keep], text[keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.hit else self._pending), ""
+        return out

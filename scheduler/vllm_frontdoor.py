@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.frontdoor import Frontdoor, _TokenClock
-from scheduler.openai_api import APIError, GenerationRequest, parse_chat, parse_completion
+from scheduler.openai_api import APIError, GenerationRequest, parse_chat, parse_completion, read_json
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -51,10 +51,7 @@ class VLLMFrontdoor(Frontdoor):
         t0 = time.perf_counter()
         chat = parse is parse_chat
         try:
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+            body = read_json(await request.read())
             if isinstance(body, dict):
                 n = body.get("n", 1)
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):

@@ -138,3 +138,15 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untype
     import sys
     if "kvstore.transfer.engine" in sys.modules:
         sys.modules["kvstore.transfer.engine"].shutdown_engines()
+
+
+# -- fuzz targets (tests/test_fuzz_*.py): executions per wire ----------------------------------
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """Print each fuzz target's executions per second (tests/fuzzing.py) after the run."""
+    import sys
+    fuzzing = sys.modules.get("tests.fuzzing")
+    lines = fuzzing.summary_lines() if fuzzing is not None else []
+    if lines:
+        terminalreporter.section("fuzz: executions per wire")
+        for line in lines:
+            terminalreporter.write_line(line)

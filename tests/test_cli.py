@@ -59,7 +59,7 @@ def test_kvctl_tiers_and_evict(store_node):
     from kvstore.client import StoreClient
     with StoreClient(store_node) as client:
         for i in range(6):
-            assert client.put(b"block-%d" % i, os.urandom(1 << 20)).ok
+            assert client.put((b"block-%d" % i).ljust(32, b"."), os.urandom(1 << 20)).ok
     tiers = run("kvstore.kvctl", "--store", store_node, "tiers", "--json")
     assert tiers.returncode == 0, tiers.stderr
     stats = {t["name"]: t for t in json.loads(tiers.stdout)["tiers"]}

@@ -23,6 +23,7 @@ from kvstore.dataplane.types import MAPPED, LeaseGrant
 from kvstore.dataplane.uds import UdsControl
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of
+from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.pool import KVPool, PoolSettings
 from kvstore.service import close_dataplane, serve_store
 
@@ -316,8 +317,15 @@ def test_auth_token_is_required_on_the_socket(node, client_of) -> None:
 def test_malformed_requests_are_refused(node) -> None:
     pool, _, path = node()
     ctl = UdsControl(path)
-    grants = ctl.reserve([(b"", 10), (b"k" * 65, 10), (b"k" * 32, 1 << 40)])
-    assert [g.state for g in grants] == [2, 2, 2] and all(g.error for g in grants)
+    for bad in (b"", b"k", b"k" * 31, b"k" * 33, b"k" * 56, b"k" * 65):  # the key spec makes 16 or 32
+        with pytest.raises(InvalidArgument, match=f"{len(bad)} bytes.*16 .*32 "):
+            ctl.reserve([(_key(2), 10), (bad, 10)])
+        with pytest.raises(InvalidArgument, match=f"{len(bad)} bytes"):
+            ctl.lookup([bad])
+        with pytest.raises(InvalidArgument, match=f"{len(bad)} bytes"):
+            ctl.lease([_key(1), bad])
+    grants = ctl.reserve([(b"k" * 32, 1 << 40)])
+    assert [g.state for g in grants] == [2] and all(g.error for g in grants)
     results = ctl.commit([12345], [b"k" * 32])
     assert not results[0].ok
     with pytest.raises(InvalidArgument):
@@ -326,10 +334,21 @@ def test_malformed_requests_are_refused(node) -> None:
     ctl.close()
 
 
-@pytest.mark.parametrize("keys", [[], [b"a" * 32] * 3, [b"", b"a", b"bb" * 30]])
+@pytest.mark.parametrize("keys", [[], [b"a" * 32] * 3, [b"", b"a" * 16, b"bb" * 16]])
 def test_wire_keys_round_trip(keys: list[bytes]) -> None:
     raw = b"xx" + wire.encode_keys(keys)
-    assert wire.decode_keys(raw, 2) == (keys, len(raw))
+    assert wire.decode_keys(raw, 2, allow_empty=True) == (keys, len(raw))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x01\x00", wire.KEYS_HEAD.pack(2, 32) + b"a" * 40,
+                                 wire.KEYS_HEAD.pack(1, 0) + b"\x20" + b"a" * 5,
+                                 wire.KEYS_HEAD.pack(3, 0) + b"\x10" + b"a" * 16,
+                                 wire.KEYS_HEAD.pack(1, 31) + b"a" * 31,
+                                 wire.KEYS_HEAD.pack(1, 0) + b"\x00",
+                                 wire.KEYS_HEAD.pack(MAX_KEYS_PER_CALL + 1, 32)])
+def test_wire_keys_that_cannot_be_decoded_are_invalid_argument(raw: bytes) -> None:
+    with pytest.raises(InvalidArgument):
+        wire.decode_keys(raw, 0)
 
 
 def _plane(pool: KVPool, path: str) -> LocalDataPlane:
@@ -504,7 +523,7 @@ def test_bad_frames_and_leases_get_clear_errors(node) -> None:
         with pytest.raises(InvalidArgument, match="lease TTL"):
             ctl.lease([_key(1)], ttl_s=ttl)
     with pytest.raises(InvalidArgument, match="at most"):
-        ctl.lease([b"k"] * (wire.MAX_LEASE_KEYS + 1))
+        ctl.lease([_key(1)] * (MAX_KEYS_PER_CALL + 1))
     assert ctl.lookup([_key(1)]) == (0, []) and pool.stats()[0].leased_bytes == 0
     ctl.close()
 

@@ -143,6 +143,8 @@ def test_bad_requests_are_rejected(lm, store):
         prefill.prefill("r", [3] * (lm.max_model_len + 1), "t")
     with pytest.raises(InvalidArgument, match="block keys"):
         list(decode.decode("r", [3] * (2 * BS), 5, [], b"", 4))
+    with pytest.raises(InvalidArgument, match="first_token 4294967295 outside the vocabulary"):  # was IndexError
+        list(decode.decode("r", [3] * 5, 2**32 - 1, [], b"", 4))
 
 
 def _evict_everything(client: StoreClient) -> None:

@@ -149,6 +149,13 @@ def prompt_of(seed: int, n: int) -> list[int]:
     (None, {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
     (None, {"prompt": "hi", "stream": "yes"}, "stream"),
     (b'{"prompt": "\\ud800", "max_tokens": 2}', None, "Unicode"),   # a lone surrogate
+    (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),     # was a 500 (RecursionError)
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
+    (None, {"prompt": "hi", "stop": 5}, "stop"),
+    (None, {"prompt": "hi", "stop": ["a", 5]}, "stop"),
+    (None, {"prompt": "hi", "stop": [""]}, "stop"),
+    (None, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    (None, {"prompt": "hi", "stop": "x" * 257}, "256"),
 ])
 def test_malformed_request_is_400_with_a_message(url, raw, body, needle):
     status, _, data = call(url, "/v1/completions", body, raw=raw)
@@ -188,6 +195,46 @@ def test_whole_and_streamed_answers_agree_and_match_generate(url):
         out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
     assert choice["token_ids"] == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_generation_and_is_cut(url, stream):
+    """OpenAI's ``stop``: generation ends when the text contains a stop string; the text
+    ends right before it, finish_reason is "stop" and fewer tokens were generated."""
+    prompt = prompt_of(7, 2 * BS + 3)
+    free = complete(url, {"prompt": prompt, "max_tokens": 24, "ignore_eos": True})["choices"][0]
+    text = free["text"]
+    assert len(text) >= 8, text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters in the middle
+    cut = text[:text.index(stop)]
+    body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stop": [stop, "\u2603never"]}
+    if stream:
+        status, _, data = call(url, "/v1/completions", {**body, "stream": True})
+        assert status == 200
+        events = sse_events(data)
+        got = "".join(e["choices"][0]["text"] for e in events)
+        ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+        finish, used = events[-1]["choices"][0]["finish_reason"], events[-1]["usage"]["completion_tokens"]
+    else:
+        choice = complete(url, body)
+        got, ids, finish = choice["choices"][0]["text"], choice["choices"][0]["token_ids"], \
+            choice["choices"][0]["finish_reason"]
+        used = choice["usage"]["completion_tokens"]
+    assert got == cut and finish == "stop"
+    assert ids == free["token_ids"][:len(ids)] and len(ids) == used < 24
+    # a stop string that never appears changes nothing
+    same = complete(url, {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stop": "\u2603never"})
+    assert same["choices"][0]["text"] == text and same["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop_string():
+    from scheduler.openai_api import StopText
+    s = StopText(["abc", "xy"])
+    assert s.push("12a") == "1" and s.push("b") == "2" and s.push("q") == "a" and not s.hit
+    assert s.push("zab") == "bqz" and s.push("cdef") == "" and s.hit and s.flush() == ""
+    t = StopText(["xy"])
+    assert t.push("ax") == "a" and t.flush() == "x"
+    assert StopText([]).push("anything") == "anything"
 
 
 def test_second_identical_request_reports_cached_tokens(url):
@@ -403,3 +450,13 @@ def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
     assert all(s.leased_bytes == 0 and s.reserved_bytes == 0 for s in stats)
     assert [s.used_bytes for s in stats] == used_before
     cluster.pool.check_integrity()
+
+
+def test_read_json_refuses_what_both_front_doors_cannot_parse():
+    """The one body reader of the front door and the vLLM front door (scheduler/vllm_frontdoor.py)."""
+    from scheduler.openai_api import APIError, read_json
+    assert read_json(b'{"prompt": [1]}') == {"prompt": [1]}
+    for raw, needle in ((b"[" * 100_000, "nested too deeply"), (b"{", "not valid JSON"), (b"\xff", "not valid JSON")):
+        with pytest.raises(APIError, match=needle) as exc:
+            read_json(raw)
+        assert exc.value.status == 400

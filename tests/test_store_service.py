@@ -2,6 +2,8 @@
 server on 127.0.0.1 (port 0) over real DRAM + SSD tiers."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -9,7 +11,8 @@ import pytest
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.pool import KVPool, checksum_of
-from kvstore.service import CHUNK_BYTES, MAX_KEY_BYTES, serve_store
+from kvstore.limits import MAX_KEYS_PER_CALL
+from kvstore.service import CHUNK_BYTES, serve_store
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -53,8 +56,8 @@ def test_16mib_block_roundtrip_is_byte_identical(client: StoreClient) -> None:
 @pytest.mark.parametrize("size", [0, 1, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1])
 def test_roundtrip_around_chunk_boundaries(client: StoreClient, size: int) -> None:
     data = _block(size, size)
-    assert client.put(b"k%d" % size, data).ok
-    assert client.get(b"k%d" % size) == data
+    assert client.put((b"k%d" % size).ljust(32, b"."), data).ok
+    assert client.get((b"k%d" % size).ljust(32, b".")) == data
 
 
 def test_batched_put_and_get(client: StoreClient) -> None:
@@ -111,17 +114,62 @@ def test_evict_unknown_tier_is_invalid_argument(client: StoreClient) -> None:
     assert "dram" in str(exc.value) and "ssd" in str(exc.value)
 
 
-def test_key_longer_than_64_bytes_is_rejected(store_node, client: StoreClient, stub) -> None:
+@pytest.mark.parametrize("length", [1, 15, 17, 31, 33, 56, 64, 65])
+def test_keys_the_key_spec_cannot_make_are_refused(store_node, client: StoreClient, stub, length: int) -> None:
+    """The key spec makes 16 (XXH3-128) or 32 (SHA-256) byte keys: any other length is
+    INVALID_ARGUMENT naming the length and the valid ones, on every call that takes keys."""
     pool, _ = store_node
-    long_key = b"k" * (MAX_KEY_BYTES + 1)
-    with pytest.raises(InvalidArgument, match=str(MAX_KEY_BYTES)):
-        client.put(long_key, b"data")
-    with pytest.raises(grpc.RpcError) as exc:
-        stub.Put(iter([pb.PutChunk(key=long_key, size=4, checksum=checksum_of(b"data"), data=b"data")]))
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert client.lookup([long_key]).blocks == 0 and client.get(long_key) is None
+    bad = b"k" * length
+    with pytest.raises(InvalidArgument, match=f"{length} bytes.*16 .*32 "):
+        client.put(bad, b"data")
+    calls = [lambda: stub.Put(iter([pb.PutChunk(key=bad, size=4, checksum=checksum_of(b"data"), data=b"data")])),
+             lambda: stub.Put(iter([pb.PutChunk(key=_key(1), parent=bad, size=4, checksum=checksum_of(b"data"),
+                                                data=b"data")])),
+             lambda: stub.Lookup(pb.LookupRequest(keys=[_key(1), bad])),
+             lambda: list(stub.Get(pb.GetRequest(keys=[bad]))),
+             lambda: stub.Pin(pb.PinRequest(keys=[bad])),
+             lambda: stub.Unpin(pb.UnpinRequest(keys=[bad])),
+             lambda: stub.LeaseBlocks(pb.LeaseBlocksRequest(keys=[bad])),
+             lambda: stub.ReserveBlocks(pb.ReserveBlocksRequest(keys=[bad], sizes=[4]))]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, call
+        assert f"{length} bytes" in exc.value.details()
     assert sum(s.blocks for s in pool.stats()) == 0
-    assert client.put(b"k" * MAX_KEY_BYTES, b"data").ok  # exactly 64 bytes is fine
+    for good in (b"k" * 16, b"k" * 32):
+        assert client.put(good, b"data").ok and client.get(good) == b"data"
+
+
+def test_a_call_over_the_key_limit_is_refused_at_once(client: StoreClient, stub) -> None:
+    """200,000 keys in one call held a worker for 22 s; now any call naming more than
+    MAX_KEYS_PER_CALL keys is refused before any work, naming the limit."""
+    many = [_key(i) for i in range(200_000)]
+    calls = [lambda: stub.Lookup(pb.LookupRequest(keys=many)),
+             lambda: list(stub.Get(pb.GetRequest(keys=many))),
+             lambda: stub.Pin(pb.PinRequest(keys=many)),
+             lambda: stub.Unpin(pb.UnpinRequest(keys=many)),
+             lambda: stub.LeaseBlocks(pb.LeaseBlocksRequest(keys=many))]
+    for call in calls:
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(MAX_KEYS_PER_CALL) in exc.value.details()
+        assert time.perf_counter() - t0 < 2.0
+    t0 = time.perf_counter()
+    got = list(stub.Get(pb.GetRequest(keys=many[:MAX_KEYS_PER_CALL])))  # the limit itself is served
+    assert len(got) == MAX_KEYS_PER_CALL and all(c.missing for c in got)
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0, 1e12])
+def test_a_pin_ttl_that_is_not_a_finite_positive_time_is_refused(client: StoreClient, stub, ttl: float) -> None:
+    assert client.put(_key(1), b"data").ok
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.Pin(pb.PinRequest(keys=[_key(1)], ttl_s=ttl))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in exc.value.details()
+    assert client.pin([_key(1)], ttl_s=60.0) == 1 and client.pin([_key(1)]) == 1  # 0: the node's default
 
 
 def test_wrong_checksum_is_not_stored(client: StoreClient, stub) -> None:
@@ -146,13 +194,13 @@ def test_short_block_is_not_stored(client: StoreClient, stub) -> None:
 
 @pytest.mark.parametrize("chunks", [
     [pb.PutChunk(data=b"no key")],
-    [pb.PutChunk(key=b"k", size=2, checksum=0, data=b"too many bytes")],
+    [pb.PutChunk(key=b"k" * 32, size=2, checksum=0, data=b"too many bytes")],
 ], ids=["no-key", "oversize"])
 def test_malformed_put_stream_is_invalid_argument(client: StoreClient, stub, chunks) -> None:
     with pytest.raises(grpc.RpcError) as exc:
         stub.Put(iter(chunks))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert client.get(b"k") is None
+    assert client.get(b"k" * 32) is None
 
 
 def test_auth_token(make_dram) -> None:
@@ -162,14 +210,14 @@ def test_auth_token(make_dram) -> None:
     try:
         for token in (None, "wrong"):
             with StoreClient(address, auth_token=token, timeout_s=10) as c:
-                for call in (c.health, lambda: c.put(b"k", b"v"), lambda: c.get(b"k"),
-                             lambda: c.lookup([b"k"]), c.stats):
+                for call in (c.health, lambda: c.put(b"k" * 32, b"v"), lambda: c.get(b"k" * 32),
+                             lambda: c.lookup([b"k" * 32]), c.stats):
                     with pytest.raises(Unavailable, match="UNAUTHENTICATED"):
                         call()
-        assert pool.lookup([b"k"])[0] == 0
+        assert pool.lookup([b"k" * 32])[0] == 0
         with StoreClient(address, auth_token="s3cret", timeout_s=10) as c:
             assert c.health() == "SERVING"
-            assert c.put(b"k", b"v").ok and c.get(b"k") == b"v"
+            assert c.put(b"k" * 32, b"v").ok and c.get(b"k" * 32) == b"v"
     finally:
         server.stop(grace=None).wait()
         pool.close()
@@ -179,3 +227,38 @@ def test_unreachable_node_is_unavailable() -> None:
     with StoreClient("127.0.0.1:1", timeout_s=2) as c:
         with pytest.raises(Unavailable):
             c.health()
+
+
+def test_a_put_chunk_that_does_not_parse_is_refused_and_the_server_still_stops(make_dram) -> None:
+    """A client-streamed message that does not parse used to leave the call unfinished in
+    gRPC, and ``server.stop()`` then hung forever (found by tests/test_fuzz_store_grpc.py)."""
+    import threading
+    pool = KVPool([make_dram(1 << 20)])
+    server, port = serve_store(pool)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        put = channel.stream_unary("/kvstore.v1.KVStore/Put", lambda b: b, pb.PutResponse.FromString)
+        for raw in (b"\xff", b"\x0a\x05ab"):  # a bad tag; a length past the end
+            with pytest.raises(grpc.RpcError) as exc:
+                put(iter([raw]), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "PutChunk" in exc.value.details()
+    stopper = threading.Thread(target=lambda: server.stop(grace=None).wait(), daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "the store server did not stop"
+    pool.close()
+
+
+def test_the_client_splits_a_chain_longer_than_the_node_takes(client: StoreClient, monkeypatch) -> None:
+    """StoreClient reads and looks up more keys than MAX_KEYS_PER_CALL in parts (here the
+    client's limit is lowered to 3; the node's stays what it is)."""
+    monkeypatch.setattr("kvstore.client.MAX_KEYS_PER_CALL", 3)
+    blocks = [(_key(i), _block(i, 100)) for i in range(8)]
+    assert all(r.ok for r in client.put_blocks(blocks))
+    keys = [k for k, _ in blocks]
+    assert client.lookup(keys).blocks == 8 and len(client.lookup(keys).tiers) == 8
+    assert client.lookup(keys[:4] + [_key(99)] + keys[5:]).blocks == 4
+    assert client.get_blocks(keys) == [d for _, d in blocks]
+    got = client.get_blocks(keys[:4] + [_key(99)] + keys[5:], stop_at_miss=True)
+    assert got[:4] == [d for _, d in blocks[:4]] and all(g is None for g in got[4:]) and len(got) <= 6
+    assert client.get_blocks(keys[:2] + [_key(99)] + keys[3:]) == [d for _, d in blocks[:2]] + [None] + \
+        [d for _, d in blocks[3:]]

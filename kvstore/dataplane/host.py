@@ -11,12 +11,13 @@ from typing import Sequence
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.integrity import checksum_of
 from kvstore.lease import Lease, Reservation
+from kvstore.limits import check_key
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.dram import PAGE_BYTES, DramTier
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN, WRITE_GRACE_S,
                                      BlockLocation, DataPlaneInfo, LeaseGrant, SlotGrant, host_id)
 
-MAX_KEY_BYTES = 64
+MAX_KEY_BYTES = 64        # of the internal keys reserve() takes (spares); the wire takes the key spec's only
 SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
 MAX_SPARES_PER_ASK = 64
 MAX_LEASE_TTL_S = 3600.0  # a longer lease would pin blocks past any reasonable copy
@@ -183,8 +184,7 @@ class DataPlaneHost:
             try:
                 key = keys[i] if keys else b""
                 if key:
-                    if len(key) > MAX_KEY_BYTES:
-                        raise InvalidArgument(f"block key of {len(key)} bytes; at most {MAX_KEY_BYTES}")
+                    check_key(key, f"keys[{i}]")
                     res.assign(key, (parents[i] if parents else None) or res.parent)
                 elif res.key.startswith(SPARE_KEY):
                     raise InvalidArgument("a spare slot needs a block key at commit")

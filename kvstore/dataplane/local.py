@@ -24,13 +24,13 @@ import numpy as np
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of, new_hasher
 from kvstore.pool import PutResult
+from kvstore.limits import check_key
 from kvstore.tiers.buffers import Segments, as_u8, copy_into, nbytes
 from kvstore.tiers.prefault import Prefaulter
 from kvstore.dataplane.types import (ELSEWHERE, MAPPED, SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, LeaseGrant,
                                      SlotGrant, host_id)
 
 log = logging.getLogger(__name__)
-MAX_KEY_BYTES = 64
 LEASE_CHUNK = 64          # a get of at least twice this many keys leases them in pipelined chunks
 LEASE_FIRST_CHUNK = 16    # ... the first of them this small: the only lease the copy waits for
 PIPELINE_BYTES = 4 << 20  # a put of more is committed in chunks of this, while the next is copied
@@ -286,8 +286,7 @@ class LocalDataPlane:
         ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
         head extends). Raises Unavailable when the node cannot be reached."""
         for key, _ in blocks:  # as the gRPC service refuses them
-            if not key or len(key) > MAX_KEY_BYTES:
-                raise InvalidArgument(f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}")
+            check_key(key)
         if len(blocks) == 1 and self.control.spares:  # the common one-block put
             view = as_u8(blocks[0][1])
             done = self._put_spared(blocks[0][0], view, nbytes(view), parent)

@@ -15,6 +15,7 @@ import threading
 import time
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.limits import check_count
 from kvstore.dataplane import wire as w
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.types import SLOT_FAILED
@@ -162,9 +163,7 @@ class ControlServer:
         host = self.host
         if op == w.OP_LEASE:
             ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
-            keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)
-            if len(keys) > w.MAX_LEASE_KEYS:  # its reply would not fit in a frame
-                raise InvalidArgument(f"a lease of {len(keys)} keys; at most {w.MAX_LEASE_KEYS} per request")
+            keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)  # at most MAX_KEYS_PER_CALL: the reply fits a frame
             lease_id, deadline, flat = host.lease_flat(keys, ttl, bool(flags & w.FLAG_STOP_AT_MISS),
                                                        bool(flags & w.FLAG_CHAIN))
             if lease_id:
@@ -172,7 +171,7 @@ class ControlServer:
             return w.LEASE_REPLY.pack(lease_id, deadline) + struct.pack(f"<{len(flat)}Q", *flat)
         if op == w.OP_RESERVE:
             flags = p[0]
-            parents, pos = w.decode_keys(p, 1)
+            parents, pos = w.decode_keys(p, 1, allow_empty=True)
             keys, pos = w.decode_keys(p, pos)
             sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
             grants = host.reserve(list(zip(keys, sizes)), bool(flags & w.FLAG_CHAIN),
@@ -182,9 +181,10 @@ class ControlServer:
                     + w.encode_errors([g.error for g in grants if g.state == SLOT_FAILED]))
         if op == w.OP_COMMIT:
             (n,) = w.U32.unpack_from(p, 0)
+            check_count(n, "reservation ids")
             ids = struct.unpack_from(f"<{n}Q", p, 4)
-            keys, pos = w.decode_keys(p, 4 + 8 * n)
-            parents, pos = w.decode_keys(p, pos)
+            keys, pos = w.decode_keys(p, 4 + 8 * n, allow_empty=True)
+            parents, pos = w.decode_keys(p, pos, allow_empty=True)
             spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
             sections = p[pos + w.SPARE_ASK.size]
             pos += w.SPARE_ASK.size + 1
@@ -194,6 +194,7 @@ class ControlServer:
                 pos += 8 * n
             if sections & w.COMMIT_GIVE_BACK:
                 (m,) = w.U32.unpack_from(p, pos)
+                check_count(m, "spare ids given back")
                 back = [i for i in struct.unpack_from(f"<{m}Q", p, pos + 4) if i in slots]  # its own only
                 pos += 4 + 8 * m
                 slots.difference_update(back)
@@ -206,6 +207,7 @@ class ControlServer:
             codes = bytes(0 if r.ok and not r.existed else 1 if r.ok else 2 for r in results)
             return codes + w.encode_errors([r.error for r in results if not r.ok])
         if op == w.OP_ABORT:
+            check_count(len(p) // 8, "reservation ids")
             ids = struct.unpack(f"<{len(p) // 8}Q", p)
             slots.difference_update(ids)
             host.abort(ids)

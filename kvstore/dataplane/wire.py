@@ -36,6 +36,7 @@ from typing import Sequence
 
 from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVStoreError, LeaseExpired,
                             ReservationExpired, Unavailable)
+from kvstore.limits import check_count, check_key
 
 HEADER = struct.Struct("<BI")
 OP_HELLO, OP_LOOKUP, OP_LEASE, OP_RELEASE, OP_RESERVE, OP_COMMIT, OP_ABORT = range(1, 8)
@@ -76,22 +77,32 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return KEYS_HEAD.pack(n, 0) + b"".join(bytes((len(k),)) + k for k in keys)
 
 
-def decode_keys(buf: bytes, pos: int) -> tuple[list[bytes], int]:
-    """Keys at ``pos`` of ``buf`` and the position after them."""
+def decode_keys(buf: bytes, pos: int, allow_empty: bool = False) -> tuple[list[bytes], int]:
+    """Keys at ``pos`` of ``buf`` and the position after them. Raises InvalidArgument for a
+    truncated list, more than :data:`~kvstore.limits.MAX_KEYS_PER_CALL` keys, or a key of a
+    length the key spec cannot make (``allow_empty``: b"" too, the wire's "none")."""
+    if pos + KEYS_HEAD.size > len(buf):
+        raise InvalidArgument("truncated key list")
     n, length = KEYS_HEAD.unpack_from(buf, pos)
     pos += KEYS_HEAD.size
+    check_count(n)
     if length:
+        check_key(b"\0" * length, "keys")
         end = pos + n * length
         if end > len(buf):
             raise InvalidArgument("truncated key list")
         return [buf[i:i + length] for i in range(pos, end, length)], end
     keys = []
-    for _ in range(n):
+    for i in range(n):
+        if pos >= len(buf):
+            raise InvalidArgument("truncated key list")
         k = buf[pos]
-        keys.append(buf[pos + 1:pos + 1 + k])
+        if pos + 1 + k > len(buf):
+            raise InvalidArgument("truncated key list")
+        key = buf[pos + 1:pos + 1 + k]
+        check_key(key, f"keys[{i}]", allow_empty)
+        keys.append(key)
         pos += 1 + k
-    if pos > len(buf):
-        raise InvalidArgument("truncated key list")
     return keys, pos
 
 
