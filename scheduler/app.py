@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -123,12 +123,12 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            api_keys=api_keys)
 
 
-def serve_frontdoor_forever(args: argparse.Namespace) -> int:
-    """``kvstore scheduler``: serve until SIGINT/SIGTERM. Reads ``args.prefill`` and
-    ``args.decode`` (comma-separated host:port), ``args.store``, ``args.host``, ``args.port``
-    and the flags of :func:`config_from_args`. Returns 0, or 1 when it cannot start."""
+def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:
+    """Start a front door (``start()``: a coroutine returning a running front door with
+    ``url`` and ``stop()``) and serve until SIGINT/SIGTERM; a stop that hangs is forced after
+    its grace (kvstore/shutdown.py). Returns 0, or 1 when it cannot start."""
     from kvstore.shutdown import Shutdown
-    shutdown = Shutdown("front door")   # a stop that hangs is forced after its grace
+    shutdown = Shutdown("front door")
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -140,10 +140,8 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        running = await start_frontdoor(_split(args.prefill), _split(args.decode), args.store or None,
-                                        args.host, args.port, config_from_args(args),
-                                        store_redis=getattr(args, "redis", None))
-        print(f"front door serving on {running.url}", flush=True)
+        running = await start()
+        print(f"front door serving on {running.url}{label}", flush=True)
         try:
             await stop.wait()
         finally:
@@ -157,6 +155,15 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
         return 1
     shutdown.exit(code)
     return code
+
+
+def serve_frontdoor_forever(args: argparse.Namespace) -> int:
+    """``kvstore scheduler``: serve until SIGINT/SIGTERM. Reads ``args.prefill`` and
+    ``args.decode`` (comma-separated host:port), ``args.store``, ``args.host``, ``args.port``
+    and the flags of :func:`config_from_args`. Returns 0, or 1 when it cannot start."""
+    return serve_until_signal(lambda: start_frontdoor(_split(args.prefill), _split(args.decode), args.store or None,
+                                                      args.host, args.port, config_from_args(args),
+                                                      store_redis=getattr(args, "redis", None)))
 
 
 def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> int:

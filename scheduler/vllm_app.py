@@ -7,15 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 from aiohttp import web
 
 from engines.tokenizer import load_tokenizer
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 from scheduler.config import FrontdoorConfig
 from scheduler.vllm_frontdoor import VLLMFrontdoor
 from scheduler.vllm_instances import VLLMModel
@@ -90,36 +88,10 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
 def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
     """``kvstore scheduler --vllm-prefill ... --vllm-decode ...`` (or ``--vllm-colocated``):
     serve until SIGINT/SIGTERM. Returns 0, or 1 when it cannot start."""
-    from kvstore.shutdown import Shutdown
-    from scheduler.app import _split, config_from_args
-    shutdown = Shutdown("front door")   # a stop that hangs is forced after its grace
-
-    async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal(name: str) -> None:
-            shutdown.trigger(name)
-            stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig.name)
-        colocated = _split(args.vllm_colocated or "")
-        running = await start_vllm_frontdoor(
-            args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
-            args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
-            colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None))
-        print(f"front door serving on {running.url} over vLLM", flush=True)
-        try:
-            await stop.wait()
-        finally:
-            await running.stop()
-        return 0
-
-    try:
-        code = asyncio.run(main())
-    except KVStoreError as exc:
-        print(f"kvstore scheduler: {exc}", file=sys.stderr)
-        return 1
-    shutdown.exit(code)
-    return code
+    from scheduler.app import _split, config_from_args, serve_until_signal
+    colocated = _split(args.vllm_colocated or "")
+    return serve_until_signal(lambda: start_vllm_frontdoor(
+        args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
+        args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
+        colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None)),
+        " over vLLM")
