@@ -216,10 +216,31 @@ def _wait_http(stack: Stack, url: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+STACK_MARK = ".kvstore-up"   # in a data directory kvstore up made, so it may wipe it
+
+
+def fresh_data_dir(path: str, keep: bool) -> str | None:
+    """Prepare ``kvstore up``'s data directory (0700): wiped at start unless ``keep``, but
+    only when it is empty or one kvstore up made (it holds :data:`STACK_MARK`), so a wrong
+    ``--data-dir`` never deletes someone's files. Returns an error message, or None."""
+    if not keep and os.path.isdir(path) and os.listdir(path):
+        made_here = os.path.exists(os.path.join(path, STACK_MARK)) or {"logs", "store"} <= set(os.listdir(path))
+        if not made_here:   # (logs/ and store/: what kvstore up left before it marked its directories)
+            return (f"--data-dir {path} is not empty and was not made by kvstore up (no {STACK_MARK} in it); "
+                    f"it is wiped at start, so give an empty or new directory, or --keep-data to use it as it is")
+        shutil.rmtree(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)   # tokens, logs and SSD blocks of every tenant live below it
+    open(os.path.join(path, STACK_MARK), "a").close()
+    return None
+
+
 def run_up(args: argparse.Namespace) -> int:
     host = args.host
-    if not args.keep_data:
-        shutil.rmtree(args.data_dir, ignore_errors=True)
+    problem = fresh_data_dir(args.data_dir, args.keep_data)
+    if problem:
+        print(f"kvstore up: {problem}", file=sys.stderr)
+        return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"),
                   max_restarts=getattr(args, "max_restarts", MAX_RESTARTS))
     n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
@@ -265,7 +286,10 @@ def run_up(args: argparse.Namespace) -> int:
             name = "store" if n_store == 1 else f"store-{i}"
             stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
                         "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
-                        "--node-id", name, *redis_flags)
+                        "--node-id", name, *redis_flags,
+                        # every node is on this host: the mapped slab serves them, and the
+                        # transfer engine (which listens on every interface) stays off
+                        "--transfer-engine", "off")
         for name, role, port in engines:
             stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
                         "--port", str(port), "--engine-id", name, *model)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 
 from kvstore.errors import Unavailable
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
-from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, port_is_free, stack_tokens,
-                           write_api_keys)
+from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, fresh_data_dir,
+                           port_is_free, stack_tokens, write_api_keys)
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
@@ -44,8 +43,10 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     from engines.vllm.launch import VLLMServerSpec, start_servers
     from kvstore.config import parse_bytes
     host = args.host
-    if not args.keep_data:
-        shutil.rmtree(args.data_dir, ignore_errors=True)
+    problem = fresh_data_dir(args.data_dir, args.keep_data)
+    if problem:
+        print(f"kvstore up: {problem}", file=sys.stderr)
+        return 2
     n_prefill, n_decode = args.prefill_instances, args.decode_instances
     if n_prefill < 1 or n_decode < 1:
         print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)

@@ -75,8 +75,21 @@ def read_json(raw: bytes) -> Any:
         raise _bad("the request body is nested too deeply to parse", "invalid_json") from None
 
 
-def _encode(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
-    """Token ids of ``text``; text that cannot be encoded (a lone surrogate) is a 400."""
+# No tokenizer here makes a token of more characters than this: a longer text cannot fit the
+# context, and is refused before tokenizing (which runs on the front door's event loop).
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _too_long(n: int, unit: str, limits: ModelLimits) -> APIError:
+    return APIError(413, f"the prompt has {n} {unit}, more than the model's limit of {limits.max_model_len} tokens "
+                         f"can hold", code="context_length_exceeded")
+
+
+def _encode(tokenizer: Tokenizer, text: str, field: str, limits: ModelLimits) -> list[int]:
+    """Token ids of ``text``; text that cannot be encoded (a lone surrogate) is a 400, text
+    too long to fit the context whatever its tokens a 413 (before tokenizing it)."""
+    if len(text) > limits.max_model_len * MAX_CHARS_PER_TOKEN:
+        raise _too_long(len(text), "characters", limits)
     try:
         return tokenizer.encode(text)
     except (InvalidArgument, UnicodeError) as exc:
@@ -99,8 +112,12 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+    if not isinstance(items, list):
         raise _bad(f"'stop' must be a string or a list of strings, got {type(stop).__name__}", "invalid_type")
+    odd = next((x for x in items if not isinstance(x, str)), None)
+    if odd is not None:
+        raise _bad(f"'stop' must be a string or a list of strings, got a list holding a {type(odd).__name__}",
+                   "invalid_type")
     if len(items) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS}")
     for x in items:
@@ -118,6 +135,14 @@ def _common(body: Any) -> None:
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise _bad("only 'n': 1 is supported", "unsupported_value")
+    # The built-in engines decode greedily; sampling fields are checked as OpenAI's API
+    # defines them, so a bad value is a 400 rather than silently ignored.
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise _bad(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r}", "invalid_value")
 
 
 def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, default_max_tokens: int,
@@ -149,8 +174,10 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
         raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        tokens = _encode(tokenizer, prompt, "prompt")
+        tokens = _encode(tokenizer, prompt, "prompt", limits)
     elif isinstance(prompt, list):
+        if len(prompt) > limits.max_model_len:
+            raise _too_long(len(prompt), "tokens", limits)
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise _bad("only one prompt per request is supported", "unsupported_value")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
@@ -176,7 +203,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} "
                        "and 'content' a string", "invalid_type")
     text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-    return _finish(body, _encode(tokenizer, text, "messages"), limits, default_max_tokens, chat=True)
+    return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -156,6 +156,11 @@ def prompt_of(seed: int, n: int) -> list[int]:
     (None, {"prompt": "hi", "stop": [""]}, "stop"),
     (None, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     (None, {"prompt": "hi", "stop": "x" * 257}, "256"),
+    (None, {"prompt": "hi", "stop": [1]}, "holding a int"),
+    (b'{"prompt": "hi", "temperature": NaN}', None, "temperature"),
+    (None, {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    (None, {"prompt": "hi", "temperature": 3}, "temperature"),
+    (None, {"prompt": "hi", "top_p": -0.5}, "top_p"),
 ])
 def test_malformed_request_is_400_with_a_message(url, raw, body, needle):
     status, _, data = call(url, "/v1/completions", body, raw=raw)
@@ -172,6 +177,17 @@ def test_chat_with_bad_messages_is_400(url):
 def test_prompt_over_the_limit_is_413(url):
     status, _, data = call(url, "/v1/completions", {"prompt": [7] * 4090, "max_tokens": 16})
     assert status == 413 and "4106" in json.loads(data)["error"]["message"]
+
+
+def test_a_text_too_long_for_any_tokenization_is_413_before_tokenizing(url):
+    """30 MB of text cannot fit 4096 tokens: refused on its length, so it never holds the event
+    loop (the health checks and other requests) while a tokenizer runs over it."""
+    t0 = time.monotonic()
+    status, _, data = call(url, "/v1/completions", {"prompt": "a" * 30_000_000, "max_tokens": 2})
+    assert status == 413 and "characters" in json.loads(data)["error"]["message"]
+    status, _, _ = call(url, "/v1/completions", {"prompt": [7] * 100_000, "max_tokens": 2})
+    assert status == 413
+    assert time.monotonic() - t0 < 30
 
 
 def test_whole_and_streamed_answers_agree_and_match_generate(url):

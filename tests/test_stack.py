@@ -44,3 +44,22 @@ def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
     with pytest.raises(RuntimeError, match="redis exited .*cannot be restarted"):
         stack.supervise()
     stack.stop()
+
+
+def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
+    """--data-dir is wiped at start: an empty or new directory, or one kvstore up made, is
+    (re)made 0700; a directory holding anything else is refused with the reason, untouched."""
+    from kvstore.stack import STACK_MARK, fresh_data_dir
+
+    mine = tmp_path / "up"
+    assert fresh_data_dir(str(mine), keep=False) is None
+    assert (mine / STACK_MARK).exists() and (mine.stat().st_mode & 0o777) == 0o700
+    (mine / "old.log").write_text("x")
+    assert fresh_data_dir(str(mine), keep=False) is None and not (mine / "old.log").exists()
+    theirs = tmp_path / "home"
+    theirs.mkdir()
+    (theirs / "important.txt").write_text("keep me")
+    problem = fresh_data_dir(str(theirs), keep=False)
+    assert problem and "not made by kvstore up" in problem and "--keep-data" in problem
+    assert (theirs / "important.txt").read_text() == "keep me"
+    assert fresh_data_dir(str(theirs), keep=True) is None and (theirs / "important.txt").exists()

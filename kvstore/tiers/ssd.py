@@ -87,7 +87,7 @@ class SsdTier(TableTier):
         _Damaged when the file is damaged."""
         data = os.path.join(self.path, "data.mdb")
         try:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, mode=0o700, exist_ok=True)   # every tenant's blocks: this user only
             on_disk = os.path.getsize(data) if os.path.exists(data) else 0
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
                     os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
@@ -100,7 +100,7 @@ class SsdTier(TableTier):
         try:
             self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
                                   max_dbs=2, sync=self.fsync == "commit", metasync=self.fsync == "commit",
-                                  readahead=False, lock=True)
+                                  readahead=False, lock=True, mode=0o600)
         except _DAMAGE as exc:
             raise _Damaged(f"LMDB cannot open it ({exc})") from None
         except lmdb.Error as exc:
