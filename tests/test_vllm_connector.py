@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -303,7 +304,8 @@ def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(mode
            "--kv-transfer-config", json.dumps(connector(address, "kv_both"))]
     log = open(tmp_path / "serve.log", "w")
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                            start_new_session=True)   # its engine-core child is stopped with it
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -327,10 +329,14 @@ def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(mode
         cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= (len(shared.encode()) // BS) * BS - BS and cached % BS == 0
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever of its process group is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
         log.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -94,7 +95,9 @@ class VLLMServerSpec:
 
 class VLLMServer:
     """A started vLLM server process; :meth:`wait_ready` until its ``/health`` answers,
-    :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL)."""
+    :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL). The server
+    runs in a process group of its own and both signal the whole group: the API server
+    spawns an engine-core process that would outlive a killed parent (1.3 GB each)."""
 
     def __init__(self, spec: VLLMServerSpec, log_path: str | Path) -> None:
         self.spec = spec
@@ -104,7 +107,7 @@ class VLLMServer:
         preexec = (lambda: os.sched_setaffinity(0, spec.cpus)) if spec.cpus else None
         self.proc = subprocess.Popen(spec.argv(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=spec.env(), cwd=str(ROOT),
-                                     preexec_fn=preexec)
+                                     preexec_fn=preexec, start_new_session=True)
 
     @property
     def url(self) -> str:
@@ -135,19 +138,25 @@ class VLLMServer:
                                   f"its log ends:\n{self.log_tail()}")
             time.sleep(0.5)
 
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)   # the group's id is the server's pid (a new session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self._signal_group(signal.SIGKILL)
         self.proc.wait()
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        self._signal_group(signal.SIGKILL)   # whatever of the group is left (its engine core)
+        self.proc.wait()
         self._log.close()
 
 
