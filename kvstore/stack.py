@@ -235,32 +235,42 @@ def fresh_data_dir(path: str, keep: bool) -> str | None:
     return None
 
 
-def run_up(args: argparse.Namespace) -> int:
+def preflight(args: argparse.Namespace) -> int | None:
+    """What every ``kvstore up`` checks before it starts anything: at least one prefill and
+    one decode instance and one store node, a free front-door port (``--port``, 0 for a free
+    one), then the data directory (:func:`fresh_data_dir`, only once the rest is sound).
+    Returns the front door's port, or None after printing the problem."""
     host = args.host
-    problem = fresh_data_dir(args.data_dir, args.keep_data)
+    if getattr(args, "prefill_instances", 1) < 1 or getattr(args, "decode_instances", 1) < 1:
+        problem: str | None = "need at least one prefill and one decode instance"
+    elif getattr(args, "store_nodes", 1) < 1:
+        problem = "need at least one store node"
+    else:
+        http_port = args.port or free_port(host)
+        problem = None if port_is_free(host, http_port) else (
+            f"port {http_port} on {host} is in use (another front door?); "
+            "pick another with --port, or --port 0 for a free one")
+        problem = problem or fresh_data_dir(args.data_dir, args.keep_data)
     if problem:
         print(f"kvstore up: {problem}", file=sys.stderr)
+        return None
+    return http_port
+
+
+def run_up(args: argparse.Namespace) -> int:
+    host = args.host
+    http_port = preflight(args)
+    if http_port is None:
         return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"),
                   max_restarts=getattr(args, "max_restarts", MAX_RESTARTS))
     n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
-    if n_prefill < 1 or n_decode < 1:
-        print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)
-        return 2
     n_store = getattr(args, "store_nodes", 1)
-    if n_store < 1:
-        print("kvstore up: need at least one store node", file=sys.stderr)
-        return 2
     redis_url = getattr(args, "redis", None)
     store_ports = [free_port(host) for _ in range(n_store)]
     store_port = store_ports[0]
     engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
     engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
-    http_port = args.port or free_port(host)
-    if not port_is_free(host, http_port):
-        print(f"kvstore up: port {http_port} on {host} is in use (another front door?); "
-              "pick another with --port, or --port 0 for a free one", file=sys.stderr)
-        return 2
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()

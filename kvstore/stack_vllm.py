@@ -17,8 +17,8 @@ import time
 
 from kvstore.errors import Unavailable
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
-from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, fresh_data_dir,
-                           port_is_free, stack_tokens, write_api_keys)
+from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, preflight, stack_tokens,
+                           write_api_keys)
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
@@ -43,18 +43,10 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     from engines.vllm.launch import VLLMServerSpec, start_servers
     from kvstore.config import parse_bytes
     host = args.host
-    problem = fresh_data_dir(args.data_dir, args.keep_data)
-    if problem:
-        print(f"kvstore up: {problem}", file=sys.stderr)
+    http_port = preflight(args)
+    if http_port is None:
         return 2
     n_prefill, n_decode = args.prefill_instances, args.decode_instances
-    if n_prefill < 1 or n_decode < 1:
-        print("kvstore up: need at least one prefill and one decode instance", file=sys.stderr)
-        return 2
-    http_port = args.port or free_port(host)
-    if not port_is_free(host, http_port):
-        print(f"kvstore up: port {http_port} on {host} is in use; pick another with --port", file=sys.stderr)
-        return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"))
     model = args.model
     if not model:

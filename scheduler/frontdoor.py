@@ -96,11 +96,7 @@ class Frontdoor:
             plan = await self._admit(request, req)
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-        self.router.begin(plan)
-        self.metrics.admitted.inc()
-        self.metrics.routed.labels(policy=self.router.policy.name, prefill=plan.prefill_id,
-                                   decode=plan.decode_id).inc()
-        self.metrics.count_prompt(len(req.prompt))
+        self._begin(plan, req)
         outcome = "error"
         try:
             if req.stream:
@@ -207,6 +203,14 @@ class Frontdoor:
         log.warning("request %s: %s engine %s failed (%s); moved to %s after %d tokens", plan.request_id,
                     role, engine_id, exc, moved.prefill_id if role == "prefill" else moved.decode_id, sent)
         return moved
+
+    def _begin(self, plan: RoutePlan, req: GenerationRequest) -> None:
+        """An admitted request starts: booked with the router, counted in the metrics."""
+        self.router.begin(plan)
+        self.metrics.admitted.inc()
+        self.metrics.routed.labels(policy=self.router.policy.name, prefill=plan.prefill_id,
+                                   decode=plan.decode_id).inc()
+        self.metrics.count_prompt(len(req.prompt))
 
     def _timer(self, t0: float, plan: RoutePlan) -> "_TokenClock":
         return _TokenClock(self, t0, plan)

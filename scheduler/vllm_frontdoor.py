@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.frontdoor import Frontdoor, _TokenClock
-from scheduler.openai_api import APIError, GenerationRequest, parse_chat, parse_completion, read_json
+from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -66,11 +66,7 @@ class VLLMFrontdoor(Frontdoor):
                 raise APIError(503, str(exc), "service_unavailable", "engine_unavailable") from None
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-        self.router.begin(plan)
-        self.metrics.admitted.inc()
-        self.metrics.routed.labels(policy=self.router.policy.name, prefill=plan.prefill_id,
-                                   decode=plan.decode_id).inc()
-        self.metrics.count_prompt(len(req.prompt))
+        self._begin(plan, req)
         outcome = "error"
         try:
             resp, outcome = await self._relay(request, body, req, plan, t0, chat)

@@ -57,6 +57,29 @@ def store_node(make_dram, make_ssd) -> Iterator[tuple["object", str]]:
     server.stop(grace=None).wait()
 
 
+@pytest.fixture(scope="module")
+def same_host_store() -> Iterator[tuple["object", str]]:
+    """A store node in this process, shared by a module's tests (so a test can reach its slab
+    while engines in other processes use it): a 256 MiB DRAM tier, the same-host data plane
+    on a Unix socket. Yields (pool, "127.0.0.1:port")."""
+    import os
+    import tempfile
+    import uuid
+
+    from kvstore.pool import KVPool, PoolSettings
+    from kvstore.service import close_dataplane, serve_store
+    from kvstore.tiers.dram import DramTier
+
+    tier = DramTier(256 << 20)
+    pool = KVPool([tier], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
+    path = os.path.join(tempfile.gettempdir(), f"kvstore-test-{uuid.uuid4().hex[:8]}.sock")
+    server, port = serve_store(pool, dataplane_socket=path)
+    yield pool, f"127.0.0.1:{port}"
+    close_dataplane(server)
+    server.stop(grace=None).wait()
+    tier.close()
+
+
 # -- KV events: a private Redis ---------------------------------------------------------------
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:

@@ -11,10 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
@@ -23,9 +21,6 @@ pytest.importorskip("vllm")
 
 from engines.vllm.layout import PagedLayout, model_identity  # noqa: E402
 from kvstore.index.keys import KVLayout  # noqa: E402
-from kvstore.pool import KVPool, PoolSettings  # noqa: E402
-from kvstore.service import close_dataplane, serve_store  # noqa: E402
-from kvstore.tiers.dram import DramTier  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
@@ -112,17 +107,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def store():
-    """A store node in this process (so a test can reach its slab) with the same-host data
-    plane on a Unix socket. Yields (pool, address)."""
-    tier = DramTier(128 << 20)
-    pool = KVPool([tier], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
-    path = os.path.join(tempfile.gettempdir(), f"kvstore-vllm-{uuid.uuid4().hex[:8]}.sock")
-    server, port = serve_store(pool, dataplane_socket=path)
-    yield pool, f"127.0.0.1:{port}"
-    close_dataplane(server)
-    server.stop(grace=None).wait()
-    tier.close()
+def store(same_host_store):
+    """The module's store node in this process (tests/conftest.py): (pool, address)."""
+    return same_host_store
 
 
 @pytest.fixture(scope="module")

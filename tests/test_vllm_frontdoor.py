@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 import urllib.request
-import uuid
 
 import aiohttp
 import pytest
@@ -17,10 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
-from kvstore.pool import KVPool, PoolSettings  # noqa: E402
-from kvstore.service import close_dataplane, serve_store  # noqa: E402
 from kvstore.stack import free_port  # noqa: E402
-from kvstore.tiers.dram import DramTier  # noqa: E402
 from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
 from scheduler.keys import namespace_from_authorization  # noqa: E402
@@ -41,15 +36,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def store():
-    tier = DramTier(256 << 20)
-    pool = KVPool([tier], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
-    path = os.path.join(tempfile.gettempdir(), f"kvstore-pd-{uuid.uuid4().hex[:8]}.sock")
-    server, port = serve_store(pool, dataplane_socket=path)
-    yield pool, f"127.0.0.1:{port}"
-    close_dataplane(server)
-    server.stop(grace=None).wait()
-    tier.close()
+def store(same_host_store):
+    """The module's store node in this process (tests/conftest.py): (pool, address)."""
+    return same_host_store
 
 
 @pytest.fixture(scope="module")
