@@ -113,7 +113,8 @@ fields = {"model": st.one_of(st.just("tiny"), garbage),
           "max_completion_tokens": st.one_of(st.integers(0, 4), garbage),
           "stream": st.one_of(st.booleans(), garbage), "ignore_eos": st.one_of(st.booleans(), garbage),
           "stop": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=6), garbage),
-          "n": st.one_of(st.just(1), garbage), "temperature": garbage, "extra": garbage}
+          "n": st.one_of(st.just(1), garbage), "temperature": st.one_of(st.floats(0, 2), garbage),
+          "extra": garbage}
 completion_body = st.fixed_dictionaries({}, optional={"prompt": prompt_value, **fields})
 chat_body = st.fixed_dictionaries({}, optional={"messages": messages_value, **fields})
 
@@ -137,6 +138,10 @@ def request_body(draw) -> tuple[str, bytes]:
         return path, b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"  # nested deep
     if kind == 3:
         return path, _raw(draw(json_value))                                 # any JSON value
+    if kind == 4:                                                           # well formed, with fuzzed text
+        text = draw(st.text(min_size=1, max_size=40))
+        body = ({"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]})
+        return path, _raw({**body, "max_tokens": draw(st.integers(1, 4)), "stream": draw(st.booleans())})
     return path, _raw(draw(completion_body if path == "/v1/completions" else chat_body))
 
 
