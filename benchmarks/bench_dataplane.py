@@ -152,7 +152,7 @@ class KVStore:
                              # te_probe below measures the default (a staging area) beside it
                              f'te_staging_bytes = 0\n'
                              f'dataplane_socket = "{self.socket_path}"\n')
-        self.proc = procs.start([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+        self.proc = procs.start([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                                  "--config", cfg], cwd=ROOT, stdout=subprocess.DEVNULL)
         wait_port(port, self.proc, "kvstore serve")
         self.client = StoreClient(f"127.0.0.1:{port}")

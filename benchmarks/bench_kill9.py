@@ -63,7 +63,7 @@ def _free_port() -> int:
 def _start(data_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                              "--node-id", NODE, "--port", str(port), "--dram", "0", "--ssd", "2GiB",
                              "--ssd-fsync", "commit", "--transfer-engine", "off", "--data-dir", data_dir],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(ROOT),

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
-from kvstore.stack import free_port  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
 from scheduler.replay import _one  # noqa: E402
@@ -151,7 +151,7 @@ def main() -> None:
     store_port = free_port()
     store_log = open(work / "store.log", "wb")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    store_proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(store_port),
+    store_proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--port", str(store_port),
                                    "--dram", "2GiB", "--ssd", "0", "--data-dir", str(work / "store"),
                                    "--transfer-engine", "off"], stdout=store_log, stderr=subprocess.STDOUT, env=env)
     store = f"127.0.0.1:{store_port}"

@@ -48,7 +48,7 @@ def children(pid: int) -> dict[str, int]:
         except (OSError, IndexError, ValueError):
             continue
         args = [a.decode() for a in argv if a]
-        if "kvstore.cli" not in args:
+        if "launcher" not in args:
             continue
         if "--engine-id" in args:
             out[args[args.index("--engine-id") + 1]] = int(entry)
@@ -61,7 +61,7 @@ def children(pid: int) -> dict[str, int]:
 
 @dataclass
 class UpStack:
-    """A ``python -m kvstore.cli up --port 0`` in ``data_dir``: :meth:`start`, :meth:`stop`."""
+    """A ``python -m launcher up --port 0`` in ``data_dir``: :meth:`start`, :meth:`stop`."""
 
     data_dir: str
     flags: tuple[str, ...] = ()
@@ -71,7 +71,7 @@ class UpStack:
 
     def start(self, timeout_s: float = 240.0) -> "UpStack":
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "up",
+        self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up",
                                       "--port", "0", "--data-dir", self.data_dir, *self.flags],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, stdin=subprocess.DEVNULL)

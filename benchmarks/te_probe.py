@@ -47,7 +47,7 @@ def store_node_process(dram_bytes: int, transfer_engine: str = "tcp", te_staging
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                                  "--node-id", "te-probe", "--port", str(port), "--dram", str(dram_bytes),
                                  "--ssd", "0", "--data-dir", tmp, "--transfer-engine", transfer_engine,
                                  "--te-staging", te_staging],

@@ -100,7 +100,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
     return RunningFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}")
 
 
-# ---- adapters for kvstore/cli.py (argparse namespaces in, exit codes out) ----
+# ---- adapters for launcher/cli.py (argparse namespaces in, exit codes out) ----
 
 def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags

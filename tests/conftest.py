@@ -112,7 +112,7 @@ def redis_url(redis_server: str) -> str:
 # -- cluster and transfer: store node processes -----------------------------------------------
 @pytest.fixture
 def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
-    """Factory of real store node processes (``python -m kvstore.cli serve``) on 127.0.0.1.
+    """Factory of real store node processes (``python -m launcher serve``) on 127.0.0.1.
     ``spawn(node_id, *flags)`` returns (Popen, "127.0.0.1:port") once the node answers;
     every process still running is terminated (then killed) after the test."""
     import socket
@@ -128,7 +128,7 @@ def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         log = open(tmp_path / f"{node_id}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "--log-level", "WARNING", "serve",
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                                  "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),
                                  "--data-dir", str(tmp_path / "data"), *flags],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

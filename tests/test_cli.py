@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.stack import free_port
+from launcher.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
@@ -26,7 +26,7 @@ def run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_up_replays_20_requests_of_the_trace(tmp_path):
     out = tmp_path / "report.json"
-    proc = run("kvstore.cli", "up", "--replay", str(TRACE), "--requests", "20", "--speed", "4",
+    proc = run("launcher", "up", "--replay", str(TRACE), "--requests", "20", "--speed", "4",
                "--port", "0", "--data-dir", str(tmp_path / "up"), "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -40,7 +40,7 @@ def test_up_replays_20_requests_of_the_trace(tmp_path):
 @pytest.fixture()
 def store_node(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--port", str(port),
                              "--dram", "4MiB", "--ssd", "16MiB", "--data-dir", str(tmp_path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -76,7 +76,7 @@ def test_kvctl_tiers_and_evict(store_node):
 
 def test_a_second_node_on_a_used_port_is_refused(store_node, tmp_path):
     port = store_node.rsplit(":", 1)[1]
-    proc = run("kvstore.cli", "serve", "--port", port, "--node-id", "impostor", "--dram", "1MiB",
+    proc = run("launcher", "serve", "--port", port, "--node-id", "impostor", "--dram", "1MiB",
                "--ssd", "0", "--data-dir", str(tmp_path / "b"))
     assert proc.returncode == 2 and "Failed to bind" in proc.stderr
 
@@ -92,11 +92,11 @@ def test_kvctl_reports_an_unreachable_node():
 
 
 def test_serve_rejects_a_bad_size(tmp_path):
-    proc = run("kvstore.cli", "serve", "--dram", "lots", "--data-dir", str(tmp_path))
+    proc = run("launcher", "serve", "--dram", "lots", "--data-dir", str(tmp_path))
     assert proc.returncode == 2 and "cannot read 'lots' as a size" in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["serve", "engine", "scheduler", "up", "replay"])
 def test_help_explains_each_command(command):
-    proc = run("kvstore.cli", command, "--help")
+    proc = run("launcher", command, "--help")
     assert proc.returncode == 0 and "usage: kvstore " + command in proc.stdout

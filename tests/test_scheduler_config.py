@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvstore.cli import build_parser
+from launcher.cli import build_parser
 from kvstore.errors import InvalidArgument
 from scheduler.app import config_from_args
 from scheduler.config import FrontdoorConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.stack import free_port
+from launcher.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,10 +87,10 @@ def _listening_ports(pid: int) -> set[int]:
 def test_every_service_stops_within_10_s_whatever_its_state(tmp_path):
     store_port = free_port()
     data = tmp_path / "data"
-    serve = spawn("-m", "kvstore.cli", "serve", "--port", str(store_port), "--dram", "64MiB", "--ssd", "64MiB",
+    serve = spawn("-m", "launcher", "serve", "--port", str(store_port), "--dram", "64MiB", "--ssd", "64MiB",
                   "--data-dir", str(data), "--transfer-engine", "tcp")
-    engine = spawn("-m", "kvstore.cli", "engine", "--role", "decode", "--store", f"127.0.0.1:{store_port}")
-    scheduler = spawn("-m", "kvstore.cli", "scheduler", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:1",
+    engine = spawn("-m", "launcher", "engine", "--role", "decode", "--store", f"127.0.0.1:{store_port}")
+    scheduler = spawn("-m", "launcher", "scheduler", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:1",
                       "--port", "0")                                  # waits for engines that never answer
     procs = {"serve": serve, "engine": engine, "scheduler": scheduler}
     try:

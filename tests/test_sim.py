@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import main
+from launcher.cli import main
 from kvstore.errors import InvalidArgument
 from scheduler.baselines import POLICIES
 from scheduler.sim import SimConfig, Simulator, simulate

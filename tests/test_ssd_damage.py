@@ -129,7 +129,7 @@ def test_an_unusable_directory_is_an_oserror(tmp_path: Path) -> None:
 
 
 def _serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--dram", "4MiB",
+    return subprocess.run([sys.executable, "-m", "launcher", "serve", "--port", "0", "--dram", "4MiB",
                            "--ssd", "16MiB", "--transfer-engine", "off", "--data-dir", str(tmp_path / "data"),
                            *flags], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 

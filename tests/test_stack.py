@@ -1,4 +1,4 @@
-"""``kvstore up``'s supervision (kvstore/stack.py) with real child processes: a child that
+"""``kvstore up``'s supervision (launcher/supervisor.py) with real child processes: a child that
 exits is restarted after a back-off that doubles, at most ``max_restarts`` times, then the
 stack gives up with the child's log; a child that cannot be restarted stops the stack."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvstore.stack import BACKOFF_S, Stack
+from launcher.supervisor import BACKOFF_S, Stack
 
 
 def test_a_crashing_child_is_restarted_with_back_off_then_given_up(tmp_path, capsys):
@@ -49,7 +49,7 @@ def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
 def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     """--data-dir is wiped at start: an empty or new directory, or one kvstore up made, is
     (re)made 0700; a directory holding anything else is refused with the reason, untouched."""
-    from kvstore.stack import STACK_MARK, fresh_data_dir
+    from launcher.up import STACK_MARK, fresh_data_dir
 
     mine = tmp_path / "up"
     assert fresh_data_dir(str(mine), keep=False) is None

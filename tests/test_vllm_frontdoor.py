@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
-from kvstore.stack import free_port  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
 from scheduler.keys import namespace_from_authorization  # noqa: E402

@@ -18,7 +18,7 @@ from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.config import positive_int
 from kvstore.shutdown import Shutdown
-from kvstore.stack_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
+from launcher.up_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
 
 def _env_redis() -> str | None:
@@ -122,9 +122,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from kvstore.stack_vllm import run_up_vllm
+        from launcher.up_vllm import run_up_vllm
         return run_up_vllm(args)
-    from kvstore.stack import run_up
+    from launcher.up import run_up
     return run_up(args)
 
 

@@ -17,8 +17,8 @@ import time
 
 from kvstore.errors import Unavailable
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
-from kvstore.stack import (Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port, preflight, stack_tokens,
-                           write_api_keys)
+from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port
+from launcher.up import preflight, stack_tokens, write_api_keys
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,246 @@
+"""The supervisor of ``kvstore up``: child processes started, watched and restarted with
+back-off (``Child``, ``Stack``), readiness waits for gRPC and HTTP services, free ports, and
+the stop on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvstore.errors import Unavailable
+
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+MAX_RESTARTS = 5          # per child within RESTART_WINDOW_S; one more crash stops the stack
+RESTART_WINDOW_S = 300.0
+BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second
+STOP_DEADLINE_S = 9.5    # SIGTERM, then SIGKILL of what is left (children force themselves at 8 s)
+
+
+def _prctl():  # type: ignore[no-untyped-def]
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()   # looked up here: a child between fork and exec must not import
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM when ``kvstore up`` dies, even by SIGKILL (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One supervised process: how to start it again, and its crashes so far."""
+
+    name: str
+    argv: tuple[str, ...] | None      # None: not restartable (e.g. the private Redis)
+    proc: subprocess.Popen
+    crashes: list[float] = field(default_factory=list)   # monotonic instants of recent crashes
+    restart_at: float | None = None
+
+
+@dataclass
+class Stack:
+    """Child processes of one ``kvstore up``; stopped all at once (SIGTERM, then SIGKILL).
+
+    :meth:`supervise` restarts a child that exited unasked, after a back-off (0.5 s doubling
+    to 8 s), at most ``max_restarts`` times within ``RESTART_WINDOW_S``; one crash more is
+    an error that stops the stack."""
+
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    log_dir: str = "var/up/logs"
+    env: dict[str, str] = field(default_factory=dict)   # added to each child's environment (tokens)
+    max_restarts: int = MAX_RESTARTS
+    children: dict[str, Child] = field(default_factory=dict)
+    restarts: int = 0
+    stopping: bool = False            # set once a stop began: a signal then kills the children
+    handlers_installed: bool = False
+
+    def start(self, name: str, *argv: str) -> None:
+        self.children[name] = Child(name, tuple(argv), self._spawn(name, argv, "wb"))
+        self.procs.append((name, self.children[name].proc))
+
+    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+        """A process started elsewhere; stopped with the stack, never restarted."""
+        self.children[name] = Child(name, None, proc)
+        self.procs.append((name, proc))
+
+    def _spawn(self, name: str, argv: tuple[str, ...], mode: str) -> subprocess.Popen:
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
+            return subprocess.Popen([sys.executable, "-m", "launcher", *argv], stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+
+    def pid(self, name: str) -> int:
+        return self.children[name].proc.pid
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = self.log_tail(name)
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    def supervise(self, now: float | None = None) -> None:
+        """Restart children that exited (call it every fraction of a second). Raises
+        RuntimeError when one cannot be restarted or crashed too often."""
+        now = time.monotonic() if now is None else now
+        for child in self.children.values():
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restart_at = None
+                    child.proc = self._spawn(child.name, child.argv or (), "ab")
+                    self.procs = [(n, child.proc if n == child.name else p) for n, p in self.procs]
+                    self.restarts += 1
+                    print(f"kvstore up: {child.name} restarted (pid {child.proc.pid})", flush=True)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            self.sweep([child.proc.pid], sockets=False)
+            child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
+            if child.argv is None or len(child.crashes) > self.max_restarts:
+                why = "it cannot be restarted" if child.argv is None else \
+                    f"{self.max_restarts} restarts within {RESTART_WINDOW_S:.0f} s already"
+                raise RuntimeError(f"{child.name} exited ({how}); {why}; its log ends:\n"
+                                   f"{self.log_tail(child.name)}")
+            delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(child.crashes) - 1))
+            child.restart_at = now + delay
+            print(f"kvstore up: {child.name} exited ({how}); restart {len(child.crashes)} of "
+                  f"{self.max_restarts} in {delay:.1f} s (log: {self.log_dir}/{child.name}.log)", flush=True)
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
+        """SIGTERM every child (front door first), SIGKILL those still running after
+        ``deadline_s``, then remove what a killed child left (its /dev/shm slab, its Unix
+        sockets)."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + deadline_s
+        killed = []
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                killed.append(proc.pid)
+            if proc.returncode < 0:
+                killed.append(proc.pid)
+        self.sweep(killed)
+
+    def sweep(self, pids: list[int], sockets: bool = True) -> None:
+        """Unlink the shared-memory slabs of these (dead) children and (``sockets``) the
+        data-plane sockets under the data directory (once every node has stopped)."""
+        import glob
+        for pid in pids:
+            for path in glob.glob(f"/dev/shm/kvstore-{pid}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        root = os.path.dirname(os.path.abspath(self.log_dir))
+        for path in glob.glob(os.path.join(root, "store", "*", "dataplane.sock")) if sockets else ():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _wait_grpc(stack: Stack, address: str, timeout_s: float) -> None:
+    import grpc
+    deadline = time.monotonic() + timeout_s
+    channel = grpc.insecure_channel(address)
+    try:
+        while True:
+            stack.check_alive()
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.5)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{address} not ready after {timeout_s} s") from None
+    finally:
+        channel.close()
+
+
+def _wait_http(stack: Stack, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stack.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise Unavailable(f"{url} not ready after {timeout_s} s")
+        time.sleep(0.2)
+
+
+
+class _Stopped(BaseException):
+    """Raised by the signal handler of ``kvstore up`` to unwind to its ``finally``."""
+
+
+def _install_stop_handlers(stack: Stack) -> None:
+    """SIGTERM/SIGINT: the first unwinds to the caller's stop of every child (raising
+    :class:`_Stopped`); one once ``stack.stopping`` is set kills every child at once."""
+    def handler(signum: int, _frame: object) -> None:
+        if not stack.stopping:
+            stack.stopping = True
+            raise _Stopped(signal.Signals(signum).name)
+        for _, proc in stack.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def _serve_until_signal(stack: Stack) -> None:
+    """Supervise the children until SIGTERM/SIGINT, then return (the caller stops them)."""
+    if not stack.handlers_installed:
+        _install_stop_handlers(stack)
+        stack.handlers_installed = True
+    try:
+        while True:
+            stack.supervise()
+            time.sleep(0.2)
+    except (_Stopped, KeyboardInterrupt) as exc:
+        stack.stopping = True
+        print(f"kvstore up: {exc or 'SIGINT'}: stopping", flush=True)
+
