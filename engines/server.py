@@ -11,12 +11,14 @@ import grpc
 import torch
 
 from engines.decode import DecodeEngine
+from engines.metrics import EngineMetrics
 from engines.model import LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.limits import check_keys
+from kvstore.metrics_http import MetricsServer
 from kvstore.service import SERVER_OPTIONS
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
@@ -26,8 +28,11 @@ ROLES = ("prefill", "decode")
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, engine: PrefillEngine | DecodeEngine) -> None:
+    """``metrics``: where prefills and decodes are counted and timed (engines/metrics.py)."""
+
+    def __init__(self, engine: PrefillEngine | DecodeEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.EngineInfo:
         lm: LoadedModel = self.engine.lm
@@ -48,9 +53,13 @@ class EngineServicer(pb_grpc.EngineServicer):
             limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
             r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit)
         except InvalidArgument as exc:
+            self._failed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVStoreError as exc:
+            self._failed()
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        if self.metrics is not None:
+            self.metrics.observe_prefill(r)
         return pb.PrefillResponse(request_id=r.request_id, first_token=r.first_token,
                                   block_keys=list(r.block_keys), cached_tokens=r.cached_tokens,
                                   computed_tokens=r.computed_tokens, tail_kv=r.tail_kv,
@@ -69,6 +78,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
                                    list(request.stop_token_ids), lambda: not context.is_active(),
                                    namespace=request.namespace)
+        if self.metrics is not None:
+            steps = self.metrics.timed_decode(steps)
         try:
             for step in steps:
                 yield pb.DecodeToken(token=step.token, index=step.index, finished=step.finished,
@@ -78,18 +89,41 @@ class EngineServicer(pb_grpc.EngineServicer):
         except KVStoreError as exc:
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
 
+    def _failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.failed()
+
+
+_METRICS: dict[int, MetricsServer] = {}   # id(server) -> the engine's metrics port
+
+
+def metrics_url(server: grpc.Server) -> str | None:
+    """``http://host:port/metrics`` of an engine started with a metrics port; None without."""
+    metrics = _METRICS.get(id(server))
+    return metrics.url if metrics is not None else None
+
+
+def stop_metrics(server: grpc.Server) -> None:
+    """Close the metrics port of an engine :func:`start_engine` started (if any)."""
+    metrics = _METRICS.pop(id(server), None)
+    if metrics is not None:
+        metrics.close()
+
 
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,
                  block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
                  store_token: str | None = None, workers: int = 16,
-                 store_redis: str | None = None, auth_token: str | None = None) -> tuple[grpc.Server, int]:
+                 store_redis: str | None = None, auth_token: str | None = None,
+                 metrics_port: int | None = None) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
     (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
     every call must carry ``authorization: Bearer <auth_token>`` (kvstore/auth.py), else it
     is refused with UNAUTHENTICATED — the request's namespace is the caller's word, so only
     the front door may hold this token; None serves any caller (and logs a warning).
+    ``metrics_port``: also serve Prometheus metrics (engines/metrics.py) on this port of the
+    same host, taking ``auth_token`` too (0: a free port, :func:`metrics_url`; None: none).
     Returns (server, port). Raises ValueError for an unknown role, RuntimeError when the
     address cannot be bound."""
     if role not in ROLES:
@@ -107,10 +141,14 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
         else DecodeEngine(lm, store, engine_id))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors_for(auth_token))
-    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    metrics = EngineMetrics(engine) if metrics_port is not None else None
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"engine: cannot listen on {address} (port in use or address not local)")
+    if metrics is not None:
+        _METRICS[id(server)] = MetricsServer(metrics.registry, address.rpartition(":")[0] or "127.0.0.1",
+                                             metrics_port or 0, auth_token, f"{role} engine {engine_id}")
     server.start()
     log.info("%s engine %s on %s (port %d), model on %s", role, engine_id, address, port, lm.device)
     if not auth_token:

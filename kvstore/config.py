@@ -88,6 +88,9 @@ class StoreConfig:
     # Allocate and map the DRAM slab's pages in the background from the start: a put into a
     # never-touched page costs a page fault per 4 KiB (1 MiB: 0.9 ms instead of 0.07).
     dram_prefault: bool = True
+    # Prometheus text on GET /metrics at http://host:metrics_port (kvstore/metrics.py); it takes
+    # auth_token when one is set. 0: a free port; None: no metrics port.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us",
@@ -120,6 +123,12 @@ class StoreConfig:
         if self.dataplane_poll_us > 10_000:
             raise ValueError(f"dataplane_poll_us must be at most 10000 (10 ms of polling after each request), "
                              f"got {self.dataplane_poll_us}")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(
+                self.metrics_port, int) or not 0 <= self.metrics_port < 65536):
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: a free port), got {self.metrics_port!r}")
+        if self.metrics_port and self.metrics_port in (self.port, self.control_port):
+            raise ValueError(f"metrics_port {self.metrics_port} is taken by the gRPC or control port: the metrics "
+                             f"port needs one of its own (0 picks a free one)")
         if self.control_port and self.control_port == self.port:
             raise ValueError(f"control_port and port are both {self.port}: the control channel needs a port "
                              f"of its own (0 picks a free one)")

@@ -15,6 +15,7 @@ from kvstore.tiers import TIERS
 
 if TYPE_CHECKING:
     from kvstore.cluster.agent import ClusterAgent
+    from kvstore.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +47,53 @@ def build_pool(cfg: StoreConfig) -> KVPool:
 
 
 _AGENTS: dict[int, "ClusterAgent"] = {}   # id(server) -> the node's cluster presence
+_METRICS: dict[int, "MetricsServer"] = {}   # id(server) -> the node's metrics port (cfg.metrics_port)
 
 
 def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
     """Build the pool, serve it (with the transfer-engine ``BlockTransfer`` service) and
-    register the node in the cluster (Redis at ``cfg.redis_url``, else embedded)."""
+    register the node in the cluster (Redis at ``cfg.redis_url``, else embedded). With
+    ``cfg.metrics_port`` set, also serve Prometheus metrics there (:func:`metrics_url`).
+    Raises OSError / RuntimeError when a port cannot be bound."""
     from kvstore.cluster.agent import ClusterAgent
     pool = build_pool(cfg)
     agent: ClusterAgent | None = None
+    metrics = None
+    if cfg.metrics_port is not None:
+        from kvstore.metrics import serve_metrics
+        try:
+            metrics = serve_metrics(cfg, pool)
+        except BaseException:
+            pool.close()
+            raise
     try:
         agent = ClusterAgent(cfg, pool)
+        if metrics is not None and agent.control is not None:
+            metrics[0].watch_dataplane(agent.control.host, "remote")
         server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
                                    extra_services=agent.services(),
                                    dataplane_socket=cfg.dataplane_socket_path(),
-                                   dataplane_poll_s=cfg.dataplane_poll_us * 1e-6)
+                                   dataplane_poll_s=cfg.dataplane_poll_us * 1e-6,
+                                   metrics=metrics[0] if metrics else None)
     except BaseException:
         if agent is not None:
             agent.stop()
+        if metrics is not None:
+            metrics[1].close()
         pool.close()  # nothing may outlive a node that did not start (its shared-memory slab)
         raise
     agent.start(port)
     _AGENTS[id(server)] = agent
+    if metrics is not None:
+        _METRICS[id(server)] = metrics[1]
     return server, port, pool
+
+
+def metrics_url(server: grpc.Server) -> str | None:
+    """``http://host:port/metrics`` of a node :func:`start_node` started with a metrics port;
+    None without one."""
+    metrics = _METRICS.get(id(server))
+    return metrics.url if metrics is not None else None
 
 
 def stop_node(server: grpc.Server, pool: KVPool, grace_s: float = 2.0) -> None:
@@ -76,6 +102,9 @@ def stop_node(server: grpc.Server, pool: KVPool, grace_s: float = 2.0) -> None:
     agent = _AGENTS.pop(id(server), None)
     if agent is not None:
         agent.leave()   # withdrawn from lookups before the port closes
+    metrics = _METRICS.pop(id(server), None)
+    if metrics is not None:
+        metrics.close()
     server.stop(grace=grace_s).wait()
     close_dataplane(server)
     if agent is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from concurrent import futures
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,6 +21,9 @@ from kvstore.pool import KVPool
 from kvstore.tiers.buffers import to_bytes
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -311,18 +314,24 @@ def close_dataplane(server: grpc.Server) -> None:
 
 def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | None = None,
                 workers: int = 8, extra_services: tuple = (),
-                dataplane_socket: str | None = None, dataplane_poll_s: float = 200e-6) -> tuple[grpc.Server, int]:
+                dataplane_socket: str | None = None, dataplane_poll_s: float = 200e-6,
+                metrics: "StoreMetrics | None" = None) -> tuple[grpc.Server, int]:
     """Start the store service on ``address`` (host:port; port 0 picks a free one).
     ``extra_services``: callables ``add(server)`` that register more servicers on the same
     server (e.g. kvstore/transfer's BlockTransfer). ``dataplane_socket``: also serve the
     same-host control channel on this Unix socket path (close it with
     :func:`close_dataplane`); ``dataplane_poll_s``: how long its connections poll for the
-    next request before sleeping. Returns the started server and its bound port. Raises
-    RuntimeError if it cannot bind."""
+    next request before sleeping; ``metrics``: a :class:`kvstore.metrics.StoreMetrics` that
+    times Put, Get and the data plane's control ops. Returns the started server and its
+    bound port. Raises RuntimeError if it cannot bind."""
     interceptors = interceptors_for(auth_token) + [_StreamParseGuard()]
+    if metrics is not None:
+        interceptors.append(metrics.interceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     dataplane = DataPlaneHost.for_pool(pool, dataplane_socket or "")
+    if metrics is not None and dataplane is not None:
+        metrics.watch_dataplane(dataplane)
     pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool, dataplane=dataplane), server)
     for add in extra_services:
         add(server)

@@ -73,7 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            te_staging_bytes=args.te_staging,
                            advertise_host=args.advertise_host, dataplane_socket=args.dataplane_socket,
                            control_port=args.control_port, dataplane_poll_us=args.dataplane_poll_us,
-                           dram_prefault=args.dram_prefault, ssd_on_error=args.ssd_on_error)
+                           dram_prefault=args.dram_prefault, ssd_on_error=args.ssd_on_error,
+                           metrics_port=args.metrics_port)
     if not cfg.auth_token and token_from(None, STORE_TOKEN_ENV):   # flag, then file, then environment
         cfg = replace(cfg, auth_token=token_from(None, STORE_TOKEN_ENV))
     server, port, pool = start_node(cfg)
@@ -83,6 +84,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
     print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
+    from kvstore.node import metrics_url
+    if metrics_url(server):
+        print(f"store node {cfg.node_id} metrics on {metrics_url(server)}", flush=True)
     shutdown = _wait_for_signal(f"store node {cfg.node_id}")
     stop_node(server, pool)
     if "kvstore.transfer.engine" in sys.modules:   # unregister from the metadata service
@@ -100,8 +104,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 local_cache_blocks=args.local_cache_blocks,
                                 store_token=token_from(args.store_token, STORE_TOKEN_ENV),
                                 store_redis=args.redis,
-                                auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV))
+                                auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV),
+                                metrics_port=args.metrics_port)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
+    from engines.server import metrics_url
+    if metrics_url(server):
+        print(f"{args.role} engine metrics on {metrics_url(server)}", flush=True)
     shutdown = _wait_for_signal(f"{args.role} engine")
     server.stop(grace=2).wait()
     shutdown.exit(0)
@@ -234,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port (on --host) where transfer-engine readers lease blocks: compact frames, "
                         "about 0.3 ms a lease instead of about 1.1 ms over gRPC (default 0: a free port, "
                         "announced to readers)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on GET /metrics at this port of --host (0 picks a free one); "
+                        "it takes the node's --auth-token when one is set (default: no metrics port)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
@@ -257,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model and KV dtype (part of every block key)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
     p.add_argument("--local-cache-blocks", type=int, default=4096, help="blocks in the engine's own prefix cache")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on GET /metrics at this port of --host (0 picks a free one); "
+                        "it takes the engine's --auth-token when one is set (default: no metrics port)")
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,

@@ -72,6 +72,9 @@ def run_up(args: argparse.Namespace) -> int:
     store_port = store_ports[0]
     engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
     engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
+    # Prometheus metrics of every store node and engine (the front door has its /metrics).
+    metrics_ports = {name: free_port(host) for name in
+                     [("store" if n_store == 1 else f"store-{i}") for i in range(n_store)] + [e[0] for e in engines]}
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
     t0 = time.monotonic()
@@ -97,20 +100,24 @@ def run_up(args: argparse.Namespace) -> int:
             name = "store" if n_store == 1 else f"store-{i}"
             stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
                         "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
-                        "--node-id", name, *redis_flags,
+                        "--node-id", name, *redis_flags, "--metrics-port", str(metrics_ports[name]),
                         # every node is on this host: the mapped slab serves them, and the
                         # transfer engine (which listens on every interface) stays off
                         "--transfer-engine", "off")
         for name, role, port in engines:
             stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
-                        "--port", str(port), "--engine-id", name, *model)
+                        "--port", str(port), "--engine-id", name, *model,
+                        "--metrics-port", str(metrics_ports[name]))
         for i, port in enumerate(store_ports):
             _wait_grpc(stack, f"{host}:{port}", 60)
+            name = "store" if n_store == 1 else f"store-{i}"
             print(f"store node     {host}:{port}  (DRAM {args.dram}, SSD {args.ssd} under "
-                  f"{args.data_dir}/store{'' if n_store == 1 else f', store-{i}'})", flush=True)
+                  f"{args.data_dir}/store{'' if n_store == 1 else f', {name}'}; metrics "
+                  f"http://{host}:{metrics_ports[name]}/metrics)", flush=True)
         for name, role, port in engines:
             _wait_grpc(stack, f"{host}:{port}", 180)
-            print(f"{role} engine {name} {host}:{port}", flush=True)
+            print(f"{role} engine {name} {host}:{port}  (metrics http://{host}:{metrics_ports[name]}/metrics)",
+                  flush=True)
         prefill = ",".join(f"{host}:{port}" for _, role, port in engines if role == "prefill")
         decode = ",".join(f"{host}:{port}" for _, role, port in engines if role == "decode")
         stack.start("scheduler", "scheduler", "--prefill", prefill,
@@ -123,7 +130,7 @@ def run_up(args: argparse.Namespace) -> int:
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         stack.check_alive()  # the answer must come from our own front door
-        print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics)", flush=True)
+        print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics, GET /status)", flush=True)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)

@@ -1,0 +1,94 @@
+"""The metrics port of a service (store node, engine): Prometheus' text exposition format
+over HTTP on ``GET /metrics``, from a registry of the service's own (never the process-wide
+default, so several services can live in one process).
+
+It takes the service's bearer token when the service has one (kvstore/auth.py): a scrape
+must send ``Authorization: Bearer <token>`` — Prometheus does, with ``authorization:
+{credentials_file: ...}`` in its scrape config
+(https://prometheus.io/docs/prometheus/latest/configuration/configuration/#scrape_config) —
+else it is answered 401. It listens on 127.0.0.1 unless told otherwise. The handler is
+prometheus-client's own (``MetricsHandler``: content negotiation, gzip, ``name[]``
+filters); this module adds the token check, the one path, and the thread it runs on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import ThreadingHTTPServer
+from urllib.parse import urlparse
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import MetricsHandler
+
+from kvstore.auth import bearer_matches
+
+log = logging.getLogger(__name__)
+METRICS_PATH = "/metrics"
+
+
+class _TokenMetricsHandler(MetricsHandler):
+    """prometheus-client's handler behind a bearer-token check, on ``/metrics`` only."""
+
+    token: str | None = None
+
+    def do_GET(self) -> None:
+        if urlparse(self.path).path != METRICS_PATH:
+            self._refuse(404, f"not found: this port serves only GET {METRICS_PATH}\n")
+            return
+        if self.token and not bearer_matches(self.headers.get("Authorization"), self.token):
+            self._refuse(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                              "(the service's token)\n", {"WWW-Authenticate": 'Bearer realm="kvstore"'})
+            return
+        super().do_GET()
+
+    def _refuse(self, status: int, text: str, headers: dict[str, str] | None = None) -> None:
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        log.debug("metrics %s: " + format, self.address_string(), *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True      # a scrape in progress never holds the process up at exit
+    allow_reuse_address = False  # a port in use is an error, never shared
+
+
+class MetricsServer:
+    """``GET /metrics`` of ``registry`` on ``host:port`` (port 0 picks a free one; :attr:`port`
+    is the bound one), served by a daemon thread until :meth:`close`. ``token``: the bearer
+    token a scrape must carry (None: any caller on ``host``). Raises OSError when the port
+    cannot be bound."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, name: str = "metrics") -> None:
+        handler = type("MetricsHandler", (_TokenMetricsHandler,), {"registry": registry, "token": token or None})
+        try:
+            self._server = _Server((host, port), handler)
+        except OSError as exc:
+            raise OSError(f"{name}: cannot listen on {host}:{port} for metrics ({exc.strerror or exc})") from None
+        self.host = host
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"{name}-metrics", daemon=True)
+        self._thread.start()
+        if not token:
+            log.warning("%s: metrics on http://%s:%d%s take no token: any caller that reaches the port reads "
+                        "them", name, host, self.port, METRICS_PATH)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{METRICS_PATH}"
+
+    def close(self) -> None:
+        """Stop serving and free the port (idempotent)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()

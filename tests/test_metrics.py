@@ -1,0 +1,194 @@
+"""The metrics ports of a store node and of the engines: real nodes and engines on 127.0.0.1,
+real blocks put and read, scraped over HTTP and parsed as Prometheus text; the counters move
+with the traffic; a port with a token refuses a scrape without it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import StoreClient
+from kvstore.config import StoreConfig
+from kvstore.node import metrics_url, start_node, stop_node
+
+TOKEN = "metrics-test-token"
+
+
+def scrape(url: str, token: str | None = TOKEN) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value. Fails unless the body
+    parses as Prometheus text."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """The one sample named ``name`` whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(hits) == 1, f"{len(hits)} samples {name}{labels}: {sorted(k for k in samples if k[0] == name)}"
+    return hits[0]
+
+
+def status_of(url: str, headers: dict[str, str]) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture()
+def node(tmp_path):
+    cfg = StoreConfig(node_id="metrics-node", port=0, metrics_port=0, dram_bytes=16 << 20, ssd_bytes=32 << 20,
+                      data_dir=str(tmp_path), auth_token=TOKEN, dram_prefault=False,
+                      high_watermark=1.0, low_watermark=1.0)
+    server, port, pool = start_node(cfg)
+    yield f"127.0.0.1:{port}", metrics_url(server), pool
+    stop_node(server, pool, grace_s=0)
+
+
+def blocks(n: int, size: int = 64 << 10, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    return [(os.urandom(32), bytes([(seed + i) % 251]) * size) for i in range(n)]
+
+
+def test_store_metrics_parse_and_move_with_traffic(node):
+    address, url, _ = node
+    assert url is not None and url.startswith("http://127.0.0.1:")
+    before = scrape(url)
+    for tier in ("dram", "ssd"):
+        assert value(before, "kvstore_tier_capacity_bytes", tier=tier, node="metrics-node") > 0
+    assert value(before, "kvstore_tier_used_bytes", tier="dram") == 0
+    assert value(before, "kvstore_block_hits_total", tier="dram") == 0
+    assert value(before, "kvstore_node_info", node="metrics-node") == 1
+
+    # The same-host data plane (the slab mapped here) and the gRPC stream, each with puts,
+    # hits and misses.
+    local = StoreClient(address, auth_token=TOKEN)
+    stream = StoreClient(address, auth_token=TOKEN, data_path="grpc")
+    try:
+        assert local.data_path_in_use.startswith("same-host")
+        mapped, streamed = blocks(6, seed=1), blocks(4, seed=2)
+        assert all(r.ok for r in local.put_blocks(mapped, chain=True))
+        assert all(r.ok for r in stream.put_blocks(streamed, chain=True))
+        assert local.get_blocks([k for k, _ in mapped]) == [v for _, v in mapped]
+        assert stream.get_blocks([k for k, _ in streamed]) == [v for _, v in streamed]
+        assert stream.get_blocks([os.urandom(32)]) == [None]
+        after = scrape(url)
+    finally:
+        local.close()
+        stream.close()
+
+    used = value(after, "kvstore_tier_used_bytes", tier="dram")
+    assert used >= 10 * (64 << 10)
+    assert value(after, "kvstore_tier_blocks", tier="dram") == 10
+    assert value(after, "kvstore_block_hits_total", tier="dram") == 10
+    assert value(after, "kvstore_block_misses_total", tier="dram") >= 1
+    assert value(after, "kvstore_put_seconds_count", node="metrics-node") >= 1
+    assert value(after, "kvstore_get_seconds_count", node="metrics-node") >= 2
+    assert value(after, "kvstore_put_seconds_sum") > 0
+    for op in ("lease", "reserve", "commit"):
+        assert value(after, "kvstore_dataplane_op_seconds_count", plane="local", op=op) >= 1
+    assert value(after, "kvstore_leases", plane="local") == 0      # every read released its lease
+    assert value(after, "kvstore_reservations", plane="local") >= 0
+    # buckets are cumulative and end at +Inf = count
+    assert value(after, "kvstore_put_seconds_bucket", le="+Inf") == value(after, "kvstore_put_seconds_count")
+
+
+def test_store_metrics_count_evictions_and_demotions(node):
+    address, url, pool = node
+    with StoreClient(address, auth_token=TOKEN, data_path="grpc") as client:
+        # 16 MiB of DRAM: 24 blocks of 1 MiB push the oldest down to SSD.
+        assert all(r.ok for r in client.put_blocks(blocks(24, size=1 << 20), chain=False))
+    after = scrape(url)
+    demoted = value(after, "kvstore_block_demotions_total", tier="dram")
+    assert demoted >= 8
+    assert value(after, "kvstore_block_evictions_total", tier="dram") >= demoted
+    assert value(after, "kvstore_tier_blocks", tier="ssd") == demoted
+    assert value(after, "kvstore_tier_used_bytes", tier="ssd") == sum(
+        s.used_bytes for s in pool.stats() if s.name == "ssd")
+
+
+def test_store_metrics_port_refuses_a_wrong_or_missing_token(node):
+    _, url, _ = node
+    assert status_of(url, {}) == 401
+    assert status_of(url, {"Authorization": "Bearer wrong"}) == 401
+    assert status_of(url, {"Authorization": TOKEN}) == 401            # no scheme
+    assert status_of(url, {"Authorization": f"Bearer {TOKEN}"}) == 200
+    assert status_of(url.replace("/metrics", "/other"), {"Authorization": f"Bearer {TOKEN}"}) == 404
+    try:
+        urllib.request.urlopen(url, timeout=10)
+    except urllib.error.HTTPError as exc:
+        assert exc.headers["WWW-Authenticate"].startswith("Bearer")
+        assert "token" in exc.read().decode()
+
+
+def test_metrics_port_in_use_is_a_clear_error(node, tmp_path):
+    _, url, _ = node
+    taken = int(url.rsplit(":", 1)[1].split("/")[0])
+    cfg = StoreConfig(node_id="second", port=0, metrics_port=taken, dram_bytes=4 << 20, ssd_bytes=0,
+                      data_dir=str(tmp_path / "b"), dram_prefault=False)
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{taken} for metrics"):
+        start_node(cfg)
+    with pytest.raises(ValueError, match="metrics_port"):
+        StoreConfig(metrics_port=70000)
+
+
+# -- engines ----------------------------------------------------------------------------------
+def test_engine_metrics_parse_and_move_with_traffic(node):
+    from engines.client import EngineClient
+    from engines.server import metrics_url as engine_metrics_url
+    from engines.server import start_engine, stop_metrics
+
+    address, _, _ = node
+    servers = []
+    try:
+        urls, engines = {}, {}
+        for role in ("prefill", "decode"):
+            server, port = start_engine(role, address, block_size=16, engine_id=f"{role}-m", store_token=TOKEN,
+                                        auth_token="engine-token", metrics_port=0)
+            servers.append(server)
+            urls[role], engines[role] = engine_metrics_url(server), f"127.0.0.1:{port}"
+        assert status_of(urls["prefill"], {"Authorization": f"Bearer {TOKEN}"}) == 401   # the engine's token
+        before = {role: scrape(url, "engine-token") for role, url in urls.items()}
+        assert value(before["prefill"], "kvstore_engine_prompt_tokens_total", source="loaded") == 0
+        assert value(before["prefill"], "kvstore_engine_requests_waiting", engine="prefill-m") == 0
+        assert value(before["decode"], "kvstore_engine_requests_running", engine="decode-m") == 0
+
+        prompt = [(7 * i) % 500 + 3 for i in range(5 * 16 + 3)]
+
+        async def run() -> None:
+            pre = EngineClient(engines["prefill"], auth_token="engine-token")
+            dec = EngineClient(engines["decode"], auth_token="engine-token")
+            try:
+                for rid in ("a", "b"):          # the second one reuses the first one's blocks
+                    r = await pre.prefill(rid, prompt, "tenant")
+                    steps = [s async for s in dec.decode(rid, prompt, "tenant", r, 4, ())]
+                    assert len(steps) == 4
+            finally:
+                await pre.close()
+                await dec.close()
+        asyncio.run(run())
+
+        pre, dec = scrape(urls["prefill"], "engine-token"), scrape(urls["decode"], "engine-token")
+        assert value(pre, "kvstore_engine_prefill_seconds_count", engine="prefill-m") == 2
+        assert value(pre, "kvstore_engine_prompt_tokens_total", source="loaded") == 5 * 16
+        assert value(pre, "kvstore_engine_prompt_tokens_total", source="computed") == 2 * len(prompt) - 5 * 16
+        assert value(pre, "kvstore_engine_stored_blocks_total") == 5
+        assert value(pre, "kvstore_engine_requests_total", outcome="ok") == 2
+        assert value(pre, "kvstore_engine_info", role="prefill") == 1
+        assert value(dec, "kvstore_engine_decode_seconds_count", engine="decode-m") == 2
+        assert value(dec, "kvstore_engine_time_per_output_token_seconds_count") == 2 * 3
+        assert value(dec, "kvstore_engine_requests_total", outcome="ok") == 2
+        assert value(dec, "kvstore_engine_recomputed_tokens_total") == 0
+    finally:
+        for server in servers:
+            stop_metrics(server)
+            server.stop(0).wait()
