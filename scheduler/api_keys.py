@@ -1,6 +1,7 @@
 """API keys of the front door: which callers it serves. Without keys every caller is served
 (the tenant is then named by whatever bearer token the caller sends, ``public`` without
-one); with keys, a request to anything but ``/health`` must carry ``Authorization: Bearer
+one); with keys, a request to anything but ``/health`` and the status page's HTML and script
+must carry ``Authorization: Bearer
 <key>`` of one of them, else HTTP 401 in OpenAI's error shape. The tenant stays the key's
 hash (scheduler/keys.py), so each key is one tenant."""
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-OPEN_PATHS = frozenset({"/health"})   # liveness probes and supervisors carry no key
+# Liveness probes and supervisors carry no key; the status page's HTML and script hold no
+# data (its feed, /status.json, takes a key: scheduler/status_page.py).
+OPEN_PATHS = frozenset({"/health", "/status", "/status.js"})
 
 
 def read_keys_file(path: str) -> list[str]:

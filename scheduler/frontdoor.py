@@ -33,6 +33,7 @@ from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, StopText, TextStream, chunk_body,
                                   parse_chat, parse_completion, read_json, response_body, usage)
 from scheduler.router import RoutePlan, Router
+from scheduler.status_page import install_status_page
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Frontdoor:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
+        install_status_page(app, self)     # /status, /status.json (scheduler/status_page.py)
         return app
 
     async def health(self, request: web.Request) -> web.Response:

@@ -1,0 +1,234 @@
+"""The front door's status page: ``GET /status`` (an HTML dashboard, scheduler/static/) and
+``GET /status.json`` (the feed its script polls every 2 s).
+
+The feed holds: the store nodes (each one's tiers: capacity, used bytes, blocks, hits and
+misses; a node that does not answer is listed down with the reason), the hit ratio over the
+last :data:`WINDOW_S` seconds and its history (prompt tokens loaded / prompt tokens, from the
+front door's own counters; block hits / block reads, from the nodes' tier counters), each
+engine instance's queue (requests routed and not yet prefilled; decodes running; down with
+the reason) and admissions and rejections by reason (totals and over the window).
+
+History comes from samples taken every ``sample_s`` seconds by a task of the front door's
+event loop (and at each feed request, at most one a second), kept for :data:`HISTORY_S`.
+
+The HTML and its script hold no data, so ``/status`` is served without an API key (a
+browser cannot send one when it navigates); ``/status.json`` takes the front door's API key
+like every other path. The page reads the key from the URL's fragment (``/status#key=K``:
+the fragment never leaves the browser) or asks for it, and keeps it in the tab's session
+storage.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from aiohttp import web
+
+from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.client import StoreClient
+    from scheduler.frontdoor import Frontdoor
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_PATHS = ("/status", "/status.js")   # served without an API key: they hold no data
+WINDOW_S = 300.0       # the hit ratio and admission counts the page headlines
+HISTORY_S = 900.0      # samples kept for the history chart
+MIN_REFRESH_S = 1.0    # a feed request samples anew at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Cumulative counters at wall-clock ``t`` (seconds since the epoch)."""
+
+    t: float
+    prompt_tokens: float
+    cached_tokens: float
+    block_hits: int
+    block_misses: int
+    admitted: float
+    rejected: float
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _counter(metric: Any) -> dict[str, float]:
+    """A labelled prometheus-client Counter's ``_total`` samples by their one label's value."""
+    out: dict[str, float] = {}
+    for family in metric.collect():
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                out[next(iter(s.labels.values()), "")] = s.value
+    return out
+
+
+class StatusFeed:
+    """What ``/status.json`` answers for one front door. :meth:`install` adds the routes and
+    the sampling task (started and stopped with the app)."""
+
+    def __init__(self, door: "Frontdoor", sample_s: float = 5.0) -> None:
+        self.door = door
+        self.sample_s = sample_s
+        self.samples: deque[Sample] = deque()
+        self.nodes: list[dict[str, Any]] = []
+        self._clients: dict[str, "StoreClient"] = {}
+        self._lock = asyncio.Lock()
+
+    # -- wiring ------------------------------------------------------------------------------
+    def install(self, app: web.Application) -> None:
+        app.router.add_get("/status", self.page)
+        app.router.add_get("/status.js", self.script)
+        app.router.add_get("/status.json", self.feed)
+        app.cleanup_ctx.append(self._sampling)
+
+    async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(self._run(), name="status-samples")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a failed sample must not end the sampling
+                log.exception("status page: sample failed")
+            await asyncio.sleep(self.sample_s)
+
+    # -- handlers ----------------------------------------------------------------------------
+    async def page(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "status.html", headers={"Cache-Control": "no-cache"})
+
+    async def script(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "status.js", headers={"Cache-Control": "no-cache"})
+
+    async def feed(self, request: web.Request) -> web.Response:
+        if not self.samples or time.time() - self.samples[-1].t >= MIN_REFRESH_S:
+            await self.refresh()
+        return web.json_response(self.snapshot(), headers={"Cache-Control": "no-store"})
+
+    # -- sampling ----------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read every store node and the front door's counters once; keep the sample."""
+        async with self._lock:
+            self.nodes = await self._read_nodes()
+            m = self.door.metrics
+            reg = m.registry
+            tiers = [t for n in self.nodes for t in n["tiers"]]
+            now = time.time()
+            self.samples.append(Sample(
+                now, reg.get_sample_value("kvstore_scheduler_prompt_tokens_total") or 0.0,
+                reg.get_sample_value("kvstore_scheduler_cached_prompt_tokens_total") or 0.0,
+                sum(t["hits"] for t in tiers), sum(t["misses"] for t in tiers),
+                reg.get_sample_value("kvstore_scheduler_requests_admitted_total") or 0.0,
+                sum(_counter(m.rejected).values())))
+            while self.samples and now - self.samples[0].t > HISTORY_S:
+                self.samples.popleft()
+
+    async def _read_nodes(self) -> list[dict[str, Any]]:
+        store = self.door.router.store
+        if store is None:
+            return []
+        if hasattr(store, "nodes"):   # a cluster: every node registered
+            try:
+                listed = await asyncio.to_thread(store.nodes)
+            except KVStoreError as exc:
+                return [{"node_id": "?", "address": "", "state": f"registry unreachable: {exc}", "tiers": []}]
+            addresses = [(n.node_id, n.address) for n in listed]
+        else:
+            addresses = [("", store.address)]
+        return list(await asyncio.gather(*(self._read_node(node_id, address) for node_id, address in addresses)))
+
+    async def _read_node(self, node_id: str, address: str) -> dict[str, Any]:
+        from kvstore.client import StoreClient
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = StoreClient(address, auth_token=self.door.config.store_auth_token,
+                                                          timeout_s=2.0, data_path="grpc")
+        try:
+            found_id, stats = await asyncio.to_thread(client.stats)
+        except KVStoreError as exc:
+            return {"node_id": node_id or address, "address": address, "state": f"down: {exc}", "tiers": []}
+        return {"node_id": found_id, "address": address, "state": "up", "tiers": [
+            {"name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "blocks": s.blocks,
+             "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "pinned_bytes": s.pinned_bytes}
+            for s in stats]}
+
+    # -- the feed ----------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The feed (JSON-ready): ``time``, ``status``/``reasons`` (as ``/health``), ``model``,
+        ``policy``, ``nodes``, ``hit_ratio`` (``tokens`` and ``blocks`` over ``window_s``,
+        None without traffic; ``series``: one point per sample interval), ``instances`` and
+        ``admission``. Ratios are fractions in [0, 1]; times are seconds since the epoch."""
+        door, router = self.door, self.door.router
+        report = door.health_checks.report()
+        last = self.samples[-1] if self.samples else None
+        first = self._window_start()
+        series = [{"t": b.t,
+                   "tokens": _ratio(b.cached_tokens - a.cached_tokens, b.prompt_tokens - a.prompt_tokens),
+                   "blocks": _ratio(b.block_hits - a.block_hits,
+                                    b.block_hits - a.block_hits + b.block_misses - a.block_misses)}
+                  for a, b in zip(list(self.samples), list(self.samples)[1:])]
+        tokens = blocks = None
+        if first is not None and last is not None and last is not first:
+            tokens = _ratio(last.cached_tokens - first.cached_tokens, last.prompt_tokens - first.prompt_tokens)
+            blocks = _ratio(last.block_hits - first.block_hits, last.block_hits - first.block_hits
+                            + last.block_misses - first.block_misses)
+        rejected = _counter(door.metrics.rejected)
+        return {
+            "time": time.time(), "status": report.status, "reasons": list(report.reasons),
+            "model": door.info.model_id, "policy": router.policy.name,
+            "nodes": self.nodes,
+            "hit_ratio": {"window_s": WINDOW_S, "tokens": tokens, "blocks": blocks, "series": series},
+            "instances": self._instances(),
+            "admission": {
+                "inflight": router.inflight,
+                "admitted": last.admitted if last else 0.0,
+                "rejected": {reason: rejected[reason] for reason in sorted(rejected)},
+                "finished": _counter(door.metrics.finished),
+                "window_s": WINDOW_S,
+                "admitted_in_window": last.admitted - first.admitted if first and last else 0.0,
+                "rejected_in_window": last.rejected - first.rejected if first and last else 0.0,
+            },
+        }
+
+    def _window_start(self) -> Sample | None:
+        """The oldest sample within the window (the first one when all are older)."""
+        if not self.samples:
+            return None
+        cutoff = self.samples[-1].t - WINDOW_S
+        return next((s for s in self.samples if s.t >= cutoff), self.samples[0])
+
+    def _instances(self) -> list[dict[str, Any]]:
+        router = self.door.router
+        down = router.down
+        queued, running = router.queue_depths(), router.decode_running()
+        out = []
+        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+            for engine_id in pool:
+                reason = down.get(engine_id) if isinstance(down, dict) else ("down" if engine_id in down else None)
+                out.append({"id": engine_id, "role": role, "state": f"down: {reason}" if reason else "up",
+                            "queued": queued.get(engine_id, 0) if role == "prefill" else 0,
+                            "running": running.get(engine_id, 0) if role == "decode" else 0})
+        return out
+
+
+def install_status_page(app: web.Application, door: "Frontdoor") -> StatusFeed:
+    """Add ``/status``, ``/status.js`` and ``/status.json`` to the front door's ``app``."""
+    feed = StatusFeed(door)
+    feed.install(app)
+    return feed
