@@ -6,6 +6,7 @@
     kvctl unpin KEY... [--prefix]    drop pins
     kvctl policy [--tier T] NAME     switch the eviction policy (lru, lfu, fifo, s3fifo)
     kvctl health                     is the node serving
+    kvctl watch [--interval S] [--count N]   a refreshing view of tiers, hit ratio and rates
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import asdict
 
 from tabulate import tabulate
 
+from kvstore import kvctl_watch
 from kvstore.auth import STORE_TOKEN_ENV, token_from
 from kvstore.config import parse_bytes
 from kvstore.errors import KVStoreError
@@ -122,12 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_policy)
     p = sub.add_parser("health", help="check that the node serves")
     p.set_defaults(func=cmd_health)
+    kvctl_watch.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvstore.client import StoreClient
+    if args.command == "watch":
+        return kvctl_watch.run([args.store], token_from(args.token, STORE_TOKEN_ENV), args.timeout, args)
     try:
         with StoreClient(args.store, auth_token=token_from(args.token, STORE_TOKEN_ENV), timeout_s=args.timeout) as client:
             return args.func(client, args)

@@ -1,0 +1,168 @@
+"""``kvctl watch``: a refreshing terminal view of the store's tiers — use, blocks, the hit
+ratio and the rates of hits, misses, evictions, demotions and promotions over the last
+refresh — like ``top`` for the cache (LMCache's ``lmcache`` CLI and ``redis-cli --stat``
+are the anchors).
+
+Each refresh reads every node's ``Stats`` once (gRPC, no bytes moved). Rates are counter
+differences over the seconds between two refreshes, so the first refresh shows totals only.
+On a terminal each refresh redraws the screen; otherwise (a pipe, a file) refreshes follow
+one another, separated by a blank line. ``--json`` prints one JSON object per refresh, one
+per line. ``--count N`` stops after N refreshes (default: until Ctrl-C).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence, TextIO
+
+from tabulate import tabulate
+
+from kvstore.errors import KVStoreError
+from kvstore.pool_types import TierStats
+
+RATES = ("hits", "misses", "evictions", "demotions", "promotions")
+CLEAR = "\x1b[H\x1b[2J"
+
+
+@dataclass(frozen=True)
+class NodeReading:
+    """One node at one instant: ``tiers`` (None when it did not answer, ``error`` says why)."""
+
+    address: str
+    node_id: str
+    tiers: tuple[TierStats, ...] | None
+    error: str = ""
+
+
+def read_nodes(addresses: Sequence[str], token: str | None, timeout_s: float) -> list[NodeReading]:
+    """Each node's tier figures (``Stats``); a node that does not answer is a reading with
+    the error, never an exception."""
+    from kvstore.client import StoreClient
+    out = []
+    for address in addresses:
+        try:
+            with StoreClient(address, auth_token=token, timeout_s=timeout_s, data_path="grpc") as client:
+                node_id, stats = client.stats()
+            out.append(NodeReading(address, node_id, tuple(stats)))
+        except KVStoreError as exc:
+            out.append(NodeReading(address, "?", None, str(exc)))
+    return out
+
+
+def frame(now: list[NodeReading], before: list[NodeReading] | None, elapsed_s: float) -> dict[str, Any]:
+    """One refresh as a document: per node and tier the figures, the hit ratio (all time and,
+    with ``before``, over the interval) and, with ``before``, counter ``delta`` and ``rate``
+    (per second over ``elapsed_s``)."""
+    prev = {(r.address, s.name): s for r in before or () for s in r.tiers or ()}
+    nodes = []
+    for r in now:
+        tiers = []
+        for s in r.tiers or ():
+            reads = s.hits + s.misses
+            row: dict[str, Any] = {**asdict(s), "hit_ratio": s.hits / reads if reads else None}
+            p = prev.get((r.address, s.name))
+            if p is not None and elapsed_s > 0:
+                delta = {k: getattr(s, k) - getattr(p, k) for k in RATES}
+                row["delta"] = delta
+                row["rate"] = {k: v / elapsed_s for k, v in delta.items()}
+                d_reads = delta["hits"] + delta["misses"]
+                row["interval_hit_ratio"] = delta["hits"] / d_reads if d_reads else None
+            tiers.append(row)
+        nodes.append({"address": r.address, "node_id": r.node_id, "up": r.tiers is not None,
+                      "error": r.error, "tiers": tiers})
+    return {"time": time.time(), "interval_s": elapsed_s if before is not None else None, "nodes": nodes}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The refresh as a table: one row per node and tier."""
+    rows = []
+    for n in doc["nodes"]:
+        if not n["up"]:
+            rows.append([n["node_id"], n["address"], "DOWN: " + n["error"]] + [""] * 10)
+            continue
+        for t in n["tiers"]:
+            rate = t.get("rate")
+            rows.append([n["node_id"], n["address"], t["name"], f"{t['used_bytes'] / 2**20:,.1f}",
+                         f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}" if t["capacity_bytes"] else "-",
+                         t["blocks"], _pct(t["hit_ratio"]), _pct(t.get("interval_hit_ratio"))]
+                        + [f"{rate[k]:,.1f}" if rate else "-" for k in RATES])
+    interval = doc["interval_s"]
+    head = (f"kvstore watch  {time.strftime('%H:%M:%S', time.localtime(doc['time']))}  "
+            + (f"rates per second over the last {interval:.1f} s" if interval else "totals (rates from the next refresh)"))
+    return head + "\n" + tabulate(rows, headers=["node", "address", "tier", "used MiB", "used %", "blocks",
+                                                 "hit % (all)", "hit % (interval)", "hits/s", "misses/s",
+                                                 "evictions/s", "demotions/s", "promotions/s"])
+
+
+def watch(read: Callable[[], list[NodeReading]], interval_s: float, count: int | None, as_json: bool,
+          out: TextIO = sys.stdout, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Refresh ``count`` times (None: until interrupted), ``interval_s`` apart. Returns 0, or
+    1 when no node answered the last refresh."""
+    before: list[NodeReading] | None = None
+    t_before = 0.0
+    redraw = out.isatty() and not as_json
+    done = 0
+    now: list[NodeReading] = []
+    try:
+        while count is None or done < count:
+            if done:
+                sleep(interval_s)
+            t = time.monotonic()
+            now = read()
+            doc = frame(now, before, t - t_before)
+            if as_json:
+                out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+            else:
+                out.write((CLEAR if redraw else ("\n" if done else "")) + render(doc) + "\n")
+            out.flush()
+            before, t_before = now, t
+            done += 1
+    except KeyboardInterrupt:
+        pass
+    return 0 if any(r.tiers is not None for r in now) else 1
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``watch`` on kvctl's subcommands."""
+    p = sub.add_parser("watch", help="a refreshing view of tiers, hit ratio and rates",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--interval", type=_positive, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
+    p.add_argument("--count", type=_count, metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
+    p.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    p.add_argument("--node", action="append", metavar="HOST:PORT",
+                   help="watch this node too (repeatable; default: --store)")
+    return p
+
+
+def run(addresses: Sequence[str], token: str | None, timeout_s: float, args: argparse.Namespace) -> int:
+    """``kvctl watch`` over ``addresses`` (and ``--node``s)."""
+    every = list(dict.fromkeys([*addresses, *(args.node or [])]))
+    return watch(lambda: read_nodes(every, token, min(timeout_s, max(args.interval, 1.0))),
+                 args.interval, args.count, args.json)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
