@@ -18,11 +18,16 @@ FUZZ_SCALE ?= 20
 
 setup: $(STAMP) $(PROTO_OUT)
 
-# libibverbs1 is what `import mooncake` needs (the transfer engine links it).
+# libibverbs1 is what `import mooncake` needs (the transfer engine links it); chromium is the
+# headless browser tests/test_status_page.py loads the front door's status page in.
 system-deps:
 	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then \
 	  echo "installing Debian package libibverbs1 (needed by mooncake-transfer-engine)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1; \
+	fi
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  echo "installing Debian package chromium (the status page's browser test)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; \
 	fi
 
 $(STAMP): pyproject.toml | system-deps
