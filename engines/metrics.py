@@ -32,7 +32,8 @@ https://docs.vllm.ai/en/latest/design/metrics.html); every series carries ``engi
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,7 +73,8 @@ class _EngineCollector(Collector):
         identity = getattr(e, "identity", None)
         c.add_metric(ids, getattr(identity, "mismatches", 0))
         yield c
-        info = GaugeMetricFamily("kvstore_engine_info", "The engine's role and model", labels=["engine", "role", "model"])
+        info = GaugeMetricFamily("kvstore_engine_info", "The engine's role and model",
+                                 labels=["engine", "role", "model"])
         info.add_metric([e.engine_id, e.role, e.lm.model_id], 1)
         yield info
 

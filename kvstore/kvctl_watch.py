@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, TextIO
 
 from tabulate import tabulate
 
@@ -94,8 +95,9 @@ def render(doc: dict[str, Any]) -> str:
                          t["blocks"], _pct(t["hit_ratio"]), _pct(t.get("interval_hit_ratio"))]
                         + [f"{rate[k]:,.1f}" if rate else "-" for k in RATES])
     interval = doc["interval_s"]
-    head = (f"kvstore watch  {time.strftime('%H:%M:%S', time.localtime(doc['time']))}  "
-            + (f"rates per second over the last {interval:.1f} s" if interval else "totals (rates from the next refresh)"))
+    when = time.strftime("%H:%M:%S", time.localtime(doc["time"]))
+    head = f"kvstore watch  {when}  " + (f"rates per second over the last {interval:.1f} s" if interval
+                                         else "totals (rates from the next refresh)")
     return head + "\n" + tabulate(rows, headers=["node", "address", "tier", "used MiB", "used %", "blocks",
                                                  "hit % (all)", "hit % (interval)", "hits/s", "misses/s",
                                                  "evictions/s", "demotions/s", "promotions/s"])

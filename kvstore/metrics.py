@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
@@ -185,7 +186,8 @@ class _TimingInterceptor(grpc.ServerInterceptor):
     def __init__(self, histograms: dict[str, Any]) -> None:
         self.histograms = histograms
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
         hist = self.histograms.get(handler_call_details.method)
         if handler is None or hist is None:

@@ -47,7 +47,7 @@ def build_pool(cfg: StoreConfig) -> KVPool:
 
 
 _AGENTS: dict[int, "ClusterAgent"] = {}   # id(server) -> the node's cluster presence
-_METRICS: dict[int, "MetricsServer"] = {}   # id(server) -> the node's metrics port (cfg.metrics_port)
+_METRICS: dict[int, MetricsServer] = {}   # id(server) -> the node's metrics port (cfg.metrics_port)
 
 
 def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:

@@ -315,7 +315,7 @@ def close_dataplane(server: grpc.Server) -> None:
 def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | None = None,
                 workers: int = 8, extra_services: tuple = (),
                 dataplane_socket: str | None = None, dataplane_poll_s: float = 200e-6,
-                metrics: "StoreMetrics | None" = None) -> tuple[grpc.Server, int]:
+                metrics: StoreMetrics | None = None) -> tuple[grpc.Server, int]:
     """Start the store service on ``address`` (host:port; port 0 picks a free one).
     ``extra_services``: callables ``add(server)`` that register more servicers on the same
     server (e.g. kvstore/transfer's BlockTransfer). ``dataplane_socket``: also serve the

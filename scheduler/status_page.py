@@ -24,9 +24,10 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -76,12 +77,12 @@ class StatusFeed:
     """What ``/status.json`` answers for one front door. :meth:`install` adds the routes and
     the sampling task (started and stopped with the app)."""
 
-    def __init__(self, door: "Frontdoor", sample_s: float = 5.0) -> None:
+    def __init__(self, door: Frontdoor, sample_s: float = 5.0) -> None:
         self.door = door
         self.sample_s = sample_s
         self.samples: deque[Sample] = deque()
         self.nodes: list[dict[str, Any]] = []
-        self._clients: dict[str, "StoreClient"] = {}
+        self._clients: dict[str, StoreClient] = {}
         self._lock = asyncio.Lock()
 
     # -- wiring ------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class StatusFeed:
         return out
 
 
-def install_status_page(app: web.Application, door: "Frontdoor") -> StatusFeed:
+def install_status_page(app: web.Application, door: Frontdoor) -> StatusFeed:
     """Add ``/status``, ``/status.js`` and ``/status.json`` to the front door's ``app``."""
     feed = StatusFeed(door)
     feed.install(app)

@@ -9,8 +9,9 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from html.parser import HTMLParser
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
