@@ -143,11 +143,41 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def run(addresses: Sequence[str], token: str | None, timeout_s: float, args: argparse.Namespace) -> int:
-    """``kvctl watch`` over ``addresses`` (and ``--node``s)."""
-    every = list(dict.fromkeys([*addresses, *(args.node or [])]))
-    return watch(lambda: read_nodes(every, token, min(timeout_s, max(args.interval, 1.0))),
-                 args.interval, args.count, args.json)
+def run(addresses: Sequence[str], token: str | None, timeout_s: float, args: argparse.Namespace,
+        redis_url: str | None = None) -> int:
+    """``kvctl watch`` over ``addresses`` and the ``--node``s — with ``redis_url``, over every
+    node registered in the cluster at each refresh instead of ``addresses``."""
+    extra = list(args.node or [])
+    per_call = min(timeout_s, max(args.interval, 1.0))
+
+    def read() -> list[NodeReading]:
+        listed = _registered(redis_url) if redis_url else list(addresses)
+        return read_nodes(list(dict.fromkeys([*listed, *extra])), token, per_call)
+    return watch(read, args.interval, args.count, args.json)
+
+
+def _registered(redis_url: str) -> list[str]:
+    """The addresses of the nodes in the membership registry. Raises KVStoreError when it
+    cannot be read."""
+    from kvstore.cluster.membership import RedisRegistry
+    reg = RedisRegistry(redis_url)
+    try:
+        return sorted(n.address for n in reg.nodes())
+    except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
+        raise KVStoreError(f"membership registry (Redis): {exc}") from None
+    finally:
+        reg.close()
+
+
+def cmd_watch(target: Any, args: argparse.Namespace) -> int:
+    """kvctl's ``watch`` on a target with ``store``, ``token``, ``timeout_s`` and
+    ``redis_url`` (with a registry: every node in it)."""
+    return run([target.store], target.token, target.timeout_s, args, getattr(target, "redis_url", None))
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``watch`` (its ``func`` takes kvctl's target and the arguments)."""
+    add_parser(sub).set_defaults(func=cmd_watch)
 
 
 def _positive(text: str) -> float:

@@ -27,6 +27,14 @@ Read at scrape time from the pool (:class:`PoolCollector`: nothing on the hot pa
 ``kvstore_node_info``                gauge   1, with ``version``
 ==================================== ======= ===============================================
 
+Per tenant (``namespace`` label; where the pool keeps tenant books, kvstore/tenants.py):
+``kvstore_namespace_bytes``, ``kvstore_namespace_blocks``, ``kvstore_namespace_quota_bytes``,
+``kvstore_namespace_tier_bytes`` (with ``tier``) are gauges; ``kvstore_namespace_hits_total``,
+``kvstore_namespace_misses_total``, ``kvstore_namespace_quota_evictions_total``,
+``kvstore_namespace_rejected_puts_total`` counters. A namespace is a hash of a tenant's API
+key (scheduler/keys.py), never the key, so the labels name no secret; there is one series
+set per tenant.
+
 Observed as calls end (:class:`StoreMetrics`):
 
 ==================================== ========= =============================================
@@ -40,6 +48,7 @@ Observed as calls end (:class:`StoreMetrics`):
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -81,6 +90,19 @@ TIER_COUNTERS = (
 )
 
 
+UNATTRIBUTED = "_unattributed"   # the namespace label of blocks put without a tenant
+NAMESPACE_SERIES = (   # (name, NamespaceStats field, help, family)
+    ("kvstore_namespace_bytes", "bytes", "Bytes the namespace holds (each block once)", GaugeMetricFamily),
+    ("kvstore_namespace_blocks", "blocks", "Blocks the namespace holds", GaugeMetricFamily),
+    ("kvstore_namespace_quota_bytes", "quota_bytes", "The namespace's hard byte quota (0: none)", GaugeMetricFamily),
+    ("kvstore_namespace_hits", "hits", "Reads that found a block of the namespace", CounterMetricFamily),
+    ("kvstore_namespace_misses", "misses", "Reads of a block the namespace no longer holds", CounterMetricFamily),
+    ("kvstore_namespace_quota_evictions", "evictions", "The namespace's blocks evicted to keep it under its quota",
+     CounterMetricFamily),
+    ("kvstore_namespace_rejected_puts", "rejected_puts", "Puts refused by the namespace's quota", CounterMetricFamily),
+)
+
+
 class PoolCollector(Collector):
     """The pool's figures (:meth:`KVPool.stats`) as metric families, read at each scrape.
     ``lent``: callables returning (leases, reservations) lent out, one per data plane, by
@@ -117,6 +139,29 @@ class PoolCollector(Collector):
         info = GaugeMetricFamily("kvstore_node_info", "The node's build", labels=["node", "version"])
         info.add_metric([node, __version__], 1)
         yield info
+        yield from self._namespaces(node)
+
+    def _namespaces(self, node: str) -> Iterable[Metric]:
+        """Per-tenant series from the pool's tenant books (kvstore/tenants.py, where this
+        build has them): ``namespace`` is the block's tenant, :data:`UNATTRIBUTED` for
+        blocks put without one."""
+        try:
+            tenants = importlib.import_module("kvstore.tenants")
+        except ImportError:
+            return
+        per = tenants.namespace_stats(self.pool)
+        labels = ["node", "namespace"]
+        for name, field, text, family in NAMESPACE_SERIES:
+            f = family(name, text, labels=labels)
+            for ns, st in sorted(per.items()):
+                f.add_metric([node, ns or UNATTRIBUTED], getattr(st, field))
+            yield f
+        f = GaugeMetricFamily("kvstore_namespace_tier_bytes", "Bytes of the namespace's copies in the tier",
+                              labels=["node", "namespace", "tier"])
+        for ns, st in sorted(per.items()):
+            for tier, nbytes in sorted(st.tier_bytes.items()):
+                f.add_metric([node, ns or UNATTRIBUTED, tier], nbytes)
+        yield f
 
 
 class StoreMetrics:

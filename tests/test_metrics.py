@@ -192,3 +192,21 @@ def test_engine_metrics_parse_and_move_with_traffic(node):
         for server in servers:
             stop_metrics(server)
             server.stop(0).wait()
+
+
+def test_store_metrics_per_namespace(node):
+    """Per-tenant series, from the pool's tenant books (kvstore/tenants.py)."""
+    pytest.importorskip("kvstore.tenants", reason="this build keeps no per-tenant books (kvstore/tenants.py)")
+    address, url, _ = node
+    a, b = blocks(3, seed=3), blocks(2, seed=4)
+    with StoreClient(address, auth_token=TOKEN, data_path="grpc") as client:
+        assert all(r.ok for r in client.put_blocks(a, chain=True, namespace="tenant-a"))  # type: ignore[call-arg]
+        assert all(r.ok for r in client.put_blocks(b, chain=True, namespace="tenant-b"))  # type: ignore[call-arg]
+        assert client.get_blocks([k for k, _ in a]) == [v for _, v in a]
+    got = scrape(url)
+    assert value(got, "kvstore_namespace_bytes", namespace="tenant-a") == 3 * (64 << 10)
+    assert value(got, "kvstore_namespace_blocks", namespace="tenant-b") == 2
+    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-a") == 3
+    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-b") == 0
+    assert value(got, "kvstore_namespace_tier_bytes", namespace="tenant-a", tier="dram") == 3 * (64 << 10)
+    assert value(got, "kvstore_namespace_quota_bytes", namespace="tenant-a") == 0
