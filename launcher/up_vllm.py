@@ -72,10 +72,13 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     servers = []
     t0 = time.monotonic()
     try:
+        metrics_port = free_port(host)
         stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
-                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"), "--node-id", "store")
+                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"), "--node-id", "store",
+                    "--metrics-port", str(metrics_port))
         _wait_grpc(stack, store, 60)
-        print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd})", flush=True)
+        print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd}; metrics "
+              f"http://{host}:{metrics_port}/metrics)", flush=True)
         servers = start_servers(specs, stack.log_dir, names, timeout_s=600)
         for name, spec in zip(names, specs):
             print(f"vLLM {spec.role:<11} {name} {spec.url}", flush=True)
@@ -90,7 +93,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
                     *(["--api-keys-file", keys_file] if keys_file else []))
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
-        print(f"front door     {url}  over vLLM ({args.topology})", flush=True)
+        print(f"front door     {url}  over vLLM ({args.topology}; GET /metrics, GET /status)", flush=True)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)

@@ -200,8 +200,8 @@ def test_store_metrics_per_namespace(node):
     address, url, _ = node
     a, b = blocks(3, seed=3), blocks(2, seed=4)
     with StoreClient(address, auth_token=TOKEN, data_path="grpc") as client:
-        assert all(r.ok for r in client.put_blocks(a, chain=True, namespace="tenant-a"))  # type: ignore[call-arg]
-        assert all(r.ok for r in client.put_blocks(b, chain=True, namespace="tenant-b"))  # type: ignore[call-arg]
+        assert all(r.ok for r in client.put_blocks(a, chain=True, namespace="tenant-a"))
+        assert all(r.ok for r in client.put_blocks(b, chain=True, namespace="tenant-b"))
         assert client.get_blocks([k for k, _ in a]) == [v for _, v in a]
     got = scrape(url)
     assert value(got, "kvstore_namespace_bytes", namespace="tenant-a") == 3 * (64 << 10)
