@@ -171,7 +171,8 @@ class StatusFeed:
 
     # -- the feed ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """The feed (JSON-ready): ``time``, ``status``/``reasons`` (as ``/health``), ``model``,
+        """The feed (JSON-ready): ``time``, ``sampled_at`` (when the nodes and counters were
+        read), ``status``/``reasons`` (as ``/health``), ``model``,
         ``policy``, ``nodes``, ``hit_ratio`` (``tokens`` and ``blocks`` over ``window_s``,
         None without traffic; ``series``: one point per sample interval), ``instances`` and
         ``admission``. Ratios are fractions in [0, 1]; times are seconds since the epoch."""
@@ -191,7 +192,8 @@ class StatusFeed:
                             + last.block_misses - first.block_misses)
         rejected = _counter(door.metrics.rejected)
         return {
-            "time": time.time(), "status": report.status, "reasons": list(report.reasons),
+            "time": time.time(), "sampled_at": last.t if last else None,
+            "status": report.status, "reasons": list(report.reasons),
             "model": door.info.model_id, "policy": router.policy.name,
             "nodes": self.nodes,
             "hit_ratio": {"window_s": WINDOW_S, "tokens": tokens, "blocks": blocks, "series": series},

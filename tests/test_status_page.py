@@ -132,6 +132,10 @@ def test_status_page_renders_traffic_in_headless_chromium(stack, tmp_path):
     for _ in range(2):
         status, _, body = call(url, "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, AUTH)
         assert status == 429 and json.loads(body)["error"]["code"] == "decode_capacity"
+    after = time.time()
+    deadline = time.monotonic() + 15     # the feed samples anew at most once a second
+    while feed(url)["sampled_at"] < after and time.monotonic() < deadline:
+        time.sleep(0.2)
 
     html = dump_dom(f"{url}/status#key={KEY}", str(tmp_path / "profile"))
     assert 'data-state="ready"' in html, html[-3000:]

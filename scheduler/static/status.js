@@ -110,7 +110,7 @@ function render(s) {
   badge.className = "badge " + s.status;
   $("model").textContent = s.model;
   $("policy").textContent = s.policy;
-  $("updated").textContent = new Date(s.time * 1000).toLocaleTimeString();
+  $("updated").textContent = new Date((s.sampled_at || s.time) * 1000).toLocaleTimeString();
   $("reasons").replaceChildren(...s.reasons.map((r) => { const li = document.createElement("li"); li.textContent = r; return li; }));
   const minutes = String(Math.round(s.hit_ratio.window_s / 60));
   $("window").textContent = minutes;
