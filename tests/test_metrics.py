@@ -210,3 +210,28 @@ def test_store_metrics_per_namespace(node):
     assert value(got, "kvstore_namespace_hits_total", namespace="tenant-b") == 0
     assert value(got, "kvstore_namespace_tier_bytes", namespace="tenant-a", tier="dram") == 3 * (64 << 10)
     assert value(got, "kvstore_namespace_quota_bytes", namespace="tenant-a") == 0
+
+
+def test_store_metrics_count_the_transfer_engine_plane(tmp_path, redis_url):
+    """A node in a cluster runs the transfer engine: its TCP control channel's leases are
+    the ``remote`` plane; a read through it is a timed ``lease``."""
+    from kvstore.cluster.client import ClusterClient
+
+    cfg = StoreConfig(node_id="te-node", port=0, metrics_port=0, dram_bytes=8 << 20, ssd_bytes=0,
+                      data_dir=str(tmp_path), redis_url=redis_url, dram_prefault=False)
+    server, port, pool = start_node(cfg)
+    try:
+        got = scrape(metrics_url(server), None)
+        assert value(got, "kvstore_leases", plane="remote") == 0
+        assert value(got, "kvstore_reservations", plane="remote") == 0
+        data = blocks(2, seed=5)
+        assert all(pool.put(k, v).ok for k, v in data)
+        with ClusterClient(redis_url, transport="transfer_engine") as cluster:
+            cluster.wait_for_nodes(1, timeout_s=10)
+            assert cluster.get_blocks([k for k, _ in data]) == [v for _, v in data]
+            assert set(cluster.paths.values()) == {"transfer_engine"}, cluster.paths
+        got = scrape(metrics_url(server), None)
+        assert value(got, "kvstore_dataplane_op_seconds_count", plane="remote", op="lease") >= 1
+        assert value(got, "kvstore_leases", plane="remote") == 0      # released after the read
+    finally:
+        stop_node(server, pool, grace_s=0)
