@@ -1,5 +1,6 @@
 """The decode engine: loads the prompt's blocks from the pool, appends the tail KV handed over
-by prefill, and continues greedy generation token by token (DESIGN.md §6)."""
+by prefill, and continues generation token by token, greedy or sampled as the request's
+:class:`~engines.types.SamplingParams` say (engines/sampling.py; DESIGN.md §6)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,8 @@ import torch
 from engines.kv import append, build_cache, to_tensor
 from engines.model import LoadedModel
 from engines.prefill import read_prefix, validate_prompt
-from engines.types import DecodeStep, EngineLoad, extras_for
+from engines.sampling import Sampler
+from engines.types import GREEDY, DecodeStep, EngineLoad, SamplingParams, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument
 from kvstore.identity import IdentityCheck, block_tags
@@ -43,9 +45,10 @@ class DecodeEngine:
                block_keys: Sequence[bytes], tail_kv: bytes, max_tokens: int,
                stop_token_ids: Sequence[int] = (),
                is_cancelled: Callable[[], bool] = lambda: False,
-               namespace: str = "default") -> Iterator[DecodeStep]:
+               namespace: str = "default", sampling: SamplingParams = GREEDY) -> Iterator[DecodeStep]:
         """Yield ``max_tokens`` tokens at most (index 0 is ``first_token``), stopping early at a
-        stop token. Blocks missing from the pool — or holding another token sequence's KV
+        stop token; token ``i`` is chosen as ``sampling`` says for index ``i`` (the prefill
+        engine chose index 0 with the same parameters). Blocks missing from the pool — or holding another token sequence's KV
         (their identity tags, computed from ``prompt`` and ``namespace``, differ; counted in
         ``identity.mismatches``) — are recomputed from the prompt (and counted in
         ``recomputed_tokens``), never a failed request. Raises InvalidArgument for a bad
@@ -62,14 +65,15 @@ class DecodeEngine:
             self._running += 1
         try:
             yield from self._decode(list(prompt), first_token, list(block_keys), tail_kv,
-                                    max_tokens, set(stop_token_ids), is_cancelled, namespace)
+                                    max_tokens, set(stop_token_ids), is_cancelled, namespace,
+                                    Sampler(sampling))
         finally:
             with self._stats_lock:
                 self._running -= 1
 
     def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
                 max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool],
-                namespace: str) -> Iterator[DecodeStep]:
+                namespace: str, sampler: Sampler) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
         tail = to_tensor(tail_kv, lm.layout, lm.dtype) if tail_kv else None
         tail_tokens = 0 if tail is None else tail.shape[3]
@@ -105,4 +109,4 @@ class DecodeEngine:
             with self._lock, torch.inference_mode():
                 ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
                 out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-            token = int(out.logits[0, -1].argmax())
+            token = sampler.choose(out.logits[0, -1], index + 1)

@@ -13,7 +13,8 @@ import torch
 from engines.kv import append, build_cache, slice_bytes, to_tensor
 from engines.local_cache import LocalBlockCache
 from engines.model import LoadedModel
-from engines.types import EngineLoad, PrefillResult, extras_for
+from engines.sampling import Sampler
+from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.identity import IdentityCheck, block_tags, seal
@@ -75,10 +76,11 @@ class PrefillEngine:
         return EngineLoad(self._queued, self._running, self._queued_tokens)
 
     def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
-                max_load_blocks: int | None = None) -> PrefillResult:
+                max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY) -> PrefillResult:
         """Prefill ``prompt``, loading from the pool at most the prefix of ``max_load_blocks``
         blocks (the scheduler's decision to recompute the rest; None: any hit — the
-        engine's own cache is never limited). Raises InvalidArgument for a bad prompt. A
+        engine's own cache is never limited); the first token is chosen as ``sampling``
+        says (token index 0). Raises InvalidArgument for a bad prompt. A
         pool that cannot be reached is a miss (the prefix is recomputed), never a failed
         request."""
         if max_load_blocks is not None and max_load_blocks < 0:
@@ -93,13 +95,13 @@ class PrefillEngine:
                 self._queued_tokens -= len(prompt)
                 self._running += 1
             try:
-                return self._prefill(request_id, list(prompt), namespace, max_load_blocks)
+                return self._prefill(request_id, list(prompt), namespace, max_load_blocks, sampling)
             finally:
                 with self._stats_lock:
                     self._running -= 1
 
     def _prefill(self, request_id: str, prompt: list[int], namespace: str,
-                 max_load_blocks: int | None) -> PrefillResult:
+                 max_load_blocks: int | None, sampling: SamplingParams) -> PrefillResult:
         t0 = time.perf_counter()
         lm, bs = self.lm, self.block_size
         extras = extras_for(lm.model_id, lm.revision, lm.layout, namespace)
@@ -127,7 +129,7 @@ class PrefillEngine:
         with torch.inference_mode():
             ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=lm.device)
             out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        first = int(out.logits[0, -1].argmax())
+        first = Sampler(sampling).choose(out.logits[0, -1], 0)
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
         # What this engine served from its own cache but the pool has lost goes back, so

@@ -14,6 +14,7 @@ from engines.decode import DecodeEngine
 from engines.metrics import EngineMetrics
 from engines.model import LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
+from engines.types import GREEDY, SamplingParams
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -51,7 +52,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a decode engine")
         try:
             limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
-            r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit)
+            r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit,
+                                    sampling_from_pb(request))
         except InvalidArgument as exc:
             self._failed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -72,12 +74,13 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.engine.engine_id} is a prefill engine")
         try:
             check_keys(request.block_keys, "block_keys")
+            sampling = sampling_from_pb(request)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
                                    list(request.stop_token_ids), lambda: not context.is_active(),
-                                   namespace=request.namespace)
+                                   namespace=request.namespace, sampling=sampling)
         if self.metrics is not None:
             steps = self.metrics.timed_decode(steps)
         try:
@@ -108,6 +111,23 @@ def stop_metrics(server: grpc.Server) -> None:
     metrics = _METRICS.pop(id(server), None)
     if metrics is not None:
         metrics.close()
+
+
+MAX_TEMPERATURE = 2.0   # OpenAI's range: https://platform.openai.com/docs/api-reference/completions/create
+
+
+def sampling_from_pb(request: pb.PrefillRequest | pb.DecodeRequest) -> SamplingParams:
+    """The request's sampling parameters (greedy when it carries none; a ``top_p`` of 0, the
+    unset value, is 1). Raises InvalidArgument for a temperature outside [0, 2] or a top_p
+    outside [0, 1] (NaN included)."""
+    if not request.HasField("sampling"):
+        return GREEDY
+    s = request.sampling
+    if not 0.0 <= s.temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {s.temperature!r}")
+    if not 0.0 <= s.top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p must be in [0, 1], got {s.top_p!r}")
+    return SamplingParams(float(s.temperature), float(s.top_p) or 1.0, int(s.seed))
 
 
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,

@@ -48,6 +48,28 @@ class PrefillResult:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How each token is chosen from the model's logits (OpenAI's sampling fields, whose
+    ranges the front door checks): ``temperature`` 0 is greedy (argmax), else the logits are
+    divided by it; ``top_p`` keeps the smallest set of most likely tokens whose probability
+    reaches it (nucleus sampling, Holtzman et al. 2020, https://arxiv.org/abs/1904.09751);
+    ``seed`` fixes the draws: token ``index`` of a request is drawn from a generator seeded
+    with (``seed``, ``index``) (engines/sampling.py), so the same seed gives the same tokens
+    on any engine, and a decode resumed elsewhere repeats the tokens already sent."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0             # 0 <= seed < 2**64
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeStep:
     token: int
     index: int                # 0 is the first token (from prefill)
