@@ -1,6 +1,7 @@
 """Tokenizers: a byte-level one for the tiny model, or the checkpoint's own."""
 from __future__ import annotations
 
+import codecs
 from typing import Protocol, Sequence
 
 from kvstore.errors import InvalidArgument
@@ -16,8 +17,11 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos. Ids at or above 259
-    (possible from a random model) decode to nothing."""
+    """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos (special: no text).
+    Ids at or above 259 stand for no byte (the tiny model's vocabulary is 512, so a random
+    model emits them about half the time): each decodes to U+FFFD, the replacement
+    character, as a byte that is not valid UTF-8 does — never to nothing, so every token a
+    stream carries shows as text."""
 
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
 
@@ -34,13 +38,40 @@ class ByteTokenizer:
         return [b + self.OFFSET for b in raw]
 
     def decode(self, ids: Sequence[int]) -> str:
-        raw = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
-        return raw.decode("utf-8", errors="replace")
+        stream = self.stream()
+        return "".join(stream.push(i) for i in ids) + stream.flush()
+
+    def stream(self) -> "ByteStream":
+        """An incremental decoder: the text of one token at a time (see :class:`ByteStream`)."""
+        return ByteStream(self.OFFSET)
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
         """A simple template for the tiny model: ``<role>: <content>\\n`` per message, then
         ``assistant: ``."""
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class ByteStream:
+    """Incremental decoding for :class:`ByteTokenizer`: :meth:`push` returns the text one
+    more token completes. Only the first bytes of a multi-byte character not yet complete
+    (at most 3) are held back; a byte that cannot be part of one is U+FFFD at once (UTF-8
+    decoding with replacement, Unicode §3.9 "U+FFFD Substitution of Maximal Subparts").
+    The pieces joined, then :meth:`flush`, equal ``ByteTokenizer.decode`` of the ids."""
+
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if self._offset <= token_id < 256 + self._offset:
+            return str(self._utf8.decode(bytes((token_id - self._offset,))))
+        if token_id < self._offset:        # pad, bos, eos: no text
+            return ""
+        return self.flush() + "\ufffd"     # a token that stands for no byte
+
+    def flush(self) -> str:
+        """What is held back (an incomplete character: U+FFFD), and start afresh."""
+        return str(self._utf8.decode(b"", final=True))
 
 
 class HFTokenizer:
