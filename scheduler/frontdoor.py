@@ -6,8 +6,15 @@ Per request: validate and tokenize, take the tenant from ``Authorization``, rout
 stream the decode engine's tokens to the client. The first token is sent as soon as prefill returns it.
 A client that disconnects cancels its request (the engine calls are cancelled with it).
 
-Errors map to statuses here and only here: bad request 400, prompt too long 413, admission
-429 (with ``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
+Sampling: ``temperature`` (absent or 0: greedy, the built-in engines' default — OpenAI's is
+1), ``top_p`` and ``seed`` go to both engines (engines/sampling.py); a sampled request sent
+without a seed gets a random one here, so a decode resumed on another engine repeats the
+tokens already sent.
+
+Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
+not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN` and ``logprobs``, included), unknown
+model or path 404, wrong method 405, prompt too long 413, admission 429 (with
+``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -22,7 +30,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from engines.tokenizer import Tokenizer
-from engines.types import PrefillResult
+from engines.types import PrefillResult, SamplingParams
 from kvstore.errors import InvalidArgument, KVStoreError
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
@@ -30,15 +38,35 @@ from scheduler.config import FrontdoorConfig
 from scheduler.health import HealthChecker
 from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
-from scheduler.openai_api import (APIError, GenerationRequest, ModelLimits, StopText, TextStream, chunk_body,
-                                  parse_chat, parse_completion, read_json, response_body, usage)
+from scheduler.openai_api import (NOT_BUILT_IN, APIError, GenerationRequest, ModelLimits, model_not_found,
+                                  parse_chat, parse_completion, read_json, refuse_fields)
+from scheduler.openai_shapes import chunk_body, request_id, response_body, usage, usage_chunk
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
+from scheduler.text_stream import StopText, TextStream
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[[int], Awaitable[bool]]  # True: a stop string appeared, end the generation
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404 (no such path) and 405 (a path that takes another method) answered in
+    OpenAI's error shape, as JSON, instead of plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        what = (f"no route {request.method} {request.path}" if exc.status == 404 else
+                f"{request.path} does not take {request.method}")
+        code = "not_found" if exc.status == 404 else "method_not_allowed"
+        err = APIError(exc.status, what, code=code)
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+        return web.json_response(err.body(), status=exc.status, headers=headers)
 
 
 class Frontdoor:
@@ -51,17 +79,25 @@ class Frontdoor:
         self.metrics = FrontdoorMetrics()
         infos = [p.info for p in router.prefill.values()] + [d.info for d in router.decode.values()]
         self.info = router.info
-        self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos))
+        names = (self.info.model_id, *([config.model_dir] if config.model_dir else []))
+        self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos), names)
         self.health_checks = HealthChecker(router, config.health_interval_s)
 
+    def routes(self) -> list[web.RouteDef]:
+        """The route table (add a route here, or extend the list in a subclass)."""
+        return [web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_text)]
+
     def app(self) -> web.Application:
-        middlewares = [api_key_middleware(self.config.api_keys)] if self.config.api_keys else []
+        middlewares: list[Handler | Any] = [json_errors]
+        if self.config.api_keys:
+            middlewares.append(api_key_middleware(self.config.api_keys))
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_text)
+        app.add_routes(self.routes())
         install_status_page(app, self)     # /status, /status.json (scheduler/status_page.py)
         return app
 
@@ -74,10 +110,20 @@ class Frontdoor:
                                   "block_size": self.info.block_size, "vocab_size": self.limits.vocab_size,
                                   "max_model_len": self.limits.max_model_len}, status=report.http_status)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.info.model_id, "object": "model", "created": 0, "owned_by": "kvstore",
+                "max_model_len": self.limits.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.info.model_id, "object": "model", "created": 0, "owned_by": "kvstore",
-            "max_model_len": self.limits.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: the served model's card, else 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        if name not in self.limits.model_ids:
+            err = model_not_found(name)
+            return web.json_response(err.body(), status=err.status)
+        return web.json_response(self._model_card())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
@@ -95,6 +141,10 @@ class Frontdoor:
         try:
             body = read_json(await request.read())
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
+            refuse_fields(body, NOT_BUILT_IN, "the built-in engines")
+            if req.logprobs is not None:
+                raise APIError(400, "'logprobs' is not supported by the built-in engines (the vLLM front door "
+                                    "passes it on)", code="unsupported_parameter", param="logprobs")
             plan = await self._admit(request, req)
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
@@ -118,9 +168,9 @@ class Frontdoor:
 
     async def _admit(self, request: web.Request, req: GenerationRequest) -> RoutePlan:
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        rid = request_id(req.chat, uuid.uuid4().hex)
         try:
-            plan = await self.router.plan(request_id, req.prompt, namespace, req.max_tokens)
+            plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
         except KVStoreError as exc:     # no instance up for a role
@@ -140,13 +190,15 @@ class Frontdoor:
         closed, which cancels it on the engine). Returns the prefill result, the finish reason and the plan as it ended (an
         engine that fails is marked down and the request moves to another instance of its
         role: a prefill before anything was sent, a decode from the token it had reached —
-        greedy decoding gives the same tokens). Raises APIError 503 (naming the engine and
-        why) when no other instance is up, 400 when an engine rejects the request."""
+        the same sampling parameters and seed give the same tokens). Raises APIError 503
+        (naming the engine and why) when no other instance is up, 400 when an engine
+        rejects the request."""
         tried: set[str] = set()
+        sampling = sampling_of(req)
         while True:
             try:
                 result = await self.router.prefill_client(plan).prefill(
-                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks)
+                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks, sampling)
                 break
             except KVStoreError as exc:
                 if isinstance(exc, InvalidArgument):
@@ -170,7 +222,7 @@ class Frontdoor:
         tried = set()
         while True:
             steps = self.router.decode_client(plan).decode(plan.request_id, req.prompt, plan.namespace,
-                                                           result, req.max_tokens, stop)
+                                                           result, req.max_tokens, stop, sampling)
             try:
                 async with contextlib.aclosing(steps):
                     async for step in steps:
@@ -239,8 +291,10 @@ class Frontdoor:
 
     async def _stream(self, request: web.Request, req: GenerationRequest, plan: RoutePlan,
                       t0: float) -> tuple[web.StreamResponse, str]:
-        """Server-sent events: one per token, a last one with finish_reason and usage, then
-        ``[DONE]``. Headers go out with the first token, so a failed prefill is still a 503."""
+        """Server-sent events: one per token (its text as soon as it decodes), a last one
+        with finish_reason, one with the usage when the client asked
+        (``stream_options.include_usage``), then ``[DONE]``. Headers go out with the first
+        token, so a failed prefill is still a 503."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
         stop = StopText(req.stop)
@@ -277,13 +331,26 @@ class Frontdoor:
         self.metrics.count_cached(result.cached_tokens)
         try:
             await send(chunk_body(req, plan.request_id, created, self.info.model_id,
-                                  stop.push(text.flush()) + stop.flush(), [],
-                                  finish, usage(len(req.prompt), count, result.cached_tokens)))
+                                  stop.push(text.flush()) + stop.flush(), [], finish))
+            if req.include_usage:
+                await send(usage_chunk(req, plan.request_id, created, self.info.model_id,
+                                       usage(len(req.prompt), count, result.cached_tokens)))
             await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:
             return resp, "cancelled"
         return resp, "ok"
+
+
+def sampling_of(req: GenerationRequest) -> SamplingParams:
+    """The engines' sampling parameters of a request: greedy when ``temperature`` is absent or
+    0 or ``top_p`` is 0; else sampled, with the client's seed or a random one (so every
+    engine that serves the request draws the same tokens)."""
+    temperature = req.temperature or 0.0
+    if temperature == 0.0 or req.top_p == 0.0:
+        return SamplingParams()
+    seed = req.seed if req.seed is not None else secrets.randbits(64)
+    return SamplingParams(temperature, 1.0 if req.top_p is None else req.top_p, seed)
 
 
 class _TokenClock:

@@ -2,8 +2,11 @@
 (``Engine/Load``, one gRPC round trip, ``timeout_s`` at most) and the store node for its
 health; an engine that fails the check — or a request (:meth:`Router.mark_down`) — is out of
 routing until a check succeeds again. :meth:`HealthChecker.report` is what ``GET /health``
-answers: ``ok``, ``degraded`` (something is down, requests are still served; the reasons
-say what) or ``unavailable`` (no prefill or no decode instance is up: HTTP 503)."""
+answers: ``ok`` (HTTP 200), or HTTP 503 with the reasons (one line per part that is down)
+and a status saying what that means: ``degraded`` (an engine or the store is down; requests
+are still served — by the other instances, or recomputed without the pool) or
+``unavailable`` (no prefill or no decode instance is up). The front door over vLLM checks
+only the store here (``probe_engines=False``): its router watches the instances itself."""
 from __future__ import annotations
 
 import asyncio
@@ -27,14 +30,17 @@ class HealthReport:
 
     @property
     def http_status(self) -> int:
-        return 503 if self.status == "unavailable" else 200
+        """200 when everything is up, else 503 (a probe sees that a part is down)."""
+        return 200 if self.status == "ok" else 503
 
 
 class HealthChecker:
     """Runs the checks in a task of the front door's event loop (:meth:`start`/:meth:`stop`)."""
 
-    def __init__(self, router: Router, interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+    def __init__(self, router: Router, interval_s: float = 1.0, timeout_s: float = 1.0,
+                 probe_engines: bool = True) -> None:
         self.router = router
+        self.probe_engines = probe_engines
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.store_down: str = ""
@@ -59,7 +65,7 @@ class HealthChecker:
 
     async def check_once(self) -> None:
         """Ask every engine (in parallel) and the store once; update the router's ``down``."""
-        insts = [*self.router.prefill.items(), *self.router.decode.items()]
+        insts = [*self.router.prefill.items(), *self.router.decode.items()] if self.probe_engines else []
         results = await asyncio.gather(*(self._probe(inst.client) for _, inst in insts))
         for (engine_id, _), error in zip(insts, results):
             if error:

@@ -1,9 +1,15 @@
-"""The OpenAI-compatible wire format of the front door: request validation and the shapes of
-responses, stream chunks and errors (``/v1/completions``, ``/v1/chat/completions``).
+"""The OpenAI-compatible wire format of the front door: request validation
+(``/v1/completions``, ``/v1/chat/completions``; OpenAI's API reference,
+https://platform.openai.com/docs/api-reference/completions/create and .../chat/create) and
+the errors; the answers' shapes are in scheduler/openai_shapes.py.
 
-``stop`` (a string or a list of up to :data:`MAX_STOP_STRINGS`) is honoured: generation ends
-when the decoded text contains one, the text is cut before it and ``finish_reason`` is
-``"stop"`` (:class:`StopText`).
+Checked as OpenAI defines them: ``model`` (the served model, else 404 ``model_not_found``),
+``temperature`` [0, 2], ``top_p`` [0, 1], ``seed`` (an integer), ``stop`` (a string or up to
+:data:`MAX_STOP_STRINGS`: generation ends when the text contains one, the text is cut before
+it and ``finish_reason`` is ``"stop"``, scheduler/text_stream.py), ``stream_options``
+(``include_usage``, only with ``stream``), chat ``content`` as a string or a list of text
+parts. Fields that would change the answer and that neither front door applies
+(:data:`NEVER_APPLIED`) are a 400, never ignored.
 
 Extensions to OpenAI's shapes: ``choices[0].token_ids`` (generated ids, also one per stream
 chunk), ``ignore_eos`` in the request (generate exactly ``max_tokens``) and
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable
 
 from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument
@@ -28,28 +34,37 @@ class APIError(Exception):
     wrong), ``type`` and ``code`` (OpenAI's error fields)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
         self.headers = headers or {}
+        self.param = param      # the request field at fault, when one is
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    """What a request is checked against: ``vocab_size`` (ids in ``[0, vocab_size)``) and
-    ``max_model_len`` (prompt + generated tokens)."""
+    """What a request is checked against: ``vocab_size`` (ids in ``[0, vocab_size)``),
+    ``max_model_len`` (prompt + generated tokens) and ``model_ids``: the names a request's
+    ``model`` may give (the first is the one ``/v1/models`` lists; empty: any)."""
 
     vocab_size: int
     max_model_len: int
+    model_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request. ``prompt``: token ids; ``max_tokens``: tokens to generate (>= 1);
-    ``chat``: answer in the chat shapes."""
+    ``chat``: answer in the chat shapes; ``temperature``, ``top_p``, ``seed``: as sent
+    (None: not sent); ``include_usage``: a stream ends with a usage chunk
+    (``stream_options.include_usage``); ``logprobs``: how many alternatives per token the
+    client asked log probabilities for (None: none asked)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -57,10 +72,20 @@ class GenerationRequest:
     ignore_eos: bool
     chat: bool
     stop: tuple[str, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    include_usage: bool = False
+    logprobs: int | None = None
 
 
-def _bad(message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, code=code)
+def _bad(message: str, code: str = "invalid_value", param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    """404 ``model_not_found``, OpenAI's answer for a model it does not serve."""
+    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
 
 def read_json(raw: bytes) -> Any:
@@ -113,36 +138,105 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list):
-        raise _bad(f"'stop' must be a string or a list of strings, got {type(stop).__name__}", "invalid_type")
+        raise _bad(f"'stop' must be a string or a list of strings, got {type(stop).__name__}", "invalid_type", "stop")
     odd = next((x for x in items if not isinstance(x, str)), None)
     if odd is not None:
         raise _bad(f"'stop' must be a string or a list of strings, got a list holding a {type(odd).__name__}",
-                   "invalid_type")
+                   "invalid_type", "stop")
     if len(items) > MAX_STOP_STRINGS:
-        raise _bad(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS}")
+        raise _bad(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
     for x in items:
         if not x or len(x) > MAX_STOP_CHARS:
-            raise _bad(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters, got {len(x)}")
+            raise _bad(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters, got {len(x)}", param="stop")
     return tuple(dict.fromkeys(items))
 
 
-def _common(body: Any) -> None:
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _bad(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r}", "invalid_value", name)
+    return float(value)
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = body.get("seed")
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < (1 << 64):
+        raise _bad(f"'seed' must be an integer from -2**63 to 2**64 - 1, got {seed!r}", "invalid_value", "seed")
+    return seed % (1 << 64)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    """``stream_options.include_usage``; stream_options without ``stream`` is a 400 (as OpenAI)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise _bad(f"'stream_options' must be an object, got {type(opts).__name__}", "invalid_type", "stream_options")
+    return _flag(opts, "include_usage")
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Alternatives asked per token: completions ``logprobs`` (0 to 5), chat ``logprobs``
+    (true) with ``top_logprobs`` (0 to 20). None when none asked."""
+    if chat:
+        asked, top = _flag(body, "logprobs"), body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise _bad(f"'top_logprobs' must be an integer from 0 to 20, got {top!r}", param="top_logprobs")
+        if top is not None and not asked:
+            raise _bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if asked else None
+    n = body.get("logprobs")
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 5:
+        raise _bad(f"'logprobs' must be an integer from 0 to 5, got {n!r}", param="logprobs")
+    return n
+
+
+# Fields that change the answer and that no front door here applies: a value other than the
+# neutral one is refused (400), never ignored. (name -> is the value neutral?)
+NEVER_APPLIED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v in (None, False), "suffix": lambda v: v in (None, ""),
+    "best_of": lambda v: v in (None, 1), "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []), "tool_choice": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+}
+# Fields the vLLM engines apply (scheduler/vllm_frontdoor.py passes them on) and the built-in
+# engines do not: refused by the built-in front door.
+NOT_BUILT_IN: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": lambda v: v in (None, {}), "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0), "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "top_k": lambda v: v in (None, 0, -1), "min_p": lambda v: v in (None, 0, 0.0),
+    "min_tokens": lambda v: v in (None, 0), "stop_token_ids": lambda v: v in (None, []),
+}
+
+
+def refuse_fields(body: dict[str, Any], table: dict[str, Callable[[Any], bool]], who: str) -> None:
+    """Raises APIError 400 naming the first field of ``table`` whose value in ``body`` is not
+    the neutral one (``who`` says what does not apply it)."""
+    for name, neutral in table.items():
+        if name in body and not neutral(body[name]):
+            raise _bad(f"'{name}' is not supported by {who}", "unsupported_parameter", name)
+
+
+def _common(body: Any, limits: ModelLimits) -> None:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "invalid_body")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad(f"'model' must be a string, got {type(model).__name__}", "invalid_type")
+        raise _bad(f"'model' must be a string, got {type(model).__name__}", "invalid_type", "model")
+    if model is not None and limits.model_ids and model not in limits.model_ids:
+        raise model_not_found(model)
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
-        raise _bad("only 'n': 1 is supported", "unsupported_value")
-    # The built-in engines decode greedily; sampling fields are checked as OpenAI's API
-    # defines them, so a bad value is a 400 rather than silently ignored.
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise _bad(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r}", "invalid_value")
+        raise _bad("only 'n': 1 is supported", "unsupported_value", "n")
+    refuse_fields(body, NEVER_APPLIED, "this server")
 
 
 def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, default_max_tokens: int,
@@ -151,7 +245,7 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
     if max_tokens is None:
         max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise _bad(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+        raise _bad(f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens")
     if not tokens:
         raise _bad("the prompt is empty", "empty_prompt")
     bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
@@ -161,17 +255,20 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
         raise APIError(413, f"the prompt has {len(tokens)} tokens and {max_tokens} were asked for: "
                             f"{len(tokens) + max_tokens} exceeds the model's limit of "
                             f"{limits.max_model_len} tokens", code="context_length_exceeded")
-    return GenerationRequest(tuple(tokens), max_tokens, _flag(body, "stream"), _flag(body, "ignore_eos"), chat,
-                             _stops(body))
+    stream = _flag(body, "stream")
+    return GenerationRequest(tuple(tokens), max_tokens, stream, _flag(body, "ignore_eos"), chat, _stops(body),
+                             _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0),
+                             _seed(body), _stream_options(body, stream), _logprobs(body, chat))
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                      default_max_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/completions`` body. ``prompt`` is a string or a list of token ids.
-    Raises APIError 400 (what is wrong) or 413 (prompt + max_tokens over the limit)."""
-    _common(body)
+    Raises APIError 400 (what is wrong), 404 (``model`` is not the served model) or 413
+    (prompt + max_tokens over the limit)."""
+    _common(body, limits)
     if "prompt" not in body or body["prompt"] is None:
-        raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt")
+        raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
         tokens = _encode(tokenizer, prompt, "prompt", limits)
@@ -179,124 +276,47 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
         if len(prompt) > limits.max_model_len:
             raise _too_long(len(prompt), "tokens", limits)
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise _bad("only one prompt per request is supported", "unsupported_value")
+            raise _bad("only one prompt per request is supported", "unsupported_value", "prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise _bad("'prompt' as a list must hold integer token ids only", "invalid_type")
+            raise _bad("'prompt' as a list must hold integer token ids only", "invalid_type", "prompt")
         tokens = list(prompt)
     else:
         raise _bad(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
-                   "invalid_type")
+                   "invalid_type", "prompt")
     return _finish(body, tokens, limits, default_max_tokens, chat=False)
+
+
+def message_text(content: Any) -> str | None:
+    """A chat message's ``content`` as text: a string, or a list of text parts
+    (``{"type": "text", "text": str}``) joined; None for anything else (another kind of
+    part, such as an image, included)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        return None
+    return "".join(texts)
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                default_max_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body: ``messages`` is a non-empty list of
-    ``{"role": one of CHAT_ROLES, "content": str}``; the prompt is the tokenizer's chat
-    template of them. Raises APIError 400 or 413 as :func:`parse_completion`."""
-    _common(body)
+    ``{"role": one of CHAT_ROLES, "content": str or a list of text parts}``; the prompt is
+    the tokenizer's chat template of them. Raises APIError 400, 404 or 413 as
+    :func:`parse_completion`."""
+    _common(body, limits)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages")
+        raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages", "messages")
+    turns = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-            raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} "
-                       "and 'content' a string", "invalid_type")
-    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+        text = message_text(m.get("content")) if isinstance(m, dict) else None
+        if text is None or m.get("role") not in CHAT_ROLES:
+            raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} and 'content' "
+                       "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",
+                       "messages")
+        turns.append({"role": m["role"], "content": text})
+    text = tokenizer.apply_chat_template(turns)
     return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def response_body(req: GenerationRequest, id_: str, created: int, model: str, text: str,
-                  token_ids: Sequence[int], finish_reason: str | None,
-                  usage_: dict[str, Any]) -> dict[str, Any]:
-    """The whole (non-streamed) answer, completion or chat shape."""
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish_reason, "token_ids": list(token_ids)}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "token_ids": list(token_ids)}
-        obj = "text_completion"
-    return {"id": id_, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage_}
-
-
-def chunk_body(req: GenerationRequest, id_: str, created: int, model: str, text: str,
-               token_ids: Sequence[int], finish_reason: str | None = None,
-               usage_: dict[str, Any] | None = None, first: bool = False) -> dict[str, Any]:
-    """One server-sent event of a streamed answer (usage only on the last one)."""
-    if req.chat:
-        delta: dict[str, Any] = {"content": text}
-        if first:
-            delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "token_ids": list(token_ids)}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "token_ids": list(token_ids)}
-        obj = "text_completion"
-    out = {"id": id_, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if usage_ is not None:
-        out["usage"] = usage_
-    return out
-
-
-class TextStream:
-    """Incremental detokenization: the text each new token adds. Holds text back while it ends
-    in an incomplete UTF-8 sequence (U+FFFD), so multi-byte characters arrive whole."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._sent = 0
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._take(text)
-
-    def flush(self) -> str:
-        return self._take(self._tok.decode(self._ids))
-
-    def _take(self, text: str) -> str:
-        delta, self._sent = text[self._sent:], len(text)
-        return delta
-
-
-class StopText:
-    """Cuts generated text at the first of ``stops`` (OpenAI's ``stop``). :meth:`push` takes
-    each new piece of text and returns what may be sent now: everything before a stop string
-    once one appeared (then :attr:`hit` is true and nothing more is returned), else all but
-    the last ``max(len(stop)) - 1`` characters, held back because a stop string may begin
-    there. :meth:`flush` returns what is held back at the end (nothing after a hit)."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self._pending = ""
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        text = self._pending + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit, self._pending = True, ""
-            return text[:min(found)]
-        keep = max(0, len(text) - self._hold)
-        out, self._pending = text[:keep], text[keep:]
-        return out
-
-    def flush(self) -> str:
-        out, self._pending = ("" if self.hit else self._pending), ""
-        return out

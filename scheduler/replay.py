@@ -97,7 +97,8 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
     url = target_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bodies = [{"prompt": mapping.prompt(r), "max_tokens": max(1, min(r.output_length, max_output_tokens)),
-               "stream": True, "ignore_eos": True} for r in requests]
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+              for r in requests]
     t0_ms = min((r.timestamp_ms for r in requests), default=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -136,14 +137,19 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
 
 async def server_info(target_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """The front door's ``/health`` answer (model, block_size, vocab_size, max_model_len).
-    Raises Unavailable when it does not answer 200."""
+    Raises Unavailable unless it answers 200, or 503 ``degraded`` (a part is down but
+    requests are served: the reasons are logged)."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             async with session.get(target_url.rstrip("/") + "/health") as resp:
-                if resp.status != 200:
-                    raise Unavailable(f"front door at {target_url}: /health answered {resp.status}")
-                return await resp.json()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                info = await resp.json(content_type=None) if resp.status in (200, 503) else {}
+                if resp.status == 503 and info.get("status") == "degraded":
+                    log.warning("front door at %s is degraded: %s", target_url, "; ".join(info.get("reasons", ())))
+                elif resp.status != 200:
+                    raise Unavailable(f"front door at {target_url}: /health answered {resp.status} "
+                                      f"{'; '.join(info.get('reasons', ()))}".rstrip())
+                return dict(info)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         raise Unavailable(f"front door at {target_url} unreachable: {exc}") from None
 
 

@@ -34,6 +34,7 @@ class RunningVLLMFrontdoor:
     watcher: asyncio.Task
 
     async def stop(self) -> None:
+        await self.frontdoor.health_checks.stop()
         self.watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.watcher
@@ -75,6 +76,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
+        frontdoor.health_checks.start()
     except BaseException:
         await router.close()
         raise

@@ -9,7 +9,11 @@ then — disaggregated — a one-token completion on the chosen prefill instance
 and the request itself on the chosen decode instance (``kv_consumer``: loads those blocks
 from kvstore and computes the tail), relayed back as vLLM streams it; colocated, the request
 goes to the one chosen instance. ``usage`` is vLLM's (``cached_tokens``: the prompt tokens
-the decode instance loaded). Sampling parameters (:data:`PASSTHROUGH`) go to vLLM as sent.
+the decode instance loaded); a stream carries it only when the client asked
+(``stream_options.include_usage``), as the built-in front door. Sampling parameters
+(:data:`PASSTHROUGH`) go to vLLM as sent; the OpenAI points the built-in front door checks
+(``model``, chat content parts, ids, fields never applied) are checked here the same way.
+``/health`` is 503 with the reasons when an instance or the store is down.
 
 Errors: as :mod:`scheduler.frontdoor` (400, 413, 429, 503 when an instance fails — it is
 then routed around until its ``/health`` answers again); a 4xx from vLLM is relayed as 400.
@@ -27,7 +31,10 @@ from typing import Any, Callable
 from aiohttp import web
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from engines.tokenizer import Tokenizer
+from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor, _TokenClock
+from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
@@ -46,6 +53,11 @@ class VLLMFrontdoor(Frontdoor):
     :class:`VLLMRouter`)."""
 
     router: VLLMRouter
+
+    def __init__(self, router: VLLMRouter, tokenizer: Tokenizer, config: FrontdoorConfig) -> None:
+        super().__init__(router, tokenizer, config)
+        # the instances are watched by router.watch (their /metrics); the checks here ask the store
+        self.health_checks = HealthChecker(router, config.health_interval_s, probe_engines=False)
 
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -124,7 +136,7 @@ class VLLMFrontdoor(Frontdoor):
             self._account(plan, answer.get("usage"), time.perf_counter() - t0)
             self.metrics.generated_tokens.inc(int((answer.get("usage") or {}).get("completion_tokens") or 0))
             return web.json_response(answer, headers=_route(plan)), "ok"
-        return await self._stream_relay(request, client.stream(path, out), plan, t0)
+        return await self._stream_relay(request, client.stream(path, out), plan, t0, req.include_usage)
 
     def _account(self, plan: RoutePlan, usage: dict[str, Any] | None, ttft_s: float) -> None:
         cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -134,9 +146,10 @@ class VLLMFrontdoor(Frontdoor):
             self.router.colocated_prefilled(plan, cached, ttft_s)
 
     async def _stream_relay(self, request: web.Request, events, plan: RoutePlan,
-                            t0: float) -> tuple[web.StreamResponse, str]:
+                            t0: float, include_usage: bool) -> tuple[web.StreamResponse, str]:
         """vLLM's server-sent events as they come, with our request id; headers go out with
-        the first event, so a decode that fails before it is still a 503."""
+        the first event, so a decode that fails before it is still a 503. vLLM is always
+        asked for usage (it feeds the books); it reaches the client only when asked."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_route(plan)})
         tick = _TokenClock(self, t0, plan)
@@ -162,6 +175,10 @@ class VLLMFrontdoor(Frontdoor):
                         ttft = time.perf_counter() - t0
                     if event.get("usage"):
                         self._account_stream(plan, event["usage"], ttft)
+                        if not include_usage:
+                            event.pop("usage")
+                            if not event.get("choices"):
+                                continue      # the usage chunk itself
                     await send(event)
         except KVStoreError as exc:
             err = self._failed(plan.decode_id, "decode", exc)

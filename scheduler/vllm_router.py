@@ -50,7 +50,7 @@ class VLLMRouter(Router):
         super().__init__(prefill, decode, store, **kw)
         self.model = model
         self.topology = topology
-        self.down: set[str] = set()
+        self.down: dict[str, str] = {}     # instance id -> why it is out of routing
         self.mean_prefill_s = 0.0
 
     @property
@@ -124,7 +124,7 @@ class VLLMRouter(Router):
     def mark_down(self, engine_id: str, why: str) -> None:
         if engine_id not in self.down:
             log.warning("vLLM instance %s is down, routing around it: %s", engine_id, why)
-            self.down.add(engine_id)
+        self.down[engine_id] = why
 
     async def watch(self, interval_s: float = 0.5) -> None:
         """Poll every instance's ``/metrics`` (its load) forever: one that fails is down, one
@@ -137,7 +137,7 @@ class VLLMRouter(Router):
                     self.mark_down(engine_id, str(res))
                 elif engine_id in self.down:
                     log.info("vLLM instance %s is up again", engine_id)
-                    self.down.discard(engine_id)
+                    del self.down[engine_id]
             await asyncio.sleep(interval_s)
 
 

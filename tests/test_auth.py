@@ -32,7 +32,7 @@ from protos import kvstore_pb2_grpc as kpb_grpc
 from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.app import start_frontdoor
 from scheduler.config import FrontdoorConfig
-from tests.test_frontdoor import LoopThread, call
+from tests.frontdoor_cluster import LoopThread, call
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 16

@@ -1,7 +1,7 @@
 """Supervision in the front door, over real engines, a real store node and a real HTTP
 server on 127.0.0.1: health checks take a dead engine out of routing and put it back when it
-answers again; /health says degraded (with the reason) or unavailable (503); a request whose
-prefill engine fails moves to another one before anything is sent, one whose decode engine
+answers again; /health is 503 with the reason, saying degraded (still serving) or
+unavailable; a request whose prefill engine fails moves to another one before anything is sent, one whose decode engine
 dies mid-stream resumes on another with the same tokens; with nothing left, a clean 503."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from engines.server import start_engine
 from scheduler.config import FrontdoorConfig
-from tests.test_frontdoor import BS, Cluster, call, prompt_of, sse_events
+from tests.frontdoor_cluster import BS, Cluster, call, prompt_of, sse_events
 
 FAST = FrontdoorConfig(health_interval_s=0.2)
 
@@ -48,8 +48,8 @@ def test_a_dead_prefill_engine_is_routed_around_and_comes_back(cluster):
                                                              "max_tokens": 3})
         assert status == 200, data
     wait_for(lambda: health(door.url)[1]["status"] == "degraded")
-    status, body = health(door.url)
-    assert status == 200 and any("prefill-1" in r for r in body["reasons"])
+    status, body = health(door.url)        # 503 with the reason, though requests are still served
+    assert status == 503 and any("prefill-1" in r for r in body["reasons"])
     assert "prefill-1" in door.frontdoor.router.down
     server, _ = start_engine("prefill", cluster.store, block_size=BS, engine_id="prefill-1",
                              address=f"127.0.0.1:{port}")             # it comes back on its port
@@ -129,11 +129,12 @@ def test_nothing_left_to_serve_is_a_clean_503_and_health_says_unavailable(cluste
     assert "no decode instance is up" in json.loads(data)["error"]["message"]
 
 
-def test_a_store_node_that_is_down_is_degraded_and_requests_are_still_served(cluster):
+def test_a_store_node_that_is_down_is_503_with_the_reason_and_requests_are_still_served(cluster):
     door = cluster.start(FAST)
+    assert health(door.url)[0] == 200
     cluster.store_server.stop(None).wait()                              # the pool goes away
     wait_for(lambda: health(door.url)[1]["status"] == "degraded", 15)
     status, body = health(door.url)
-    assert status == 200 and any(r.startswith("store:") for r in body["reasons"])
+    assert status == 503 and any(r.startswith("store:") for r in body["reasons"])
     status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, 2 * BS + 3), "max_tokens": 3})
     assert status == 200, data                                          # recomputed, not failed

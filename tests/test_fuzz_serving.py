@@ -2,8 +2,8 @@
 front door's JSON bodies (scheduler/openai_api.py, scheduler/frontdoor.py), on a real store
 node, real prefill and decode engines (the tiny model) and a real aiohttp server on
 127.0.0.1. An engine answers every request OK or with a status it chose (never UNKNOWN,
-never a hang); the front door answers every body 200, 400, 413 or 429 in OpenAI's shapes
-(never a 5xx). Afterwards both still serve a normal completion. Short deterministic runs
+never a hang); the front door answers every body 200, 400, 404 (a model it does not serve),
+413 or 429 in OpenAI's shapes (never a 5xx). Afterwards both still serve a normal completion. Short deterministic runs
 here; ``make fuzz`` runs them long."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from protos import engine_pb2 as epb
 from scheduler.config import FrontdoorConfig
 from tests.fuzzing import Counter, fuzz_settings, run_target
 from tests.grpc_fuzzing import call_fuzzed, call_raw, message, request_class
-from tests.test_frontdoor import BS, Cluster, call, complete, prompt_of, sse_events
+from tests.frontdoor_cluster import BS, Cluster, call, complete, prompt_of, sse_events
 
 ENGINE = epb.DESCRIPTOR.services_by_name["Engine"]
 VOCAB = 512                       # the tiny model's vocabulary (tests/test_frontdoor.py prompts)
@@ -108,12 +108,15 @@ messages_value = st.one_of(
     st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]),
                                     "content": st.one_of(st.text(max_size=40), garbage)}), max_size=3),
     garbage)
-fields = {"model": st.one_of(st.just("tiny"), garbage),
+fields = {"model": st.one_of(st.just("kvstore/tiny-llama"), st.just("tiny"), garbage),
           "max_tokens": st.one_of(st.integers(-2, 4), st.integers(), garbage),
           "max_completion_tokens": st.one_of(st.integers(0, 4), garbage),
           "stream": st.one_of(st.booleans(), garbage), "ignore_eos": st.one_of(st.booleans(), garbage),
           "stop": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=6), garbage),
           "n": st.one_of(st.just(1), garbage), "temperature": st.one_of(st.floats(0, 2), garbage),
+          "top_p": st.one_of(st.floats(0, 1), garbage), "seed": st.one_of(st.integers(), garbage),
+          "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), garbage),
+          "logprobs": garbage,
           "extra": garbage}
 completion_body = st.fixed_dictionaries({}, optional={"prompt": prompt_value, **fields})
 chat_body = st.fixed_dictionaries({}, optional={"messages": messages_value, **fields})
@@ -146,16 +149,20 @@ def request_body(draw) -> tuple[str, bytes]:
 
 
 def _check_answer(status: int, headers: dict[str, str], body: bytes) -> None:
-    assert status in (200, 400, 413, 429), f"HTTP {status}: {body[:300]!r}"
+    assert status in (200, 400, 404, 413, 429), f"HTTP {status}: {body[:300]!r}"
     if status != 200:
         err = json.loads(body)["error"]
         assert err["message"] and err["type"], err
+        assert status != 404 or err["code"] == "model_not_found", err
         if status == 429:
             assert "Retry-After" in headers
         return
     if headers.get("Content-Type", "").startswith("text/event-stream"):
         events = sse_events(body)
         assert events and "error" not in events[-1], events[-1:]
+        if not events[-1]["choices"]:       # stream_options.include_usage: the usage chunk
+            assert events[-1]["usage"]["completion_tokens"] >= 1
+            events = events[:-1]
         assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     else:
         answer = json.loads(body)

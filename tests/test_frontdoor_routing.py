@@ -1,0 +1,131 @@
+"""Routing through the front door (real engines, store node and HTTP server on 127.0.0.1,
+tests/frontdoor_cluster.py): prefix hits reported per tenant, the tenant taken from the
+Authorization header only, admission (429 with Retry-After and the reason), the scheduling
+policy flag, and hot prefixes replicated to the instance that fetched them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.config import FrontdoorConfig
+from scheduler.keys import namespace_from_authorization, prompt_keys
+from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
+    BS, Cluster, call, complete, prompt_of, cluster_fixture, door_fixture, url_fixture)
+
+def test_second_identical_request_reports_cached_tokens(url):
+    body = {"prompt": "the quick brown fox jumps over the lazy dog, twice over", "max_tokens": 3}
+    first = complete(url, body)
+    second = complete(url, body)
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BS * BS > 0
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_namespace_comes_from_the_authorization_header_only(url):
+    prompt = prompt_of(2, 4 * BS)
+    a, b = {"Authorization": "Bearer tenant-a-key"}, {"Authorization": "Bearer tenant-b-key"}
+    complete(url, {"prompt": prompt, "max_tokens": 2}, a)
+    hit = complete(url, {"prompt": prompt, "max_tokens": 2}, a)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    ns_a = namespace_from_authorization(a["Authorization"])
+    miss = complete(url, {"prompt": prompt, "max_tokens": 2, "namespace": ns_a, "user": ns_a}, b)
+    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    public = complete(url, {"prompt": prompt, "max_tokens": 2, "namespace": ns_a})
+    assert public["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ns_a.startswith("key-") and len(ns_a) == 20 and namespace_from_authorization(None) == "public"
+
+
+
+def test_admission_bound_gives_429_with_retry_after_and_reason(cluster):
+    door = cluster.frontdoor(FrontdoorConfig(admission=AdmissionConfig(max_inflight=0)))
+    status, headers, data = call(door, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    err = json.loads(data)["error"]
+    assert err["type"] == "rate_limit" and err["code"] == "max_inflight" and err["message"]
+    _, _, metrics = call(door, "/metrics")
+    assert 'kvstore_scheduler_requests_rejected_total{reason="max_inflight"} 1.0' in metrics.decode()
+
+
+def test_idle_cluster_admits_a_2k_prompt_and_saturated_queues_get_429(cluster):
+    """Case 2 through the front door: nothing measured yet, TTFT SLO 2 s; then the queue is
+    filled with admitted work (the router's own bookkeeping) until the SLO cannot be met."""
+    door = cluster.start(FrontdoorConfig(admission=AdmissionConfig(ttft_slo_s=2.0)))
+    router = door.frontdoor.router
+    assert router.policy.prefill_model.samples == 0
+    status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(9, 2048), "max_tokens": 2})
+    assert status == 200, data
+
+    async def saturate():
+        plans = []
+        while len(plans) < 500:
+            plan = await router.plan(f"filler-{len(plans)}", prompt_of(10, 4000), "public", 2)
+            if isinstance(plan, Rejection):
+                return plans, plan
+            router.begin(plan)
+            plans.append(plan)
+        raise AssertionError("the queue never saturated")
+
+    plans, rejection = cluster.loop.run(saturate())
+    assert rejection.reason == "ttft_slo" and router.queue_depths()["prefill-0"] == len(plans) > 0
+    status, headers, data = call(door.url, "/v1/completions", {"prompt": prompt_of(11, 600), "max_tokens": 2})
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert json.loads(data)["error"]["code"] == "ttft_slo"
+
+    async def drain():
+        for plan in plans:
+            router.finished(plan)
+    cluster.loop.run(drain())
+    assert call(door.url, "/v1/completions", {"prompt": prompt_of(11, 600), "max_tokens": 2})[0] == 200
+
+
+
+def routed(url: str) -> dict[str, float]:
+    """prefill instance -> admitted requests routed there, from /metrics."""
+    out: dict[str, float] = {}
+    for line in call(url, "/metrics")[2].decode().splitlines():
+        if line.startswith("kvstore_scheduler_requests_routed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            prefill = labels.split('prefill="', 1)[1].split('"', 1)[0]
+            out[prefill] = out.get(prefill, 0.0) + float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second_prefill(cluster: Cluster) -> str:
+    return cluster.engine("prefill", "prefill-1")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "conductor"])
+def test_policy_flag_takes_effect_with_two_prefill_engines(cluster, second_prefill, policy):
+    door = cluster.start(FrontdoorConfig(policy=policy), prefill=[cluster.prefill, second_prefill])
+    assert door.frontdoor.router.policy.name == policy
+    prompt = prompt_of(20 + len(policy), 5 * BS + 3)
+    answers = [complete(door.url, {"prompt": prompt, "max_tokens": 2}) for _ in range(4)]
+    counts = routed(door.url)
+    assert sum(counts.values()) == 4
+    if policy == "round_robin":
+        assert counts == {"prefill-0": 2.0, "prefill-1": 2.0}
+    else:   # idle queues: the instance holding the prefix wins every time
+        assert sorted(counts.values()) == [4.0]
+    assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BS for a in answers[1:])
+    assert len({tuple(a["choices"][0]["token_ids"]) for a in answers}) == 1
+
+
+def test_a_fetched_prefix_stays_on_the_instance_that_fetched_it(cluster, second_prefill):
+    """Hot-prefix replication: round-robin sends the second request to the other instance,
+    which loads the prefix from the pool and keeps it; the router's replica then shows both
+    instances holding it, and the conductor may use either."""
+    door = cluster.start(FrontdoorConfig(policy="round_robin"), prefill=[cluster.prefill, second_prefill])
+    prompt = prompt_of(77, 6 * BS + 1)
+    first = complete(door.url, {"prompt": prompt, "max_tokens": 2})
+    second = complete(door.url, {"prompt": prompt, "max_tokens": 2})
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
+    router = door.frontdoor.router
+    keys = prompt_keys(prompt, router.info, "public")
+    assert router.replica.hits(keys) == {"prefill-0": 6, "prefill-1": 6}
+    view = router.cluster_view(keys)
+    assert [p.hit.blocks for p in view.prefill] == [6, 6] and view.prefill[1].hit.by_tier == (("hbm", 6),)
