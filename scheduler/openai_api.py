@@ -121,12 +121,13 @@ def _encode(tokenizer: Tokenizer, text: str, field: str, limits: ModelLimits) ->
         raise _bad(f"'{field}': {exc}", "invalid_text") from None
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def _flag(body: dict[str, Any], name: str, param: str | None = None) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(f"'{name}' must be true or false, got {type(value).__name__}", "invalid_type")
+        raise _bad(f"'{param or name}' must be true or false, got {type(value).__name__}", "invalid_type",
+                   param or name)
     return value
 
 
@@ -178,7 +179,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         raise _bad("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     if not isinstance(opts, dict):
         raise _bad(f"'stream_options' must be an object, got {type(opts).__name__}", "invalid_type", "stream_options")
-    return _flag(opts, "include_usage")
+    return _flag(opts, "include_usage", "stream_options.include_usage")
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:

@@ -7,8 +7,6 @@ from typing import Sequence
 
 from engines.tokenizer import ByteTokenizer, Tokenizer
 
-MAX_HELD_TOKENS = 3    # a UTF-8 character has at most 4 bytes: 3 tokens may end inside one
-
 
 class TextStream:
     """Incremental detokenization: :meth:`push` returns the text each new token adds, as soon
@@ -16,28 +14,21 @@ class TextStream:
     byte-level tokenizer, only the first bytes of a character not yet complete wait
     (:class:`engines.tokenizer.ByteStream`). With a checkpoint's tokenizer the whole
     sequence is decoded again and the new text sent, except a trailing run of U+FFFD (the
-    tokens so far end inside a character, which the next ones may complete), held for at
-    most :data:`MAX_HELD_TOKENS` tokens and then sent as it is. :meth:`flush` returns
-    what is still held at the end; the pieces joined equal the tokenizer's decode."""
+    tokens so far may end inside a character, which the next ones complete): what precedes
+    it is sent, the run waits for a token that decodes to something else, or for
+    :meth:`flush` at the end. The pieces joined equal the tokenizer's decode."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._bytes = tokenizer.stream() if isinstance(tokenizer, ByteTokenizer) else None
         self._ids: list[int] = []
         self._sent = 0
-        self._held = 0
 
     def push(self, token_id: int) -> str:
         if self._bytes is not None:
             return self._bytes.push(token_id)
         self._ids.append(token_id)
-        text = self._tok.decode(self._ids)
-        whole = text.rstrip("\ufffd")
-        if len(whole) < len(text) and self._held < MAX_HELD_TOKENS:
-            self._held += 1
-            return self._take(whole)
-        self._held = 0
-        return self._take(text)
+        return self._take(self._tok.decode(self._ids).rstrip("\ufffd"))
 
     def flush(self) -> str:
         if self._bytes is not None:

@@ -1,0 +1,99 @@
+"""The front door's OpenAI surface on the wire, through a raw HTTP client (urllib) against a
+real front door over real engines and a real store node on 127.0.0.1
+(tests/frontdoor_cluster.py): status codes and JSON shapes of errors (404 for an unknown
+path or model, 405 with Allow), the model card, the ids and objects of each answer, and
+the 400s for what the built-in engines do not apply (never silently ignored)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.model import TINY_MODEL_ID
+from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
+    call, cluster_fixture, complete, door_fixture, sse_events, url_fixture)
+
+
+def error_of(status: int, data: bytes, want_status: int) -> dict:
+    """The ``error`` object of an answer, checked to be OpenAI's shape."""
+    assert status == want_status, data
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+def test_an_unknown_path_is_a_json_404(url):
+    status, headers, data = call(url, "/v1/embeddings", {"input": "x"})
+    err = error_of(status, data, 404)
+    assert headers["Content-Type"].startswith("application/json") and err["code"] == "not_found"
+    assert "/v1/embeddings" in err["message"]
+
+
+@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/completions", "POST"),
+                                               ("GET", "/v1/chat/completions", "POST"),
+                                               ("POST", "/v1/models", "GET"),
+                                               ("DELETE", "/health", "GET")])
+def test_a_wrong_method_is_a_json_405_naming_the_allowed_one(url, method, path, allow):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url + path, method=method, data=b"{}" if method != "GET" else None)
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=30)
+    err = error_of(exc.value.code, exc.value.read(), 405)
+    assert err["code"] == "method_not_allowed" and allow in exc.value.headers["Allow"]
+
+
+def test_the_model_card_and_model_not_found(url):
+    status, _, data = call(url, f"/v1/models/{TINY_MODEL_ID}")
+    card = json.loads(data)
+    assert status == 200 and card["id"] == TINY_MODEL_ID and card["object"] == "model"
+    err = error_of(*call(url, "/v1/models/llama-3-8b")[::2], 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "llama-3-8b" in err["message"]
+    status, _, data = call(url, "/v1/completions", {"model": "llama-3-8b", "prompt": "hi", "max_tokens": 2})
+    assert error_of(status, data, 404)["code"] == "model_not_found"
+    ok = complete(url, {"model": TINY_MODEL_ID, "prompt": "hi", "max_tokens": 2})   # the served one
+    assert ok["model"] == TINY_MODEL_ID and ok["id"].startswith("cmpl-") and ok["object"] == "text_completion"
+
+
+def test_chat_ids_and_objects_whole_and_streamed(url):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
+            "ignore_eos": True}
+    whole = json.loads(call(url, "/v1/chat/completions", body)[2])
+    assert whole["id"].startswith("chatcmpl-") and whole["object"] == "chat.completion"
+    events = sse_events(call(url, "/v1/chat/completions", {**body, "stream": True})[2])
+    assert {e["id"] for e in events} == {events[0]["id"]} and events[0]["id"].startswith("chatcmpl-")
+    assert {e["object"] for e in events} == {"chat.completion.chunk"} and all("usage" not in e for e in events)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),   # without stream
+    ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"prompt": "hi", "seed": 1.5}, "seed"),
+    ({"prompt": "hi", "seed": 2 ** 64}, "seed"),
+    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix"),
+    ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "top_k": 5}, "top_k"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+])
+def test_what_is_not_applied_is_a_400_naming_the_field(url, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    err = error_of(*call(url, path, body)[::2], 400)
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unapplied_fields_are_served(url):
+    got = complete(url, {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "presence_penalty": 0,
+                         "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "seed": -5,
+                         "temperature": 0.7, "top_p": 0.9})
+    assert len(got["choices"][0]["token_ids"]) == 2 and got["choices"][0]["logprobs"] is None
