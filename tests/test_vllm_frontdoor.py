@@ -81,7 +81,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, key: str 
     """POST a streamed completion; returns {status, tokens, cached, error, decode}."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     out = {"tokens": [], "cached": None, "error": None}
-    async with session.post(url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}   # usage: the cached tokens
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
         out["status"], out["decode"] = r.status, r.headers.get("X-Kvstore-Decode")
         if r.status != 200:
             out["error"] = (await r.json())["error"]
@@ -198,7 +199,7 @@ def test_a_killed_decode_instance_fails_its_requests_and_new_ones_go_to_the_othe
     """Runs last: it kills decode1. Two long requests spread over the two decode instances."""
     prompt = trace_prompts(2)[1][0]
 
-    async def run() -> tuple[list[dict], list[dict]]:
+    async def run() -> tuple[list[dict], list[dict], tuple[int, dict]]:
         async with frontdoor(model_dir, store, servers, "decode0", "decode1") as door:
             router = door.frontdoor.router
             async with aiohttp.ClientSession() as s:
@@ -218,9 +219,13 @@ def test_a_killed_decode_instance_fails_its_requests_and_new_ones_go_to_the_othe
                 t0 = time.monotonic()
                 after = [await stream(s, door.url, {"prompt": prompt, "max_tokens": 4}) for _ in range(4)]
                 assert time.monotonic() - t0 < 60
-                return failed, after
+                async with s.get(door.url + "/health") as r:       # the dead one is named, 503
+                    health = (r.status, await r.json())
+                return failed, after, health
 
-    longs, after = asyncio.run(run())
+    longs, after, (status, health) = asyncio.run(run())
+    assert status == 503 and health["status"] == "degraded"
+    assert any(r.startswith("decode vllm-decode-1:") for r in health["reasons"]), health
     by_decode = {r["decode"]: r for r in longs}
     assert set(by_decode) == {"vllm-decode-0", "vllm-decode-1"}
     dead, alive = by_decode["vllm-decode-1"], by_decode["vllm-decode-0"]
