@@ -48,11 +48,11 @@ class DecodeEngine:
                namespace: str = "default", sampling: SamplingParams = GREEDY) -> Iterator[DecodeStep]:
         """Yield ``max_tokens`` tokens at most (index 0 is ``first_token``), stopping early at a
         stop token; token ``i`` is chosen as ``sampling`` says for index ``i`` (the prefill
-        engine chose index 0 with the same parameters). Blocks missing from the pool — or holding another token sequence's KV
-        (their identity tags, computed from ``prompt`` and ``namespace``, differ; counted in
-        ``identity.mismatches``) — are recomputed from the prompt (and counted in
-        ``recomputed_tokens``), never a failed request. Raises InvalidArgument for a bad
-        request."""
+        engine chose index 0 with the same parameters). Blocks missing from the pool — or
+        holding another token sequence's KV (their identity tags, computed from ``prompt``
+        and ``namespace``, differ; counted in ``identity.mismatches``) — are recomputed from
+        the prompt (and counted in ``recomputed_tokens``), never a failed request. Raises
+        InvalidArgument for a bad request."""
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
         validate_prompt(prompt, self.lm, max_tokens)

@@ -93,7 +93,7 @@ class Frontdoor:
                 web.get("/metrics", self.metrics_text)]
 
     def app(self) -> web.Application:
-        middlewares: list[Handler | Any] = [json_errors]
+        middlewares: list[Any] = [json_errors]
         if self.config.api_keys:
             middlewares.append(api_key_middleware(self.config.api_keys))
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)

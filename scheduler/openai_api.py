@@ -296,9 +296,8 @@ def message_text(content: Any) -> str | None:
     if not isinstance(content, list):
         return None
     texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-    if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-        return None
-    return "".join(texts)
+    strings = [t for t in texts if isinstance(t, str)]
+    return "".join(strings) if len(strings) == len(content) else None
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
