@@ -5,7 +5,7 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from engines.types import GREEDY, DecodeStep, EngineInfo, EngineLoad, PrefillResult, SamplingParams
+from engines.types import GREEDY, DecodeStep, EngineInfo, EngineLoad, PrefillResult, SamplingParams, TokenLogprobs
 from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
@@ -48,21 +48,25 @@ class EngineClient:
         return EngineLoad(r.queued, r.running, r.queued_tokens)
 
     async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
-                      max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY) -> PrefillResult:
+                      max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY,
+                      top_logprobs: int | None = None) -> PrefillResult:
         """``max_load_blocks``: the longest prefix (blocks) the engine may load from the pool
         (None: any hit; its own cache is never limited); ``sampling``: how the first token
-        is chosen."""
+        is chosen; ``top_logprobs``: set, the result carries the first token's logprobs and
+        that many alternatives'."""
         r = await self._unary(self._stub.Prefill, pb.PrefillRequest(
             request_id=request_id, prompt=list(prompt), namespace=namespace,
-            max_load_blocks=max_load_blocks, sampling=_sampling_pb(sampling)))
+            max_load_blocks=max_load_blocks, sampling=_sampling_pb(sampling), top_logprobs=top_logprobs))
         return PrefillResult(r.request_id, r.first_token, tuple(r.block_keys), r.cached_tokens,
                              r.computed_tokens, r.tail_kv, r.tail_tokens, r.prefill_s,
-                             r.loaded_blocks, r.stored_blocks, r.load_s, r.load_bytes, r.load_tier)
+                             r.loaded_blocks, r.stored_blocks, r.load_s, r.load_bytes, r.load_tier,
+                             _logprobs(r, "first_logprobs"))
 
     async def decode(self, request_id: str, prompt: Sequence[int], namespace: str,
                      prefill: PrefillResult, max_tokens: int,
                      stop_token_ids: Sequence[int] = (),
-                     sampling: SamplingParams = GREEDY) -> AsyncIterator[DecodeStep]:
+                     sampling: SamplingParams = GREEDY,
+                     top_logprobs: int | None = None) -> AsyncIterator[DecodeStep]:
         """Stream the generated tokens, the prefill's first token included (index 0), chosen
         as ``sampling`` says (the same parameters the prefill was given).
         Cancelling the iteration (or the task running it) cancels the call on the engine."""
@@ -70,11 +74,11 @@ class EngineClient:
             request_id=request_id, prompt=list(prompt), namespace=namespace,
             first_token=prefill.first_token, block_keys=list(prefill.block_keys),
             tail_kv=prefill.tail_kv, tail_tokens=prefill.tail_tokens, max_tokens=max_tokens,
-            stop_token_ids=list(stop_token_ids), sampling=_sampling_pb(sampling)),
+            stop_token_ids=list(stop_token_ids), sampling=_sampling_pb(sampling), top_logprobs=top_logprobs),
             timeout=self.timeout_s, metadata=self._meta)
         try:
             async for m in call:
-                yield DecodeStep(m.token, m.index, m.finished, m.finish_reason)
+                yield DecodeStep(m.token, m.index, m.finished, m.finish_reason, _logprobs(m, "logprobs"))
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc, self.address) from None
         finally:
@@ -89,6 +93,13 @@ class EngineClient:
 
 def _sampling_pb(s: SamplingParams) -> pb.SamplingParams | None:
     return None if s.greedy else pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+
+
+def _logprobs(message, field: str) -> TokenLogprobs | None:  # type: ignore[no-untyped-def]
+    if not message.HasField(field):
+        return None
+    lp = getattr(message, field)
+    return TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
 
 
 def _translate(exc: grpc.aio.AioRpcError, address: str) -> Exception:

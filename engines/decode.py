@@ -12,7 +12,7 @@ import torch
 from engines.kv import append, build_cache, to_tensor
 from engines.model import LoadedModel
 from engines.prefill import read_prefix, validate_prompt
-from engines.sampling import Sampler
+from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, DecodeStep, EngineLoad, SamplingParams, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument
@@ -45,10 +45,12 @@ class DecodeEngine:
                block_keys: Sequence[bytes], tail_kv: bytes, max_tokens: int,
                stop_token_ids: Sequence[int] = (),
                is_cancelled: Callable[[], bool] = lambda: False,
-               namespace: str = "default", sampling: SamplingParams = GREEDY) -> Iterator[DecodeStep]:
+               namespace: str = "default", sampling: SamplingParams = GREEDY,
+               top_logprobs: int | None = None) -> Iterator[DecodeStep]:
         """Yield ``max_tokens`` tokens at most (index 0 is ``first_token``), stopping early at a
         stop token; token ``i`` is chosen as ``sampling`` says for index ``i`` (the prefill
-        engine chose index 0 with the same parameters). Blocks missing from the pool — or
+        engine chose index 0 with the same parameters); with ``top_logprobs`` each step after
+        the first carries the token's log probabilities. Blocks missing from the pool — or
         holding another token sequence's KV (their identity tags, computed from ``prompt``
         and ``namespace``, differ; counted in ``identity.mismatches``) — are recomputed from
         the prompt (and counted in ``recomputed_tokens``), never a failed request. Raises
@@ -66,14 +68,14 @@ class DecodeEngine:
         try:
             yield from self._decode(list(prompt), first_token, list(block_keys), tail_kv,
                                     max_tokens, set(stop_token_ids), is_cancelled, namespace,
-                                    Sampler(sampling))
+                                    Sampler(sampling), top_logprobs)
         finally:
             with self._stats_lock:
                 self._running -= 1
 
     def _decode(self, prompt: list[int], first: int, keys: list[bytes], tail_kv: bytes,
                 max_tokens: int, stops: set[int], is_cancelled: Callable[[], bool],
-                namespace: str, sampler: Sampler) -> Iterator[DecodeStep]:
+                namespace: str, sampler: Sampler, top_logprobs: int | None) -> Iterator[DecodeStep]:
         lm, bs = self.lm, self.block_size
         tail = to_tensor(tail_kv, lm.layout, lm.dtype) if tail_kv else None
         tail_tokens = 0 if tail is None else tail.shape[3]
@@ -99,14 +101,16 @@ class DecodeEngine:
                 append(cache, [tail], lm.device)
         if cache.get_seq_length() != len(prompt):
             raise InvalidArgument(f"KV for {cache.get_seq_length()} tokens, prompt has {len(prompt)}")
-        token = first
+        token, lp = first, None
         for index in range(max_tokens):
             finished = token in stops or index == max_tokens - 1
             reason = ("stop" if token in stops else "length") if finished else ""
-            yield DecodeStep(token, index, finished, reason)
+            yield DecodeStep(token, index, finished, reason, lp)
             if finished or is_cancelled():
                 return
             with self._lock, torch.inference_mode():
                 ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
                 out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
             token = sampler.choose(out.logits[0, -1], index + 1)
+            if top_logprobs is not None:
+                lp = logprobs_of(out.logits[0, -1], token, top_logprobs)

@@ -13,7 +13,7 @@ import torch
 from engines.kv import append, build_cache, slice_bytes, to_tensor
 from engines.local_cache import LocalBlockCache
 from engines.model import LoadedModel
-from engines.sampling import Sampler
+from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -76,11 +76,13 @@ class PrefillEngine:
         return EngineLoad(self._queued, self._running, self._queued_tokens)
 
     def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
-                max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY) -> PrefillResult:
+                max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY,
+                top_logprobs: int | None = None) -> PrefillResult:
         """Prefill ``prompt``, loading from the pool at most the prefix of ``max_load_blocks``
         blocks (the scheduler's decision to recompute the rest; None: any hit — the
         engine's own cache is never limited); the first token is chosen as ``sampling``
-        says (token index 0). Raises InvalidArgument for a bad prompt. A
+        says (token index 0), and with ``top_logprobs`` (alternatives, 0 or more) the result
+        carries its log probabilities. Raises InvalidArgument for a bad prompt. A
         pool that cannot be reached is a miss (the prefix is recomputed), never a failed
         request."""
         if max_load_blocks is not None and max_load_blocks < 0:
@@ -95,13 +97,15 @@ class PrefillEngine:
                 self._queued_tokens -= len(prompt)
                 self._running += 1
             try:
-                return self._prefill(request_id, list(prompt), namespace, max_load_blocks, sampling)
+                return self._prefill(request_id, list(prompt), namespace, max_load_blocks, sampling,
+                                     top_logprobs)
             finally:
                 with self._stats_lock:
                     self._running -= 1
 
     def _prefill(self, request_id: str, prompt: list[int], namespace: str,
-                 max_load_blocks: int | None, sampling: SamplingParams) -> PrefillResult:
+                 max_load_blocks: int | None, sampling: SamplingParams,
+                 top_logprobs: int | None) -> PrefillResult:
         t0 = time.perf_counter()
         lm, bs = self.lm, self.block_size
         extras = extras_for(lm.model_id, lm.revision, lm.layout, namespace)
@@ -130,6 +134,7 @@ class PrefillEngine:
             ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=lm.device)
             out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
         first = Sampler(sampling).choose(out.logits[0, -1], 0)
+        first_lp = None if top_logprobs is None else logprobs_of(out.logits[0, -1], first, top_logprobs)
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
         # What this engine served from its own cache but the pool has lost goes back, so
@@ -160,7 +165,7 @@ class PrefillEngine:
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
                              slice_bytes(cache, in_pool * bs, len(prompt)), len(prompt) - in_pool * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
-                             tier if load_bytes else "")
+                             tier if load_bytes else "", first_lp)
 
     def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int,
                upto: int) -> tuple[int, list[bytes], str]:

@@ -9,7 +9,9 @@ import hashlib
 
 import torch
 
-from engines.types import SamplingParams
+from engines.types import SamplingParams, TokenLogprobs
+
+MAX_TOP_LOGPROBS = 20     # OpenAI's bound on top_logprobs
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -40,6 +42,17 @@ class Sampler:
             probs = nucleus(probs, p.top_p)
         self._gen.manual_seed(step_seed(p.seed, index))
         return int(torch.multinomial(probs, 1, generator=self._gen))
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log probability under ``logits`` (shape ``(vocab,)``: log-softmax in
+    float32 on the CPU) and the ``top`` most likely tokens' (ties: the lower id first)."""
+    lp = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+        alternatives = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(float(lp[token]), alternatives)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -14,7 +14,8 @@ from engines.decode import DecodeEngine
 from engines.metrics import EngineMetrics
 from engines.model import LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
-from engines.types import GREEDY, SamplingParams
+from engines.sampling import MAX_TOP_LOGPROBS
+from engines.types import GREEDY, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -53,7 +54,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
             r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit,
-                                    sampling_from_pb(request))
+                                    sampling_from_pb(request), top_logprobs_from_pb(request))
         except InvalidArgument as exc:
             self._failed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -67,7 +68,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                                   computed_tokens=r.computed_tokens, tail_kv=r.tail_kv,
                                   tail_tokens=r.tail_tokens, prefill_s=r.prefill_s,
                                   loaded_blocks=r.loaded_blocks, stored_blocks=r.stored_blocks,
-                                  load_s=r.load_s, load_bytes=r.load_bytes, load_tier=r.load_tier)
+                                  load_s=r.load_s, load_bytes=r.load_bytes, load_tier=r.load_tier,
+                                  first_logprobs=logprobs_pb(r.first_logprobs))
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeToken]:
         if not isinstance(self.engine, DecodeEngine):
@@ -75,18 +77,19 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             check_keys(request.block_keys, "block_keys")
             sampling = sampling_from_pb(request)
+            top_logprobs = top_logprobs_from_pb(request)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         steps = self.engine.decode(request.request_id, list(request.prompt), request.first_token,
                                    list(request.block_keys), request.tail_kv, request.max_tokens,
                                    list(request.stop_token_ids), lambda: not context.is_active(),
-                                   namespace=request.namespace, sampling=sampling)
+                                   namespace=request.namespace, sampling=sampling, top_logprobs=top_logprobs)
         if self.metrics is not None:
             steps = self.metrics.timed_decode(steps)
         try:
             for step in steps:
                 yield pb.DecodeToken(token=step.token, index=step.index, finished=step.finished,
-                                     finish_reason=step.finish_reason)
+                                     finish_reason=step.finish_reason, logprobs=logprobs_pb(step.logprobs))
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVStoreError as exc:
@@ -128,6 +131,22 @@ def sampling_from_pb(request: pb.PrefillRequest | pb.DecodeRequest) -> SamplingP
     if not 0.0 <= s.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in [0, 1], got {s.top_p!r}")
     return SamplingParams(float(s.temperature), float(s.top_p) or 1.0, int(s.seed))
+
+
+def top_logprobs_from_pb(request: pb.PrefillRequest | pb.DecodeRequest) -> int | None:
+    """How many alternatives' log probabilities a request asks for (None: no logprobs).
+    Raises InvalidArgument above MAX_TOP_LOGPROBS."""
+    if not request.HasField("top_logprobs"):
+        return None
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+    return int(request.top_logprobs)
+
+
+def logprobs_pb(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
+    if lp is None:
+        return None
+    return pb.TokenLogprobs(logprob=lp.logprob, top_ids=[i for i, _ in lp.top], top_logprobs=[v for _, v in lp.top])
 
 
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,

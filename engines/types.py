@@ -45,6 +45,7 @@ class PrefillResult:
     load_s: float = 0.0
     load_bytes: int = 0
     load_tier: str = ""
+    first_logprobs: "TokenLogprobs | None" = None   # when asked for (``top_logprobs``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +71,22 @@ GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log probability under the model (natural log of the softmax of its
+    logits, before temperature and top_p, as vLLM's default ``raw_logprobs``) and the ``top``
+    alternatives as ``(token id, logprob)``, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeStep:
     token: int
     index: int                # 0 is the first token (from prefill)
     finished: bool
     finish_reason: str        # "" until finished, then "length" or "stop"
+    logprobs: TokenLogprobs | None = None   # when asked for; None at index 0 (prefill's)
 
 
 @dataclass(frozen=True, slots=True)

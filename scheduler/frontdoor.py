@@ -11,8 +11,11 @@ Sampling: ``temperature`` (absent or 0: greedy, the built-in engines' default â€
 without a seed gets a random one here, so a decode resumed on another engine repeats the
 tokens already sent.
 
+``logprobs`` (completions: 0-5 alternatives; chat: ``logprobs`` with ``top_logprobs`` 0-20)
+come from the engines: each token's log-softmax under the model (scheduler/openai_shapes.py).
+
 Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
-not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN` and ``logprobs``, included), unknown
+not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN`, included), unknown
 model or path 404, wrong method 405, prompt too long 413, admission 429 (with
 ``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
 """
@@ -30,7 +33,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from engines.tokenizer import Tokenizer
-from engines.types import PrefillResult, SamplingParams
+from engines.types import PrefillResult, SamplingParams, TokenLogprobs
 from kvstore.errors import InvalidArgument, KVStoreError
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
@@ -40,14 +43,15 @@ from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (NOT_BUILT_IN, APIError, GenerationRequest, ModelLimits, model_not_found,
                                   parse_chat, parse_completion, read_json, refuse_fields)
-from scheduler.openai_shapes import chunk_body, request_id, response_body, usage, usage_chunk
+from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.text_stream import StopText, TextStream
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[int], Awaitable[bool]]  # True: a stop string appeared, end the generation
+# (token id, its logprobs when asked) -> True: a stop string appeared, end the generation
+Emit = Callable[[int, TokenLogprobs | None], Awaitable[bool]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20
 
@@ -142,9 +146,6 @@ class Frontdoor:
             body = read_json(await request.read())
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             refuse_fields(body, NOT_BUILT_IN, "the built-in engines")
-            if req.logprobs is not None:
-                raise APIError(400, "'logprobs' is not supported by the built-in engines (the vLLM front door "
-                                    "passes it on)", code="unsupported_parameter", param="logprobs")
             plan = await self._admit(request, req)
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
@@ -185,9 +186,10 @@ class Frontdoor:
 
     async def _generate(self, req: GenerationRequest, plan: RoutePlan,
                         emit: Emit) -> tuple[PrefillResult, str, RoutePlan]:
-        """Prefill, then decode; ``emit`` is awaited with each token id in order (the first from
-        prefill; it returns True once a stop string appeared, and the decode stream is then
-        closed, which cancels it on the engine). Returns the prefill result, the finish reason and the plan as it ended (an
+        """Prefill, then decode; ``emit`` is awaited with each token id (and its logprobs when
+        the request asked for them) in order (the first from prefill; it returns True once a
+        stop string appeared, and the decode stream is then closed, which cancels it on the
+        engine). Returns the prefill result, the finish reason and the plan as it ended (an
         engine that fails is marked down and the request moves to another instance of its
         role: a prefill before anything was sent, a decode from the token it had reached â€”
         the same sampling parameters and seed give the same tokens). Raises APIError 503
@@ -198,7 +200,7 @@ class Frontdoor:
         while True:
             try:
                 result = await self.router.prefill_client(plan).prefill(
-                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks, sampling)
+                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks, sampling, req.logprobs)
                 break
             except KVStoreError as exc:
                 if isinstance(exc, InvalidArgument):
@@ -214,7 +216,7 @@ class Frontdoor:
                 raise
         self.router.prefill_finished(plan, result)
         stop = () if req.ignore_eos else (self.info.eos_token_id,)
-        if await emit(result.first_token) or result.first_token in stop:
+        if await emit(result.first_token, result.first_logprobs) or result.first_token in stop:
             return result, "stop", plan
         if req.max_tokens == 1:
             return result, "length", plan
@@ -222,13 +224,13 @@ class Frontdoor:
         tried = set()
         while True:
             steps = self.router.decode_client(plan).decode(plan.request_id, req.prompt, plan.namespace,
-                                                           result, req.max_tokens, stop, sampling)
+                                                           result, req.max_tokens, stop, sampling, req.logprobs)
             try:
                 async with contextlib.aclosing(steps):
                     async for step in steps:
                         if step.index >= sent:   # a decode resumed elsewhere repeats the first ones
                             sent += 1
-                            if await emit(step.token):
+                            if await emit(step.token, step.logprobs):
                                 return result, "stop", plan
                         if step.finished:
                             return result, step.finish_reason or "length", plan
@@ -273,9 +275,11 @@ class Frontdoor:
         ids: list[int] = []
         tick = self._timer(t0, plan)
         pieces, stream, stop = [], TextStream(self.tokenizer), StopText(req.stop)
+        lps: list[tuple[int, TokenLogprobs | None]] = []
 
-        async def emit(token: int) -> bool:
+        async def emit(token: int, lp: TokenLogprobs | None) -> bool:
             ids.append(token)
+            lps.append((token, lp))
             tick()
             if req.stop:
                 pieces.append(stop.push(stream.push(token)))
@@ -285,8 +289,9 @@ class Frontdoor:
         tick.done()
         self.metrics.count_cached(result.cached_tokens)
         text = "".join(pieces) + stop.push(stream.flush()) + stop.flush() if req.stop else self.tokenizer.decode(ids)
+        logprobs = None if req.logprobs is None else LogprobsShape(self.tokenizer, req.chat).of(lps)
         body = response_body(req, plan.request_id, int(time.time()), self.info.model_id, text, ids, finish,
-                             usage(len(req.prompt), len(ids), result.cached_tokens))
+                             usage(len(req.prompt), len(ids), result.cached_tokens), logprobs)
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: GenerationRequest, plan: RoutePlan,
@@ -298,18 +303,20 @@ class Frontdoor:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
         stop = StopText(req.stop)
+        shape = None if req.logprobs is None else LogprobsShape(self.tokenizer, req.chat)
         count = 0
 
         async def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await resp.write(f"data: {data}\n\n".encode())
 
-        async def emit(token: int) -> bool:
+        async def emit(token: int, lp: TokenLogprobs | None) -> bool:
             nonlocal count
             if not resp.prepared:
                 await resp.prepare(request)
+            logprobs = None if shape is None else shape.of([(token, lp)])
             await send(chunk_body(req, plan.request_id, created, self.info.model_id, stop.push(text.push(token)),
-                                  [token], first=count == 0))
+                                  [token], first=count == 0, logprobs=logprobs))
             count += 1
             tick()
             return stop.hit

@@ -2,16 +2,19 @@
 pointed at a real front door over real engines of the tiny model and a real store node on
 127.0.0.1, tests/frontdoor_cluster.py): the model card and ``model_not_found``, seeded
 sampling that reproduces, stop strings, usage in a stream only when asked, chat with content
-parts and chat ids, and a stream whose chunks carry each token's text as it decodes."""
+parts and chat ids, logprobs (the model's log-softmax), and a stream whose chunks carry each
+token's text as it decodes."""
 from __future__ import annotations
 
 import codecs
+from itertools import accumulate
 from typing import Any, Iterator
 
 import openai
 import pytest
+import torch
 
-from engines.model import TINY_MODEL_ID
+from engines.model import TINY_MODEL_ID, ModelConfig, load_model
 from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
     BS, cluster_fixture, door_fixture, prompt_of, url_fixture)
 
@@ -119,14 +122,48 @@ def test_chat_takes_content_parts_and_answers_with_chat_ids_and_objects(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
-def test_logprobs_are_refused_with_a_400_that_says_so(client):
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=2)
-    assert "logprobs" in exc.value.message and exc.value.code == "unsupported_parameter"
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, max_tokens=2, logprobs=True, top_logprobs=2,
-                                       messages=[{"role": "user", "content": "hi"}])
-    assert "logprobs" in exc.value.message
+def test_logprobs_are_the_models_log_softmax_whole_and_streamed(client):
+    """Completions ``logprobs=3``: each generated token's log probability equals the model's
+    log-softmax at its position (one uncached forward over prompt + output is the oracle);
+    greedy picks the most likely, so it tops its alternatives; text_offset runs over the
+    tokens' texts. The stream carries the same, one token per chunk."""
+    prompt = prompt_of(93, BS + 3)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp, ids = got.choices[0].logprobs, ids_of(got.choices[0])
+    lm = load_model(ModelConfig(block_size=BS))
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    assert lp.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    assert [max(d.values()) for d in lp.top_logprobs] == pytest.approx(want.max(dim=-1).values.tolist(), abs=1e-4)
+    assert lp.token_logprobs == pytest.approx([max(d.values()) for d in lp.top_logprobs], abs=1e-6)
+    assert lp.text_offset == list(accumulate([0] + [len(t) for t in lp.tokens[:-1]]))
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=3, stream=True,
+                                                   extra_body={"ignore_eos": True}) if ids_of(c.choices[0])]
+    assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None and ids_of(plain.choices[0]) == ids
+
+
+def test_chat_logprobs_with_top_alternatives(client):
+    messages = [{"role": "user", "content": "logprobs, please"}]
+    got = client.chat.completions.create(model=MODEL, max_tokens=4, logprobs=True, top_logprobs=2,
+                                         messages=messages, extra_body={"ignore_eos": True})
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and all(0 <= b < 256 for b in entry.bytes)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)      # greedy: the most likely
+    chunks = client.chat.completions.create(model=MODEL, max_tokens=4, logprobs=True, top_logprobs=2, stream=True,
+                                            messages=messages, extra_body={"ignore_eos": True})
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    with pytest.raises(openai.BadRequestError) as exc:      # out of OpenAI's range
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=6)
+    assert exc.value.param == "logprobs"
 
 
 def test_each_chunk_carries_its_tokens_text_as_soon_as_it_decodes(client):

@@ -75,7 +75,6 @@ def test_chat_ids_and_objects_whole_and_streamed(url):
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
-    ({"prompt": "hi", "logprobs": 1}, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt": "hi", "top_k": 5}, "top_k"),

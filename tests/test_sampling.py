@@ -3,7 +3,7 @@
 fixes every draw whatever the device or the engine, the nucleus keeps exactly the tokens
 its mass needs, draws follow the softmax of logits / temperature; the real decode engine
 of the tiny model reproduces a seeded generation token for token; an engine refuses
-sampling parameters out of range; decoding a stream piece by piece gives the whole text."""
+sampling parameters and logprob counts out of range; decoding a stream piece by piece gives the whole text."""
 from __future__ import annotations
 
 import math
@@ -105,6 +105,24 @@ def test_an_engine_refuses_sampling_out_of_range(sampling, needle):
                 request_id="r", prompt=[5, 6, 7], namespace="t", sampling=pb.SamplingParams(temperature=1.0)),
                 timeout=30)   # top_p 0 (unset) is 1
             assert 0 <= ok.first_token < 512
+    finally:
+        server.stop(None).wait()
+
+
+def test_an_engine_refuses_more_than_20_logprob_alternatives():
+    server, port = start_engine("prefill", None, block_size=16)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Prefill(pb.PrefillRequest(request_id="r", prompt=[5, 6], namespace="t", top_logprobs=21),
+                             timeout=30)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in exc.value.details()
+            ok = stub.Prefill(pb.PrefillRequest(request_id="r", prompt=[5, 6], namespace="t", top_logprobs=20),
+                              timeout=30)
+            top = ok.first_logprobs
+            assert len(top.top_ids) == 20 and top.top_ids[0] == ok.first_token and top.logprob <= 0
+            assert list(top.top_logprobs) == sorted(top.top_logprobs, reverse=True)
     finally:
         server.stop(None).wait()
 
