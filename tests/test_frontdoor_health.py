@@ -75,7 +75,8 @@ def test_a_failed_prefill_moves_to_another_instance_before_anything_is_sent(clus
     assert 'kvstore_scheduler_requests_moved_total{role="prefill"}' in metrics.decode()
 
 
-def test_a_decode_engine_dying_mid_stream_resumes_on_another_with_the_same_tokens(cluster):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.9, "seed": 5}], ids=["greedy", "seeded"])
+def test_a_decode_engine_dying_mid_stream_resumes_on_another_with_the_same_tokens(cluster, sampling):
     second = cluster.engine("decode", "decode-1")
     door = cluster.start(FrontdoorConfig(health_interval_s=60))
     reference_door = cluster.start(FrontdoorConfig(health_interval_s=60))
@@ -91,7 +92,8 @@ def test_a_decode_engine_dying_mid_stream_resumes_on_another_with_the_same_token
 
     cluster.loop.run(add_decode())
     router.mark_down("decode-0", "kept out by the test")
-    prompt = {"prompt": prompt_of(60, 2 * BS + 5), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    prompt = {"prompt": prompt_of(60, 2 * BS + 5), "max_tokens": 200, "ignore_eos": True, "stream": True,
+              **sampling}
     import http.client
     host, port = door.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
