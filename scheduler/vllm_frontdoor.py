@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from engines.tokenizer import Tokenizer
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor, _TokenClock
 from scheduler.health import HealthChecker
