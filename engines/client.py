@@ -68,7 +68,8 @@ class EngineClient:
                      sampling: SamplingParams = GREEDY,
                      top_logprobs: int | None = None) -> AsyncIterator[DecodeStep]:
         """Stream the generated tokens, the prefill's first token included (index 0), chosen
-        as ``sampling`` says (the same parameters the prefill was given).
+        as ``sampling`` says (the same parameters the prefill was given); with
+        ``top_logprobs`` each step after the first carries its logprobs.
         Cancelling the iteration (or the task running it) cancels the call on the engine."""
         call = self._stub.Decode(pb.DecodeRequest(
             request_id=request_id, prompt=list(prompt), namespace=namespace,
