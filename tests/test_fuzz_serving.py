@@ -22,7 +22,7 @@ from tests.grpc_fuzzing import call_fuzzed, call_raw, message, request_class
 from tests.frontdoor_cluster import BS, Cluster, call, complete, prompt_of, sse_events
 
 ENGINE = epb.DESCRIPTOR.services_by_name["Engine"]
-VOCAB = 512                       # the tiny model's vocabulary (tests/test_frontdoor.py prompts)
+VOCAB = 512                       # the tiny model's vocabulary (tests/frontdoor_cluster.py prompts)
 
 
 @pytest.fixture(scope="module")

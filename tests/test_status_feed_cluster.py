@@ -9,7 +9,7 @@ import time
 from engines.server import start_engine
 from kvstore.client import StoreClient
 from scheduler.app import start_frontdoor
-from tests.test_frontdoor import LoopThread, call, complete
+from tests.frontdoor_cluster import LoopThread, call, complete
 
 FLAGS = ("--dram", "8MiB", "--ssd", "0", "--heartbeat", "0.2", "--node-ttl", "1", "--transfer-engine", "off")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from scheduler.config import FrontdoorConfig
-from tests.test_frontdoor import Cluster, call, complete
+from tests.frontdoor_cluster import Cluster, call, complete
 
 KEY = "status-page-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
