@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgument, KVStoreError
 from kvstore.eviction import make_policy
@@ -17,6 +17,15 @@ from kvstore.lease import Pin
 from kvstore.ledger import BlockMeta, TierLedger
 from kvstore.pool_types import PoolSettings, TierStats
 from kvstore.tiers.base import Slot, Tier
+
+
+class TenantHooks(Protocol):
+    """What :class:`Placement` tells the tenant books (kvstore/tenants.py), under the lock."""
+
+    def held(self, key: bytes, size: int) -> None: ...
+    def forgotten(self, key: bytes) -> None: ...
+    def hit(self, key: bytes) -> None: ...
+    def miss(self, key: bytes) -> None: ...
 
 
 class Placement:
@@ -36,6 +45,9 @@ class Placement:
         self.books = [TierLedger(t, make_policy(settings.policy), self.parents) for t in self.tiers]
         self.levels = {t.name: i for i, t in enumerate(self.tiers)}
         self.pins: dict[bytes, Pin] = {}
+        # Per-tenant books (kvstore/tenants.py): told of every block newly held, forgotten,
+        # hit or missed. None: no tenant accounting.
+        self.tenants: TenantHooks | None = None
 
     def load(self) -> None:
         """Index the blocks persistent tiers kept across a restart; evict down to capacity
@@ -67,8 +79,12 @@ class Placement:
             meta = book.blocks.get(key)
             if meta is not None:
                 book.counters.hits += 1
+                if self.tenants is not None:
+                    self.tenants.hit(key)
                 return level, meta
             book.counters.misses += 1
+        if self.tenants is not None:
+            self.tenants.miss(key)
         return None
 
     # -- room and eviction -----------------------------------------------------------------
@@ -130,6 +146,8 @@ class Placement:
         if not self.held(key):
             self.pins.pop(key, None)
             self.parents.pop(key, None)
+            if self.tenants is not None:
+                self.tenants.forgotten(key)
         return freed
 
     # -- moves between tiers ---------------------------------------------------------------
@@ -167,6 +185,8 @@ class Placement:
             self.books[level].counters.promotions += 1
 
     def admit(self, level: int, key: bytes, meta: BlockMeta) -> None:
+        if self.tenants is not None:
+            self.tenants.held(key, meta.size)
         self.books[level].add(key, meta)
         self.index.add(key, self.node_id, self.tiers[level].name, meta.size, meta.checksum)
 

@@ -73,14 +73,16 @@ class KVPool:
 
     # -- two-phase put ---------------------------------------------------------------------
     def reserve(self, key: bytes, size: int, checksum: int | None = None, tier: str | None = None,
-                parent: bytes | None = None) -> Reservation:
+                parent: bytes | None = None, namespace: str | None = None) -> Reservation:
         """Take ``size`` bytes in ``tier`` (default: the top tier) for ``key``, evicting as
         the watermarks say. ``checksum``: what the bytes must hash to (xxh3-64), when the
         caller knows it; ``parent``: the key this one extends in its prefix chain. A key
         already stored gives a reservation whose ``existed`` is true (writes are discarded,
         commit succeeds). Raises CapacityError when the block cannot fit (too large, or
-        everything left is leased, pinned or being written)."""
-        return self._writes.reserve(key, size, checksum, self._place.level_of(tier), parent)
+        everything left is leased, pinned or being written). ``namespace``: the tenant the
+        block belongs to (kvstore/tenants.py); over its quota, its own blocks are evicted
+        first, and QuotaExceeded is raised when they cannot make room."""
+        return self._writes.reserve(key, size, checksum, self._place.level_of(tier), parent, namespace)
 
     def write(self, res: Reservation, data: Any) -> None:
         """Append ``data`` (bytes-like, uint8 array or tensor) to the reservation; one writer
@@ -110,11 +112,12 @@ class KVPool:
 
     # -- one-call puts ---------------------------------------------------------------------
     def put(self, key: bytes, data: Any, checksum: int | None = None, tier: str | None = None,
-            parent: bytes | None = None) -> PutResult:
-        """Store one block (reserve, write, commit). A full tier or a failed write is a
-        result with ``ok`` false, not an exception. Raises IntegrityError when ``checksum``
-        is given and does not match ``data`` (nothing is stored)."""
-        r = self._writes.put(key, data, checksum, self._place.level_of(tier), parent)
+            parent: bytes | None = None, namespace: str | None = None) -> PutResult:
+        """Store one block (reserve, write, commit). A full tier, a tenant over its quota
+        (``namespace``, see :meth:`reserve`) or a failed write is a result with ``ok``
+        false, not an exception. Raises IntegrityError when ``checksum`` is given and does
+        not match ``data`` (nothing is stored)."""
+        r = self._writes.put(key, data, checksum, self._place.level_of(tier), parent, namespace)
         if isinstance(r, IntegrityError) and checksum is not None:
             raise r
         return _result(key, r)
@@ -127,12 +130,13 @@ class KVPool:
 
     def put_many(self, items: Sequence[tuple[bytes, Any]], checksums: Sequence[int] | None = None,
                  chain: bool = False, tier: str | None = None,
-                 parent: bytes | None = None) -> list[PutResult]:
+                 parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Put several blocks; one result per block, in order; an existing key is success.
         Blocks go in windows of up to a quarter of the tier: reserve and write each, then
         commit the window in one tier call (one LMDB transaction on SSD). ``chain``: the
-        items form one prefix chain, ``parent`` the key its head extends."""
-        raw = self._writes.put_many(items, checksums, chain, self._place.level_of(tier), parent)
+        items form one prefix chain, ``parent`` the key its head extends; ``namespace``: the
+        tenant of every block (see :meth:`reserve`)."""
+        raw = self._writes.put_many(items, checksums, chain, self._place.level_of(tier), parent, namespace)
         return [_result(key, r) for (key, _), r in zip(items, raw)]
 
     # -- accounting only (tiers that keep no bytes) -----------------------------------------

@@ -40,7 +40,7 @@ class Reservations:
         self._ids = itertools.count(1)
 
     def reserve(self, key: bytes, size: int, checksum: int | None, level: int,
-                parent: bytes | None) -> Reservation:
+                parent: bytes | None, namespace: str | None = None) -> Reservation:
         if size < 0:
             raise InvalidArgument(f"block size must be >= 0 bytes, got {size}")
         with self._lock:
@@ -48,9 +48,14 @@ class Reservations:
             self.reap(now)
             if self._place.held(key):
                 return Reservation(0, key, size, level, None, checksum, math.inf, parent, RS.EXISTED)
+            tenants = self._place.tenants
+            if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
+                tenants.before_reserve(self._place, key, size, namespace)
             slot = self._place.make_room(level, size)
             res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s, parent)
             self._open[res.id] = res
+            if tenants is not None:
+                tenants.reserved(res.id, key, namespace, size)
             self._next_reap = min(self._next_reap, res.deadline)
             return res
 
@@ -79,12 +84,12 @@ class Reservations:
                     self._free(res)
 
     def put(self, key: bytes, data: Any, checksum: int | None, level: int,
-            parent: bytes | None) -> PutResult | Exception:
+            parent: bytes | None, namespace: str | None = None) -> PutResult | Exception:
         """reserve + one write + commit, with the lock taken twice. Returns the result or
         the exception that failed the block (its space is free again then)."""
         src = as_u8(data)
         try:
-            res = self.reserve(key, src.shape[0], checksum, level, parent)
+            res = self.reserve(key, src.shape[0], checksum, level, parent, namespace)
         except (OSError, KVStoreError) as exc:
             return exc
         if res.state is RS.EXISTED:
@@ -120,7 +125,7 @@ class Reservations:
             return PutResult(key, True)
 
     def put_many(self, items: Sequence[tuple[bytes, Any]], checksums: Sequence[int] | None, chain: bool,
-                 level: int, parent: bytes | None) -> list[PutResult | Exception]:
+                 level: int, parent: bytes | None, namespace: str | None = None) -> list[PutResult | Exception]:
         """Windows of up to a quarter of the tier: reserve and write each block, then commit
         the window in one tier call (one LMDB transaction on SSD). Per block the result or
         the exception that failed it. ``chain``: block i extends block i - 1."""
@@ -139,7 +144,8 @@ class Reservations:
                 link = parent if i == 0 else (items[i - 1][0] if chain else None)
                 res = None
                 try:
-                    res = self.reserve(key, nbytes(views[i]), checksums[i] if checksums else None, level, link)
+                    res = self.reserve(key, nbytes(views[i]), checksums[i] if checksums else None, level, link,
+                                       namespace)
                     self.write(res, views[i])
                     if res.state is RS.OPEN:
                         written.append((i, res))
@@ -178,6 +184,7 @@ class Reservations:
         res.state, res.slot = RS.COMMITTED, None
         del self._open[res.id]
         place.admit(res.level, res.key, BlockMeta(res.size, checksum))
+        self._settle(res)
         if res.parent is not None:
             place.link(res.key, res.parent)
         return PutResult(res.key, True)
@@ -237,6 +244,12 @@ class Reservations:
             self._place.tiers[res.level].abort(res.slot)
             res.slot = None
             self._open.pop(res.id, None)
+            self._settle(res)
+
+    def _settle(self, res: Reservation) -> None:
+        """The tenant books stop counting the reservation's bytes as pending."""
+        if self._place.tenants is not None:
+            self._place.tenants.settled(res.id)
 
     def _fail(self, res: Reservation) -> None:
         res.state = RS.ABORTED
@@ -282,6 +295,7 @@ class Reservations:
                 res.state, res.slot = RS.COMMITTED, None
                 self._open.pop(res.id, None)
                 place.admit(res.level, res.key, BlockMeta(res.size, checksum))
+                self._settle(res)
                 if res.parent is not None:
                     place.link(res.key, res.parent)
                 out[i] = PutResult(res.key, True)
