@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
+from kvstore.errors import InvalidArgument, LeaseExpired, QuotaExceeded, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.pool import PutResult, TierStats, checksum_of
@@ -176,12 +176,25 @@ class StoreClient:
         return LookupResult(resp.prefix_blocks, tuple(resp.tiers))
 
     def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
-                   parent: bytes | None = None) -> list[PutResult]:
+                   parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Put several blocks in one streamed call; one result per block, in order.
         ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
-        head extends), so the node evicts its tail before its head."""
+        head extends), so the node evicts its tail before its head. ``namespace``: the
+        tenant the blocks belong to (kvstore/tenants.py: per-tenant accounting and quotas);
+        such a put goes over the gRPC stream, which carries it. Raises QuotaExceeded when
+        the tenant is over its quota and its own blocks cannot make room (the blocks before
+        the refused one are stored)."""
         if not blocks:
             return []
+        if namespace:
+            from kvstore.tenants import NAMESPACE_METADATA
+            blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]
+            meta = (*self._meta, (NAMESPACE_METADATA, namespace))
+            try:
+                resp = self._stub.Put(_put_chunks(blocks, chain, parent), timeout=self.timeout_s, metadata=meta)
+            except grpc.RpcError as exc:
+                raise _translate(exc, self.address) from None
+            return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
         plane = self._local()
         if plane is not None:
             try:
@@ -344,4 +357,6 @@ def _translate(exc: grpc.RpcError, address: str) -> Exception:
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(detail)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return QuotaExceeded(detail)
     return Unavailable(f"store node at {address}: {code.name if code else 'error'}: {detail}")

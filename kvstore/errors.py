@@ -30,3 +30,9 @@ class InvalidArgument(KVStoreError):
 
 class Unavailable(KVStoreError):
     """A service kvstore depends on (a store node, an engine) cannot be reached."""
+
+
+class QuotaExceeded(CapacityError):
+    """A tenant's put would take its namespace over its byte quota and evicting the
+    tenant's own blocks cannot make room (they are leased or pinned); the message names the
+    namespace and the quota. Mapped to gRPC RESOURCE_EXHAUSTED."""

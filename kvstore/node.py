@@ -51,12 +51,19 @@ _METRICS: dict[int, MetricsServer] = {}   # id(server) -> the node's metrics por
 
 
 def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
-    """Build the pool, serve it (with the transfer-engine ``BlockTransfer`` service) and
-    register the node in the cluster (Redis at ``cfg.redis_url``, else embedded). With
-    ``cfg.metrics_port`` set, also serve Prometheus metrics there (:func:`metrics_url`).
-    Raises OSError / RuntimeError when a port cannot be bound."""
+    """Build the pool, serve it (with the transfer-engine ``BlockTransfer`` service and the
+    Admin service, kvstore/admin) and register the node in the cluster (Redis at
+    ``cfg.redis_url``, else embedded). With ``cfg.metrics_port`` set, also serve Prometheus
+    metrics there (:func:`metrics_url`). Raises OSError / RuntimeError when a port cannot be
+    bound, InvalidArgument when the node's quota file cannot be read."""
+    from kvstore.admin.service import admin_service, attach_tenants, node_control
     from kvstore.cluster.agent import ClusterAgent
     pool = build_pool(cfg)
+    try:
+        attach_tenants(cfg, pool)   # per-tenant books and quotas, before anything reads the pool
+    except BaseException:
+        pool.close()
+        raise
     agent: ClusterAgent | None = None
     metrics = None
     if cfg.metrics_port is not None:
@@ -70,8 +77,9 @@ def start_node(cfg: StoreConfig) -> tuple[grpc.Server, int, KVPool]:
         agent = ClusterAgent(cfg, pool)
         if metrics is not None and agent.control is not None:
             metrics[0].watch_dataplane(agent.control.host, "remote")
+        admin = admin_service(pool, node_control(cfg, pool, agent))
         server, port = serve_store(pool, f"{cfg.host}:{cfg.port}", auth_token=cfg.auth_token,
-                                   extra_services=agent.services(),
+                                   extra_services=(*agent.services(), admin),
                                    dataplane_socket=cfg.dataplane_socket_path(),
                                    dataplane_poll_s=cfg.dataplane_poll_us * 1e-6,
                                    metrics=metrics[0] if metrics else None)

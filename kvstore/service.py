@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from kvstore import __version__
 from kvstore.auth import interceptors_for
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
 from kvstore.events.publisher import snapshot_of
 from kvstore.lease import Reservation
 from kvstore.limits import check_count, check_key, check_keys, check_ttl
@@ -72,6 +72,7 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         there). A stream that breaks — the client died or cancelled — aborts the open
         reservation: no visible key, and its space is free at once."""
         results: list[pb.PutResult] = []
+        namespace = _namespace_of(context)
         key: bytes | None = None
         res: Reservation | None = None   # the current block's reservation; None: skip its bytes
         size = got = 0
@@ -108,7 +109,10 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                                       f"block of {chunk.size} bytes; at most {self.max_block_bytes}")
                     key, size, got, error = chunk.key, chunk.size, 0, ""
                     try:
-                        res = self.pool.reserve(key, size, chunk.checksum, parent=chunk.parent or None)
+                        res = self.pool.reserve(key, size, chunk.checksum, parent=chunk.parent or None,
+                                                namespace=namespace)
+                    except QuotaExceeded as exc:   # the blocks before it in the stream are stored
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
                     except (KVStoreError, OSError) as exc:
                         res, error = None, str(exc)
                 elif key is None:
@@ -274,6 +278,21 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         check_count(len(request.reservation_ids), "reservation_ids")
         self._plane(context).abort(list(request.reservation_ids))
         return pb.AbortBlocksResponse()
+
+
+def _namespace_of(context: grpc.ServicerContext) -> str | None:
+    """The tenant a Put's blocks belong to: its ``kvstore-namespace`` metadata
+    (kvstore/tenants.py), None without one. A malformed one aborts INVALID_ARGUMENT."""
+    from kvstore.quotas import check_namespace
+    from kvstore.tenants import NAMESPACE_METADATA
+    value = dict(context.invocation_metadata() or ()).get(NAMESPACE_METADATA)
+    if not value:
+        return None
+    try:
+        return check_namespace(str(value))
+    except InvalidArgument as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{NAMESPACE_METADATA} metadata: {exc}")
+    return None
 
 
 UNPARSED = object()  # a client-streamed message that did not parse (see _StreamParseGuard)

@@ -46,13 +46,14 @@ def make_ssd(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
 
 @pytest.fixture
 def store_node(make_dram, make_ssd) -> Iterator[tuple["object", str]]:
-    """A real store service on 127.0.0.1 (port 0) over a DRAM (64 MiB) + SSD (256 MiB) pool.
-    Yields (pool, "127.0.0.1:port")."""
+    """A real store service on 127.0.0.1 (port 0) over a DRAM (64 MiB) + SSD (256 MiB) pool,
+    with the Admin service (kvstore/admin) on the same port. Yields (pool, "127.0.0.1:port")."""
+    from kvstore.admin.service import NodeControl, admin_service
     from kvstore.pool import KVPool
     from kvstore.service import serve_store
 
     pool = KVPool([make_dram(64 << 20), make_ssd(256 << 20)])
-    server, port = serve_store(pool)
+    server, port = serve_store(pool, extra_services=(admin_service(pool, NodeControl(pool.node_id)),))
     yield pool, f"127.0.0.1:{port}"
     server.stop(grace=None).wait()
 

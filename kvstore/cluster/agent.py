@@ -63,6 +63,7 @@ class ClusterAgent:
         self.registry = registry_for(cfg.redis_url)
         self.heartbeat: Heartbeat | None = None
         self.port = 0
+        self.draining = False   # set by the Admin service (kvctl drain); announced at each beat
 
     def services(self) -> tuple[Callable[[grpc.Server], None], ...]:
         return (transfer_service(self.pool, self.node_te, self.control.port if self.control else 0),)
@@ -74,7 +75,7 @@ class ClusterAgent:
         free = sum(max(0, int(s.capacity_bytes * lw) - s.used_bytes - s.reserved_bytes) for s in stats)
         return NodeInfo(self.cfg.node_id, f"{self.host}:{self.port}",
                         tuple((s.name, s.capacity_bytes, s.used_bytes) for s in stats), free,
-                        self.node_te.endpoint if self.node_te else "", self.epoch)
+                        self.node_te.endpoint if self.node_te else "", self.epoch, self.draining)
 
     def start(self, port: int) -> None:
         self.port = port

@@ -261,9 +261,12 @@ class ClusterClient:
         return copied
 
     def _free(self, live: list[NodeInfo]) -> dict[str, int]:
+        """node id -> bytes placement may still put there; a draining node is left out."""
         with self._lock:
             out = {}
             for n in live:
+                if n.draining:
+                    continue
                 seen, placed = self._placed.get(n.node_id, (n.free_bytes, 0))
                 if seen != n.free_bytes:      # a fresh heartbeat counted our puts already
                     placed = 0

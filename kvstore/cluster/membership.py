@@ -20,7 +20,8 @@ class NodeInfo:
     """A live store node as announced. ``tiers``: (name, capacity_bytes, used_bytes) each;
     ``free_bytes``: what placement may still put there (below the low watermark);
     ``te_endpoint``: its transfer engine (host:rpc_port), "" for none; ``epoch``: start time
-    in ns, so a restarted node is told apart from its previous life."""
+    in ns, so a restarted node is told apart from its previous life; ``draining``: the node
+    is being emptied (``kvctl drain``), so placement puts no new blocks there."""
 
     node_id: str
     address: str
@@ -28,6 +29,7 @@ class NodeInfo:
     free_bytes: int = 0
     te_endpoint: str = ""
     epoch: int = 0
+    draining: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -138,6 +140,10 @@ class Heartbeat:
         self._beat()
         self._thread.start()
         return self
+
+    def beat(self) -> None:
+        """Announce now (a change that should not wait for the next beat)."""
+        self._beat()
 
     def _beat(self) -> None:
         try:
