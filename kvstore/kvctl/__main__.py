@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.kvctl import main
+
+sys.exit(main())

@@ -1,0 +1,146 @@
+"""What every kvctl command shares: where the store (and the cluster) is, the token, how
+results are printed (a table, or ``--json``), block-key arguments and exit codes.
+
+Where the store is, first found wins: ``--store`` / ``--token`` / ``--redis``; then the
+environment (``KVSTORE_STORE_TOKEN``, ``KVSTORE_REDIS_URL``); then the file ``kvstore up``
+writes for its stack (:func:`up_file`: the store nodes' addresses, the engines', and the
+path of the stack's ``auth.env``, which holds the tokens and a private Redis's URL); then
+127.0.0.1:50051.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+
+DEFAULT_STORE = "127.0.0.1:50051"
+UP_FILE_ENV = "KVSTORE_UP_FILE"
+# Exit codes: 0 done as asked; 1 an error (bad argument, refused, unreachable); 2 usage
+# (argparse); 3 the command ran but did not do all it was asked (blocks left behind, fewer
+# bytes freed than asked, keys that could not be moved), the JSON says so with success false.
+EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 3
+
+
+def up_file() -> str:
+    """Where ``kvstore up`` records its stack: ``$KVSTORE_UP_FILE``, else
+    ``$XDG_RUNTIME_DIR/kvstore/up.json``, else ``~/.cache/kvstore/up.json`` (mode 0600)."""
+    explicit = os.environ.get(UP_FILE_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvstore", "up.json")
+
+
+def read_up_file() -> dict[str, Any] | None:
+    """The running stack's record, or None when there is none, it does not parse, or the
+    ``kvstore up`` that wrote it (``pid``) has exited."""
+    try:
+        with open(up_file(), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    pid = doc.get("pid") if isinstance(doc, dict) else None
+    if not isinstance(pid, int):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return doc
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of an ``auth.env`` (empty when it cannot be read)."""
+    out: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                k, sep, v = line.strip().partition("=")
+                if sep and k:
+                    out[k] = v
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class Target:
+    """Where kvctl's calls go. ``source`` says how ``store`` was found (for messages)."""
+
+    store: str
+    token: str | None
+    redis_url: str | None
+    engine_token: str | None
+    timeout_s: float
+    source: str = "flag"
+    engines: list[str] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    up = read_up_file()
+    auth = read_env_file(up["auth_env"]) if up and up.get("auth_env") else {}
+    store, source = args.store, "--store"
+    if not store and up and up.get("stores"):
+        store, source = up["stores"][0], up_file()
+    if not store:
+        store, source = DEFAULT_STORE, "default"
+    token = args.token or os.environ.get(STORE_TOKEN_ENV) or auth.get(STORE_TOKEN_ENV) or None
+    redis_url = getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV) or auth.get(REDIS_URL_ENV) or None
+    engine_token = (getattr(args, "engine_token", None) or os.environ.get(ENGINE_TOKEN_ENV)
+                    or auth.get(ENGINE_TOKEN_ENV) or None)
+    return Target(store, token, redis_url, engine_token, args.timeout, source,
+                  list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [])
+
+
+def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
+    """Print ``doc`` as JSON with ``--json``, else ``text``."""
+    if getattr(args, "json", False):
+        print(json.dumps(doc, indent=2, sort_keys=False))
+    else:
+        print(text)
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def size_text(n: int) -> str:
+    """Bytes for a message: ``1,048,576 bytes (1.0 MiB)``."""
+    return f"{n:,} bytes ({mib(n)} MiB)"
+
+
+def parse_keys(hexes: list[str]) -> list[bytes]:
+    """Hex block keys → bytes; a key is 32 bytes (SHA-256) or 16 (XXH3-128). Raises
+    ValueError naming the one that is not."""
+    try:
+        keys = [bytes.fromhex(h) for h in hexes]
+    except ValueError as exc:
+        raise ValueError(f"block keys are hex strings: {exc}") from None
+    for h, key in zip(hexes, keys):
+        if len(key) not in (16, 32):
+            raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128)")
+    return keys
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fail(args: argparse.Namespace, message: str, code: int = EXIT_ERROR) -> int:
+    print(f"kvctl {args.command}: {message}", file=sys.stderr)
+    return code

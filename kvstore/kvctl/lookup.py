@@ -1,0 +1,123 @@
+"""``kvctl lookup``: the block keys of a prompt, made exactly as the engines make them, and
+where each block is (node, tier, size, pins).
+
+The key spec's inputs come from an engine's ``Info`` (``--engine``; after ``kvstore up``
+the stack's first engine): model id, revision and KV layout, which with the tenant's
+namespace form the key extras (``engines.types.extras_for``: ``KeyExtras(model, revision,
+layout, namespace)``), and the block size. ``--model``/``--revision``/``--layout``/
+``--block-size`` give them by hand instead. The namespace is the front door's
+(``scheduler.keys.namespace_from_authorization``): ``key-`` + the first 16 hex digits of
+SHA-256 of the tenant's API key (``--tenant KEY``), or ``public`` without one.
+``--prompt TEXT`` is tokenized as the tiny model's byte tokenizer does (UTF-8 bytes + 3,
+engines/tokenizer.py) or, with ``--tokenizer DIR``, by that checkpoint's tokenizer
+(``AutoTokenizer``, no special tokens, as the front door).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+from typing import Any
+
+import grpc
+from tabulate import tabulate
+
+from kvstore.admin.client import AdminClient
+from kvstore.auth import bearer_metadata
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.index.keys import KeyExtras, KVLayout, block_keys
+from kvstore.kvctl.cluster import cluster_nodes
+from kvstore.kvctl.common import EXIT_OK, Target, add_json, emit
+
+PUBLIC_NAMESPACE = "public"
+BYTE_TOKEN_OFFSET = 3       # the byte tokenizer: id = byte + 3 (0 pad, 1 bos, 2 eos)
+
+
+def namespace_of(api_key: str | None) -> str:
+    """The tenant namespace the front door gives a caller with this API key."""
+    if not api_key:
+        return PUBLIC_NAMESPACE
+    return "key-" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
+
+
+def tokens_of(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        try:
+            return [int(x) for x in args.tokens.replace(",", " ").split()]
+        except ValueError:
+            raise InvalidArgument(f"--tokens takes integers separated by commas or spaces, got {args.tokens!r}") from None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        return list(AutoTokenizer.from_pretrained(args.tokenizer).encode(args.prompt, add_special_tokens=False))
+    try:
+        return [b + BYTE_TOKEN_OFFSET for b in args.prompt.encode("utf-8")]
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"the prompt is not valid Unicode: {exc.reason}") from None
+
+
+def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | None, int, str]:
+    """(model, revision, layout, block size, where they came from)."""
+    engine = args.engine or (None if args.model is not None else (t.engines[0] if t.engines else None))
+    if engine:
+        from protos import engine_pb2, engine_pb2_grpc
+        with grpc.insecure_channel(engine) as channel:
+            try:
+                info = engine_pb2_grpc.EngineStub(channel).Info(
+                    engine_pb2.InfoRequest(), timeout=t.timeout_s, metadata=bearer_metadata(t.engine_token))
+            except grpc.RpcError as exc:
+                raise Unavailable(f"engine at {engine}: {exc.code().name}: {exc.details()}") from None
+        return info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size, f"engine {engine}"
+    if args.model is None or not args.block_size:
+        raise InvalidArgument("give --engine ADDR (its Info has the key spec), or --model, --block-size "
+                              "(and --revision, --layout) by hand")
+    layout = KVLayout.from_json(args.layout) if args.layout else None
+    return args.model, args.revision, layout, args.block_size, "flags"
+
+
+def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
+    namespace = args.namespace if args.namespace is not None else namespace_of(args.tenant)
+    tokens = tokens_of(args)
+    model, revision, layout, block_size, source = key_spec(t, args)
+    extras = KeyExtras(model=model, revision=revision, layout=layout, namespace=namespace)
+    keys = block_keys(tokens, block_size, extras)
+    where: list[list[dict[str, Any]]] = [[] for _ in keys]
+    nodes = cluster_nodes(t)
+    for node in nodes:
+        with AdminClient(node.address, t.token, t.timeout_s) as admin:
+            for i, key in enumerate(keys):
+                r = admin.inspect(key)
+                if r["found"]:
+                    b = r["block"]
+                    where[i].append({"node": node.node_id, "tiers": b["tiers"], "size": b["size"], "pin": b["pin"],
+                                     "namespace": b["namespace"]})
+    blocks = [{"index": i, "key": k.hex(), "tokens": [i * block_size, (i + 1) * block_size], "copies": w}
+              for i, (k, w) in enumerate(zip(keys, where))]
+    held = next((i for i, w in enumerate(where) if not w), len(keys))
+    rows = [[b["index"], b["key"][:16], ",".join(c["node"] for c in b["copies"]) or "-",
+             ";".join(",".join(c["tiers"]) for c in b["copies"]) or "miss",
+             ";".join(str(c["size"]) for c in b["copies"]), ";".join(c["pin"] for c in b["copies"] if c["pin"])]
+            for b in blocks]
+    text = (f"{len(tokens)} tokens, {len(keys)} full blocks of {block_size} (key spec from {source}; "
+            f"model {model!r}, namespace {namespace!r}); the pool holds a prefix of {held} blocks\n"
+            + tabulate(rows, headers=["block", "key", "node", "tier", "bytes", "pin"]))
+    emit(args, {"namespace": namespace, "model": model, "revision": revision, "block_size": block_size,
+                "tokens": len(tokens), "key_spec_from": source, "held_prefix_blocks": held, "blocks": blocks}, text)
+    return EXIT_OK
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("lookup", help="key a prompt as the engines do; per block: key, node, tier, size, pins")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (tokenized as the front door does)")
+    g.add_argument("--tokens", help="token ids, comma- or space-separated")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--tenant", metavar="API_KEY", help="the tenant's API key (default: the public namespace)")
+    who.add_argument("--namespace", help="the namespace itself (key-<16 hex>, public, ...)")
+    p.add_argument("--engine", metavar="ADDR", help="an engine whose Info gives the key spec (default: kvstore up's)")
+    p.add_argument("--engine-token", help="the engines' token (default: KVSTORE_ENGINE_TOKEN)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt")
+    p.add_argument("--model", help="model id (instead of --engine)")
+    p.add_argument("--revision", default="", help="model revision (with --model)")
+    p.add_argument("--layout", metavar="JSON", help="KV layout JSON (with --model), as an engine's Info gives it")
+    p.add_argument("--block-size", type=int, help="tokens per block (with --model)")
+    add_json(p)
+    p.set_defaults(func=cmd_lookup)

@@ -1,0 +1,112 @@
+"""kvctl commands on one node's tiers: ``tiers``, ``evict``, ``pin``, ``unpin``,
+``policy``, ``health``."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from typing import Any
+
+from tabulate import tabulate
+
+from kvstore.admin.client import AdminClient
+from kvstore.client import StoreClient
+from kvstore.config import parse_bytes
+from kvstore.kvctl.common import (EXIT_INCOMPLETE, EXIT_OK, Target, add_json, emit, mib, parse_keys, positive,
+                                  size_text)
+
+
+def _store(t: Target) -> StoreClient:
+    return StoreClient(t.store, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc")
+
+
+def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
+    with _store(t) as client:
+        node, stats = client.stats()
+    rows = [[s.name, s.device, s.policy, mib(s.capacity_bytes), mib(s.used_bytes),
+             f"{100 * s.used_bytes / s.capacity_bytes:.1f}" if s.capacity_bytes else "-",
+             mib(s.leased_bytes), mib(s.pinned_bytes), s.blocks, s.hits, s.misses, s.evictions, s.demotions,
+             s.promotions, s.integrity_failures, s.quarantines] for s in stats]
+    text = f"node {node} at {t.store}\n" + tabulate(rows, headers=[
+        "tier", "device", "policy", "capacity MiB", "used MiB", "used %", "leased MiB", "pinned MiB", "blocks",
+        "hits", "misses", "evictions", "demotions", "promotions", "integrity failures", "quarantines"])
+    emit(args, {"node_id": node, "address": t.store, "tiers": [asdict(s) for s in stats]}, text)
+    return EXIT_OK
+
+
+def cmd_evict(t: Target, args: argparse.Namespace) -> int:
+    asked = parse_bytes(args.bytes)
+    with AdminClient(t.store, t.token, t.timeout_s) as admin:
+        r = admin.evict(args.tier, asked)
+    blocks = r["demoted"] + r["dropped"]
+    short = r["freed_bytes"] < asked
+    doc: dict[str, Any] = {"success": not short, **r}
+    text = (f"evicted {blocks} blocks, {size_text(r['freed_bytes'])} from {r['tier']}: "
+            f"{r['demoted']} demoted to the next tier (still served from there), "
+            f"{r['dropped']} dropped from the node")
+    if short:
+        text += f"\nfreed {size_text(r['freed_bytes'])} of the {size_text(asked)} asked: {r['reason']}"
+    emit(args, doc, text)
+    return EXIT_INCOMPLETE if short else EXIT_OK
+
+
+def cmd_pin(t: Target, args: argparse.Namespace) -> int:
+    keys = parse_keys(args.keys)
+    with _store(t) as client:
+        n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
+    kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
+    emit(args, {"success": n == len(keys) or args.prefix, "pinned": n, "asked": len(keys), "kind": kind},
+         f"pinned {n} of {len(keys)} blocks, {kind}")
+    return EXIT_OK if n == len(keys) or args.prefix else EXIT_INCOMPLETE
+
+
+def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
+    with _store(t) as client:
+        n = client.unpin(parse_keys(args.keys), prefix=args.prefix)
+    emit(args, {"success": True, "unpinned": n}, f"unpinned {n} blocks")
+    return EXIT_OK
+
+
+def cmd_policy(t: Target, args: argparse.Namespace) -> int:
+    with _store(t) as client:
+        previous = client.set_policy(args.name, args.tier)
+    emit(args, {"success": True, "policy": args.name, "previous": previous},
+         "\n".join(f"{tier}: {old} -> {args.name}" for tier, old in sorted(previous.items())))
+    return EXIT_OK
+
+
+def cmd_health(t: Target, args: argparse.Namespace) -> int:
+    with _store(t) as client:
+        status = client.health()
+    emit(args, {"address": t.store, "status": status}, status)
+    return EXIT_OK
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("tiers", help="each tier's capacity, usage and counters")
+    add_json(p)
+    p.set_defaults(func=cmd_tiers)
+    p = sub.add_parser("evict", help="evict bytes from a tier (says demoted vs dropped; exit 3 when short)")
+    p.add_argument("--tier", required=True, help="tier name: hbm, dram or ssd")
+    p.add_argument("--bytes", required=True, help="how much to evict, e.g. 64MiB or 1048576")
+    add_json(p)
+    p.set_defaults(func=cmd_evict)
+    for name, func, text in (("pin", cmd_pin, "pin blocks (hard: never evicted; soft: last resort)"),
+                             ("unpin", cmd_unpin, "drop pins")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("keys", nargs="+", metavar="KEY", help="block keys in hex")
+        p.add_argument("--prefix", action="store_true",
+                       help="the KEYs are one prefix chain, head first: act on its held prefix")
+        if name == "pin":
+            g = p.add_mutually_exclusive_group()
+            g.add_argument("--hard", action="store_true", help="a hard pin (until unpinned)")
+            g.add_argument("--ttl", type=positive, metavar="S", help="soft pin TTL in seconds (default: the node's)")
+        add_json(p)
+        p.set_defaults(func=func)
+    p = sub.add_parser("policy", help="switch the eviction policy at run time")
+    p.add_argument("name", choices=["lru", "lfu", "fifo", "s3fifo"])
+    p.add_argument("--tier", help="tier name (default: every tier)")
+    add_json(p)
+    p.set_defaults(func=cmd_policy)
+    p = sub.add_parser("health", help="check that the node serves")
+    add_json(p)
+    p.set_defaults(func=cmd_health)
