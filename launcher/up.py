@@ -80,6 +80,7 @@ def run_up(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     _install_stop_handlers(stack)
     stack.handlers_installed = True
+    up_record: str | None = None
     try:
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
@@ -131,6 +132,8 @@ def run_up(args: argparse.Namespace) -> int:
         _wait_http(stack, f"{url}/health", 120)
         stack.check_alive()  # the answer must come from our own front door
         print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics, GET /status)", flush=True)
+        up_record = record_stack([f"{host}:{p}" for p in store_ports], [f"{host}:{p}" for _, _, p in engines],
+                                 url, args.data_dir, redis_url)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)
@@ -146,10 +149,50 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stopping = True   # a signal from here on kills the children, never unwinds
+        forget_stack(up_record)
         stack.stop()
         print("stopped all services", flush=True)
 
 
+
+
+def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
+                 redis_url: str | None) -> str:
+    """Record the running stack where kvctl looks (kvstore/kvctl/common.py ``up_file``:
+    ``$XDG_RUNTIME_DIR/kvstore/up.json``, mode 0600): this process's pid, the store nodes',
+    engines' and front door's addresses, and the path of its ``auth.env`` (which gets the
+    Redis URL too, since a private Redis's holds its password). Returns the file's path."""
+    import json
+
+    from kvstore.kvctl.common import up_file
+    auth_env = os.path.abspath(os.path.join(data_dir, "auth.env"))
+    if redis_url:
+        with open(auth_env, "a") as f:
+            f.write(f"{REDIS_URL_ENV}={redis_url}\n")
+    path = up_file()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    doc = {"version": 1, "pid": os.getpid(), "stores": stores, "engines": engines, "frontdoor": url,
+           "auth_env": auth_env, "data_dir": os.path.abspath(data_dir), "cluster": bool(redis_url)}
+    fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+    print(f"kvctl          finds this stack through {path} (kvctl tiers, kvctl nodes, ...)", flush=True)
+    return path
+
+
+def forget_stack(path: str | None) -> None:
+    """Remove the record :func:`record_stack` wrote, if it is still this process's."""
+    if not path:
+        return
+    import json
+    try:
+        with open(path) as f:
+            mine = json.load(f).get("pid") == os.getpid()
+        if mine:
+            os.remove(path)
+    except (OSError, ValueError):
+        pass
 
 
 def stack_tokens(data_dir: str) -> dict[str, str]:
