@@ -1,0 +1,81 @@
+"""The Admin API is the store token's only: every Admin RPC refuses a missing or wrong token
+(UNAUTHENTICATED, before any method runs), kvctl says so; a malformed tenant name on a
+Put is INVALID_ARGUMENT. And kvctl finds the stack ``kvstore up`` recorded (up.json, its
+auth.env) with no flags, flags still winning."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstore.admin.client import AdminClient, AdminError
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument
+from protos import admin_pb2 as apb
+from protos import admin_pb2_grpc as apb_grpc
+from tests.kvctl_helpers import TOKEN, block, kvctl, kvctl_env
+
+
+@pytest.fixture
+def node(spawn_store_node):
+    _, address = spawn_store_node("auth-node", "--dram", "2MiB", "--ssd", "0", "--auth-token", TOKEN,
+                                  "--transfer-engine", "off")
+    return address
+
+
+def _requests():
+    service = apb.DESCRIPTOR.services_by_name["Admin"]
+    for method in service.methods:
+        cls = getattr(apb, method.input_type.name)
+        yield method.name, cls()
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer not-the-token"),),
+                                      (("authorization", TOKEN),)], ids=["missing", "wrong", "no-bearer"])
+def test_every_admin_rpc_refuses_a_missing_or_wrong_token(node, metadata):
+    names = []
+    with grpc.insecure_channel(node) as channel:
+        stub = apb_grpc.AdminStub(channel)
+        for name, request in _requests():
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, name)(request, timeout=10, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            names.append(name)
+        assert len(names) == 13
+        reply = stub.Stats(apb.StatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert reply.node_id == "auth-node"
+
+
+def test_kvctl_with_a_wrong_token_says_unauthenticated(node, tmp_path):
+    rc, _, err = kvctl(kvctl_env(tmp_path, token="wrong"), "--store", node, "ls", json_out=False)
+    assert rc == 1 and "UNAUTHENTICATED" in err
+    with AdminClient(node, None) as admin, pytest.raises(AdminError) as info:
+        admin.list_blocks()
+    assert info.value.code == "UNAUTHENTICATED"
+
+
+def test_a_bad_namespace_on_a_put_is_refused(node):
+    with StoreClient(node, auth_token=TOKEN, data_path="grpc") as c:
+        with pytest.raises(InvalidArgument, match="kvstore-namespace"):
+            c.put_blocks([(block(1), b"x")], namespace="n" * 300)
+        assert not c.lookup([block(1)]).blocks
+
+
+def test_kvctl_finds_the_stack_kvstore_up_recorded(node, tmp_path, monkeypatch):
+    from launcher.up import forget_stack, record_stack
+    env = kvctl_env(tmp_path, token=None)
+    monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
+    data = tmp_path / "up"
+    data.mkdir()
+    (data / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={TOKEN}\nKVSTORE_ENGINE_TOKEN=e\n")
+    path = record_stack([node], ["127.0.0.1:1"], "http://127.0.0.1:2", str(data), None)
+    assert oct((tmp_path / "no-stack" / "up.json").stat().st_mode & 0o777) == "0o600"
+    rc, doc, err = kvctl(env, "tiers")                           # no --store, no --token
+    assert rc == 0, err
+    assert doc["node_id"] == "auth-node" and doc["address"] == node
+    rc, doc, err = kvctl(env, "ls")                              # an admin call: the token came from auth.env
+    assert rc == 0, err
+    rc, _, err = kvctl(env, "--token", "wrong", "ls", json_out=False)   # flags win
+    assert rc == 1 and "UNAUTHENTICATED" in err
+    forget_stack(path)
+    rc, _, err = kvctl(env, "--timeout", "2", "tiers", json_out=False)  # record gone: the default address
+    assert rc == 1 and "127.0.0.1:50051" in err

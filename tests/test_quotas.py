@@ -1,0 +1,144 @@
+"""Per-tenant quotas and accounting (kvstore/tenants.py, kvstore/quotas.py): a tenant over
+its quota evicts only its own blocks (never another tenant's), a put it cannot make room
+for is refused naming the quota (RESOURCE_EXHAUSTED over gRPC), quotas persist in the
+node's data dir and survive a restart, and kvctl quota/namespaces drive them."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgument, QuotaExceeded
+from kvstore.pool import KVPool, PoolSettings
+from kvstore.quotas import QuotaStore
+from kvstore.tenants import attach, namespace_stats
+from tests.kvctl_helpers import TOKEN, block, kvctl, kvctl_env
+
+BLOCK = 16 << 10
+
+
+@pytest.fixture
+def pool(make_dram, make_ssd):
+    p = KVPool([make_dram(2 << 20), make_ssd(8 << 20)], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
+    yield p
+    p.close()
+
+
+def _owners(pool):
+    books = pool._place.tenants
+    return {k: books.owner[k] for book in pool._place.books for k in book.blocks}
+
+
+def test_a_quotad_tenant_never_evicts_another_tenants_blocks(pool):
+    books = attach(pool)
+    books.quotas.set("small", 10 * BLOCK)
+    others = [block(i, b"other") for i in range(40)]
+    for key in others:
+        assert pool.put(key, os.urandom(BLOCK), namespace="other").ok
+    rng = random.Random(7)
+    for i in range(300):     # far more than its quota, with reads between, some of them pinned
+        key = block(i, b"small")
+        assert pool.put(key, os.urandom(BLOCK), namespace="small").ok
+        if rng.random() < 0.3:
+            pool.get(block(rng.randrange(i + 1), b"small"))
+        if i % 50 == 0:
+            pool.pin([key], ttl_s=600)
+        stats = namespace_stats(pool)
+        assert stats["small"].bytes <= 10 * BLOCK
+        assert all(pool.contains(k) for k in others), f"put {i} of 'small' took another tenant's block"
+    pool.check_integrity()
+    stats = namespace_stats(pool)
+    assert stats["other"].blocks == 40 and stats["other"].evictions == 0
+    assert stats["small"].blocks == 10 and stats["small"].evictions == 290 and stats["small"].quota_bytes == 10 * BLOCK
+    assert sum(stats["small"].tier_bytes.values()) == 10 * BLOCK
+    assert set(_owners(pool).values()) == {"small", "other"}
+    # The pinned ones were never the victims.
+    assert all(pool.contains(block(i, b"small")) for i in range(0, 300, 50))
+
+
+def test_a_put_it_cannot_make_room_for_is_refused_naming_the_quota(pool):
+    books = attach(pool)
+    books.quotas.set("t", 2 * BLOCK)
+    keys = [block(i) for i in range(3)]
+    for key in keys[:2]:
+        assert pool.put(key, os.urandom(BLOCK), namespace="t").ok
+    pool.pin(keys[:2], hard=True)
+    with pytest.raises(QuotaExceeded, match=r"namespace 't' is at its quota of 32768 bytes"):
+        pool.reserve(keys[2], BLOCK, namespace="t")
+    r = pool.put(keys[2], os.urandom(BLOCK), namespace="t")
+    assert not r.ok and "quota" in r.error and not pool.contains(keys[2])
+    with pytest.raises(QuotaExceeded, match="exceeds its quota"):
+        pool.reserve(block(9), 3 * BLOCK, namespace="t")
+    assert namespace_stats(pool)["t"].rejected_puts == 3
+    assert pool.put(keys[2], os.urandom(BLOCK)).ok          # unattributed: no quota
+    assert namespace_stats(pool)[""].blocks == 1
+    pool.check_integrity()
+
+
+def test_hits_misses_and_pending_bytes(pool):
+    books = attach(pool)
+    books.quotas.set("t", 4 * BLOCK)
+    keys = [block(i) for i in range(6)]
+    for key in keys:
+        pool.put(key, os.urandom(BLOCK), namespace="t")      # the first two are evicted for the last two
+    assert [pool.get(k) is not None for k in keys] == [False, False, True, True, True, True]
+    s = namespace_stats(pool)["t"]
+    assert (s.hits, s.misses, s.blocks, s.evictions) == (4, 2, 4, 2)
+    pool.get(block(99))
+    assert namespace_stats(pool)[""].misses == 1               # no one held it
+    res = pool.reserve(block(50), BLOCK, namespace="t")        # in flight: counts toward the quota
+    assert books.pending_bytes["t"] == BLOCK
+    pool.abort(res)
+    assert books.pending_bytes["t"] == 0
+
+
+def test_quota_file_persists_and_a_bad_one_is_refused(tmp_path):
+    path = tmp_path / "n" / "quotas.json"
+    q = QuotaStore(str(path))
+    assert q.set("key-a", 1 << 20) is None and q.set("key-a", 2 << 20) == 1 << 20
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(path.read_text()) == {"version": 1, "quotas": {"key-a": 2 << 20}}
+    assert QuotaStore(str(path)).get("key-a") == 2 << 20
+    assert q.remove("key-a") == 2 << 20 and QuotaStore(str(path)).all() == {}
+    with pytest.raises(InvalidArgument):
+        q.set("", 5)
+    with pytest.raises(InvalidArgument):
+        q.set("x", -1)
+    path.write_text('{"version": 1, "quotas": {"a": "lots"}}')
+    with pytest.raises(InvalidArgument, match="not a version-1 quota file"):
+        QuotaStore(str(path))
+
+
+def test_kvctl_quota_over_grpc_and_across_a_restart(spawn_store_node, tmp_path):
+    flags = ("--dram", "4MiB", "--ssd", "0", "--auth-token", TOKEN, "--transfer-engine", "off")
+    proc, address = spawn_store_node("qnode", *flags)
+    env = kvctl_env(tmp_path)
+    rc, doc, err = kvctl(env, "--store", address, "quota", "set", "--namespace", "key-q", "--bytes", "32KiB")
+    assert rc == 0, err
+    assert doc["nodes"][0]["bytes"] == 32768 and doc["nodes"][0]["found"] is False
+    with StoreClient(address, auth_token=TOKEN, data_path="grpc") as c:
+        assert all(r.ok for r in c.put_blocks([(block(i), os.urandom(BLOCK)) for i in range(2)], namespace="key-q"))
+        assert c.put_blocks([(block(0, b"o"), os.urandom(BLOCK))], namespace="key-o")[0].ok
+        assert c.pin([block(0), block(1)], hard=True) == 2
+        with pytest.raises(QuotaExceeded, match="'key-q' is at its quota of 32768 bytes"):
+            c.put_blocks([(block(2), os.urandom(BLOCK))], namespace="key-q")
+    rc, doc, _ = kvctl(env, "--store", address, "namespaces")
+    by = {n["namespace"]: n for n in doc["nodes"][0]["namespaces"]}
+    assert by["key-q"]["bytes"] == 2 * BLOCK and by["key-q"]["rejected_puts"] == 1 and by["key-o"]["blocks"] == 1
+    rc, doc, _ = kvctl(env, "--store", address, "quota", "list")
+    assert rc == 0 and [(q["namespace"], q["bytes"], q["used_bytes"]) for q in doc["nodes"][0]["quotas"]] == [
+        ("key-q", 32768, 2 * BLOCK)]
+
+    proc.terminate()
+    proc.wait(timeout=20)
+    _, address = spawn_store_node("qnode", *flags)                 # same data dir
+    rc, doc, _ = kvctl(env, "--store", address, "quota", "get", "--namespace", "key-q")
+    assert rc == 0 and doc["nodes"][0]["found"] and doc["nodes"][0]["bytes"] == 32768
+    rc, doc, _ = kvctl(env, "--store", address, "quota", "rm", "--namespace", "key-q")
+    assert rc == 0 and doc["nodes"][0]["found"]
+    rc, doc, _ = kvctl(env, "--store", address, "quota", "get", "--namespace", "key-q")
+    assert rc == 3 and not doc["success"]
+    assert kvctl(env, "--store", address, "quota", "set", "--namespace", "key-q")[0] == 1    # no --bytes
