@@ -108,7 +108,7 @@ class TenantBooks:
         self.misses[self._gone.get(key, UNATTRIBUTED)] += 1
 
     # -- hooks of Reservations (kvstore/reservations.py) ------------------------------------
-    def before_reserve(self, place: "Placement", key: bytes, size: int, namespace: str | None) -> None:
+    def before_reserve(self, place: Placement, key: bytes, size: int, namespace: str | None) -> None:
         """Make room for a new block of ``size`` bytes under ``namespace``'s quota, evicting
         its own blocks; raises QuotaExceeded when that cannot."""
         if not namespace:
@@ -151,11 +151,11 @@ class TenantBooks:
             self._claims.pop(key, None)
 
     # -- quota eviction ------------------------------------------------------------------------
-    def _victim(self, place: "Placement", namespace: str) -> bytes | None:
+    def _victim(self, place: Placement, namespace: str) -> bytes | None:
         """The namespace's least recently used block that may go: no leased or pinned copy;
         a block other held blocks extend only when no chain tail is left."""
         now = time.monotonic()
-        keys = self.lru.get(namespace) or OrderedDict()
+        keys: OrderedDict[bytes, int] = self.lru.get(namespace) or OrderedDict()
         fallback = None
         for key in keys:
             if not self._evictable(place, key, now):
@@ -167,26 +167,26 @@ class TenantBooks:
         return fallback
 
     @staticmethod
-    def _evictable(place: "Placement", key: bytes, now: float) -> bool:
+    def _evictable(place: Placement, key: bytes, now: float) -> bool:
         pin = place.pins.get(key)
         if pin is not None and pin.active(now):
             return False
         return not any(key in book.blocks and book.blocks[key].leased(now) for book in place.books)
 
     @staticmethod
-    def _drop_everywhere(place: "Placement", key: bytes) -> None:
+    def _drop_everywhere(place: Placement, key: bytes) -> None:
         for level, book in enumerate(place.books):
             if key in book.blocks:
                 place.drop(level, key, evicted=True)
                 book.counters.evictions += 1
 
     # -- figures -------------------------------------------------------------------------------
-    def stats(self, place: "Placement") -> dict[str, NamespaceStats]:
+    def stats(self, place: Placement) -> dict[str, NamespaceStats]:
         quotas = self.quotas.all()
         names = set(self.stored) | set(self.hits) | set(self.misses) | set(quotas) | set(self.lru)
         out: dict[str, NamespaceStats] = {}
         for ns in sorted(names):
-            keys = self.lru.get(ns) or {}
+            keys: dict[bytes, int] = self.lru.get(ns) or {}
             tier_bytes = {t.name: 0 for t in place.tiers}
             for tier, book in zip(place.tiers, place.books):
                 blocks = book.blocks

@@ -2,7 +2,8 @@
 plain dicts (protobuf's JSON mapping field names, keys as hex), ready to print as JSON."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, Self
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -31,6 +32,8 @@ def _hexify(value: Any, key: str = "") -> Any:
         return [_hexify(v, key) for v in value]
     if key in ("key", "parent", "done") and isinstance(value, str):
         return base64.b64decode(value).hex()
+    if key == "checksum" and isinstance(value, str):   # a uint64 above 2**53 stays quoted
+        return int(value)
     return value
 
 
@@ -56,7 +59,7 @@ class AdminClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "AdminClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,8 +10,9 @@ is never dropped (a reader is copying it), the index forgets a copy before its b
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.ledger import BlockMeta

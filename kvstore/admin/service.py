@@ -11,8 +11,9 @@ Errors: a bad key, tier, prefix or namespace is INVALID_ARGUMENT naming it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 

@@ -10,7 +10,15 @@ from tabulate import tabulate
 from kvstore.admin.client import AdminClient
 from kvstore.errors import InvalidArgument
 from kvstore.kvctl.cluster import pick_nodes
-from kvstore.kvctl.common import EXIT_INCOMPLETE, EXIT_OK, Target, add_json, emit, parse_keys, size_text
+from kvstore.kvctl.common import (
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    Target,
+    add_json,
+    emit,
+    parse_keys,
+    size_text,
+)
 
 
 def _admin(t: Target, address: str | None = None) -> AdminClient:

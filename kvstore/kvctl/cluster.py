@@ -14,7 +14,15 @@ from kvstore.admin.client import AdminClient
 from kvstore.client import StoreClient
 from kvstore.cluster.membership import NodeInfo, RedisRegistry
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.kvctl.common import EXIT_INCOMPLETE, EXIT_OK, Target, add_json, emit, mib, size_text
+from kvstore.kvctl.common import (
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    Target,
+    add_json,
+    emit,
+    mib,
+    size_text,
+)
 
 DRAIN_BATCH = 256            # blocks read, written and removed per step of a drain
 
@@ -67,6 +75,7 @@ def cmd_nodes(t: Target, args: argparse.Namespace) -> int:
     rows, docs = [], []
     for n in cluster_nodes(t):
         health = _health(t, n.address)
+        tiers: list[dict[str, Any]]
         if n.info is not None:
             tiers = [{"name": a, "capacity_bytes": c, "used_bytes": u} for a, c, u in n.info.tiers]
             epoch, draining, free = n.info.epoch, n.info.draining, n.info.free_bytes
@@ -142,7 +151,7 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
             raise InvalidArgument(f"{source.node_id} is the only node not draining: nowhere to move its blocks")
         _progress(args, f"{source.node_id}: draining (placement puts no new blocks there); moving its blocks to "
                         f"{', '.join(n.node_id for n in others)}")
-        targets = {n.node_id: [StoreClient(n.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc"),
+        targets: dict[str, list[Any]] = {n.node_id: [StoreClient(n.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc"),
                                n.info.free_bytes if n.info else 0] for n in others}
         failed: dict[str, str] = {}
         moved = moved_bytes = 0
@@ -168,9 +177,9 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
                 client.close()
         left = admin.list_blocks(limit=1)["matched"]
     success = not failed and left == 0
-    lines = [f"{source.node_id}: moved {moved} blocks ({size_text(moved_bytes)}) to "
-             f"{', '.join(targets)}; {left} left on it; it stays draining (kvctl drain {source.node_id} --cancel "
-             f"takes new blocks again)"]
+    lines = [(f"{source.node_id}: moved {moved} blocks ({size_text(moved_bytes)}) to "
+              f"{', '.join(targets)}; {left} left on it; it stays draining (kvctl drain {source.node_id} --cancel "
+              f"takes new blocks again)")]
     lines += [f"  {k[:16]}: {why}" for k, why in sorted(failed.items())]
     emit(args, {"success": success, "node": source.node_id, "moved_blocks": moved, "moved_bytes": moved_bytes,
                 "left_blocks": left, "failed": failed, "targets": list(targets), "draining": True}, "\n".join(lines))

@@ -89,7 +89,7 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
                     b = r["block"]
                     where[i].append({"node": node.node_id, "tiers": b["tiers"], "size": b["size"], "pin": b["pin"],
                                      "namespace": b["namespace"]})
-    blocks = [{"index": i, "key": k.hex(), "tokens": [i * block_size, (i + 1) * block_size], "copies": w}
+    blocks: list[dict[str, Any]] = [{"index": i, "key": k.hex(), "tokens": [i * block_size, (i + 1) * block_size], "copies": w}
               for i, (k, w) in enumerate(zip(keys, where))]
     held = next((i for i, w in enumerate(where) if not w), len(keys))
     rows = [[b["index"], b["key"][:16], ",".join(c["node"] for c in b["copies"]) or "-",

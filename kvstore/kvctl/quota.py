@@ -12,7 +12,15 @@ from kvstore.admin.client import AdminClient
 from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.kvctl.cluster import pick_nodes
-from kvstore.kvctl.common import EXIT_INCOMPLETE, EXIT_OK, Target, add_json, emit, mib, size_text
+from kvstore.kvctl.common import (
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    Target,
+    add_json,
+    emit,
+    mib,
+    size_text,
+)
 
 
 def cmd_quota(t: Target, args: argparse.Namespace) -> int:

@@ -11,8 +11,17 @@ from tabulate import tabulate
 from kvstore.admin.client import AdminClient
 from kvstore.client import StoreClient
 from kvstore.config import parse_bytes
-from kvstore.kvctl.common import (EXIT_INCOMPLETE, EXIT_OK, Target, add_json, emit, mib, parse_keys, positive,
-                                  size_text)
+from kvstore.kvctl.common import (
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    Target,
+    add_json,
+    emit,
+    mib,
+    parse_keys,
+    positive,
+    size_text,
+)
 
 
 def _store(t: Target) -> StoreClient:
