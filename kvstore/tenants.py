@@ -15,8 +15,8 @@ Accounting rules:
   namespace held until it was evicted or removed (the last 65,536 such keys are
   remembered); a read of a key no one held is a miss of ``""``;
 - a put that would take a namespace over its quota first evicts that namespace's own
-  blocks (least recently used first, chain tails before their heads, never a leased or
-  pinned one, every copy of each); when that cannot make room the put fails with
+  blocks (in the tiers' eviction order, the slowest tier first, chain tails before their
+  heads, never a leased or pinned one, every copy of each); when that cannot make room the put fails with
   :class:`QuotaExceeded`. Another namespace's blocks are never touched.
 
 Every method runs under the pool's lock (the pool calls them; :func:`namespace_stats`
@@ -58,54 +58,79 @@ class NamespaceStats:
     tier_bytes: dict[str, int] = field(default_factory=dict)
 
 
+class _Tenant:
+    """One namespace's books: its keys (size each) and counters."""
+
+    __slots__ = ("evictions", "hits", "keys", "misses", "name", "pending", "rejected", "stored")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.keys: dict[bytes, int] = {}
+        self.stored = self.pending = self.hits = self.misses = self.evictions = self.rejected = 0
+
+
 class TenantBooks:
     """The pool's per-namespace books (see the module docstring). ``quotas``: the node's
-    quota store (in memory when None)."""
+    quota store (in memory when None). A read costs one dict lookup and one counter per
+    block here; quota victims are found in the tiers' own eviction order."""
 
     def __init__(self, quotas: QuotaStore | None = None) -> None:
         self.quotas = quotas if quotas is not None else QuotaStore()
-        self.owner: dict[bytes, str] = {}
-        self.lru: dict[str, OrderedDict[bytes, int]] = {}    # namespace -> its keys (size), oldest first
-        self.stored = Counter[str]()
-        self.pending: dict[int, tuple[bytes, str, int]] = {}  # reservation id -> (key, namespace, size)
-        self.pending_bytes = Counter[str]()
-        self._claims: dict[bytes, str] = {}                    # key being written -> namespace
+        self.tenants: dict[str, _Tenant] = {UNATTRIBUTED: _Tenant(UNATTRIBUTED)}
+        self._none = self.tenants[UNATTRIBUTED]
+        self.owner: dict[bytes, _Tenant] = {}
+        self.pending: dict[int, tuple[bytes, _Tenant, int]] = {}  # reservation id -> (key, tenant, size)
+        self._claims: dict[bytes, _Tenant] = {}                    # key being written -> its tenant
         self._claim_count = Counter[bytes]()
-        self.hits = Counter[str]()
-        self.misses = Counter[str]()
-        self.evictions = Counter[str]()
-        self.rejected = Counter[str]()
-        self._gone: OrderedDict[bytes, str] = OrderedDict()
+        self._gone: OrderedDict[bytes, _Tenant] = OrderedDict()
+
+    def _tenant(self, namespace: str | None) -> _Tenant:
+        if not namespace:
+            return self._none
+        t = self.tenants.get(namespace)
+        if t is None:
+            t = self.tenants[namespace] = _Tenant(namespace)
+        return t
+
+    def namespace_of(self, key: bytes) -> str:
+        """The namespace owning a held block (``""`` for one put without a namespace)."""
+        t = self.owner.get(key)
+        return UNATTRIBUTED if t is None else t.name
+
+    def used(self, namespace: str) -> int:
+        """Bytes the namespace holds (each block once)."""
+        t = self.tenants.get(namespace)
+        return 0 if t is None else t.stored
+
+    def pending_of(self, namespace: str) -> int:
+        """Bytes of the namespace's puts in flight."""
+        t = self.tenants.get(namespace)
+        return 0 if t is None else t.pending
 
     # -- hooks of Placement (kvstore/placement.py) ------------------------------------------
     def held(self, key: bytes, size: int) -> None:
         if key in self.owner:
             return   # another copy (demotion, promotion) of a block it owns already
-        ns = self._claims.get(key, UNATTRIBUTED)
-        self.owner[key] = ns
-        self.lru.setdefault(ns, OrderedDict())[key] = size
-        self.stored[ns] += size
+        t = self._claims.get(key, self._none)
+        self.owner[key] = t
+        t.keys[key] = size
+        t.stored += size
         self._gone.pop(key, None)
 
     def forgotten(self, key: bytes) -> None:
-        ns = self.owner.pop(key, None)
-        if ns is None:
+        t = self.owner.pop(key, None)
+        if t is None:
             return
-        size = self.lru[ns].pop(key, 0)
-        self.stored[ns] -= size
-        self._gone[key] = ns
+        t.stored -= t.keys.pop(key, 0)
+        self._gone[key] = t
         if len(self._gone) > GONE_KEYS:
             self._gone.popitem(last=False)
 
     def hit(self, key: bytes) -> None:
-        ns = self.owner.get(key, UNATTRIBUTED)
-        self.hits[ns] += 1
-        keys = self.lru.get(ns)
-        if keys is not None and key in keys:
-            keys.move_to_end(key)
+        (self.owner.get(key) or self._none).hits += 1
 
     def miss(self, key: bytes) -> None:
-        self.misses[self._gone.get(key, UNATTRIBUTED)] += 1
+        self._gone.get(key, self._none).misses += 1
 
     # -- hooks of Reservations (kvstore/reservations.py) ------------------------------------
     def before_reserve(self, place: Placement, key: bytes, size: int, namespace: str | None) -> None:
@@ -116,26 +141,27 @@ class TenantBooks:
         quota = self.quotas.get(namespace)
         if quota is None:
             return
+        t = self._tenant(namespace)
         if size > quota:
-            self.rejected[namespace] += 1
+            t.rejected += 1
             raise QuotaExceeded(f"namespace {namespace!r}: a block of {size} bytes exceeds its quota of "
                                 f"{quota} bytes")
-        while self.stored[namespace] + self.pending_bytes[namespace] + size > quota:
-            victim = self._victim(place, namespace)
+        while t.stored + t.pending + size > quota:
+            victim = self._victim(place, t)
             if victim is None:
-                self.rejected[namespace] += 1
+                t.rejected += 1
                 raise QuotaExceeded(
-                    f"namespace {namespace!r} is at its quota of {quota} bytes ({self.stored[namespace]} stored, "
-                    f"{self.pending_bytes[namespace]} being written) and none of its blocks can be evicted "
+                    f"namespace {namespace!r} is at its quota of {quota} bytes ({t.stored} stored, "
+                    f"{t.pending} being written) and none of its blocks can be evicted "
                     f"(leased or pinned); the {size}-byte block was not stored")
             self._drop_everywhere(place, victim)
-            self.evictions[namespace] += 1
+            t.evictions += 1
 
     def reserved(self, res_id: int, key: bytes, namespace: str | None, size: int) -> None:
-        ns = namespace or UNATTRIBUTED
-        self.pending[res_id] = (key, ns, size)
-        self.pending_bytes[ns] += size
-        self._claims.setdefault(key, ns)
+        t = self._tenant(namespace)
+        self.pending[res_id] = (key, t, size)
+        t.pending += size
+        self._claims.setdefault(key, t)
         self._claim_count[key] += 1
 
     def settled(self, res_id: int) -> None:
@@ -143,28 +169,28 @@ class TenantBooks:
         entry = self.pending.pop(res_id, None)
         if entry is None:
             return
-        key, ns, size = entry
-        self.pending_bytes[ns] -= size
+        key, t, size = entry
+        t.pending -= size
         self._claim_count[key] -= 1
         if self._claim_count[key] <= 0:
             del self._claim_count[key]
             self._claims.pop(key, None)
 
     # -- quota eviction ------------------------------------------------------------------------
-    def _victim(self, place: Placement, namespace: str) -> bytes | None:
-        """The namespace's least recently used block that may go: no leased or pinned copy;
-        a block other held blocks extend only when no chain tail is left."""
+    def _victim(self, place: Placement, tenant: _Tenant) -> bytes | None:
+        """The tenant's block to evict: the slowest tier's eviction policy's choice among the
+        tenant's blocks with no leased or pinned copy (its chain rule too: tails before
+        heads), then the next faster tier's."""
         now = time.monotonic()
-        keys: OrderedDict[bytes, int] = self.lru.get(namespace) or OrderedDict()
-        fallback = None
-        for key in keys:
-            if not self._evictable(place, key, now):
-                continue
-            if any(book.kids.get(key) for book in place.books):
-                fallback = fallback or key
-                continue
-            return key
-        return fallback
+        owner = self.owner
+
+        def eligible(key: bytes) -> bool:
+            return owner.get(key) is tenant and self._evictable(place, key, now)
+        for book in reversed(place.books):
+            key = book.victim(eligible)
+            if key is not None:
+                return key
+        return None
 
     @staticmethod
     def _evictable(place: Placement, key: bytes, now: float) -> bool:
@@ -183,16 +209,19 @@ class TenantBooks:
     # -- figures -------------------------------------------------------------------------------
     def stats(self, place: Placement) -> dict[str, NamespaceStats]:
         quotas = self.quotas.all()
-        names = set(self.stored) | set(self.hits) | set(self.misses) | set(quotas) | set(self.lru)
+        for ns in quotas:
+            self._tenant(ns)
         out: dict[str, NamespaceStats] = {}
-        for ns in sorted(names):
-            keys: dict[bytes, int] = self.lru.get(ns) or {}
-            tier_bytes = {t.name: 0 for t in place.tiers}
+        for ns in sorted(self.tenants):
+            t = self.tenants[ns]
+            if ns == UNATTRIBUTED and not (t.keys or t.hits or t.misses):
+                continue
+            tier_bytes = {}
             for tier, book in zip(place.tiers, place.books):
                 blocks = book.blocks
-                tier_bytes[tier.name] = sum(blocks[k].size for k in keys if k in blocks)
-            out[ns] = NamespaceStats(ns, self.stored[ns], len(keys), self.hits[ns], self.misses[ns],
-                                     self.evictions[ns], self.rejected[ns], quotas.get(ns, 0), tier_bytes)
+                tier_bytes[tier.name] = sum(blocks[k].size for k in t.keys if k in blocks)
+            out[ns] = NamespaceStats(ns, t.stored, len(t.keys), t.hits, t.misses, t.evictions, t.rejected,
+                                     quotas.get(ns, 0), tier_bytes)
         return out
 
 

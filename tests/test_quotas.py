@@ -29,7 +29,7 @@ def pool(make_dram, make_ssd):
 
 def _owners(pool):
     books = pool._place.tenants
-    return {k: books.owner[k] for book in pool._place.books for k in book.blocks}
+    return {k: books.namespace_of(k) for book in pool._place.books for k in book.blocks}
 
 
 def test_a_quotad_tenant_never_evicts_another_tenants_blocks(pool):
@@ -90,9 +90,9 @@ def test_hits_misses_and_pending_bytes(pool):
     pool.get(block(99))
     assert namespace_stats(pool)[""].misses == 1               # no one held it
     res = pool.reserve(block(50), BLOCK, namespace="t")        # in flight: counts toward the quota
-    assert books.pending_bytes["t"] == BLOCK
+    assert books.pending_of("t") == BLOCK
     pool.abort(res)
-    assert books.pending_bytes["t"] == 0
+    assert books.pending_of("t") == 0
 
 
 def test_quota_file_persists_and_a_bad_one_is_refused(tmp_path):

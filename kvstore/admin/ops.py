@@ -17,7 +17,7 @@ from typing import Any
 from kvstore.errors import InvalidArgument
 from kvstore.ledger import BlockMeta
 from kvstore.placement import Placement
-from kvstore.tenants import UNATTRIBUTED, tenants_of
+from kvstore.tenants import TenantBooks, tenants_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ def _books(pool: Any) -> tuple[Placement, Any]:
     return pool._place, pool._lock
 
 
-def _view(place: Placement, key: bytes, ns_of: dict[bytes, str], now: float) -> BlockView | None:
+def _view(place: Placement, key: bytes, books: TenantBooks, now: float) -> BlockView | None:
     metas: list[BlockMeta] = []
     tiers: list[str] = []
     for tier, book in zip(place.tiers, place.books):
@@ -94,7 +94,7 @@ def _view(place: Placement, key: bytes, ns_of: dict[bytes, str], now: float) -> 
     kind, ttl = "", 0.0
     if pin is not None and pin.active(now):
         kind, ttl = ("hard", 0.0) if pin.hard else ("soft", max(0.0, pin.until - now))
-    return BlockView(key, ns_of.get(key, UNATTRIBUTED), metas[0].size, tuple(tiers), kind, ttl,
+    return BlockView(key, books.namespace_of(key), metas[0].size, tuple(tiers), kind, ttl,
                      any(m.leased(now) for m in metas), place.parents.get(key, b""), metas[0].checksum)
 
 
@@ -122,13 +122,13 @@ def list_blocks(pool: Any, tier: str | None = None, namespace: str | None = None
     with lock:
         now = time.monotonic()
         for key in _held_keys(place, tier):
-            if namespace is not None and books.owner.get(key, UNATTRIBUTED) != namespace:
+            if namespace is not None and books.namespace_of(key) != namespace:
                 continue
             if prefix and not key.hex().startswith(prefix):
                 continue
             total += 1
             if not limit or len(out) < limit:
-                view = _view(place, key, books.owner, now)
+                view = _view(place, key, books, now)
                 if view is not None:
                     out.append(view)
     return out, total
@@ -139,7 +139,7 @@ def inspect(pool: Any, key: bytes) -> BlockView | None:
     books = tenants_of(pool)
     place, lock = _books(pool)
     with lock:
-        return _view(place, key, books.owner, time.monotonic())
+        return _view(place, key, books, time.monotonic())
 
 
 def _hex_prefix(text: str) -> str:
@@ -198,7 +198,7 @@ def flush(pool: Any, tier: str | None = None, namespace: str | None = None, forc
         for level in levels:
             book = place.books[level]
             for key in list(book.blocks):
-                if namespace is not None and books.owner.get(key, UNATTRIBUTED) != namespace:
+                if namespace is not None and books.namespace_of(key) != namespace:
                     continue
                 meta = book.blocks[key]
                 pin = place.pins.get(key)

@@ -138,7 +138,7 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     def _used(self, namespace: str) -> int:
         with self.pool._lock:
-            return self.tenants.stored[namespace]
+            return self.tenants.used(namespace)
 
     @_refusing
     def SetQuota(self, request: apb.QuotaRequest, context: grpc.ServicerContext) -> apb.QuotaResponse:
