@@ -27,7 +27,9 @@ def kvctl_env(tmp_path: Path, token: str | None = TOKEN, redis_url: str | None =
 
 def kvctl(env: dict[str, str], *argv: str, json_out: bool = True) -> tuple[int, Any, str]:
     """(exit code, parsed JSON stdout or the text, stderr) of ``python -m kvstore.kvctl ARGV --json``."""
-    proc = subprocess.run([sys.executable, "-m", "kvstore.kvctl", *argv, *(["--json"] if json_out else [])],
+    # a generous --timeout: the test machine is shared and loaded
+    timeout = [] if "--timeout" in argv else ["--timeout", "60"]
+    proc = subprocess.run([sys.executable, "-m", "kvstore.kvctl", *timeout, *argv, *(["--json"] if json_out else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     out: Any = proc.stdout
     if json_out and proc.stdout.strip():

@@ -118,8 +118,9 @@ def test_rm_keys_and_prefixes(node):
     assert rc == 0 and doc["removed"] == [items[0][0].hex()] and doc["freed_bytes"] > 0
     rc, doc, _ = kvctl(env, "--store", address, "rm", "--prefix", b"x-".hex())
     assert rc == 0 and set(doc["removed"]) == {items[1][0].hex(), items[2][0].hex()}
-    rc, doc, _ = kvctl(env, "--store", address, "rm", items[0][0].hex())   # gone already
-    assert rc == 3 and "not held" in doc["failed"][items[0][0].hex()][0]
+    rc, doc, err = kvctl(env, "--store", address, "rm", items[0][0].hex())   # gone already
+    assert rc == 3, err
+    assert "not held" in doc["failed"][items[0][0].hex()][0]
     assert kvctl(env, "--store", address, "rm", "--prefix", "zz")[0] == 1   # not hex
     assert _keys(kvctl(env, "--store", address, "ls")[1]) == {items[3][0].hex()}
 
