@@ -26,8 +26,8 @@ import argparse
 import os
 import sys
 
-from kvstore.errors import KVStoreError
 from kvstore import kvctl_watch
+from kvstore.errors import KVStoreError
 from kvstore.kvctl import blocks, cluster, lookup, quota, tiers
 from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_file
 
