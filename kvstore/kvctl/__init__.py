@@ -26,9 +26,8 @@ import argparse
 import os
 import sys
 
-from kvstore import kvctl_watch
 from kvstore.errors import KVStoreError
-from kvstore.kvctl import blocks, cluster, lookup, quota, tiers
+from kvstore.kvctl import blocks, cluster, lookup, quota, tiers, watch
 from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_file
 
 
@@ -43,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(default: KVSTORE_REDIS_URL, else kvstore up's)")
     parser.add_argument("--timeout", type=positive, default=10.0, help="seconds to wait for a node (default %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (tiers, cluster, lookup, blocks, quota, kvctl_watch):
+    for group in (tiers, cluster, lookup, blocks, quota, watch):
         group.add_commands(sub)
     return parser
 
