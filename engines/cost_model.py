@@ -9,13 +9,20 @@ decode steps and KV transfers on one instance of a hardware profile serving one 
   2·params·batch / (GPUs × peak × MFU))`` — memory-bound, growing with batch size and context.
 * Transfer: bytes over the link's bandwidth (network: the node's RDMA NICs; pcie: one GPU's
   link times the GPUs; nvlink; ssd: the node's SSD reads).
+* Variance (:class:`Variance`): the formulas above are a mean. A :class:`CostModelEngine`
+  draws, from its own seeded generator, a factor per prefill and per decode segment (the
+  steps between two batch changes) and, rarely, a straggler — so that a scheduler predicting
+  from observations is wrong as a live one is.
 
 Profiles and models are TOML files under ``configs/`` (see ``configs/README.md``), each
 constant with its source.
 """
 from __future__ import annotations
 
+import math
+import random
 import tomllib
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -160,6 +167,68 @@ class CostModel:
             raise InvalidArgument(f"unknown link {link!r}; valid: {list(LINKS)}") from None
 
 
+@dataclass(frozen=True)
+class Variance:
+    """How far a real engine's seconds stray from the cost model's mean (all >= 0; zeros:
+    none, the deterministic model).
+
+    * ``prefill_cv``: coefficient of variation of one prefill's compute seconds (a lognormal
+      factor of mean 1). It stands for what the FLOPs formula leaves out: kernels chosen per
+      shape and their tail effects, clock and power throttling, the achieved MFU moving with
+      the batch, memory-allocator stalls. Mooncake observes prefill-time prediction errors of
+      this order (arXiv 2407.00079 §7.2: predictions are "mostly accurate" but not exact).
+    * ``decode_cv``: the same for a decode step's seconds, drawn once per segment (the steps
+      between two batch changes share it: the simulator advances a batch analytically, one
+      event per change). It stands for HBM-bandwidth contention, KV layout, sampling cost.
+    * ``straggler_prob``/``straggler_factor``: a prefill is a straggler with that
+      probability and then takes ``straggler_factor`` times as long — a throttled or
+      faulty GPU, a preempted host thread, an NCCL or NIC hiccup (the slow tail every
+      large cluster reports).
+    * ``seed``: of the generators (each engine's is derived from it and its id).
+    """
+
+    prefill_cv: float = 0.0
+    decode_cv: float = 0.0
+    straggler_prob: float = 0.0
+    straggler_factor: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_cv", "decode_cv"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.straggler_prob <= 1:
+            raise InvalidArgument(f"straggler_prob must be in [0, 1], got {self.straggler_prob!r}")
+        if not self.straggler_factor >= 1:
+            raise InvalidArgument(f"straggler_factor must be >= 1, got {self.straggler_factor!r}")
+
+    @property
+    def none(self) -> bool:
+        return self.prefill_cv == 0 and self.decode_cv == 0 and self.straggler_prob == 0
+
+
+NO_VARIANCE = Variance()
+
+
+class _Noise:
+    """Seeded lognormal factors of mean 1 (``σ = sqrt(ln(1 + cv²))``)."""
+
+    def __init__(self, variance: Variance, name: str) -> None:
+        self.v = variance
+        self.rng = random.Random((variance.seed << 32) ^ zlib.crc32(name.encode()))
+        self._sp = math.sqrt(math.log1p(variance.prefill_cv ** 2))
+        self._sd = math.sqrt(math.log1p(variance.decode_cv ** 2))
+
+    def prefill(self) -> float:
+        f = math.exp(self.rng.gauss(-self._sp * self._sp / 2, self._sp)) if self._sp else 1.0
+        if self.v.straggler_prob and self.rng.random() < self.v.straggler_prob:
+            f *= self.v.straggler_factor
+        return f
+
+    def decode(self) -> float:
+        return math.exp(self.rng.gauss(-self._sd * self._sd / 2, self._sd)) if self._sd else 1.0
+
+
 class LoadedPrefix(NamedTuple):
     """The cached prefix a simulated engine finds for a prompt (the simulator owns the
     virtual cluster's caches and finds it): ``blocks`` (head first) of which the first
@@ -184,9 +253,11 @@ class CostModelEngine:
     clock. :meth:`load` reports what the caller told it: :meth:`enqueue` a request,
     :meth:`prefill` starts it (queued → running), :meth:`prefill_done` ends it,
     :meth:`join`/:meth:`leave` a decode batch. Invariant: the counters are >= 0.
+    ``variance``: the noise of its seconds (:class:`Variance`; default none).
     """
 
-    def __init__(self, cost: CostModel, engine_id: str, role: str = "prefill", block_size: int = 512) -> None:
+    def __init__(self, cost: CostModel, engine_id: str, role: str = "prefill", block_size: int = 512,
+                 variance: Variance = NO_VARIANCE) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise InvalidArgument(f"engine role must be one of ['colocated', 'decode', 'prefill'], got {role!r}")
         if block_size <= 0:
@@ -196,6 +267,7 @@ class CostModelEngine:
         self.role = role
         self.block_size = block_size
         self.queued = self.queued_tokens = self.running = 0
+        self.noise = _Noise(variance, engine_id)
 
     def load(self) -> EngineLoad:
         return EngineLoad(self.queued, self.running, self.queued_tokens)
@@ -229,7 +301,7 @@ class CostModelEngine:
         share = (blocks - local) / fetchable if fetchable > 0 else 0.0
         load_s, load_bytes = prefix.load_s * share, int(prefix.load_bytes * share)
         cached = usable_prefix_tokens(blocks, bs, n)
-        compute_s = self.cost.prefill_s(n, cached)
+        compute_s = self.cost.prefill_s(n, cached) * self.noise.prefill()
         return PrefillResult(request_id, 0, tuple(block_keys), cached, n - cached, b"", n % bs,
                              load_s + compute_s, blocks, n // bs - blocks, load_s, load_bytes,
                              prefix.tier if load_bytes else "")
@@ -247,9 +319,14 @@ class CostModelEngine:
         self.running = max(0, self.running - requests)
 
     def decode_step_s(self, batch: int, kv_tokens: int) -> float:
-        """Seconds of one decode step of ``batch`` requests holding ``kv_tokens`` KV tokens
-        (:meth:`CostModel.decode_step_s`)."""
+        """Mean seconds of one decode step of ``batch`` requests holding ``kv_tokens`` KV
+        tokens (:meth:`CostModel.decode_step_s`)."""
         return self.cost.decode_step_s(batch, kv_tokens)
+
+    def sample_decode_step_s(self, batch: int, kv_tokens: int) -> float:
+        """Seconds of the decode steps of a new batch segment: the mean with this segment's
+        noise (:class:`Variance`)."""
+        return self.cost.decode_step_s(batch, kv_tokens) * self.noise.decode()
 
     def transfer_s(self, nbytes: float, link: str = "network") -> float:
         """Seconds to move ``nbytes`` over ``link`` (:meth:`CostModel.transfer_s`)."""

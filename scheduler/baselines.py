@@ -1,5 +1,14 @@
-"""Baseline policies (DESIGN.md §7): ``random``, ``round_robin``, ``least_loaded`` and
-``local_cache_aware`` (longest local prefix, load as the tie-break). Each is a
+"""Baseline policies, the prefill schedulers Mooncake compares the Conductor with (FAST'25
+§4.1 and Fig. 5; arXiv 2407.00079 §4.1):
+
+* ``random``: a uniformly random prefill instance;
+* ``least_loaded`` (the paper's load-balancing scheduler): ``argmin_i T_queue_i``;
+* ``local_cache_aware``: ``argmin_i T_queue_i + T_prefill(n, local_prefix_i)`` — the queue
+  plus the prefill with the instance's *own* cached prefix, no transfer considered;
+* ``round_robin``: instances in turn (not in the paper; a sanity floor).
+
+``T_queue`` is :mod:`scheduler.backlog`'s and ``T_prefill`` the Conductor's learned
+predictor, so a baseline differs from the Conductor only in its choice. Each is a
 :class:`scheduler.conductor.Conductor` that overrides only its choices, so every policy shares
 the predictions, the fetch accounting and the admission of the Conductor: one code path,
 compared fairly. Baselines fetch as the engines do by default — every longer pool hit, never
@@ -13,6 +22,7 @@ import random
 from typing import Callable, Sequence
 
 from kvstore.errors import InvalidArgument
+from kvstore.index.keys import usable_prefix_tokens
 from scheduler.conductor import Conductor, ConductorConfig, DecodeEstimate, PrefillEstimate
 from scheduler.views import ClusterView, RequestView
 
@@ -64,7 +74,8 @@ class RoundRobinPolicy(_Baseline):
 
 
 class LeastLoadedPolicy(_Baseline):
-    """The prefill instance with the least queued work (predicted seconds, then requests)."""
+    """Load balancing: the prefill instance with the least T_queue (predicted seconds;
+    ties: fewer requests, listed order)."""
 
     name = "least_loaded"
 
@@ -73,12 +84,22 @@ class LeastLoadedPolicy(_Baseline):
 
 
 class LocalCacheAwarePolicy(_Baseline):
-    """The prefill instance with the longest local prefix; ties: least queued work."""
+    """The prefill instance with the least ``T_queue + T_prefill(n, its local prefix)``
+    (Mooncake FAST'25 §4.1); ties: longer local prefix, fewer requests, listed order."""
 
     name = "local_cache_aware"
 
     def choose_prefill(self, request, cluster, estimates: Sequence[PrefillEstimate]) -> PrefillEstimate:
-        return min(estimates, key=lambda e: (-e.local_blocks, e.queue_s, e.view.queued))
+        n, bs = request.prompt_tokens, request.block_size
+        predict = self.prefill_model.predict
+        memo: dict[int, float] = {}
+
+        def cost(e: PrefillEstimate) -> tuple[float, int, int]:
+            t = memo.get(e.local_blocks)
+            if t is None:
+                t = memo[e.local_blocks] = predict(n, usable_prefix_tokens(e.local_blocks, bs, n))
+            return e.queue_s + e.read_s + t, -e.local_blocks, e.view.queued
+        return min(estimates, key=cost)
 
 
 POLICIES: dict[str, Callable[..., Conductor]] = {

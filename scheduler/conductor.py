@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from kvstore.errors import InvalidArgument
+from kvstore.index.keys import usable_prefix_tokens
 from scheduler.admission import Admission, AdmissionConfig, Rejection
-from scheduler.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel, usable_cached_tokens
+from scheduler.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel
 from scheduler.tbt import DecodeLoad, DecodeProfile, TBTModel, load_at
 from scheduler.views import POOL, ClusterView, Decision, DecodeView, FetchPlan, PrefillView, RequestView, TierHit
 
@@ -195,7 +196,7 @@ class Conductor:
         """(cost, fetch, transfer_s, prefill_s, cached_tokens) of the best way to get a prompt
         with ``local`` blocks cached: as is, or fetching from the pool or ``peer``."""
         predict = self.prefill_model.predict
-        cached = usable_cached_tokens(local, bs, n)
+        cached = usable_prefix_tokens(local, bs, n)
         base = predict(n, cached)
         best = (base, None, 0.0, base, cached)
         sources: list[tuple[str, TierHit]] = [(POOL, pool)] if pool.blocks > local else []
@@ -206,7 +207,7 @@ class Conductor:
             if upto <= local:
                 continue
             t = self.transfer.remote_s(hit.between(local, upto))
-            c = usable_cached_tokens(upto, bs, n)
+            c = usable_prefix_tokens(upto, bs, n)
             pre = predict(n, c)
             if not self.balanced_fetch:      # the engines' rule: every longer pool hit
                 if source == POOL:

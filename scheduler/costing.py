@@ -32,12 +32,6 @@ from scheduler.fit import OnlineFit
 HBM = "hbm"
 
 
-def usable_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Prompt tokens a prefill may reuse from a hit of ``hit_blocks`` blocks: never the last
-    prompt token (it must be computed for the logits; DESIGN.md §3)."""
-    return max(0, min(hit_blocks * block_size, prompt_tokens - 1))
-
-
 @dataclass(frozen=True)
 class PrefillProfile:
     """Seed of T_prefill: ``fixed_s`` (per call), ``s_per_token`` (per computed token),
@@ -45,8 +39,9 @@ class PrefillProfile:
     >= 0. ``min_samples``: observations before the fit replaces the seed; ``decay``:
     forgetting factor per observation, in (0, 1]; ``floor_tokens_per_s``: the seed's
     prediction never implies fewer computed tokens per second than this (> 0);
-    ``min_prefill_s``: the least any prediction returns (>= 0). The defaults fit the tiny
-    CPU model of ``engines/model.py`` loosely."""
+    ``min_prefill_s``: the least any prediction returns (>= 0); ``learn``: False freezes
+    the seed (no online fit — the simulator's oracle runs). The defaults fit the tiny CPU
+    model of ``engines/model.py`` loosely."""
 
     fixed_s: float = 5e-3
     s_per_token: float = 3e-5
@@ -55,6 +50,7 @@ class PrefillProfile:
     decay: float = 0.995
     floor_tokens_per_s: float = 2000.0
     min_prefill_s: float = 1e-4
+    learn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
@@ -74,26 +70,31 @@ class PrefillModel:
 
     def __init__(self, profile: PrefillProfile | None = None) -> None:
         self.profile = p = profile or PrefillProfile()
+        self.learn = p.learn
         self.fit = OnlineFit((p.fixed_s, p.s_per_token, p.s_per_token_context), p.min_samples, p.decay)
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
+        """The regressors of T_prefill (the module docstring's formula, its one place):
+        ``(1, c, c·(n+p)/2)`` with ``c = n − p`` computed tokens."""
         c = max(0, prompt_tokens - cached_tokens)
         return 1.0, float(c), c * (prompt_tokens + cached_tokens) / 2.0
 
     def predict(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill an ``prompt_tokens``-token prompt of which ``cached_tokens`` are
         loaded, not computed."""
+        one, c, attn = self.features(prompt_tokens, cached_tokens)
         k0, k1, k2 = self.fit.coefficients
-        c = max(0, prompt_tokens - cached_tokens)
-        s = k0 + c * (k1 + k2 * (prompt_tokens + cached_tokens) / 2.0)
+        s = k0 * one + k1 * c + k2 * attn
         if not self.fit.fitted:
             s = min(s, self.profile.fixed_s + c / self.profile.floor_tokens_per_s)
         return max(self.profile.min_prefill_s, s)
 
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Fold in one finished prefill (engine-side seconds); ignores nonsense."""
-        if prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
+        """Fold in one finished prefill (engine-side seconds); ignores nonsense. A frozen
+        model (``learn=False``: the simulator's ``--oracle``) ignores everything."""
+        if not self.learn or prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 \
+                or cached_tokens >= prompt_tokens:
             return
         self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
 

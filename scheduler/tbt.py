@@ -29,13 +29,14 @@ class DecodeProfile:
     """Seed of the TBT model: ``step_s`` (per step), ``s_per_request`` (per request in the
     batch), ``s_per_kv_token`` (per resident KV token); >= 0. ``min_samples`` and
     ``decay`` as :class:`scheduler.costing.PrefillProfile`. Defaults fit the tiny CPU model
-    loosely."""
+    loosely. ``learn``: False freezes the seed (the simulator's oracle runs)."""
 
     step_s: float = 4e-3
     s_per_request: float = 5e-4
     s_per_kv_token: float = 1e-7
     min_samples: int = 8
     decay: float = 0.995
+    learn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("step_s", "s_per_request", "s_per_kv_token"):
@@ -60,7 +61,7 @@ class TBTModel:
     def observe(self, batch: int, kv_tokens: int, tbt_s: float) -> None:
         """Fold in one measurement: mean seconds between tokens while ``batch`` requests with
         ``kv_tokens`` resident tokens were decoding."""
-        if batch >= 1 and kv_tokens >= 0 and tbt_s > 0:
+        if self.profile.learn and batch >= 1 and kv_tokens >= 0 and tbt_s > 0:
             self.fit.observe((1.0, float(batch), float(kv_tokens)), tbt_s)
 
     @property

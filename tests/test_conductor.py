@@ -80,9 +80,6 @@ def test_shared_prefix_spreads_over_two_equal_instances():
     counts = run_shared_prefix(conductor())
     assert sum(counts.values()) == 200
     assert max(counts.values()) <= 0.7 * 200, counts
-    # The cache-aware baseline piles everything onto the first holder of the prefix.
-    lca = run_shared_prefix(make_policy("local_cache_aware", BLOCK_BYTES))
-    assert max(lca.values()) >= 0.95 * 200, lca
 
 
 @pytest.mark.parametrize("peer_fetch", [False, True])
@@ -308,7 +305,9 @@ def test_baselines_choose_as_named():
     rr = make_policy("round_robin", BLOCK_BYTES)
     assert [rr.decide(req, cluster(views)).prefill_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
     assert make_policy("least_loaded", BLOCK_BYTES).decide(req, cluster(views)).prefill_id == "p1"
-    assert make_policy("local_cache_aware", BLOCK_BYTES).decide(req, cluster(views)).prefill_id == "p0"
+    # local cache-aware weighs the queue against its own prefix: 0.2 s of queue beat 0.1 s
+    # more than 2 blocks' compute saves here (test_baselines.py has the definition's cases)
+    assert make_policy("local_cache_aware", BLOCK_BYTES).decide(req, cluster(views)).prefill_id == "p1"
     rnd = [make_policy("random", BLOCK_BYTES, ConductorConfig(seed=s)).decide(req, cluster(views)).prefill_id
            for s in range(20)]
     assert set(rnd) == {"p0", "p1", "p2"}

@@ -1,6 +1,6 @@
-"""``kvstore simulate``: several policies × topologies × admissions in one run, one table,
-optional JSON and PNG plots (TTFT CDF; goodput against request rate; hit ratio against pool
-capacity)."""
+"""``kvstore simulate``: several policies × topologies × admissions in one run — or a named
+experiment (``--preset``, :mod:`scheduler.sim.presets`) — one table, optional JSON and PNG
+plots (TTFT CDF; goodput against request rate; hit ratio against pool capacity)."""
 from __future__ import annotations
 
 import argparse
@@ -8,19 +8,20 @@ import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tabulate import tabulate
 
 from engines.cost_model import load_model
 from kvstore.config import positive_int
 from kvstore.errors import InvalidArgument
-from scheduler.sim import plots
+from scheduler.sim import plots, simulate
 from scheduler.sim.config import SimConfig
 from scheduler.sim.metrics import SimResult
+from scheduler.sim.presets import PRESETS, describe, preset_runs
 from scheduler.sim.workload import load_workload
-from scheduler.sim import simulate
 
 log = logging.getLogger(__name__)
 ALL_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -35,6 +36,16 @@ def _tokens(text: str) -> int | None:
 
 def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--trace", default=default_trace, help="Mooncake-format JSONL trace")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="run a named experiment (its set-up is printed with its results; it fixes the cluster, "
+                        "policies, admission and pool flags); see the README's simulator table")
+    p.add_argument("--oracle", action="store_true",
+                   help="the Conductor's predictors are the cost model's exact means, frozen (default: seeded "
+                        "from a profiling pass and learned online from noisy observations)")
+    p.add_argument("--prefill-cv", type=float, default=0.1, help="engines' noise: CV of a prefill's seconds")
+    p.add_argument("--decode-cv", type=float, default=0.05, help="engines' noise: CV of a decode segment's step time")
+    p.add_argument("--straggler-prob", type=float, default=0.01, help="probability a prefill is a straggler")
+    p.add_argument("--straggler-factor", type=float, default=3.0, help="a straggler prefill takes this many times as long")
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
     p.add_argument("--topology", default="disaggregated", help="comma list: disaggregated, colocated")
@@ -77,25 +88,29 @@ def base_config(args: argparse.Namespace) -> SimConfig:
                      pool_dram_tokens=pool, pool_ssd_tokens=args.pool_ssd_tokens,
                      hbm_cache_tokens=args.hbm_cache_tokens, max_running=args.max_running,
                      peer_fetch=not args.no_peer_fetch, chunked_prefill_tokens=args.chunked_prefill_tokens,
-                     eviction=args.eviction, seed=args.seed)
+                     eviction=args.eviction, seed=args.seed, prefill_cv=args.prefill_cv,
+                     decode_cv=args.decode_cv, straggler_prob=args.straggler_prob,
+                     straggler_factor=args.straggler_factor, oracle=args.oracle)
 
 
 def run_matrix(base: SimConfig, trace: str, limit: int | None, policies: Sequence[str],
                topologies: Sequence[str], admissions: Sequence[str]) -> list[SimResult]:
     """Every (topology, admission, policy) of the lists on ``base``, in that order."""
-    out = []
-    for topology in topologies:
-        for admission in admissions:
-            for policy in policies:
-                cfg = dataclasses.replace(base, policy=policy, topology=topology, admission=admission)
+    return run_all([dataclasses.replace(base, policy=policy, topology=topology, admission=admission)
+                    for topology in topologies for admission in admissions for policy in policies], trace, limit)
 
-                def progress(done: int, total: int, cfg: SimConfig = cfg) -> None:
-                    print(f"  {cfg.policy}/{cfg.topology}/{cfg.admission}: {done}/{total} arrivals",
-                          file=sys.stderr, flush=True)
-                r = simulate(cfg, trace, limit, progress)
-                print(f"{policy:>18} {topology:>13} {admission:>10}: {r.requests} requests in "
-                      f"{r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
-                out.append(r)
+
+def run_all(configs: Sequence[SimConfig], trace: str, limit: int | None) -> list[SimResult]:
+    """Each run of ``configs`` in order, progress on stderr."""
+    out = []
+    for cfg in configs:
+        def progress(done: int, total: int, cfg: SimConfig = cfg) -> None:
+            print(f"  {cfg.policy}/{cfg.topology}/{cfg.admission}: {done}/{total} arrivals",
+                  file=sys.stderr, flush=True)
+        r = simulate(cfg, trace, limit, progress)
+        print(f"{cfg.policy:>18} {cfg.topology:>13} {cfg.admission:>10}: {r.requests} requests in "
+              f"{r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
+        out.append(r)
     return out
 
 
@@ -110,7 +125,10 @@ def format_table(results: Sequence[SimResult]) -> str:
         cfg = SimConfig(**r.settings) if r.settings else None
         shape = "" if cfg is None else (f" {cfg.instances}C" if cfg.topology == "colocated"
                                         else f" {cfg.n_prefill}P+{cfg.instances - cfg.n_prefill}D")
-        rows.append([r.policy, r.topology + shape, r.admission, f"{r.speed:g}", r.requests, r.completed,
+        if cfg is not None and cfg.chunked_prefill_tokens:
+            shape += f" chunk {cfg.chunked_prefill_tokens}"
+        rows.append([r.policy + (" (oracle)" if cfg is not None and cfg.oracle else ""), r.topology + shape,
+                     r.admission, f"{r.speed:g}", r.requests, r.completed,
                      f"{r.rejected_early}/{r.rejected_late}", f"{r.goodput_rps:.3f}", f"{r.effective_capacity:.3f}",
                      f"{r.throughput_tok_s:.0f}", _f(r.ttft_mean_s), _f(r.ttft_p50_s), _f(r.ttft_p90_s),
                      _f(r.ttft_p99_s), _f(r.tbt_p90_s and r.tbt_p90_s * 1e3, 1), _f(r.tbt_p99_s and r.tbt_p99_s * 1e3, 1),
@@ -155,8 +173,16 @@ def simulate_command(args: argparse.Namespace) -> int:
     """The ``kvstore simulate`` subcommand (see :func:`add_simulate_flags`)."""
     try:
         base = base_config(args)
-        results = run_matrix(base, args.trace, args.requests, _split(args.policies), _split(args.topology),
-                             _split(args.admission))
+        if args.preset:
+            runs = preset_runs(args.preset, base)
+            results = run_all(runs, args.trace, args.requests)
+            print(describe(args.preset, runs))
+            predictors = "oracle (exact, frozen)" if base.oracle else "learned (profiled, online)"
+            print(f"  predictors: {predictors}; noise: prefill CV {base.prefill_cv}, decode CV {base.decode_cv}, "
+                  f"stragglers {base.straggler_prob} x{base.straggler_factor}; seed {base.seed}")
+        else:
+            results = run_matrix(base, args.trace, args.requests, _split(args.policies), _split(args.topology),
+                                 _split(args.admission))
     except InvalidArgument as exc:
         print(f"kvstore simulate: error: {exc}", file=sys.stderr)
         return 2

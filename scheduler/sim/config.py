@@ -27,7 +27,11 @@ class SimConfig:
     another prefill instance's HBM. ``chunked_prefill_tokens``: colocated only, prefill in chunks of this many tokens fused with
     decode steps (None: a prefill pauses the batch).
     ``eviction``: the caches' eviction strategy (:mod:`kvstore.eviction`). ``seed``: of the
-    random policy."""
+    random policy and of the engines' noise. ``prefill_cv``/``decode_cv``/``straggler_prob``/
+    ``straggler_factor``: the engines' variance (:class:`engines.cost_model.Variance`, where
+    each is explained). ``oracle``: the Conductor's predictors are the cost model's exact mean
+    coefficients, frozen; otherwise (default) they are seeded from a profiling pass and learn
+    online (:mod:`scheduler.sim.profiling`)."""
 
     policy: str = "conductor"
     topology: str = "disaggregated"
@@ -47,6 +51,11 @@ class SimConfig:
     chunked_prefill_tokens: int | None = None
     eviction: str = "lru"
     seed: int = 0
+    prefill_cv: float = 0.1
+    decode_cv: float = 0.05
+    straggler_prob: float = 0.01
+    straggler_factor: float = 3.0
+    oracle: bool = False
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -69,6 +78,8 @@ class SimConfig:
             raise InvalidArgument(f"unknown eviction policy {self.eviction!r}; valid: {sorted(EVICTIONS)}")
         if self.max_running < 1:
             raise InvalidArgument(f"max_running must be >= 1, got {self.max_running}")
+        from engines.cost_model import Variance
+        Variance(self.prefill_cv, self.decode_cv, self.straggler_prob, self.straggler_factor)  # validates
         for name in ("pool_dram_tokens", "pool_ssd_tokens", "hbm_cache_tokens"):
             v = getattr(self, name)
             if v is not None and v < 0:

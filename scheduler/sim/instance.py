@@ -18,7 +18,8 @@ import math
 from bisect import bisect_right
 from collections import deque
 
-from engines.cost_model import CostModel, CostModelEngine
+from engines.cost_model import NO_VARIANCE, CostModel, CostModelEngine, Variance
+from scheduler.backlog import PrefillBacklog
 from scheduler.sim.workload import SimRequest
 
 _EPS = 1e-9
@@ -32,19 +33,19 @@ class Instance:
     resident KV at step ``s`` is ``sum_prompt + len(running)·s − sum_join`` tokens."""
 
     def __init__(self, name: str, cost: CostModel, *, prefill: bool, decode: bool,
-                 kv_capacity_tokens: int, max_running: int, block_size: int = 512) -> None:
+                 kv_capacity_tokens: int, max_running: int, block_size: int = 512,
+                 variance: Variance = NO_VARIANCE) -> None:
         self.name = name
         self.cost = cost
         self.is_prefill, self.is_decode = prefill, decode
         role = "colocated" if prefill and decode else ("prefill" if prefill else "decode")
-        self.engine = CostModelEngine(cost, name, role, block_size)   # the instance's GPUs
+        self.engine = CostModelEngine(cost, name, role, block_size, variance)   # the instance's GPUs
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_running = max_running
         # prefill side
         self.queue: deque[SimRequest] = deque()
-        self.queue_pred_s = 0.0          # predicted seconds of the queued (not started) requests
+        self.backlog = PrefillBacklog()  # T_queue (the live router's definition)
         self.prefilling: SimRequest | None = None
-        self.pred_end_s = 0.0            # predicted end of the running prefill
         self.prefill_busy_s = 0.0
         # decode side
         self.running: dict[int, SimRequest] = {}
@@ -69,9 +70,9 @@ class Instance:
 
     # -- prefill ---------------------------------------------------------------------------
     def queue_s(self, now: float) -> float:
-        """Predicted seconds of prefill work ahead of a new request (T_queue)."""
-        ahead = max(0.0, self.pred_end_s - now) if self.prefilling is not None else 0.0
-        return self.queue_pred_s + ahead
+        """Predicted seconds of prefill work ahead of a new request (T_queue,
+        :mod:`scheduler.backlog`)."""
+        return self.backlog.queue_s(now)
 
     def queued(self) -> int:
         return len(self.queue) + (self.prefilling is not None)
@@ -148,7 +149,7 @@ class Instance:
         step time of the current batch plus ``extra_s`` (a prefill chunk); returns it."""
         prev_end = self.t + (step - self.k) * self.dt
         self.k, self.t = step, now
-        step_s = self.engine.decode_step_s(len(self.running), self.kv_tokens(step)) if self.running else 0.0
+        step_s = self.engine.sample_decode_step_s(len(self.running), self.kv_tokens(step)) if self.running else 0.0
         self.dt = extra_s + step_s
         self.seg_step.append(step)
         self.seg_time.append(now)

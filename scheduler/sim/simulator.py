@@ -40,40 +40,19 @@ import math
 
 from engines.cost_model import CostModel, LoadedPrefix, load_model, load_profile
 from kvstore.index.prefix_index import PrefixIndex
-from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.admission import Rejection
 from scheduler.baselines import make_policy
-from scheduler.conductor import ConductorConfig
-from scheduler.costing import Bandwidths, PrefillProfile
 from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
 from scheduler.sim.config import SimConfig
 from scheduler.sim.instance import Instance
+from scheduler.sim.profiling import conductor_config, variance_of
 from scheduler.sim.workload import SimRequest
-from scheduler.tbt import DecodeProfile
 from scheduler.trace import TRACE_BLOCK_TOKENS
 from scheduler.views import (NO_HIT, POOL, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit,
                              load_limit)
 
 ARRIVAL, PREFILL_END, DECODE_READY, BOUNDARY = 0, 1, 2, 3
 BLOCK = TRACE_BLOCK_TOKENS
-
-
-def conductor_config(cfg: SimConfig, cost: CostModel) -> ConductorConfig:
-    """The scheduler's settings for a run: SLOs and admission from ``cfg``; the predictors
-    seeded with the cost model's own coefficients (a deployment would profile them), which
-    the online fits then refine from observed prefills and decode steps."""
-    m, hw = cost.model, cost.profile
-    adm = AdmissionConfig(ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s, max_inflight=1 << 30,
-                          early_rejection=cfg.admission != "none",
-                          predicted_decode_load=cfg.admission == "predictive")
-    prefill = PrefillProfile(fixed_s=0.0, s_per_token=m.layers * m.linear_coeff * m.hidden ** 2 / cost.flops_per_s,
-                             s_per_token_context=2 * m.layers * m.attn_coeff * m.hidden / cost.flops_per_s,
-                             floor_tokens_per_s=1.0, min_prefill_s=0.0)
-    decode = DecodeProfile(step_s=hw.step_overhead_s + m.weight_bytes / cost.hbm_bytes_per_s, s_per_request=0.0,
-                           s_per_kv_token=m.kv_bytes_per_token / cost.hbm_bytes_per_s)
-    bw = Bandwidths(hbm=hw.gpus * hw.hbm_bw_per_gpu, dram=hw.gpus * hw.pcie_bw_per_gpu, ssd=hw.ssd_bw,
-                    network=hw.network_bw, fetch_latency_s=0.0)
-    return ConductorConfig(admission=adm, peer_fetch=cfg.peer_fetch and cfg.topology == "disaggregated",
-                           prefill=prefill, decode=decode, bandwidths=bw, seed=cfg.seed)
 
 
 class Simulator:
@@ -88,19 +67,21 @@ class Simulator:
         self.colocated = cfg.topology == "colocated"
         self.index = PrefixIndex(capacity=1 << 16)
         kv_cap = cost.kv_capacity_tokens()
+        var = variance_of(cfg)
         if self.colocated:
             cache_tokens = kv_cap // 2 if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
             self.prefill = [Instance(f"C{i}", cost, prefill=True, decode=True, max_running=cfg.max_running,
-                                     block_size=BLOCK, kv_capacity_tokens=max(0, kv_cap - cache_tokens))
+                                     block_size=BLOCK, kv_capacity_tokens=max(0, kv_cap - cache_tokens), variance=var)
                             for i in range(cfg.instances)]
             self.decode = self.prefill
         else:
             cache_tokens = kv_cap if cfg.hbm_cache_tokens is None else cfg.hbm_cache_tokens
             n_p = cfg.n_prefill
             self.prefill = [Instance(f"P{i}", cost, prefill=True, decode=False, max_running=cfg.max_running,
-                                     block_size=BLOCK, kv_capacity_tokens=0) for i in range(n_p)]
+                                     block_size=BLOCK, kv_capacity_tokens=0, variance=var) for i in range(n_p)]
             self.decode = [Instance(f"D{i}", cost, prefill=False, decode=True, max_running=cfg.max_running,
-                                    block_size=BLOCK, kv_capacity_tokens=kv_cap) for i in range(cfg.instances - n_p)]
+                                    block_size=BLOCK, kv_capacity_tokens=kv_cap, variance=var)
+                           for i in range(cfg.instances - n_p)]
         self.by_name = {i.name: i for i in self.prefill + self.decode}
         # The caches are real KVPools over accounting tiers (sizes, no payloads).
         self.hbm = {i.name: accounting_pool(self.index, i.name, [("hbm", cache_tokens // BLOCK)],
@@ -145,7 +126,7 @@ class Simulator:
                 if progress is not None and arrivals % 1000 == 0:
                     progress(arrivals, len(self.requests))
             elif kind == PREFILL_END:
-                self._prefill_end(a, b, t)
+                self._on_prefill_end(a, b, t)
             else:
                 self._decode_ready(a, t)
         return self.requests
@@ -171,7 +152,7 @@ class Simulator:
         req.pred_prefill_s = result.transfer_s + result.prefill_s
         p.queue.append(req)
         p.engine.enqueue(req.prompt)
-        p.queue_pred_s += req.pred_prefill_s
+        p.backlog.add(str(req.rid), req.pred_prefill_s)
         d.incoming[req.rid] = (req.prompt + req.output, result.decode_start_s, result.decode_finish_s)
         d.view_dirty = True
         self.inflight += 1
@@ -179,7 +160,7 @@ class Simulator:
             if self.colocated and (self.chunk or p.running) and not p.paused:
                 self._schedule(p, p.next_boundary(now))   # pauses the batch there, or chunks
             else:
-                self._start_prefill(p, now)
+                self._run_next_prefill(p, now)
 
     def _decode_view(self, inst: Instance, now: float) -> DecodeView:
         if inst.view_dirty or inst.view is None:
@@ -204,17 +185,17 @@ class Simulator:
         return LoadedPrefix(blocks, local, seconds, self.block_bytes * len(tiers),
                             "ssd" if 2 * ssd > len(tiers) else tiers[0] if ssd == 0 else "dram")
 
-    def _start_prefill(self, inst: Instance, now: float) -> None:
+    def _run_next_prefill(self, inst: Instance, now: float) -> None:
         """Start the next queued prefill; colocated (not chunked), the batch pauses for it."""
         if inst.is_decode:
             inst.paused = True
-        req = self._begin_prefill(inst, now)
+        req = self._take_next_prefill(inst, now)
         self._push(now + req.prefill_s, PREFILL_END, inst, req)
 
-    def _begin_prefill(self, inst: Instance, now: float) -> SimRequest:
+    def _take_next_prefill(self, inst: Instance, now: float) -> SimRequest:
         """Pop the next queued request, find its prefix (the engines' rule) and cost it."""
         req = inst.queue.popleft()
-        inst.queue_pred_s -= req.pred_prefill_s
+        inst.backlog.start(str(req.rid), now)
         keys = req.keys
         nodes = [inst.name]
         if self.pool is not None:
@@ -246,26 +227,26 @@ class Simulator:
         if best > local:
             touch_chain(source, keys[:best])
         inst.prefilling = req
-        inst.pred_end_s = now + req.pred_prefill_s
         inst.prefill_busy_s += req.prefill_s
         return req
 
-    def _end_prefill(self, inst: Instance, req: SimRequest, now: float) -> None:
+    def _complete_prefill(self, inst: Instance, req: SimRequest, now: float) -> None:
         """The prefill is over: the predictor learns, the caches keep the prompt's blocks,
         the first token is out."""
         inst.prefilling = None
+        inst.backlog.remove(str(req.rid))
         inst.engine.prefill_done()
         self.policy.observe_prefill(req.prompt, req.cached_tokens, req.compute_s)
         hold_chain(self.hbm[inst.name], req.keys, self.block_bytes)
         hold_chain(self.pool, req.keys, self.block_bytes)
         req.first_token_s = now
 
-    def _prefill_end(self, inst: Instance, req: SimRequest, now: float) -> None:
-        self._end_prefill(inst, req, now)
+    def _on_prefill_end(self, inst: Instance, req: SimRequest, now: float) -> None:
+        self._complete_prefill(inst, req, now)
         if self.colocated:
             inst.joiners.append(req)
             if inst.queue:
-                self._start_prefill(inst, now)
+                self._run_next_prefill(inst, now)
             else:
                 inst.paused = False
                 self._boundary(inst, now, inst.k)
@@ -273,7 +254,7 @@ class Simulator:
         xfer = self.cost.transfer_s(self.cost.kv_bytes(req.prompt), "network")
         self._push(max(now, req.prefill_start_s + xfer), DECODE_READY, req)
         if inst.queue:
-            self._start_prefill(inst, now)
+            self._run_next_prefill(inst, now)
 
     # -- decode -------------------------------------------------------------------------------
     def _decode_ready(self, req: SimRequest, now: float) -> None:
@@ -325,7 +306,7 @@ class Simulator:
             inst.chunks_left -= s - inst.k
             if inst.chunks_left <= 0:
                 req = inst.prefilling
-                self._end_prefill(inst, req, now)
+                self._complete_prefill(inst, req, now)
                 inst.joiners.append(req)
         joiners, inst.joiners = inst.joiners, []
         for req in joiners:
@@ -344,9 +325,9 @@ class Simulator:
                 inst.k, inst.t = s, now            # pause at this boundary
                 inst.version += 1
                 inst.sched_s = math.inf
-                self._start_prefill(inst, now)
+                self._run_next_prefill(inst, now)
                 return
-            req = self._begin_prefill(inst, now)
+            req = self._take_next_prefill(inst, now)
             inst.chunks_left = max(1, math.ceil((req.prompt - req.cached_tokens) / self.chunk))
             inst.chunk_s = req.prefill_s / inst.chunks_left
         extra = inst.chunk_s if self.chunk and inst.prefilling is not None else 0.0
