@@ -8,6 +8,7 @@ import grpc
 from engines.types import GREEDY, DecodeStep, EngineInfo, EngineLoad, PrefillResult, SamplingParams, TokenLogprobs
 from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.events.event import NodeSnapshot
 from kvstore.index.keys import KVLayout
 from kvstore.service import GRPC_OPTIONS
 from protos import engine_pb2 as pb
@@ -107,3 +108,17 @@ def _translate(exc: grpc.aio.AioRpcError, address: str) -> Exception:
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(exc.details() or "invalid argument")
     return Unavailable(f"engine at {address}: {exc.code().name}: {exc.details()}")
+
+
+def engine_snapshot(address: str, auth_token: str | None = None, timeout_s: float = 10.0) -> NodeSnapshot:
+    """The prefill engine at ``address``'s own cache as of its last KV event (the engine's
+    ``Snapshot`` RPC), synchronously: what :class:`kvstore.events.IndexReplica` calls from
+    its thread to resynchronise after a lost event. Raises Unavailable when the engine
+    cannot be reached or refuses."""
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        try:
+            r = pb_grpc.EngineStub(channel).Snapshot(pb.CacheSnapshotRequest(), timeout=timeout_s,
+                                                     metadata=bearer_metadata(auth_token))
+        except grpc.RpcError as exc:
+            raise Unavailable(f"engine at {address}: snapshot failed: {exc.code().name}: {exc.details()}") from None
+    return NodeSnapshot(r.node_id, r.epoch, r.seq, tuple(zip(r.keys, r.tiers, r.sizes)))

@@ -1,45 +1,79 @@
-"""An engine's own prefix cache in device memory (the ``hbm`` tier of DESIGN.md §4): block
-key → block tensor on the engine's device, least recently used evicted first."""
+"""An engine's own prefix cache in device memory (the ``hbm`` tier of docs/): block key →
+block tensor on the engine's device, least recently used evicted first.
+
+With an ``index`` (a :class:`kvstore.events.PublishingIndex` named after the engine) every
+block it takes and every block it evicts is a KV event (``BlockStored``/``BlockRemoved``,
+tier ``hbm``) on the channel the store nodes publish to, so the scheduler's
+:class:`kvstore.events.IndexReplica` sees each engine's cache as it is — no guess on the
+scheduler's side — and :meth:`LocalBlockCache.snapshot` is what the replica resynchronises
+from after a lost event (the engine's ``Snapshot`` RPC).
+"""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
+from kvstore.events.event import NodeSnapshot
+from kvstore.events.publisher import PublishingIndex, snapshot_of
+from kvstore.index.keys import BlockKey
+from kvstore.index.prefix_index import PrefixIndex
+
+HBM = "hbm"
+
 
 class LocalBlockCache:
-    """At most ``capacity_blocks`` blocks. Not thread-safe: the engine serialises use."""
+    """At most ``capacity_blocks`` blocks, each under its local id (the pool key followed by
+    the engine's identity tag) with its pool key (what events and snapshots name). Not
+    thread-safe: the engine serialises use. ``node_id``: the engine id the events carry."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, index: PublishingIndex | None = None, node_id: str = "") -> None:
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._blocks: OrderedDict[bytes, tuple[bytes, torch.Tensor]] = OrderedDict()
+        self.index: PrefixIndex = index if index is not None else PrefixIndex()
+        self.node_id = index.node_id if index is not None else node_id
         self.hits = 0
         self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def prefix(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
-        """Tensors of the longest cached prefix of ``keys`` (touched tail-first, so eviction
-        takes a chain's tail before its head)."""
+    def prefix(self, local_ids: Sequence[bytes]) -> list[torch.Tensor]:
+        """Tensors of the longest cached prefix of ``local_ids`` (touched tail-first, so
+        eviction takes a chain's tail before its head)."""
         out = []
-        for key in keys:
-            t = self._blocks.get(key)
-            if t is None:
+        for lid in local_ids:
+            entry = self._blocks.get(lid)
+            if entry is None:
                 break
-            out.append(t)
-        for key in reversed(keys[:len(out)]):
-            self._blocks.move_to_end(key)
+            out.append(entry[1])
+        for lid in reversed(local_ids[:len(out)]):
+            self._blocks.move_to_end(lid)
         self.hits += len(out)
         return out
 
-    def put_chain(self, items: Sequence[tuple[bytes, torch.Tensor]]) -> None:
+    def put_chain(self, items: Sequence[tuple[bytes, bytes, torch.Tensor]]) -> None:
+        """Keep ``(local id, pool key, tensor)`` blocks of one chain, head first."""
         if self.capacity_blocks <= 0:
             return
-        for key, tensor in reversed(items):
-            self._blocks[key] = tensor
-            self._blocks.move_to_end(key)
+        for lid, key, tensor in reversed(items):
+            if lid not in self._blocks:
+                self.index.add(cast(BlockKey, key), self.node_id, HBM, tensor.numel() * tensor.element_size())
+            self._blocks[lid] = (key, tensor)
+            self._blocks.move_to_end(lid)
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            _, (key, _) = self._blocks.popitem(last=False)
+            self.index.remove(cast(BlockKey, key), self.node_id, HBM)
             self.evictions += 1
+
+    def snapshot(self) -> NodeSnapshot:
+        """Every cached block as of the last event published (epoch and seq 0 without a
+        publishing index)."""
+        return snapshot_of(self.index, self.node_id)
+
+    def close(self) -> None:
+        """Send the events still queued and stop publishing."""
+        if isinstance(self.index, PublishingIndex):
+            self.index.close()

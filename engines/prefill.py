@@ -17,6 +17,8 @@ from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.events.channel import EventChannel
+from kvstore.events.publisher import PublishingIndex
 from kvstore.identity import IdentityCheck, block_tags, seal
 from kvstore.index.keys import block_keys, usable_prefix_tokens
 
@@ -58,12 +60,15 @@ class PrefillEngine:
     role = "prefill"
 
     def __init__(self, lm: LoadedModel, store: StoreClient | None, engine_id: str = "prefill-0",
-                 local_cache_blocks: int = 4096) -> None:
+                 local_cache_blocks: int = 4096, events: EventChannel | None = None) -> None:
         self.lm = lm
         self.store = store
         self.engine_id = engine_id
         self.block_size = lm.layout.block_size
-        self.local = LocalBlockCache(local_cache_blocks)
+        # With an event channel the cache publishes what it holds (kvstore/events): the
+        # scheduler's index replica reads it there.
+        index = PublishingIndex(engine_id, events) if events is not None else None
+        self.local = LocalBlockCache(local_cache_blocks, index, engine_id)
         self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
         self.restored_blocks = 0   # blocks put back into the pool from the local cache
         self._lock = threading.Lock()  # one prefill on the model at a time
@@ -160,8 +165,9 @@ class PrefillEngine:
         while in_pool < n_full and keys[in_pool] in held:
             in_pool += 1
         # Blocks fetched from the pool stay here too: hot prefixes spread by themselves.
-        self.local.put_chain(list(zip(local_ids[from_local:loaded], fetched))
-                             + [(local_ids[i], to_tensor(b, lm.layout, lm.dtype)) for i, (_, b) in enumerate(new, loaded)])
+        self.local.put_chain([(local_ids[i], keys[i], t) for i, t in enumerate(fetched, from_local)]
+                             + [(local_ids[i], k, to_tensor(b, lm.layout, lm.dtype))
+                                for i, (k, b) in enumerate(new, loaded)])
         return PrefillResult(request_id, first, tuple(keys), cached, len(prompt) - cached,
                              slice_bytes(cache, in_pool * bs, len(prompt)), len(prompt) - in_pool * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,

@@ -19,6 +19,7 @@ from engines.types import GREEDY, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.events.channel import make_channel
 from kvstore.limits import check_keys
 from kvstore.metrics_http import MetricsServer
 from kvstore.service import SERVER_OPTIONS
@@ -43,6 +44,15 @@ class EngineServicer(pb_grpc.EngineServicer):
                              layout_json=lm.layout.to_json(), block_size=lm.layout.block_size,
                              vocab_size=lm.vocab_size, eos_token_id=lm.eos_token_id,
                              device=str(lm.device), max_model_len=lm.max_model_len)
+
+    def Snapshot(self, request: pb.CacheSnapshotRequest, context: grpc.ServicerContext) -> pb.CacheSnapshot:
+        """The prefill engine's own cache as of its last KV event (a decode engine has none)."""
+        if not isinstance(self.engine, PrefillEngine):
+            return pb.CacheSnapshot(node_id=self.engine.engine_id)
+        snap = self.engine.local.snapshot()
+        return pb.CacheSnapshot(node_id=snap.node, epoch=snap.epoch, seq=snap.seq,
+                                keys=[k for k, _, _ in snap.entries], tiers=[t for _, t, _ in snap.entries],
+                                sizes=[n for _, _, n in snap.entries])
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.EngineLoad:
         load = self.engine.load()
@@ -154,7 +164,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
                  store_token: str | None = None, workers: int = 16,
                  store_redis: str | None = None, auth_token: str | None = None,
-                 metrics_port: int | None = None) -> tuple[grpc.Server, int]:
+                 metrics_port: int | None = None, kv_events: str | None = None) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
     (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
@@ -163,6 +173,8 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     the front door may hold this token; None serves any caller (and logs a warning).
     ``metrics_port``: also serve Prometheus metrics (engines/metrics.py) on this port of the
     same host, taking ``auth_token`` too (0: a free port, :func:`metrics_url`; None: none).
+    ``kv_events``: a Redis URL; a prefill engine publishes its own cache's KV events there
+    (the scheduler's index replica reads them; None: it publishes none).
     Returns (server, port). Raises ValueError for an unknown role, RuntimeError when the
     address cannot be bound."""
     if role not in ROLES:
@@ -176,7 +188,8 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
         store = ClusterClient(store_redis, auth_token=store_token)  # type: ignore[assignment]
     engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:6]}"
     engine: PrefillEngine | DecodeEngine = (
-        PrefillEngine(lm, store, engine_id, local_cache_blocks) if role == "prefill"
+        PrefillEngine(lm, store, engine_id, local_cache_blocks,
+                      make_channel(kv_events) if kv_events else None) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors_for(auth_token))

@@ -27,6 +27,13 @@ def _env_redis() -> str | None:
     from kvstore.auth import REDIS_URL_ENV
     return os.environ.get(REDIS_URL_ENV) or None
 
+
+def _env_events() -> str | None:
+    """The KV events' Redis URL of the environment (kvstore.events.channel.EVENTS_URL_ENV)."""
+    import os
+    from kvstore.events.channel import EVENTS_URL_ENV
+    return os.environ.get(EVENTS_URL_ENV) or None
+
 log = logging.getLogger("kvstore")
 # The vendored trace, found from the checkout whatever the working directory.
 DEFAULT_TRACE = str(Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_trace.jsonl")
@@ -64,7 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.node import start_node, stop_node
     cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
                            dram_bytes=args.dram, ssd_bytes=args.ssd, data_dir=args.data_dir,
-                           ssd_fsync=args.ssd_fsync, auth_token=args.auth_token, redis_url=args.redis,
+                           ssd_fsync=args.ssd_fsync, auth_token=args.auth_token,
+                           redis_url=args.redis or _env_events(),
                            hbm_bytes=args.hbm, hbm_device=args.hbm_device, eviction_policy=args.policy,
                            high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                            lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
@@ -103,7 +111,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 dtype=args.dtype, device=args.device,
                                 local_cache_blocks=args.local_cache_blocks,
                                 store_token=token_from(args.store_token, STORE_TOKEN_ENV),
-                                store_redis=args.redis,
+                                store_redis=args.redis, kv_events=args.kv_events or args.redis,
                                 auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV),
                                 metrics_port=args.metrics_port)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
@@ -271,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on GET /metrics at this port of --host (0 picks a free one); "
                         "it takes the engine's --auth-token when one is set (default: no metrics port)")
+    p.add_argument("--kv-events", metavar="URL", default=_env_events(),
+                   help="publish the own cache's KV events to this Redis, where the scheduler reads them "
+                        "(default: KVSTORE_EVENTS_URL, else --redis; none: publish nothing)")
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
@@ -287,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: KVSTORE_STORE_TOKEN)")
     p.add_argument("--engine-token", help="bearer token for the engines (their --auth-token; default: "
                    "KVSTORE_ENGINE_TOKEN)")
+    p.add_argument("--kv-events", metavar="URL", default=_env_events(),
+                   help="keep a replica of the store's and the prefill engines' indexes from the KV events "
+                        "in this Redis (default: KVSTORE_EVENTS_URL, else --redis; none: pool hits by lookup, "
+                        "no instance's own cache seen)")
     add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     add_scheduler_flags(p)

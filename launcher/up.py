@@ -14,6 +14,7 @@ import time
 
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
+from kvstore.events.channel import EVENTS_URL_ENV
 from launcher.supervisor import (MAX_RESTARTS, Stack, _install_stop_handlers, _serve_until_signal, _Stopped, _wait_grpc,
                                  _wait_http, free_port, port_is_free)
 
@@ -85,15 +86,24 @@ def run_up(args: argparse.Namespace) -> int:
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
         private_redis = False
-        if n_store > 1 and not redis_url:   # a cluster needs a registry: a private Redis
+        # A private Redis unless one is given: a cluster's registry, and in every case the
+        # channel of the KV events the scheduler's index replica reads (the store nodes' and
+        # the prefill engines' caches, scheduler/cache_index.py).
+        if not redis_url and (n_store > 1 or shutil.which("redis-server")):
             from kvstore.cluster.redis_server import redact_url, start_private_redis
             os.makedirs(stack.log_dir, exist_ok=True)
             proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token())
             stack.adopt("redis", proc)
-            print(f"redis          {redact_url(redis_url)}  (private, password in KVSTORE_REDIS_URL, "
-                  f"no persistence)", flush=True)
-            stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
+            print(f"redis          {redact_url(redis_url)}  (private: KV events"
+                  f"{', membership' if n_store > 1 else ''}; no persistence)", flush=True)
+            if n_store > 1:
+                stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
             private_redis = True
+        elif not redis_url:
+            print("kvstore up: no redis-server installed: the scheduler sees no engine's own cache and "
+                  "looks pool hits up per request", file=sys.stderr, flush=True)
+        if redis_url:
+            stack.env[EVENTS_URL_ENV] = redis_url       # KV events: store nodes, engines, scheduler
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
         redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
         pool_flags = redis_flags if n_store > 1 else ["--store", store]

@@ -3,7 +3,7 @@
 one); with keys, a request to anything but ``/health`` and the status page's HTML and script
 must carry ``Authorization: Bearer
 <key>`` of one of them, else HTTP 401 in OpenAI's error shape. The tenant stays the key's
-hash (scheduler/keys.py), so each key is one tenant."""
+hash (scheduler/tenancy.py), so each key is one tenant."""
 from __future__ import annotations
 
 import hashlib

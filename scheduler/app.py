@@ -22,10 +22,10 @@ from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
-from scheduler.policy import DEFAULT_POLICY
 from scheduler.replay import run_replay
 from scheduler.report import format_report
 from scheduler.router import Router
+from scheduler.scheduling_policy import DEFAULT_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
     router = await Router.connect(prefill_addresses, decode_addresses, store_address, policy=config.policy,
                                   config=dataclasses.replace(config.conductor, admission=config.admission),
                                   store_auth_token=config.store_auth_token,
-                                  local_cache_blocks=config.local_cache_blocks,
+                                  kv_events=config.kv_events,
                                   decode_max_running=config.decode_max_running,
                                   decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                   ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
@@ -107,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``,
     ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
-    ``--api-keys-file``); a flag not defined keeps its default. Raises ValueError / OSError
+    ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its default. Raises ValueError / OSError
     for an API keys file that cannot be read or holds no key."""
     admit_tbt = getattr(args, "admit_tbt_s", None)
     api_keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
@@ -120,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            decode_max_running=getattr(args, "decode_max_running", 64),
                            store_auth_token=token_from(getattr(args, "store_token", None), STORE_TOKEN_ENV),
                            engine_auth_token=token_from(getattr(args, "engine_token", None), ENGINE_TOKEN_ENV),
-                           api_keys=api_keys)
+                           api_keys=api_keys,
+                           kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None))
 
 
 def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import InvalidArgument
 from scheduler.admission import AdmissionConfig
 from scheduler.conductor import ConductorConfig
-from scheduler.policy import DEFAULT_POLICY, POLICIES
+from scheduler.scheduling_policy import DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
@@ -15,13 +15,15 @@ class FrontdoorConfig:
     """``model_dir``: checkpoint whose tokenizer to use (None: the byte-level tokenizer of
     the tiny model); ``admission``: SLOs and bounds (it replaces ``conductor.admission``);
     ``conductor``: predictor seeds, bandwidths, balancing threshold; ``policy``: scheduling
-    policy name (see ``scheduler.policy.POLICIES``); ``default_max_tokens``: tokens generated
+    policy name (see ``scheduler.scheduling_policy.POLICIES``); ``default_max_tokens``: tokens generated
     when a request names none; ``store_auth_token``: bearer token of the store node;
     ``engine_auth_token``: the engines' token (only the front door holds it: it sets each
     request's namespace); ``api_keys``: the keys a caller must send (empty: every caller is
     served, scheduler/api_keys.py);
-    ``local_cache_blocks``: capacity of each prefill engine's own cache (blocks), mirrored by
-    the router; ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
+    ``kv_events``: the Redis URL the store nodes and the prefill engines publish their KV
+    events to (the router keeps a replica of their indexes, scheduler/cache_index.py; None:
+    no instance's own cache is seen, the pool's hits come from its ``Lookup``);
+    ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
     instance's batch and KV limits as admission sees them; ``ready_timeout_s``: how long to
     wait for the engines at start (seconds); ``health_interval_s``: how often each engine
     and the store are health-checked (seconds; scheduler/health.py)."""
@@ -34,7 +36,7 @@ class FrontdoorConfig:
     store_auth_token: str | None = None
     engine_auth_token: str | None = None
     api_keys: frozenset[str] = frozenset()
-    local_cache_blocks: int = 4096
+    kv_events: str | None = None
     decode_max_running: int = 64
     decode_kv_capacity_tokens: int = 1 << 20
     ready_timeout_s: float = 60.0
@@ -45,7 +47,7 @@ class FrontdoorConfig:
             raise InvalidArgument(f"unknown scheduling policy {self.policy!r}; valid: {sorted(POLICIES)}")
         if not (isinstance(self.default_max_tokens, int) and self.default_max_tokens >= 1):
             raise InvalidArgument(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
-        for name in ("local_cache_blocks", "decode_max_running", "decode_kv_capacity_tokens"):
+        for name in ("decode_max_running", "decode_kv_capacity_tokens"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 0):
                 raise InvalidArgument(f"{name} must be an integer >= 0, got {v!r}")

@@ -39,13 +39,13 @@ from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
 from scheduler.health import HealthChecker
-from scheduler.keys import namespace_from_authorization
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (NOT_BUILT_IN, APIError, GenerationRequest, ModelLimits, model_not_found,
                                   parse_chat, parse_completion, read_json, refuse_fields)
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
+from scheduler.tenancy import namespace_from_authorization
 from scheduler.text_stream import StopText, TextStream
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Frontdoor:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
-                                   self.router.inflight)
+                                   self.router.inflight, self.router.replica)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvstore.events.replica import IndexReplica
+
 # Seconds; TTFT spans a tiny CPU model to long prompts, TBT a few ms to a second.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -48,6 +50,9 @@ class FrontdoorMetrics:
                                "their engine failed", ["role"], registry=r)
         self.hit_ratio = Gauge(p + "prefix_hit_ratio",
                                "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
+        self.kv_index = Gauge(p + "kv_index_replica", "The router's replica of the store's index over KV "
+                              "events (scheduler/cache_index.py): events applied, gaps, snapshots applied",
+                              ["what"], registry=r)
 
     def count_prompt(self, tokens: int) -> None:
         self._prompt += tokens
@@ -57,8 +62,14 @@ class FrontdoorMetrics:
         self._cached += tokens
         self.cached_tokens.inc(tokens)
 
-    def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int) -> bytes:
-        """The text exposition format, with the gauges set from the router's current state."""
+    def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int,
+               replica: IndexReplica | None = None) -> bytes:
+        """The text exposition format, with the gauges set from the router's current state
+        (``replica``: its index replica, when it keeps one)."""
+        if replica is not None:
+            stats = replica.stats()
+            for what in ("events", "gaps", "resyncs", "resync_failures"):
+                self.kv_index.labels(what=what).set(getattr(stats, what))
         for name, depth in queue_depths.items():
             self.queue_depth.labels(instance=name).set(depth)
         for name, running in decode_running.items():

@@ -2,9 +2,11 @@
 scheduling policy (:mod:`scheduler.conductor`, :mod:`scheduler.baselines`), and keeps the
 bookkeeping of work in flight that the next decisions need (DESIGN.md §7).
 
-For a prompt it computes the block keys (the engines' key spec), asks the store node for the
-pool's prefix hit by tier and its own replica for each prefill instance's local hit, and
-hands the policy: per prefill instance the predicted seconds queued there (T_queue) and its
+For a prompt it computes the block keys (the engines' key spec), looks them up in its
+replica of the store's index (:mod:`scheduler.cache_index`: the KV events of the store nodes
+and of the prefill engines' own caches) for each prefill instance's local hit and the pool's
+hit by tier — without a replica (no ``kv_events``), the store node's ``Lookup`` gives the
+pool's hit and no instance has a local one — and hands the policy: per prefill instance the predicted seconds queued there (T_queue) and its
 hit; per decode instance the requests it holds and those it will receive, with predicted
 join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills feed the
 T_prefill regression, finished decodes the TBT regression.
@@ -14,9 +16,9 @@ The live engines fetch a longer pool hit themselves — no further than the plan
 the router runs policies with ``peer_fetch`` off. The prefill engines report how long their
 pool reads took and how many bytes they moved; :meth:`Router.prefill_finished` feeds that to
 the policy's bandwidth estimate (seeded from the configured defaults until then). A
-prefill instance keeps what it fetched, and the replica records the whole prompt on it (hot
-prefixes replicate by themselves). KV transfers a request owns in-process
-(:mod:`scheduler.transfer`) are registered in ``transfers`` and aborted by ``finished``; the
+prefill instance keeps what it fetched, and its events tell the replica so (hot prefixes
+replicate by themselves). KV transfers a request owns in-process
+(:mod:`scheduler.request_transfers`) are registered in ``transfers`` and aborted by ``finished``; the
 engines' own transfers go through the store service, whose streamed put aborts its
 reservation when the stream breaks.
 """
@@ -34,14 +36,25 @@ from engines.kv import block_bytes
 from engines.types import EngineInfo, PrefillResult
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.events.replica import IndexReplica
 from scheduler.admission import AdmissionConfig, Rejection
-from scheduler.cache_replica import LocalCacheReplica
+from scheduler.backlog import PrefillBacklog
+from scheduler.cache_index import split_hits, start_replica, store_address_of
 from scheduler.conductor import Conductor, ConductorConfig
-from scheduler.keys import prompt_keys
-from scheduler.policy import DEFAULT_POLICY, make_policy
-from scheduler.transfer import TransferTable
-from scheduler.views import (NO_HIT, ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView,
-                             TierHit, load_limit)
+from scheduler.request_transfers import TransferTable
+from scheduler.scheduling_policy import DEFAULT_POLICY, make_policy
+from scheduler.tenancy import prompt_keys
+from scheduler.views import (
+    NO_HIT,
+    ClusterView,
+    Decision,
+    DecodeView,
+    DecodeWork,
+    PrefillView,
+    RequestView,
+    TierHit,
+    load_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +63,16 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 @dataclass
 class PrefillInstance:
-    """A prefill engine and the predicted seconds of each request routed to it whose prefill
-    has not finished (``queue_s`` is their sum: T_queue)."""
+    """A prefill engine and the requests routed to it whose prefill has not finished, with
+    their predicted seconds (``backlog``; T_queue is ``backlog.queue_s(now)``,
+    :mod:`scheduler.backlog`)."""
 
     client: EngineClient
     info: EngineInfo
-    inflight: dict[str, float] = field(default_factory=dict)
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
 
-    @property
-    def queue_s(self) -> float:
-        return sum(self.inflight.values())
+    def queue_s(self, now_s: float) -> float:
+        return self.backlog.queue_s(now_s)
 
 
 @dataclass
@@ -115,7 +128,7 @@ class Router:
 
     def __init__(self, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance],
                  store: StoreClient | None, policy: str = DEFAULT_POLICY,
-                 config: ConductorConfig | None = None, local_cache_blocks: int = 4096,
+                 config: ConductorConfig | None = None, replica: IndexReplica | None = None,
                  decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20) -> None:
         if not prefill or not decode:
             raise InvalidArgument(f"need at least one prefill and one decode engine, got "
@@ -131,7 +144,7 @@ class Router:
         nbytes = block_bytes(layout, layout.block_size, DTYPE_BYTES.get(layout.dtype, 4))
         config = dataclasses.replace(config or ConductorConfig(), peer_fetch=False)
         self.policy: Conductor = make_policy(policy, nbytes, config)
-        self.replica = LocalCacheReplica(local_cache_blocks)
+        self.replica = replica     # the store's index over KV events (None: pool hits by Lookup)
         self.transfers = TransferTable()
         self.decode_max_running = decode_max_running
         self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
@@ -143,13 +156,15 @@ class Router:
     async def connect(cls, prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
                       store_address: str | None, *, policy: str = DEFAULT_POLICY,
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
-                      local_cache_blocks: int = 4096, decode_max_running: int = 64,
+                      kv_events: str | None = None, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
                       store_redis: str | None = None, engine_auth_token: str | None = None) -> "Router":
         """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
         kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine
-        answers ``Info``. Raises Unavailable if one does not within ``ready_timeout_s`` and
+        answers ``Info``. ``kv_events``: the Redis the store nodes and prefill engines publish
+        their KV events to — the router then keeps a replica of their indexes
+        (:mod:`scheduler.cache_index`). Raises Unavailable if one does not within ``ready_timeout_s`` and
         InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
         opened: list[EngineClient] = []
         try:
@@ -173,10 +188,17 @@ class Router:
         if store_redis:
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)  # type: ignore[assignment]
+        router = None
         try:
-            return cls(pre, dec, store, policy, config, local_cache_blocks, decode_max_running,
-                       decode_kv_capacity_tokens)
+            router = cls(pre, dec, store, policy, config, None, decode_max_running, decode_kv_capacity_tokens)
+            if kv_events:
+                router.replica = start_replica(kv_events, {e: p.client.address for e, p in router.prefill.items()},
+                                               engine_auth_token, store_address_of(store, store_address),
+                                               store_auth_token)
+            return router
         except BaseException:
+            if router is not None and router.replica is not None:
+                router.replica.stop()
             for client in opened:
                 await client.close()
             if store is not None:
@@ -188,6 +210,8 @@ class Router:
             await inst.client.close()
         if self.store is not None:
             self.store.close()
+        if self.replica is not None:
+            self.replica.stop()
 
     @property
     def admission(self) -> AdmissionConfig:
@@ -201,10 +225,15 @@ class Router:
         as a pool miss."""
         keys = tuple(self.prompt_keys(tokens, namespace))
         self.check_serving()
-        pool_hit = await self._pool_hit(keys)
-        self.check_serving()   # the lookup awaited: an instance may have gone down since
+        if self.replica is not None:       # every hit from the replica: no await, no RPC
+            view = self.cluster_view(keys)
+            pool_hit = view.pool_hit
+        else:
+            pool_hit = await self._pool_hit(keys)
+            self.check_serving()   # the lookup awaited: an instance may have gone down since
+            view = self.cluster_view(keys, pool_hit)
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
-        result = self.policy.decide(request, self.cluster_view(keys, pool_hit))
+        result = self.policy.decide(request, view)
         if isinstance(result, Rejection):
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
@@ -214,18 +243,23 @@ class Router:
         """The pool keys of the prompt's full blocks, as the engines key them."""
         return prompt_keys(tokens, self.info, namespace)
 
-    def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit = NO_HIT,
+    def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit | None = None,
                      now_s: float | None = None) -> ClusterView:
-        """The policy's view of the cluster for a prompt with block ``keys`` (no await)."""
-        per_node = self.replica.index.match(keys).per_node if keys else {}
-        prefill = tuple(PrefillView(engine_id, inst.queue_s, len(inst.inflight),
-                                    TierHit.from_tiers(per_node[engine_id]) if engine_id in per_node else NO_HIT)
+        """The policy's view of the cluster for a prompt with block ``keys`` (no await): the
+        instances' own hits from the replica; the pool's hit ``pool_hit``, or the
+        replica's when None (a miss without a replica)."""
+        own: dict[str, TierHit] = {}
+        if self.replica is not None and keys:
+            own, replica_pool = split_hits(self.replica.match(keys), self.prefill)
+            if pool_hit is None:
+                pool_hit = replica_pool
+        now = time.monotonic() if now_s is None else now_s
+        prefill = tuple(PrefillView(engine_id, inst.queue_s(now), len(inst.backlog), own.get(engine_id, NO_HIT))
                         for engine_id, inst in self.prefill.items() if engine_id not in self.down)
         decode = tuple(DecodeView(engine_id, tuple(inst.work.values()), self.decode_max_running,
                                   self.decode_kv_capacity_tokens)
                        for engine_id, inst in self.decode.items() if engine_id not in self.down)
-        now = time.monotonic() if now_s is None else now_s
-        return ClusterView(now, prefill, decode, pool_hit, self.inflight)
+        return ClusterView(now, prefill, decode, NO_HIT if pool_hit is None else pool_hit, self.inflight)
 
     async def _pool_hit(self, keys: Sequence[bytes]) -> TierHit:
         if self.store is None or not keys:
@@ -255,9 +289,7 @@ class Router:
         """Take an instance out of routing until a health check finds it up again."""
         if engine_id not in self.down:
             log.warning("engine %s is down, routing around it: %s", engine_id, reason)
-        self.down[engine_id] = reason
-        if engine_id in self.prefill:   # a restarted engine comes back with an empty cache
-            self.replica.clear(engine_id)
+        self.down[engine_id] = reason   # a restarted engine's NodeCleared empties its hits
 
     def mark_up(self, engine_id: str) -> None:
         if self.down.pop(engine_id, None) is not None:
@@ -270,9 +302,14 @@ class Router:
             ids = [e for e in self.serving("prefill") if e not in tried]
             if not ids:
                 return None
-            new_id = min(ids, key=lambda e: self.prefill[e].queue_s)
-            old = self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
-            self.prefill[new_id].inflight[plan.request_id] = plan.decision.prefill_s if old is None else old
+            now = time.monotonic()
+            new_id = min(ids, key=lambda e: self.prefill[e].queue_s(now))
+            old_backlog = self.prefill[plan.prefill_id].backlog
+            old = old_backlog.remove(plan.request_id)
+            old_backlog.advance(now)
+            new_backlog = self.prefill[new_id].backlog
+            new_backlog.add(plan.request_id, plan.decision.prefill_s if old is None else old)
+            new_backlog.advance(now)
             return dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, prefill_id=new_id))
         ids = [e for e in self.serving("decode") if e not in tried]
         if not ids:
@@ -287,16 +324,20 @@ class Router:
     def begin(self, plan: RoutePlan) -> None:
         """Count the admitted request as queued on its prefill and incoming on its decode."""
         d = plan.decision
-        self.prefill[d.prefill_id].inflight[plan.request_id] = d.ttft_s - d.queue_s
+        backlog = self.prefill[d.prefill_id].backlog
+        backlog.add(plan.request_id, d.ttft_s - d.queue_s)
+        backlog.advance(time.monotonic())      # FIFO: it starts now when nothing runs there
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
             plan.prompt_tokens + plan.max_tokens, d.decode_start_s, d.decode_finish_s)
         self.inflight += 1
 
     def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
         """The prefill is over (``result`` None: it failed or was cancelled). On success the
-        T_prefill fit learns from it, the replica records the prompt's blocks on the
-        instance, and the request's decode work is re-timed from now."""
-        self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
+        T_prefill fit learns from it (the replica hears of the blocks from the engine's own
+        events) and the request's decode work is re-timed from now."""
+        backlog = self.prefill[plan.prefill_id].backlog
+        backlog.remove(plan.request_id)
+        backlog.advance(time.monotonic())      # the next one queued there starts
         if result is None:
             return
         self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, result.prefill_s)
@@ -306,7 +347,6 @@ class Router:
             latency = self.policy.config.bandwidths.fetch_latency_s
             seconds = result.load_s - latency if result.load_s > 2 * latency else result.load_s
             self.policy.observe_transfer(result.load_tier or "dram", result.load_bytes, seconds, remote=True)
-        self.replica.add_chain(plan.prefill_id, result.block_keys)
         work = self.decode[plan.decode_id].work
         if plan.request_id in work:
             now = time.monotonic()
@@ -325,8 +365,10 @@ class Router:
         """The request is over, whatever the outcome; call exactly once per ``begin``. Aborts
         the request's KV transfers still running (their leases and reservations are freed)."""
         self.transfers.finish(plan.request_id)
+        now = time.monotonic()
         for inst in self.prefill.values():   # wherever a reroute moved it
-            inst.inflight.pop(plan.request_id, None)
+            if inst.backlog.remove(plan.request_id) is not None:
+                inst.backlog.advance(now)
         for dec in self.decode.values():
             dec.work.pop(plan.request_id, None)
         self.inflight -= 1
@@ -339,7 +381,7 @@ class Router:
 
     def queue_depths(self) -> dict[str, int]:
         """Prefill engine id → requests routed to it whose prefill has not finished."""
-        return {engine_id: len(inst.inflight) for engine_id, inst in self.prefill.items()}
+        return {engine_id: len(inst.backlog) for engine_id, inst in self.prefill.items()}
 
     def decode_running(self) -> dict[str, int]:
         return {engine_id: inst.running for engine_id, inst in self.decode.items()}

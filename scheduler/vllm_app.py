@@ -46,8 +46,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                store_address: str | None = None, host: str = "127.0.0.1", port: int = 0,
                                config: FrontdoorConfig | None = None, *, topology: str = "disaggregated",
                                colocated_urls: Sequence[str] = (), block_size: int = 32,
-                               store_redis: str | None = None, prefix_caching: bool = False,
-                               watch_interval_s: float = 0.5) -> RunningVLLMFrontdoor:
+                               store_redis: str | None = None, watch_interval_s: float = 0.5) -> RunningVLLMFrontdoor:
     """Connect to running vLLM instances (``http://host:port``) and the store node, serve HTTP
     on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
     tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``.
@@ -68,7 +67,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_max_running=config.decode_max_running,
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
-                                prefix_caching=prefix_caching, api_key=config.engine_auth_token)
+                                api_key=config.engine_auth_token)
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, model.vocab_size)
         frontdoor = VLLMFrontdoor(router, tokenizer, config)

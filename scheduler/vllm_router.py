@@ -23,15 +23,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Sequence
 
 from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, Unavailable
 from scheduler.admission import Rejection
 from scheduler.conductor import ConductorConfig
-from scheduler.policy import DEFAULT_POLICY
 from scheduler.router import DecodeInstance, PrefillInstance, RoutePlan, Router
-from scheduler.views import ClusterView, NO_HIT, TierHit
+from scheduler.scheduling_policy import DEFAULT_POLICY
+from scheduler.views import NO_HIT, ClusterView, TierHit
 from scheduler.vllm_instances import VLLMClient, VLLMModel
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class VLLMRouter(Router):
             if v.instance_id in self.down:
                 continue
             load = self.prefill[v.instance_id].client.last_load
-            ours = len(self.prefill[v.instance_id].inflight)
+            ours = len(self.prefill[v.instance_id].backlog)
             if self.colocated:
                 ours += self.decode[v.instance_id].running
             if load is not None and load.running + load.waiting > ours:
@@ -114,7 +115,9 @@ class VLLMRouter(Router):
 
     def first_token(self, plan: RoutePlan) -> None:
         """Colocated: the instance's prefill is over (its first token arrived)."""
-        self.prefill[plan.prefill_id].inflight.pop(plan.request_id, None)
+        backlog = self.prefill[plan.prefill_id].backlog
+        backlog.remove(plan.request_id)
+        backlog.advance(time.monotonic())
 
     def colocated_prefilled(self, plan: RoutePlan, cached_tokens: int, ttft_s: float) -> None:
         """Colocated: feed the T_prefill fit once the request's usage says what was cached."""
@@ -147,12 +150,12 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                        config: ConductorConfig | None = None, store_auth_token: str | None = None,
                        decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
                        ready_timeout_s: float = 60.0, store_redis: str | None = None,
-                       prefix_caching: bool = False, api_key: str | None = None) -> VLLMRouter:
+                       api_key: str | None = None) -> VLLMRouter:
     """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
     ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
-    Waits until each answers. ``prefix_caching``: whether the instances keep vLLM's own
-    prefix cache (then the router mirrors what each prefill instance computed); ``api_key``:
-    the instances' vLLM API key (the engines' token: only the front door may call them). Raises
+    Waits until each answers. vLLM's own prefix cache publishes no KV events to kvstore, so
+    the router sees the pool's hits only (it no longer guesses an instance's cache);
+    ``api_key``: the instances' vLLM API key (the engines' token: only the front door may call them). Raises
     Unavailable (an instance not up in ``ready_timeout_s``) or InvalidArgument."""
     from kvstore.client import StoreClient
     if topology == "colocated":
@@ -171,14 +174,13 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
         infos = [await c.info() for c in clients]
         pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]  # type: ignore[arg-type]
         dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]  # type: ignore[arg-type]
-        local = max((c.last_load.kv_blocks for c in clients if c.last_load), default=0) if prefix_caching else 0
         if store_redis:
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)
         else:
             store = StoreClient(store_address, auth_token=store_auth_token) if store_address else None
         return VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
-                          local_cache_blocks=local, decode_max_running=decode_max_running,
+                          decode_max_running=decode_max_running,
                           decode_kv_capacity_tokens=decode_kv_capacity_tokens)
     except BaseException:
         for c in clients:

@@ -70,7 +70,7 @@ def test_a_failed_prefill_moves_to_another_instance_before_anything_is_sent(clus
         assert status == 200 and sse_events(data)[-1]["choices"][0]["finish_reason"] == "length", data
     wait_for(lambda: router.inflight == 0)          # the last handler ends just after its reply
     assert "prefill-1" in router.down
-    assert all(not inst.inflight for inst in router.prefill.values())
+    assert all(not inst.backlog for inst in router.prefill.values())
     _, _, metrics = call(door.url, "/metrics")
     assert 'kvstore_scheduler_requests_moved_total{role="prefill"}' in metrics.decode()
 

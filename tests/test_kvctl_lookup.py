@@ -1,7 +1,7 @@
 """kvctl lookup keys a prompt exactly as the engines do: a real prefill engine (tiny model)
 stores a tenant's prompt in a real store node, and ``kvctl lookup --prompt TEXT --tenant
 KEY --engine ADDR`` gives the keys the engine returned and finds every stored block; the
-same keys as the front door's (``scheduler.keys``)."""
+same keys as the front door's (``scheduler.tenancy``)."""
 from __future__ import annotations
 
 import grpc
@@ -11,7 +11,7 @@ from engines.tokenizer import ByteTokenizer
 from kvstore.auth import bearer_metadata
 from kvstore.kvctl.lookup import namespace_of
 from protos import engine_pb2, engine_pb2_grpc
-from scheduler.keys import namespace_from_authorization, prompt_keys
+from scheduler.tenancy import namespace_from_authorization, prompt_keys
 from tests.kvctl_helpers import TOKEN, kvctl, kvctl_env
 
 ENGINE_TOKEN = "test-engine-token-0123456789"

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvstore.pool import KVPool
-from scheduler.transfer import KVTransfer, TransferTable
+from scheduler.request_transfers import KVTransfer, TransferTable
 
 BLOCK = 256 << 10          # big enough that a write is still in flight when the abort comes
 BLOCKS = 4

@@ -19,7 +19,7 @@ from kvstore.pool import KVPool
 from kvstore.service import serve_store
 from kvstore.tiers import TIERS
 from scheduler.app import start_frontdoor
-from scheduler.keys import namespace_from_authorization, prompt_keys
+from scheduler.tenancy import namespace_from_authorization, prompt_keys
 
 BS = 16
 A = {"Authorization": "Bearer tenant-a-secret"}

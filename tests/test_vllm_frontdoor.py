@@ -18,7 +18,7 @@ from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
 from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
-from scheduler.keys import namespace_from_authorization  # noqa: E402
+from scheduler.tenancy import namespace_from_authorization  # noqa: E402
 from scheduler.trace import TraceMapping, load_trace  # noqa: E402
 from scheduler.vllm_app import start_vllm_frontdoor  # noqa: E402
 from scheduler.vllm_instances import VLLMModel, parse_metrics  # noqa: E402

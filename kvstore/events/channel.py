@@ -17,6 +17,9 @@ from kvstore.events.event import KVEvent
 
 log = logging.getLogger(__name__)
 DEFAULT_STREAM = "kvstore:events"
+# The Redis URL KV events go to, for the processes `kvstore up` starts (it may hold a
+# password, so it travels in the environment, not on a command line).
+EVENTS_URL_ENV = "KVSTORE_EVENTS_URL"
 DEFAULT_MAXLEN = 100_000
 
 

@@ -1,0 +1,15 @@
+"""Scheduling policies by name — the registry the front door's ``--policy`` flag and the
+simulator pick from ("scheduling policy", never plain "policy": the store's eviction
+policies are :mod:`kvstore.eviction`). The policies live in :mod:`scheduler.conductor` (the
+Conductor, Mooncake's Algorithm 1) and :mod:`scheduler.baselines` (random, round-robin,
+least-loaded, local cache-aware); every one has the decision API of
+:class:`SchedulingPolicy` (:class:`scheduler.conductor.Conductor`).
+"""
+from __future__ import annotations
+
+from scheduler.baselines import POLICIES, make_policy
+from scheduler.conductor import Conductor as SchedulingPolicy
+
+DEFAULT_POLICY = "conductor"
+
+__all__ = ["POLICIES", "DEFAULT_POLICY", "SchedulingPolicy", "make_policy"]
