@@ -1,0 +1,122 @@
+"""The simulator measures the Conductor as it would run live: engines with seeded variance
+(engines/cost_model.py Variance), predictors seeded from a profiling pass and learned online
+(scheduler/sim/profiling.py) — or the oracle's exact frozen means — and the experiments as
+named presets (scheduler/sim/presets.py), one command each."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines.cost_model import CostModel, CostModelEngine, Variance, load_model, load_profile
+from kvstore.errors import InvalidArgument
+from scheduler.sim import SimConfig, Simulator
+from scheduler.sim.presets import PRESETS, describe, preset_runs
+from scheduler.sim.profiling import exact_profiles, profiled
+from scheduler.sim.workload import load_workload, make_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
+COST = CostModel(load_model("llama3-70b"), load_profile("8xA800"))
+
+
+def prefill_seconds(variance: Variance, n: int = 200, name: str = "P0") -> list[float]:
+    engine = CostModelEngine(COST, name, "prefill", 512, variance)
+    out = []
+    for _ in range(n):
+        out.append(engine.prefill("r", range(8192)).prefill_s)
+        engine.prefill_done()
+    return out
+
+
+def test_variance_is_seeded_has_the_cost_models_mean_and_stragglers_as_documented():
+    noisy = Variance(prefill_cv=0.1, seed=7)
+    a, b = prefill_seconds(noisy), prefill_seconds(noisy)
+    assert a == b                                             # seeded: a run is reproducible
+    assert prefill_seconds(Variance(prefill_cv=0.1, seed=8)) != a
+    assert prefill_seconds(noisy, name="P1") != a             # each engine draws its own
+    mean = COST.prefill_s(8192)
+    assert statistics.fmean(a) == pytest.approx(mean, rel=0.03)
+    assert statistics.pstdev(a) / mean == pytest.approx(0.1, rel=0.25)
+    assert prefill_seconds(Variance(), 3) == [mean] * 3        # none: the deterministic model
+    assert prefill_seconds(Variance(straggler_prob=1.0, straggler_factor=3.0), 3) == [pytest.approx(3 * mean)] * 3
+    engine = CostModelEngine(COST, "D0", "decode", 512, Variance(decode_cv=0.2, seed=1))
+    steps = [engine.sample_decode_step_s(8, 40_000) for _ in range(400)]
+    assert engine.decode_step_s(8, 40_000) == COST.decode_step_s(8, 40_000)   # the mean, for predictions
+    assert statistics.fmean(steps) == pytest.approx(COST.decode_step_s(8, 40_000), rel=0.05)
+    for bad in (dict(prefill_cv=-0.1), dict(straggler_prob=1.5), dict(straggler_factor=0.5)):
+        with pytest.raises(InvalidArgument):
+            Variance(**bad)
+    with pytest.raises(InvalidArgument):
+        SimConfig(decode_cv=-1.0)
+
+
+def test_the_profiling_pass_seeds_close_to_the_truth_but_not_with_it():
+    exact_p, exact_d = exact_profiles(COST)
+    seed_p, seed_d = profiled(COST, Variance(prefill_cv=0.1, decode_cv=0.05, seed=0))
+    assert not exact_p.learn and not exact_d.learn and seed_p.learn and seed_d.learn
+    assert seed_p.s_per_token_context != exact_p.s_per_token_context      # measured, not handed over
+    from scheduler.costing import PrefillModel
+    truth, guess = PrefillModel(exact_p), PrefillModel(seed_p)
+    for n, p in ((4096, 0), (32768, 8192), (100_000, 50_000)):
+        assert guess.predict(n, p) == pytest.approx(truth.predict(n, p), rel=0.15)
+
+
+def run_sim(cfg: SimConfig, limit: int = 600) -> Simulator:
+    trace, keys = load_workload(TRACE, limit)
+    sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
+    sim.run()
+    return sim
+
+
+def test_the_conductor_learns_online_from_noisy_observations_and_the_oracle_does_not():
+    cfg = preset_runs("fig5")[-1]                   # the default noise: CV 0.1 / 0.05, 1% stragglers
+    assert cfg.policy == "conductor" and not cfg.oracle and cfg.straggler_prob > 0
+    learned = run_sim(cfg, 1500)
+    model = learned.policy.prefill_model
+    assert model.samples > 100 and model.fit.fitted
+    assert model.fit.coefficients != model.fit.seed                       # the online fit took over
+    for n, p in ((8192, 0), (60_000, 20_000)):
+        assert model.predict(n, p) == pytest.approx(COST.prefill_s(n, p), rel=0.1)
+    assert learned.policy.tbt_model.samples > 0 and learned.policy.tbt_model.fit.fitted
+    oracle = run_sim(dataclasses.replace(cfg, oracle=True), 1500)
+    assert oracle.policy.prefill_model.samples == 0 and oracle.policy.tbt_model.samples == 0
+    assert oracle.policy.prefill_model.predict(8192) == pytest.approx(COST.prefill_s(8192), rel=1e-9)
+    # The same noisy engines under both: the draws are the run's, not the predictor's.
+    again = run_sim(cfg, 1500)
+    assert [r.prefill_s for r in again.requests] == [r.prefill_s for r in learned.requests]
+
+
+def test_presets_are_the_readme_experiments():
+    assert sorted(PRESETS) == ["capacity", "colocated", "fig5", "overload"]
+    fig5 = preset_runs("fig5")
+    assert [c.policy for c in fig5] == ["random", "round_robin", "least_loaded", "local_cache_aware", "conductor"]
+    assert all(c.pool_dram_tokens == 0 and c.n_prefill == 8 and c.instances == 16 for c in fig5)
+    ovl = preset_runs("overload", SimConfig(oracle=True, seed=3))
+    assert [c.admission for c in ovl] == ["none", "current", "predictive"]
+    assert all(c.oracle and c.seed == 3 and c.speed == 2.0 and c.n_prefill == 14 and c.max_running == 32
+               for c in ovl)
+    col = preset_runs("colocated")
+    assert [c.topology for c in col] == ["disaggregated", "colocated", "colocated"]
+    assert col[2].chunked_prefill_tokens == 512
+    assert [c.pool_dram_tokens for c in preset_runs("capacity")][-1] is None
+    assert "pool_dram_tokens=0" in describe("fig5", fig5) and describe("fig5", fig5).startswith("preset fig5 —")
+    with pytest.raises(InvalidArgument, match="valid"):
+        preset_runs("fig7")
+
+
+def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
+    out = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "300"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("preset overload — the trace 2× faster")
+    assert "predictors: learned" in out.stdout and "prefill CV 0.1" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| conductor")]
+    assert [row.split("|")[3].strip() for row in rows] == ["none", "current", "predictive"]
+    bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "fig7"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "fig7" in bad.stderr
