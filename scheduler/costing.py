@@ -40,10 +40,7 @@ class PrefillProfile:
     forgetting factor per observation, in (0, 1]; ``floor_tokens_per_s``: the seed's
     prediction never implies fewer computed tokens per second than this (> 0);
     ``min_prefill_s``: the least any prediction returns (>= 0); ``learn``: False freezes
-    the seed (no online fit — the simulator's oracle runs); ``outlier_factor``: once fitted,
-    an observation above this many times the prediction (a straggler: a throttled GPU, a
-    stalled host) is folded in at that bound, so that a rare slow prefill does not drag the
-    fit of the engine's usual speed (> 1; inf: off). The defaults fit the tiny CPU
+    the seed (no online fit — the simulator's oracle runs). The defaults fit the tiny CPU
     model of ``engines/model.py`` loosely."""
 
     fixed_s: float = 5e-3
@@ -54,7 +51,6 @@ class PrefillProfile:
     floor_tokens_per_s: float = 2000.0
     min_prefill_s: float = 1e-4
     learn: bool = True
-    outlier_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
@@ -65,8 +61,6 @@ class PrefillProfile:
         if self.min_samples < 1 or not 0 < self.decay <= 1:
             raise InvalidArgument(f"need min_samples >= 1 and decay in (0, 1], got "
                                   f"{self.min_samples!r} and {self.decay!r}")
-        if not self.outlier_factor > 1:
-            raise InvalidArgument(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
 
 
 class PrefillModel:
@@ -102,8 +96,6 @@ class PrefillModel:
         if not self.learn or prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 \
                 or cached_tokens >= prompt_tokens:
             return
-        if self.fit.fitted:
-            seconds = min(seconds, self.profile.outlier_factor * self.predict(prompt_tokens, cached_tokens))
         self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
 
     @property
