@@ -305,8 +305,8 @@ def test_baselines_choose_as_named():
     rr = make_policy("round_robin", BLOCK_BYTES)
     assert [rr.decide(req, cluster(views)).prefill_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
     assert make_policy("least_loaded", BLOCK_BYTES).decide(req, cluster(views)).prefill_id == "p1"
-    # local cache-aware weighs the queue against its own prefix: 0.2 s of queue beat 0.1 s
-    # more than 2 blocks' compute saves here (test_baselines.py has the definition's cases)
+    # local cache-aware weighs the queue against its own prefix: p1's 0.1 s of queue beats
+    # p0's 0.3 s less the few ms its 4 cached blocks save (test_baselines.py: the definition)
     assert make_policy("local_cache_aware", BLOCK_BYTES).decide(req, cluster(views)).prefill_id == "p1"
     rnd = [make_policy("random", BLOCK_BYTES, ConductorConfig(seed=s)).decide(req, cluster(views)).prefill_id
            for s in range(20)]
