@@ -48,7 +48,7 @@ def test_variance_is_seeded_has_the_cost_models_mean_and_stragglers_as_documente
     steps = [engine.sample_decode_step_s(8, 40_000) for _ in range(400)]
     assert engine.decode_step_s(8, 40_000) == COST.decode_step_s(8, 40_000)   # the mean, for predictions
     assert statistics.fmean(steps) == pytest.approx(COST.decode_step_s(8, 40_000), rel=0.05)
-    for bad in (dict(prefill_cv=-0.1), dict(straggler_prob=1.5), dict(straggler_factor=0.5)):
+    for bad in ({"prefill_cv": -0.1}, {"straggler_prob": 1.5}, {"straggler_factor": 0.5}):
         with pytest.raises(InvalidArgument):
             Variance(**bad)
     with pytest.raises(InvalidArgument):
@@ -113,12 +113,12 @@ def test_presets_are_the_readme_experiments():
 
 def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
     out = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "300"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("preset overload — the trace 2× faster")
     assert "predictors: learned" in out.stdout and "prefill CV 0.1" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| conductor")]
     assert [row.split("|")[3].strip() for row in rows] == ["none", "current", "predictive"]
     bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "fig7"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "fig7" in bad.stderr

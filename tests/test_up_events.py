@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _metric(url: str, what: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(r'^kvstore_scheduler_kv_index_replica\{what="%s"\} ([0-9.e+]+)$' % what, text, re.M)
+    m = re.search(rf'^kvstore_scheduler_kv_index_replica\{{what="{what}"\}} ([0-9.e+]+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else -1.0
 
 
