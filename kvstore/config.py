@@ -8,9 +8,14 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvstore.eviction import POLICIES
 from kvstore.pool_types import PoolSettings
+from kvstore.tiers import registry
+from kvstore.tiers.ssd import FSYNC_POLICIES
 
 TRANSFER_ENGINES = ("auto", "tcp", "rdma", "off")
+SSD_ON_ERROR = ("fail", "disable")
+EVICTION_POLICIES = tuple(sorted(POLICIES))
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -38,17 +43,49 @@ def parse_bytes(text: str | int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One tier of a node: a kind of kvstore/tiers/registry.py and its capacity in bytes."""
+
+    kind: str
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in registry.KINDS:
+            raise ValueError(f"unknown tier {self.kind!r}; tiers: {registry.names()}")
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) \
+                or self.capacity_bytes <= 0:
+            raise ValueError(f"tier {self.kind}: capacity must be a whole number of bytes > 0, "
+                             f"got {self.capacity_bytes!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TierSpec":
+        """``"dram=1GiB"`` → TierSpec("dram", 1073741824). Raises ValueError."""
+        name, sep, size = text.partition("=")
+        if not sep:
+            raise ValueError(f"a tier is KIND=SIZE (KIND one of {registry.names()}), got {text!r}")
+        return cls(name.strip(), parse_bytes(size))
+
+
+def _legacy_field(kind: str) -> str:
+    """The StoreConfig field that sized a tier of this kind before tiers were a list."""
+    return f"{kind}_bytes"
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """A store node. Sizes in bytes, times in seconds; ``ssd_fsync`` is ``never`` or
-    ``commit``. ``hbm_bytes`` > 0 adds an HBM tier on ``hbm_device`` (``auto``: CUDA when
-    present, else the CPU) above DRAM. Watermarks, policy, lease TTL and reservation timeout
-    are the pool's (kvstore/pool_types.py ``PoolSettings``)."""
+    ``commit``. The tiers: ``tiers``, an ordered list (fastest first) of
+    :class:`TierSpec` (kinds from kvstore/tiers/registry.py), or when empty one tier per
+    kind whose ``<kind>_bytes`` field is > 0 (``hbm_bytes`` > 0 adds an HBM tier on
+    ``hbm_device`` — ``auto``: CUDA when present, else the CPU — above DRAM);
+    :meth:`tier_list` gives the one in force. Watermarks, policy, lease TTL and reservation
+    timeout are the pool's (kvstore/pool_types.py ``PoolSettings``)."""
 
     node_id: str = "node-0"
     host: str = "127.0.0.1"
     port: int = 50051
-    dram_bytes: int = 1 << 30
-    ssd_bytes: int = 4 << 30
+    dram_bytes: int = registry.DRAM.default_bytes
+    ssd_bytes: int = registry.SSD.default_bytes
     data_dir: str = "var/store"
     ssd_fsync: str = "never"
     # An SSD data directory that cannot be used at start: "fail" (the node does not start,
@@ -57,7 +94,7 @@ class StoreConfig:
     promote_on_hit: bool = True
     auth_token: str | None = None
     redis_url: str | None = None      # KV events go to this Redis; None: an in-process channel
-    hbm_bytes: int = 0
+    hbm_bytes: int = registry.HBM.default_bytes
     hbm_device: str = "auto"
     high_watermark: float = 0.95
     low_watermark: float = 0.90
@@ -91,6 +128,8 @@ class StoreConfig:
     # Prometheus text on GET /metrics at http://host:metrics_port (kvstore/metrics.py); it takes
     # auth_token when one is set. 0: a free port; None: no metrics port.
     metrics_port: int | None = None
+    # The tiers, fastest first; empty: one per kind whose <kind>_bytes field above is > 0.
+    tiers: tuple[TierSpec, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("port", "control_port", "dram_bytes", "ssd_bytes", "hbm_bytes", "dataplane_poll_us",
@@ -104,13 +143,12 @@ class StoreConfig:
         if not isinstance(self.node_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.node_id):
             raise ValueError(f"node_id must be 1-64 letters, digits, '.', '_' or '-' (starting with a "
                              f"letter or digit), got {self.node_id!r}")
-        if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.hbm_bytes <= 0:
-            raise ValueError("a store node needs hbm_bytes, dram_bytes or ssd_bytes > 0")
+        self._check_tiers()
         self.pool_settings()  # validates watermarks, policy and times
-        if self.ssd_fsync not in ("never", "commit"):
-            raise ValueError(f"ssd_fsync must be 'never' or 'commit', got {self.ssd_fsync!r}")
-        if self.ssd_on_error not in ("fail", "disable"):
-            raise ValueError(f"ssd_on_error must be 'fail' or 'disable', got {self.ssd_on_error!r}")
+        if self.ssd_fsync not in FSYNC_POLICIES:
+            raise ValueError(f"ssd_fsync must be one of {FSYNC_POLICIES}, got {self.ssd_fsync!r}")
+        if self.ssd_on_error not in SSD_ON_ERROR:
+            raise ValueError(f"ssd_on_error must be one of {SSD_ON_ERROR}, got {self.ssd_on_error!r}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
@@ -133,6 +171,26 @@ class StoreConfig:
             raise ValueError(f"control_port and port are both {self.port}: the control channel needs a port "
                              f"of its own (0 picks a free one)")
 
+    def _check_tiers(self) -> None:
+        if not isinstance(self.tiers, tuple) or not all(isinstance(t, TierSpec) for t in self.tiers):
+            raise ValueError(f"tiers must be a tuple of TierSpec, got {self.tiers!r}")
+        kinds = [t.kind for t in self.tiers]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"tiers: each kind at most once, got {kinds}")
+        if kinds != registry.ordered(kinds):
+            raise ValueError(f"tiers must run fastest first ({registry.names()}), got {kinds}")
+        if not self.tier_list():
+            sizes = ", ".join(_legacy_field(k) for k in registry.names() if _legacy_field(k) in _FIELDS)
+            raise ValueError(f"a store node needs a tier: tiers, or {sizes} > 0")
+
+    def tier_list(self) -> tuple[TierSpec, ...]:
+        """The node's tiers, fastest first: ``tiers``, or when empty one per kind whose
+        ``<kind>_bytes`` field is > 0."""
+        if self.tiers:
+            return self.tiers
+        return tuple(TierSpec(k, getattr(self, _legacy_field(k))) for k in registry.names()
+                     if _legacy_field(k) in _FIELDS and getattr(self, _legacy_field(k)) > 0)
+
     @classmethod
     def load(cls, path: str | None = None, **overrides: Any) -> "StoreConfig":
         """Defaults, then the TOML file at ``path`` (keys = field names), then ``overrides``
@@ -141,15 +199,29 @@ class StoreConfig:
         if path:
             with open(path, "rb") as f:
                 values.update(tomllib.load(f))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given.get("tiers") is not None:   # a list on the command line replaces the file's
+            values.pop("tiers", None)
+            for k in registry.names():
+                values.pop(_legacy_field(k), None)
+        values.update(given)
+        unknown = sorted(set(values) - _FIELDS)
         if unknown:
-            raise ValueError(f"unknown store settings {unknown}; valid: {sorted(known)}")
-        for key in ("dram_bytes", "ssd_bytes", "hbm_bytes", "te_staging_bytes"):
+            raise ValueError(f"unknown store settings {unknown}; valid: {sorted(_FIELDS)}")
+        sized = [k for k in registry.names() if _legacy_field(k) in values]
+        if values.get("tiers") and sized:
+            raise ValueError(f"give the tiers either as a list (tiers) or by size "
+                             f"({', '.join(_legacy_field(k) for k in sized)}), not both")
+        for key in [_legacy_field(k) for k in registry.names()] + ["te_staging_bytes"]:
             if key in values:
                 values[key] = parse_bytes(values[key])
+        if "tiers" in values:
+            values["tiers"] = tuple(_tier_spec(t) for t in values["tiers"] or ())
         return replace(cls(), **values)
+
+    def tier_capacity(self, kind: str) -> int:
+        """Bytes of this node's tier of ``kind`` (0 when it has none)."""
+        return next((t.capacity_bytes for t in self.tier_list() if t.kind == kind), 0)
 
     def transfer_protocol(self) -> str | None:
         """The transfer engine's protocol this node runs (``tcp`` or ``rdma``), or None for
@@ -172,3 +244,18 @@ class StoreConfig:
                             low_watermark=self.low_watermark, lease_ttl_s=self.lease_ttl_s,
                             reservation_timeout_s=self.reservation_timeout_s,
                             promote_on_hit=self.promote_on_hit)
+
+
+_FIELDS = frozenset(f.name for f in fields(StoreConfig))
+
+
+def _tier_spec(item: Any) -> TierSpec:
+    """A tier as TOML gives it (``{kind = "dram", bytes = "1GiB"}``), as ``"dram=1GiB"`` or
+    a TierSpec. Raises ValueError."""
+    if isinstance(item, TierSpec):
+        return item
+    if isinstance(item, str):
+        return TierSpec.parse(item)
+    if isinstance(item, dict) and set(item) == {"kind", "bytes"}:
+        return TierSpec(str(item["kind"]), parse_bytes(item["bytes"]))
+    raise ValueError(f"a tier is {{kind = NAME, bytes = SIZE}} or 'NAME=SIZE', got {item!r}")

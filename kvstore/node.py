@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import grpc
@@ -11,7 +10,7 @@ from kvstore.config import StoreConfig
 from kvstore.events import PublishingIndex, make_channel
 from kvstore.pool import KVPool
 from kvstore.service import close_dataplane, serve_store
-from kvstore.tiers import TIERS
+from kvstore.tiers.registry import build_tiers
 
 if TYPE_CHECKING:
     from kvstore.cluster.agent import ClusterAgent
@@ -21,26 +20,12 @@ log = logging.getLogger(__name__)
 
 
 def build_pool(cfg: StoreConfig) -> KVPool:
-    """HBM (if ``hbm_bytes`` > 0, on ``hbm_device``) over DRAM (if ``dram_bytes`` > 0,
-    pre-faulted in the background with ``dram_prefault``) over SSD (if ``ssd_bytes`` > 0,
-    LMDB under ``data_dir/<node_id>/ssd``). An SSD directory that cannot be used raises
+    """The tiers of ``cfg.tier_list()`` (fastest first, built by kvstore/tiers/registry.py:
+    HBM on ``hbm_device``, DRAM pre-faulted in the background with ``dram_prefault``, SSD
+    as LMDB under ``data_dir/<node_id>/ssd``). An SSD directory that cannot be used raises
     OSError (one line), or with ``ssd_on_error = "disable"`` leaves the node without its SSD
     tier (logged); a damaged one is moved aside by the tier itself (kvstore/tiers/ssd.py)."""
-    tiers = []
-    if cfg.hbm_bytes > 0:
-        tiers.append(TIERS["hbm"](cfg.hbm_bytes, device=cfg.hbm_device))
-    if cfg.dram_bytes > 0:
-        tiers.append(TIERS["dram"](cfg.dram_bytes, prefault=cfg.dram_prefault))
-    if cfg.ssd_bytes > 0:
-        try:
-            tiers.append(TIERS["ssd"](cfg.ssd_bytes, path=os.path.join(cfg.data_dir, cfg.node_id, "ssd"),
-                                      fsync=cfg.ssd_fsync))
-        except OSError as exc:
-            if cfg.ssd_on_error != "disable" or not tiers:
-                for tier in tiers:
-                    tier.close()
-                raise
-            log.error("%s; serving without an SSD tier (--ssd-on-error disable)", exc)
+    tiers = build_tiers(cfg)
     # The index publishes KV events (to Redis at cfg.redis_url, else in-process).
     index = PublishingIndex(cfg.node_id, make_channel(cfg.redis_url))
     return KVPool(tiers, node_id=cfg.node_id, index=index, settings=cfg.pool_settings())

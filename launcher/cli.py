@@ -16,7 +16,9 @@ from pathlib import Path
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
-from kvstore.config import positive_int
+from kvstore.config import EVICTION_POLICIES, SSD_ON_ERROR, TRANSFER_ENGINES, StoreConfig, TierSpec, positive_int
+from kvstore.tiers import registry
+from kvstore.tiers.ssd import FSYNC_POLICIES
 from kvstore.shutdown import Shutdown
 from launcher.up_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
@@ -67,13 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvstore.auth import STORE_TOKEN_ENV, token_from
-    from kvstore.config import StoreConfig
     from kvstore.node import start_node, stop_node
+    sizes = {f"{k}_bytes": getattr(args, f"{k}_bytes") for k in tier_size_flags()}
     cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
-                           dram_bytes=args.dram, ssd_bytes=args.ssd, data_dir=args.data_dir,
+                           data_dir=args.data_dir, tiers=args.tier, **sizes,
                            ssd_fsync=args.ssd_fsync, auth_token=args.auth_token,
                            redis_url=args.redis or _env_events(),
-                           hbm_bytes=args.hbm, hbm_device=args.hbm_device, eviction_policy=args.policy,
+                           hbm_device=args.hbm_device, eviction_policy=args.policy,
                            high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                            lease_ttl_s=args.lease_ttl, reservation_timeout_s=args.reservation_timeout,
                            heartbeat_s=args.heartbeat, node_ttl_s=args.node_ttl,
@@ -154,6 +156,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return simulate_command(args)
 
 
+def tier_size_flags() -> list[str]:
+    """Tier kinds sized by a flag of their own (``--dram 1GiB``): those with a
+    ``<kind>_bytes`` StoreConfig field; every kind takes ``--tier KIND=SIZE``."""
+    return [k for k in registry.names() if f"{k}_bytes" in StoreConfig.__dataclass_fields__]
+
+
+def add_tier_flags(p: argparse.ArgumentParser) -> None:
+    """``--tier KIND=SIZE`` (repeatable, fastest first) and ``--<kind> SIZE``, from
+    kvstore/tiers/registry.py."""
+    p.add_argument("--tier", action="append", type=_tier_arg, metavar="KIND=SIZE",
+                   help=f"a tier of the node, fastest first (repeatable; KIND one of {registry.names()}), "
+                        f"e.g. --tier dram=1GiB --tier ssd=4GiB; replaces the per-kind size flags")
+    for name in tier_size_flags():
+        k = registry.kind(name)
+        gib, mib = divmod(k.default_bytes, 1 << 30)
+        default = "0: none" if not k.default_bytes else f"{gib}GiB" if not mib else f"{k.default_bytes >> 20}MiB"
+        p.add_argument(f"--{name}", dest=f"{name}_bytes", metavar="SIZE",
+                       help=f"{k.help}: capacity, e.g. 2GiB (default {default})")
+
+
+def _tier_arg(text: str) -> TierSpec:
+    try:
+        return TierSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=100, help="replay the first N requests of the trace")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (timestamps are divided by it)")
@@ -203,16 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", help="node id (default node-0)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
-    p.add_argument("--dram", help="DRAM tier capacity, e.g. 1GiB (default 1GiB)")
-    p.add_argument("--ssd", help="SSD tier capacity, e.g. 4GiB (default 4GiB)")
+    add_tier_flags(p)
     p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
-    p.add_argument("--ssd-fsync", choices=["never", "commit"], help="SSD durability (default never)")
-    p.add_argument("--ssd-on-error", choices=["fail", "disable"],
+    p.add_argument("--ssd-fsync", choices=FSYNC_POLICIES, help="SSD durability (default never)")
+    p.add_argument("--ssd-on-error", choices=SSD_ON_ERROR,
                    help="an SSD data directory that cannot be used at start: fail (exit with the error; "
                         "default) or disable (serve without the SSD tier)")
-    p.add_argument("--hbm", help="HBM tier capacity above DRAM, e.g. 2GiB (default 0: none)")
     p.add_argument("--hbm-device", help="HBM tier device: auto (CUDA if present, else cpu), cpu, cuda:0, ...")
-    p.add_argument("--policy", choices=["lru", "lfu", "fifo", "s3fifo"], help="eviction policy (default lru)")
+    p.add_argument("--policy", choices=EVICTION_POLICIES, help="eviction policy (default lru)")
     p.add_argument("--high-watermark", type=float, help="evict once a put would fill a tier above this "
                    "fraction of its capacity (default 0.95)")
     p.add_argument("--low-watermark", type=float, help="... down to this fraction (default 0.90)")
@@ -229,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat", type=float, metavar="S", help="membership heartbeat, seconds (default 1)")
     p.add_argument("--node-ttl", type=float, metavar="S",
                    help="membership TTL: a node silent this long leaves lookups (default 3)")
-    p.add_argument("--transfer-engine", choices=["auto", "tcp", "rdma", "off"],
+    p.add_argument("--transfer-engine", choices=TRANSFER_ENGINES,
                    help="Mooncake Transfer Engine for across-host reads: auto (tcp when the node joins a "
                         "cluster with --redis, else off), tcp, rdma or off (default auto). It has no "
                         "authentication and listens on every interface: a private fabric only")

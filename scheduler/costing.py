@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from kvstore.errors import InvalidArgument
+from kvstore.tiers import registry
 from scheduler.fit import OnlineFit
 
 HBM = "hbm"
@@ -106,11 +107,13 @@ class PrefillModel:
 @dataclass(frozen=True)
 class Bandwidths:
     """Read bandwidths (bytes/s) per tier on the same host, the network's between hosts,
-    and a fixed latency per fetch (seconds). A tier not named reads at ``dram``'s rate."""
+    and a fixed latency per fetch (seconds). Defaults: each tier kind's
+    ``bandwidth_bytes_per_s`` in kvstore/tiers/registry.py; a registered tier without a
+    field here reads at its registry figure."""
 
-    hbm: float = 100e9
-    dram: float = 6e9
-    ssd: float = 2e9
+    hbm: float = registry.HBM.bandwidth_bytes_per_s
+    dram: float = registry.DRAM.bandwidth_bytes_per_s
+    ssd: float = registry.SSD.bandwidth_bytes_per_s
     network: float = 0.5e9
     fetch_latency_s: float = 1e-3
 
@@ -122,7 +125,10 @@ class Bandwidths:
             raise InvalidArgument(f"fetch_latency_s must be >= 0, got {self.fetch_latency_s!r}")
 
     def tier(self, name: str) -> float:
-        return getattr(self, name, self.dram) if name in ("hbm", "dram", "ssd") else self.dram
+        """Bytes/s of a read from tier ``name``. Raises InvalidArgument for a tier that is
+        not registered (kvstore/tiers/registry.py), rather than pricing it as another."""
+        kind = registry.kind(name)
+        return float(getattr(self, kind.name, kind.bandwidth_bytes_per_s))
 
 
 class TransferModel:
@@ -135,8 +141,8 @@ class TransferModel:
         self.block_bytes = block_bytes
         self.bw = bandwidths or Bandwidths()
         b = self.bw
-        self._local = {t: block_bytes / b.tier(t) for t in ("hbm", "dram", "ssd")}
-        self._remote = {t: block_bytes / min(b.tier(t), b.network) for t in ("hbm", "dram", "ssd")}
+        self._local = {t: block_bytes / b.tier(t) for t in registry.names()}
+        self._remote = {t: block_bytes / min(b.tier(t), b.network) for t in registry.names()}
 
     def observe(self, tier: str, nbytes: int, seconds: float, remote: bool = True,
                 alpha: float = 0.2) -> None:
@@ -147,15 +153,23 @@ class TransferModel:
             return
         table = self._remote if remote else self._local
         per_block = seconds * self.block_bytes / nbytes
-        table[tier] = (1 - alpha) * table.get(tier, table["dram"]) + alpha * per_block
+        table[tier] = (1 - alpha) * _per_block(table, tier) + alpha * per_block
 
     def local_s(self, segments: Iterable[tuple[str, int]]) -> float:
         """Reading the instance's own non-``hbm`` blocks (own ``hbm`` is free); no latency."""
         local = self._local
-        return sum(n * local.get(t, local["dram"]) for t, n in segments if t != HBM)
+        return sum(n * _per_block(local, t) for t, n in segments if t != HBM)
 
     def remote_s(self, segments: Iterable[tuple[str, int]]) -> float:
         """Fetching blocks from another holder (a peer instance or the pool), latency included."""
         remote = self._remote
-        s = sum(n * remote.get(t, remote["dram"]) for t, n in segments)
+        s = sum(n * _per_block(remote, t) for t, n in segments)
         return s + self.bw.fetch_latency_s if s > 0 else 0.0
+
+
+def _per_block(table: dict[str, float], tier: str) -> float:
+    """Seconds per block of ``tier`` in ``table``. Raises InvalidArgument for an unknown tier."""
+    try:
+        return table[tier]
+    except KeyError:
+        raise InvalidArgument(f"unknown tier {tier!r}; tiers: {registry.names()}") from None

@@ -19,9 +19,11 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvstore.index.keys import BlockKey
+from kvstore.tiers import registry
 
-# Tiers by speed, fastest first; a tier not listed ranks after these, in order of appearance.
-TIER_ORDER = ("hbm", "dram", "ssd")
+# Tiers by speed, fastest first (kvstore/tiers/registry.py); a tier not registered ranks
+# after these, in order of appearance.
+TIER_ORDER = tuple(registry.names())
 
 
 @dataclass(frozen=True, slots=True)
