@@ -11,18 +11,21 @@ from kvstore.tiers.base import Tier
 
 class BlockMeta:
     """One committed copy of a block. ``refs``: unreleased leases on it; ``lease_until``:
-    the latest deadline among them (0 when none). Invariant: ``refs >= 0``."""
+    the latest deadline among them (0 when none); ``moves``: copies of it to another tier
+    in flight (kvstore/moves.py), each a hold without a deadline. Invariant: ``refs >= 0``
+    and ``moves >= 0``."""
 
-    __slots__ = ("size", "checksum", "refs", "lease_until")
+    __slots__ = ("size", "checksum", "refs", "lease_until", "moves")
 
     def __init__(self, size: int, checksum: int) -> None:
         self.size = size
         self.checksum = checksum
         self.refs = 0
         self.lease_until = 0.0
+        self.moves = 0
 
     def leased(self, now: float) -> bool:
-        return self.refs > 0 and now <= self.lease_until
+        return self.moves > 0 or (self.refs > 0 and now <= self.lease_until)
 
     def hold(self, deadline: float) -> None:
         """One more lease on this copy, until ``deadline`` (monotonic s); never shortens
@@ -138,7 +141,7 @@ class TierLedger:
         """Assert the invariants (tests call this after mutations)."""
         assert set(self.policy.keys()) == set(self.blocks), "policy and blocks disagree"
         for key, meta in self.blocks.items():
-            assert meta.refs >= 0, f"negative lease count on {key.hex()[:16]}"
+            assert meta.refs >= 0 and meta.moves >= 0, f"negative hold count on {key.hex()[:16]}"
             parent = self.parents.get(key)
             if parent is not None:
                 assert key in self.kids.get(parent, ()), "missing chain link"

@@ -2,19 +2,23 @@
 between tiers — making room under the watermarks, picking victims (leases, pins, chain
 order), demoting on eviction, promoting on a lower-tier hit, dropping (index first).
 
-Every method expects the pool's lock to be held.
+Every method expects the pool's lock to be held. Byte work that is slow — a slow tier's
+commit of a demoted block, a promotion's copy — is planned here as a
+:class:`kvstore.moves.Move` and done by :class:`kvstore.moves.Mover` outside the lock.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Protocol, Sequence
+
+import numpy as np
 
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgument, KVStoreError
 from kvstore.eviction import make_policy
 from kvstore.index.prefix_index import PrefixIndex
 from kvstore.lease import Pin
 from kvstore.ledger import BlockMeta, TierLedger
+from kvstore.moves import Move
 from kvstore.pool_types import PoolSettings, TierStats
 from kvstore.tiers.base import Slot, Tier
 
@@ -32,7 +36,11 @@ class Placement:
     """The books of a pool's tiers (fastest first), its pins and its chain links.
 
     Invariants: a key is in the index for (node, tier) iff that tier's ledger holds it; a
-    pin or a chain link exists only for a key held somewhere; the links form no cycle.
+    pin or a chain link exists only for a key held somewhere or moving; the links form no
+    cycle. ``inflight``: (level, key) of every block being committed to a slow tier or
+    moved (its target slot, None for a put's); at most one each. ``moves``: planned moves
+    not yet taken by a :class:`kvstore.moves.Mover`; ``dirty``: levels whose tier deferred
+    work to :meth:`Tier.flush`.
     """
 
     def __init__(self, tiers: Sequence[Tier], index: PrefixIndex, node_id: str,
@@ -45,6 +53,9 @@ class Placement:
         self.books = [TierLedger(t, make_policy(settings.policy), self.parents) for t in self.tiers]
         self.levels = {t.name: i for i, t in enumerate(self.tiers)}
         self.pins: dict[bytes, Pin] = {}
+        self.inflight: dict[tuple[int, bytes], Slot | None] = {}
+        self.moves: list[Move] = []
+        self.dirty: set[int] = set()
         # Per-tenant books (kvstore/tenants.py): told of every block newly held, forgotten,
         # hit or missed. None: no tenant accounting.
         self.tenants: TenantHooks | None = None
@@ -71,6 +82,11 @@ class Placement:
             if key in book.blocks:
                 return True
         return False
+
+    def moving(self, key: bytes) -> bool:
+        """Whether ``key`` is being committed or moved into some tier."""
+        inflight = self.inflight
+        return bool(inflight) and any((level, key) in inflight for level in range(len(self.books)))
 
     def find(self, key: bytes) -> tuple[int, BlockMeta] | None:
         """The fastest tier holding ``key`` and its copy's books, counting a miss on each
@@ -130,9 +146,8 @@ class Placement:
         """Evict ``key`` from ``level``, demoting it to the next tier when it fits there."""
         book = self.books[level]
         meta = book.blocks[key]
-        if level + 1 < len(self.tiers) and key not in self.books[level + 1].blocks:
-            if self.copy(level, level + 1, key, meta):
-                book.counters.demotions += 1
+        if level + 1 < len(self.tiers):
+            self.demote(level, key, meta)
         self.drop(level, key, evicted=True)
         book.counters.evictions += 1
         return meta.size
@@ -142,47 +157,122 @@ class Placement:
         can be reused. Returns the bytes freed."""
         self.index.remove(key, self.node_id, self.tiers[level].name)
         freed = self.tiers[level].remove(key)
+        if self.tiers[level].slow_commit:
+            self.dirty.add(level)
         self.books[level].drop(key, evicted)
-        if not self.held(key):
+        self._forget_if_gone(key)
+        return freed
+
+    def _forget_if_gone(self, key: bytes) -> None:
+        """A key held nowhere and moving nowhere loses its pin, its chain link and its
+        tenant (a block on its way to another tier keeps them)."""
+        if not self.held(key) and not self.moving(key):
             self.pins.pop(key, None)
             self.parents.pop(key, None)
             if self.tenants is not None:
                 self.tenants.forgotten(key)
-        return freed
+
+    def release_slot(self, level: int, slot: Slot) -> None:
+        """Give a reserved slot back to tier ``level``."""
+        self.tiers[level].abort(slot)
+        if self.tiers[level].slow_commit:
+            self.dirty.add(level)
+
+    def corrupt(self, level: int, key: bytes, meta: BlockMeta | None) -> None:
+        """The copy ``meta`` of ``key`` in ``level`` failed its checksum: count it, drop it."""
+        book = self.books[level]
+        book.counters.integrity_failures += 1
+        if key in book.blocks and (meta is None or book.blocks[key] is meta):
+            self.drop(level, key)
 
     # -- moves between tiers ---------------------------------------------------------------
-    def copy(self, src: int, dst: int, key: bytes, meta: BlockMeta) -> bool:
-        """Copy a block between tiers (demotion or promotion) with the checksum taken at put;
-        False when it cannot go (no room, a failed write, a corrupt source)."""
-        saved = meta.lease_until
-        meta.refs, meta.lease_until = meta.refs + 1, math.inf  # hold it while making room
+    def _room_for(self, dst: int, meta: BlockMeta) -> Slot | None:
+        """A slot in ``dst`` for a copy of ``meta``'s block (held meanwhile, so making room
+        cannot evict it); None when it cannot fit."""
+        meta.moves += 1
         try:
-            slot = self.make_room(dst, meta.size)
+            return self.make_room(dst, meta.size)
         except CapacityError:
-            return False
+            return None
         finally:
-            meta.refs, meta.lease_until = meta.refs - 1, saved
+            meta.moves -= 1
+
+    def demote(self, level: int, key: bytes, meta: BlockMeta) -> None:
+        """Copy an evicted block to the next tier, with the checksum taken at put, when it
+        fits there (nothing when it cannot go: no room, a failed write, a corrupt source).
+        Into a slow tier the bytes go to a private buffer of the slot now and the commit is
+        planned as a move (the source's space is freed by the caller)."""
+        dst = level + 1
+        if key in self.books[dst].blocks or (dst, key) in self.inflight:
+            return
+        slot = self._room_for(dst, meta)
+        if slot is None:
+            return
         target = self.tiers[dst]
+        slow = target.slow_commit
         try:
-            ok = self.tiers[src].read(key, lambda view: target.write(slot, 0, view) or True)
-            if ok:
-                target.commit(slot, key, meta.checksum)
+            ok = self.tiers[level].read(key, lambda view: target.write(slot, 0, _owned(view) if slow else view)
+                                        or True)
         except (OSError, KVStoreError) as exc:
             ok = False
             if isinstance(exc, IntegrityError):
-                self.books[src].counters.integrity_failures += 1
-                self.drop(src, key)
+                self.books[level].counters.integrity_failures += 1
+        if ok and slow:
+            self.inflight[(dst, key)] = slot
+            self.moves.append(Move(level, dst, key, slot, meta.size, meta.checksum))
+            return
+        if ok:
+            try:
+                target.commit(slot, key, meta.checksum)
+            except OSError:
+                ok = False
         if not ok:
-            target.abort(slot)
-            return False
+            self.release_slot(dst, slot)
+            return
         self.admit(dst, key, BlockMeta(meta.size, meta.checksum))
-        return True
+        self.books[level].counters.demotions += 1
 
     def promote(self, level: int, key: bytes) -> None:
-        """Copy a block hit in a lower tier to the top tier (keeping the lower copy)."""
+        """Plan a copy of a block hit in a lower tier to the top tier (keeping the lower
+        copy, held until the move is published)."""
         meta = self.books[level].blocks.get(key)
-        if meta is not None and key not in self.books[0].blocks and self.copy(level, 0, key, meta):
-            self.books[level].counters.promotions += 1
+        if meta is None or key in self.books[0].blocks or (0, key) in self.inflight:
+            return
+        slot = self._room_for(0, meta)
+        if slot is None:
+            return
+        meta.moves += 1
+        self.inflight[(0, key)] = slot
+        self.moves.append(Move(level, 0, key, slot, meta.size, meta.checksum, meta))
+
+    def publish(self, move: Move) -> None:
+        """Finish a move whose byte work is done: index and book the target copy, or give
+        its slot back when the work failed or the source changed meanwhile."""
+        self.inflight.pop((move.dst, move.key), None)
+        book = self.books[move.src]
+        if move.meta is not None:
+            move.meta.moves -= 1
+            if book.blocks.get(move.key) is not move.meta:
+                move.error = move.error or KVStoreError("the source copy went while it was copied")
+        ok = move.error is None and move.key not in self.books[move.dst].blocks
+        if ok:
+            try:
+                self.tiers[move.dst].commit(move.slot, move.key, move.checksum)
+            except OSError:
+                ok = False
+        if not ok:
+            self.release_slot(move.dst, move.slot)
+            self._forget_if_gone(move.key)
+            return
+        self.admit(move.dst, move.key, BlockMeta(move.size, move.checksum))
+        if move.meta is None:
+            book.counters.demotions += 1
+        else:
+            book.counters.promotions += 1
+
+    def move_bytes(self, level: int) -> int:
+        """Bytes of the slots reserved in ``level`` for moves in flight."""
+        return sum(slot.size for (lvl, _), slot in self.inflight.items() if lvl == level and slot is not None)
 
     def admit(self, level: int, key: bytes, meta: BlockMeta) -> None:
         if self.tenants is not None:
@@ -256,5 +346,10 @@ class Placement:
                 entry = self.index.entry(key)
                 assert entry is not None and tier.name in entry.locations.get(self.node_id, ()), \
                     f"{tier.name} holds {key.hex()[:16]} but the index does not say so"
-        assert all(self.held(k) for k in self.pins), "a pin outlived its block"
-        assert all(self.held(k) for k in self.parents), "a chain link outlived its block"
+        assert all(self.held(k) or self.moving(k) for k in self.pins), "a pin outlived its block"
+        assert all(self.held(k) or self.moving(k) for k in self.parents), "a chain link outlived its block"
+
+
+def _owned(view: object) -> object:
+    """A copy of a tier's view that outlives the source's space (numpy or a tensor)."""
+    return view.copy() if isinstance(view, np.ndarray) else view.clone()  # type: ignore[attr-defined]

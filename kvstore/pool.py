@@ -10,8 +10,13 @@ Contracts (DESIGN.md §4):
 - within one prefix chain, tails are evicted before heads;
 - a put of an existing key is success and changes nothing.
 
-Threading: one lock guards the books; block bytes are copied outside it, protected by a
-reservation (writes) or a lease (reads).
+Threading: one lock guards the books (index, ledgers, reservations); byte work runs
+outside it — block bytes are copied under a reservation (writes) or a lease (reads), and a
+slow tier's commit (an SSD transaction) of a put, a demotion or a promotion runs outside it
+too (kvstore/reservations.py, kvstore/moves.py), so a slow tier never stalls reads of the
+others.
+
+The read side (reads, lookups, leases) is :class:`kvstore.pool_reads.PoolReads`.
 """
 from __future__ import annotations
 
@@ -19,24 +24,24 @@ import functools
 import itertools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from kvstore.errors import IntegrityError, InvalidArgument, LeaseExpired
+from kvstore.errors import IntegrityError, InvalidArgument
 from kvstore.eviction import make_policy
 from kvstore.index.prefix_index import PrefixIndex
 from kvstore.integrity import checksum_of
-from kvstore.lease import Lease, Pin, Reservation
+from kvstore.lease import Pin, Reservation
+from kvstore.moves import Mover
 from kvstore.placement import Placement
+from kvstore.pool_reads import PoolReads
 from kvstore.pool_types import PoolSettings, PutResult, TierStats
 from kvstore.reservations import Reservations
 from kvstore.tiers.base import Tier
-from kvstore.tiers.buffers import copy_into, to_bytes
 
 __all__ = ["KVPool", "PoolSettings", "PutResult", "TierStats", "checksum_of"]
-Sink = Callable[[Any], Any]
 
 
-class KVPool:
+class KVPool(PoolReads):
     """Tiers + index + eviction + leases + pins for one store node. Thread-safe."""
 
     def __init__(self, tiers: Sequence[Tier], node_id: str = "node-0",
@@ -51,12 +56,14 @@ class KVPool:
         self.index = index if index is not None else PrefixIndex()
         self._lock = threading.RLock()
         self._place = Placement(self.tiers, self.index, node_id, self.settings)
-        self._writes = Reservations(self._place, self._lock, self.settings.reservation_timeout_s)
+        self._mover = Mover(self._place, self._lock)
+        self._writes = Reservations(self._place, self._lock, self.settings.reservation_timeout_s, self._mover)
         self._lease_ids = itertools.count(1)
         for level, tier in enumerate(self.tiers):
             tier.on_lost = functools.partial(self._tier_lost, level)
         with self._lock:
             self._place.load()
+        self._mover.settle()
 
     def _tier_lost(self, level: int, keys: list[bytes]) -> None:
         """Tier ``level`` lost these committed blocks by itself (its storage was damaged and
@@ -167,6 +174,7 @@ class KVPool:
             for key in reversed(keys):
                 if key in blocks:
                     access(key)
+        self._mover.settle()
         return new
 
     def touch(self, keys: Sequence[bytes]) -> int:
@@ -180,206 +188,6 @@ class KVPool:
             for key, level in reversed(found):
                 books[level].policy.access(key)
             return len(found)
-
-    # -- reads -----------------------------------------------------------------------------
-    def read_many(self, keys: Sequence[bytes], sinks: Sink | Sequence[Sink],
-                  lease_ttl_s: float | None = None, stop_at_miss: bool = False,
-                  chain: bool = False, with_checksums: bool = False) -> list[Any]:
-        """``sink(view)`` for each key held, from its fastest tier, under one lease; None for
-        a miss. ``sinks``: one for all keys or one per key; a view is a read-only uint8 array
-        (a tensor for a device tier) valid only during the call. ``stop_at_miss``: the list
-        ends at the first miss (that None included). ``chain``: the keys are one prefix chain
-        (linked, and touched tail-first so heads stay warm). ``with_checksums``: each hit is
-        (sink result, the block's xxh3_64 taken at put), for a caller that sends the bytes
-        on and lets the receiver verify them end to end. A block failing its checksum is a
-        miss, dropped and counted. Raises LeaseExpired when the copies outlived the lease
-        (``lease_ttl_s``, default the pool's)."""
-        sink_of = sinks if isinstance(sinks, (list, tuple)) else None
-        found: list[tuple[int, int, Any]] = []
-        groups: dict[int, tuple[list[int], list[bytes], list[Sink]]] = {}  # level -> indices, keys, sinks
-        with self._lock:
-            deadline = time.monotonic() + (lease_ttl_s or self.settings.lease_ttl_s)
-            place = self._place
-            n = len(keys)
-            for i, key in enumerate(keys):
-                hit = place.find(key)
-                if hit is None:
-                    if stop_at_miss:
-                        n = i + 1
-                        break
-                    continue
-                level, meta = hit
-                meta.hold(deadline)
-                found.append((i, level, meta))
-                group = groups.get(level) or groups.setdefault(level, ([], [], []))
-                group[0].append(i)
-                group[1].append(key)
-                group[2].append(sink_of[i] if sink_of is not None else sinks)
-            if chain:
-                for i, _, _ in found:
-                    if i > 0:
-                        place.link(keys[i], keys[i - 1])
-            for i, level, _ in (reversed(found) if chain else found):
-                place.books[level].policy.access(keys[i])
-        out: list[Any] = [None] * n
-        corrupt: list[tuple[int, int, Any]] = []
-        try:
-            for level, (idx, level_keys, level_sinks) in groups.items():
-                for i, v in zip(idx, self.tiers[level].read_many(level_keys, level_sinks)):
-                    if isinstance(v, Exception):
-                        if not isinstance(v, IntegrityError):
-                            raise v
-                        corrupt.append(next(f for f in found if f[0] == i))
-                    else:
-                        out[i] = v
-        finally:
-            self._end_read(keys, found, corrupt)
-        late = time.monotonic() - deadline
-        if late > 0:
-            raise LeaseExpired(f"read of {len(found)} blocks outlived its lease by {late:.3f} s; "
-                               f"the bytes may have been reused and were discarded")
-        if self.promote_on_hit and any(level > 0 for _, level, _ in found):
-            with self._lock:
-                for i, level, _ in found:
-                    if level > 0 and out[i] is not None:
-                        self._place.promote(level, keys[i])
-        if with_checksums:
-            for i, _, meta in found:
-                if out[i] is not None:
-                    out[i] = (out[i], meta.checksum)
-        return out
-
-    def _end_read(self, keys: Sequence[bytes], found: list[tuple[int, int, Any]],
-                  corrupt: list[tuple[int, int, Any]]) -> None:
-        with self._lock:
-            for _, _, meta in found:
-                meta.unhold()
-            for i, level, meta in corrupt:
-                book = self._place.books[level]
-                book.counters.integrity_failures += 1
-                book.counters.hits -= 1
-                book.counters.misses += 1
-                if book.blocks.get(keys[i]) is meta:
-                    self._place.drop(level, keys[i])
-
-    def read(self, key: bytes, sink: Sink, lease_ttl_s: float | None = None) -> Any:
-        """``sink(view)`` of one block under a lease, or None on a miss; :meth:`read_many`
-        with one key (the same rules, without the batch bookkeeping)."""
-        with self._lock:
-            deadline = time.monotonic() + (lease_ttl_s or self.settings.lease_ttl_s)
-            hit = self._place.find(key)
-            if hit is None:
-                return None
-            level, meta = hit
-            meta.hold(deadline)
-            self._place.books[level].policy.access(key)
-        found = [(0, level, meta)]
-        corrupt: list[tuple[int, int, Any]] = []
-        try:
-            out = self.tiers[level].read(key, sink)
-        except IntegrityError:
-            out = None
-            corrupt = found
-        finally:
-            self._end_read((key,), found, corrupt)
-        late = time.monotonic() - deadline
-        if late > 0:
-            raise LeaseExpired(f"read of block {key.hex()[:16]} outlived its lease by {late:.3f} s; "
-                               f"the bytes may have been reused and were discarded")
-        if level > 0 and out is not None and self.promote_on_hit:
-            with self._lock:
-                self._place.promote(level, key)
-        return out
-
-    def get(self, key: bytes) -> bytes | None:
-        """The block's bytes, or None on a miss. Raises LeaseExpired (see read_many)."""
-        return self.read(key, to_bytes)
-
-    def get_into(self, key: bytes, out: Any) -> int | None:
-        """Copy the block into ``out`` (a contiguous numpy array or torch tensor of at least
-        its size) with one copy; returns the bytes copied, or None on a miss."""
-        return self.read(key, functools.partial(copy_into, out))
-
-    def get_many(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
-        return self.read_many(keys, to_bytes, stop_at_miss=stop_at_miss)
-
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
-        """Batched :meth:`get_into`: block i into ``outs[i]``."""
-        return self.read_many(keys, [functools.partial(copy_into, o) for o in outs])
-
-    def get_chain(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
-        """Get a prefix chain (None for misses); recency is set tail-first, so heads stay."""
-        return self.read_many(keys, to_bytes, stop_at_miss=stop_at_miss, chain=True)
-
-    # -- lookups and locked matches ----------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """Longest prefix of ``keys`` this node holds, and the fastest tier of each of those
-        blocks. Changes no recency, renews no lease."""
-        with self._lock:
-            match = self.index.match(keys, nodes=[self.node_id])
-            tiers = list(match.per_node.get(self.node_id, ()))
-            return len(tiers), tiers
-
-    def contains(self, key: bytes) -> bool:
-        """Whether this node holds ``key`` in some tier (renews nothing)."""
-        with self._lock:
-            return self._place.held(key)
-
-    def acquire(self, keys: Sequence[bytes], ttl_s: float | None = None) -> Lease:
-        """A locked match: lease the longest prefix of ``keys`` this node holds (the copy in
-        its fastest tier) for ``ttl_s`` (default: the pool's lease TTL); :meth:`release` it."""
-        with self._lock:
-            deadline = time.monotonic() + (ttl_s or self.settings.lease_ttl_s)
-            n, tiers = self.lookup(keys)
-            metas = [self._place.books[self._place.levels[t]].blocks[k] for k, t in zip(keys[:n], tiers)]
-            for meta in metas:
-                meta.hold(deadline)
-            return Lease(next(self._lease_ids), tuple(keys[:n]), tuple(tiers), deadline, metas)
-
-    def lease_many(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
-                   chain: bool = False) -> tuple[Lease, list[str | None]]:
-        """Lease each key's copy in its fastest tier for a reader that copies the bytes itself
-        (a same-host reader of the mapped DRAM slab, kvstore/dataplane). Counts hits and
-        misses and touches recency as a read does (``chain``: tail-first, linked), renews
-        nothing else. Returns the lease (over the keys held) and, per key, the tier holding
-        it or None for a miss; with ``stop_at_miss`` the list ends at the first miss. The
-        caller must :meth:`release` the lease; its bytes are trustworthy only if the copy
-        ended before ``lease.deadline`` (``time.monotonic()``)."""
-        with self._lock:
-            deadline = time.monotonic() + (ttl_s or self.settings.lease_ttl_s)
-            place, books = self._place, self._place.books
-            names = [t.name for t in self.tiers]
-            tiers: list[str | None] = []
-            held: list[bytes] = []
-            metas = []
-            for key in keys:
-                hit = place.find(key)
-                if hit is None:
-                    tiers.append(None)
-                    if stop_at_miss:
-                        break
-                    continue
-                level, meta = hit
-                meta.hold(deadline)
-                tiers.append(names[level])
-                held.append(key)
-                metas.append(meta)
-                if not chain:
-                    books[level].policy.access(key)
-            if chain:
-                place.link_chain(held)
-                for key, tier in reversed([(k, t) for k, t in zip(keys, tiers) if t is not None]):
-                    books[place.levels[tier]].policy.access(key)
-            return Lease(next(self._lease_ids), tuple(held), tuple(t for t in tiers if t), deadline, metas), tiers
-
-    def release(self, lease: Lease) -> None:
-        """End a lease. Raises InvalidArgument when it was released already."""
-        with self._lock:
-            if lease.released:
-                raise InvalidArgument(f"lease {lease.id} was released already")
-            lease.released = True
-            for meta in lease._metas:
-                meta.unhold()
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], hard: bool = False, ttl_s: float | None = None) -> int:
@@ -427,14 +235,17 @@ class KVPool:
                 if size is None:
                     break
                 freed, blocks = freed + size, blocks + 1
-            return freed, blocks
+        self._mover.settle()
+        return freed, blocks
 
     def remove(self, key: bytes) -> int:
         """Drop every copy of ``key`` on this node that is not leased; returns bytes freed."""
         with self._lock:
             now = time.monotonic()
-            return sum(self._place.drop(level, key) for level, book in enumerate(self._place.books)
-                       if key in book.blocks and not book.blocks[key].leased(now))
+            freed = sum(self._place.drop(level, key) for level, book in enumerate(self._place.books)
+                        if key in book.blocks and not book.blocks[key].leased(now))
+        self._mover.settle()
+        return freed
 
     def evictable_bytes(self, tier: str) -> int:
         """Bytes of the tier's committed blocks that are neither leased nor pinned."""
@@ -453,9 +264,11 @@ class KVPool:
         with self._lock:
             self._place.check()
             for level, tier in enumerate(self.tiers):
-                assert self._writes.reserved_bytes(level) == tier.usage().reserved_bytes
+                assert self._writes.reserved_bytes(level) + self._place.move_bytes(level) == \
+                    tier.usage().reserved_bytes
 
     def close(self) -> None:
+        self._mover.settle()
         with self._lock:
             for tier in self.tiers:
                 tier.close()

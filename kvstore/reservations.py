@@ -15,6 +15,7 @@ from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, Reserv
 from kvstore.integrity import checksum_of
 from kvstore.lease import Reservation, ReservationState as RS
 from kvstore.ledger import BlockMeta
+from kvstore.moves import Mover
 from kvstore.placement import Placement
 from kvstore.pool_types import PutResult
 from kvstore.tiers.buffers import as_u8, host_u8, nbytes
@@ -23,17 +24,20 @@ _EMPTY_CHECKSUM = checksum_of(b"")   # what an accounted block (no bytes) hashes
 
 
 class Reservations:
-    """Open reservations of one pool. Bytes are written outside the pool's lock; everything
-    else runs under it.
+    """Open reservations of one pool. Bytes are written outside the pool's lock, and so is
+    a slow tier's commit (:meth:`Tier.persist`, an LMDB transaction); the books change
+    under it.
 
     Invariants: every open reservation owns a slot in its tier (and nothing else does); an
     expired one is freed at the latest by the next reserve, commit or stats call; a slot is
-    never freed while a write into it is in flight.
+    never freed while a write or a persist into it is in flight; at most one commit of a
+    key into a tier is in flight (``Placement.inflight``).
     """
 
-    def __init__(self, place: Placement, lock: threading.RLock, timeout_s: float) -> None:
+    def __init__(self, place: Placement, lock: threading.RLock, timeout_s: float, mover: Mover) -> None:
         self._place = place
         self._lock = lock
+        self._mover = mover
         self.timeout_s = timeout_s
         self._open: dict[int, Reservation] = {}
         self._next_reap = math.inf
@@ -43,21 +47,26 @@ class Reservations:
                 parent: bytes | None, namespace: str | None = None) -> Reservation:
         if size < 0:
             raise InvalidArgument(f"block size must be >= 0 bytes, got {size}")
-        with self._lock:
-            now = time.monotonic()
-            self.reap(now)
-            if self._place.held(key):
-                return Reservation(0, key, size, level, None, checksum, math.inf, parent, RS.EXISTED)
-            tenants = self._place.tenants
-            if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
-                tenants.before_reserve(self._place, key, size, namespace)
-            slot = self._place.make_room(level, size)
-            res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s, parent)
-            self._open[res.id] = res
-            if tenants is not None:
-                tenants.reserved(res.id, key, namespace, size)
-            self._next_reap = min(self._next_reap, res.deadline)
-            return res
+        try:
+            with self._lock:
+                now = time.monotonic()
+                self.reap(now)
+                if self._place.held(key):
+                    return Reservation(0, key, size, level, None, checksum, math.inf, parent, RS.EXISTED)
+                tenants = self._place.tenants
+                if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
+                    tenants.before_reserve(self._place, key, size, namespace)
+                slot = self._place.make_room(level, size)
+                res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s, parent)
+                self._open[res.id] = res
+                if tenants is not None:
+                    tenants.reserved(res.id, key, namespace, size)
+                self._next_reap = min(self._next_reap, res.deadline)
+                return res
+        finally:
+            place = self._place
+            if place.moves or place.dirty:
+                self._mover.settle()   # the demotions making room took, outside the lock
 
     def write(self, res: Reservation, data: Any) -> None:
         if res.state is RS.EXISTED:
@@ -96,12 +105,10 @@ class Reservations:
             return PutResult(key, True, existed=True)
         try:
             self.write(res, src)
-            with self._lock:
-                self.check_open(res, time.monotonic())
-                return self._commit_one(res)
         except (OSError, KVStoreError) as exc:
             self.abort(res)
             return exc
+        return self.commit_many([res])[0]
 
     def account(self, key: bytes, size: int, level: int, parent: bytes | None) -> PutResult | Exception:
         """reserve + commit of a block by its size alone, in a tier that keeps no bytes
@@ -154,40 +161,10 @@ class Reservations:
                     if res is not None:
                         self.abort(res)
                     out.append(exc)
-            if written:
-                with self._lock:
-                    now, live = time.monotonic(), []
-                    for i, res in written:
-                        try:
-                            self.check_open(res, now)
-                            live.append((i, res))
-                        except KVStoreError as exc:
-                            out[i] = exc
-                    for (i, _), r in zip(live, self.commit_many([res for _, res in live])):
-                        out[i] = r
+            for (i, _), r in zip(written, self.commit_many([res for _, res in written])):
+                out[i] = r
             start = end
         return out
-
-    def _commit_one(self, res: Reservation) -> PutResult | Exception:
-        """:meth:`commit_many` of one open reservation, without the batch bookkeeping."""
-        place, checksum = self._place, res.digest()
-        if res.written != res.size or (res.expected is not None and checksum != res.expected):
-            return self.commit_many([res])[0]  # the error path: one place words the errors
-        if place.held(res.key):
-            self._fail(res)
-            return PutResult(res.key, True, existed=True)
-        try:
-            place.tiers[res.level].commit(res.slot, res.key, checksum)
-        except OSError as exc:
-            self._fail(res)
-            return exc
-        res.state, res.slot = RS.COMMITTED, None
-        del self._open[res.id]
-        place.admit(res.level, res.key, BlockMeta(res.size, checksum))
-        self._settle(res)
-        if res.parent is not None:
-            place.link(res.key, res.parent)
-        return PutResult(res.key, True)
 
     def mark_filled(self, res: Reservation, digest: int) -> None:
         """The slot of ``res`` was written in place; ``digest``: its bytes' xxh3-64, taken
@@ -201,9 +178,7 @@ class Reservations:
     def commit(self, res: Reservation) -> PutResult:
         if res.state is RS.EXISTED:
             return PutResult(res.key, True, existed=True)
-        with self._lock:
-            self.check_open(res, time.monotonic())
-            out = self._commit_one(res)
+        out = self.commit_many([res])[0]
         if isinstance(out, Exception):
             raise out
         return out
@@ -241,12 +216,12 @@ class Reservations:
 
     def _free(self, res: Reservation) -> None:
         if res.slot is not None and res.writing == 0:
-            self._place.tiers[res.level].abort(res.slot)
+            self._place.release_slot(res.level, res.slot)
             res.slot = None
             self._open.pop(res.id, None)
-            self._settle(res)
+            self._settle_tenant(res)
 
-    def _settle(self, res: Reservation) -> None:
+    def _settle_tenant(self, res: Reservation) -> None:
         """The tenant books stop counting the reservation's bytes as pending."""
         if self._place.tenants is not None:
             self._place.tenants.settled(res.id)
@@ -256,14 +231,65 @@ class Reservations:
         self._free(res)
 
     def commit_many(self, batch: list[Reservation]) -> list[PutResult | Exception]:
-        """Commit open reservations of one tier in one tier call (the lock is held). Per
-        block a PutResult or the exception that failed it (IntegrityError for short or
-        mismatched bytes, OSError for a failed write); failed ones are aborted."""
-        place = self._place
+        """Commit reservations of one tier in one tier call; call without the lock held.
+        Per block a PutResult or the exception that failed it (ReservationExpired for one
+        not open or past its deadline, IntegrityError for short or mismatched bytes,
+        OSError for a failed write); failed ones are aborted. A slow tier's persist runs
+        outside the lock; a commit of a key whose commit into the same tier is in flight
+        waits for that one (and then finds it stored)."""
+        if not batch:
+            return []
+        place, level = self._place, batch[0].level
+        tier = place.tiers[level]
+        with self._lock:
+            inflight = place.inflight
+            while inflight and any((r.level, r.key) in inflight for r in batch):
+                self._mover.settled.wait()
+            out, todo = self._admissible(batch)
+            if not todo:
+                return out  # type: ignore[return-value]
+            if not tier.slow_commit:  # the books only: no I/O, all under the lock
+                return self._publish(out, todo, self._tier_commit(todo))
+            for _, res, _ in todo:
+                inflight[(level, res.key)] = None
+                res.writing += 1
+        errors: list[Exception | None] = [OSError("persist did not run")] * len(todo)
+        try:
+            errors = tier.persist([(r.slot, r.key, c) for _, r, c in todo])
+        finally:
+            with self._lock:
+                for _, res, _ in todo:
+                    del inflight[(level, res.key)]
+                    res.writing -= 1
+                try:
+                    for k, (_, res, _) in enumerate(todo):
+                        if errors[k] is None and res.state is not RS.OPEN:   # aborted meanwhile
+                            errors[k] = ReservationExpired(f"reservation of block {res.key.hex()[:16]} "
+                                                           f"is {res.state.value}")
+                            self._free(res)
+                    self._publish(out, todo, self._tier_commit(todo, errors))
+                finally:
+                    self._mover.settled.notify_all()
+        return out  # type: ignore[return-value]
+
+    def _admissible(self, batch: list[Reservation]) -> tuple[list[PutResult | Exception | None],
+                                                             list[tuple[int, Reservation, int]]]:
+        """Check each reservation (the lock held): open and in time, its bytes complete and
+        matching, its key not stored yet. Returns the results so far (None where the block
+        is to be committed) and (index, reservation, checksum) of those to commit."""
+        place, now = self._place, time.monotonic()
         out: list[PutResult | Exception | None] = [None] * len(batch)
         todo: list[tuple[int, Reservation, int]] = []
         keys: set[bytes] = set()
         for i, res in enumerate(batch):
+            if res.state is RS.EXISTED:
+                out[i] = PutResult(res.key, True, existed=True)
+                continue
+            try:
+                self.check_open(res, now)
+            except ReservationExpired as exc:
+                out[i] = exc
+                continue
             checksum = res.digest()
             if res.written != res.size:
                 out[i] = IntegrityError(f"block {res.key.hex()[:16]}: got {res.written} bytes, "
@@ -277,26 +303,42 @@ class Reservations:
                 keys.add(res.key)
                 continue
             self._fail(res)
-        if todo:
-            tier = place.tiers[todo[0][1].level]
-            if len(todo) == 1:
-                errors = [None]
-                try:
-                    tier.commit(todo[0][1].slot, todo[0][1].key, todo[0][2])
-                except OSError as exc:
-                    errors = [exc]
-            else:
-                errors = tier.commit_many([(r.slot, r.key, c) for _, r, c in todo])
-            for (i, res, checksum), err in zip(todo, errors):
-                if err is not None:
+        return out, todo
+
+    def _tier_commit(self, todo: list[tuple[int, Reservation, int]],
+                     errors: list[Exception | None] | None = None) -> list[Exception | None]:
+        """The tier's commit of the blocks without an error yet (the lock held)."""
+        errors = list(errors) if errors is not None else [None] * len(todo)
+        go = [k for k, err in enumerate(errors) if err is None]
+        if not go:
+            return errors
+        tier = self._place.tiers[todo[0][1].level]
+        if len(go) == 1:
+            _, res, checksum = todo[go[0]]
+            try:
+                tier.commit(res.slot, res.key, checksum)
+            except OSError as exc:
+                errors[go[0]] = exc
+            return errors
+        for k, err in zip(go, tier.commit_many([(todo[k][1].slot, todo[k][1].key, todo[k][2]) for k in go])):
+            errors[k] = err
+        return errors
+
+    def _publish(self, out: list[PutResult | Exception | None], todo: list[tuple[int, Reservation, int]],
+                 errors: list[Exception | None]) -> list[PutResult | Exception]:
+        """Index the committed blocks and link them (the lock held); abort the failed ones."""
+        place = self._place
+        for (i, res, checksum), err in zip(todo, errors):
+            if err is not None:
+                if res.state is RS.OPEN:
                     self._fail(res)
-                    out[i] = err
-                    continue
-                res.state, res.slot = RS.COMMITTED, None
-                self._open.pop(res.id, None)
-                place.admit(res.level, res.key, BlockMeta(res.size, checksum))
-                self._settle(res)
-                if res.parent is not None:
-                    place.link(res.key, res.parent)
-                out[i] = PutResult(res.key, True)
+                out[i] = err
+                continue
+            res.state, res.slot = RS.COMMITTED, None
+            self._open.pop(res.id, None)
+            place.admit(res.level, res.key, BlockMeta(res.size, checksum))
+            self._settle_tenant(res)
+            if res.parent is not None:
+                place.link(res.key, res.parent)
+            out[i] = PutResult(res.key, True)
         return out  # type: ignore[return-value]

@@ -28,11 +28,13 @@ register_tier = registrar(TIERS)
 @dataclass(slots=True)
 class Slot:
     """Space reserved in a tier for one block of ``size`` bytes. ``offset``: where it starts
-    in a slab (bytes); ``data``: the tier's private write buffer, if it keeps one."""
+    in a slab (bytes); ``data``: the tier's private write buffer, if it keeps one;
+    ``persisted``: the key :meth:`Tier.persist` wrote the bytes under (None before)."""
 
     size: int
     offset: int = 0
     data: Any = None
+    persisted: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,9 @@ class Tier(ABC):
     # (a damaged SSD environment moved aside, kvstore/tiers/ssd.py), so it forgets them.
     on_lost: Callable[[list[bytes]], None] | None = None
     quarantines: int = 0       # times the tier found its storage damaged and replaced it
+    # True: a commit does slow I/O (an LMDB transaction), which the pool runs through
+    # persist outside its lock; False: commit only updates the tier's books.
+    slow_commit: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -144,6 +149,15 @@ class Tier(ABC):
             self.abort(slot)
             raise
 
+    def persist(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
+        """The slow part of committing these slots, for a :attr:`slow_commit` tier: write
+        their bytes durably under their keys without making them readable (a later
+        :meth:`commit` of the slot publishes it and does no I/O; an :meth:`abort` discards
+        what was written). Thread-safe against every other call of the tier, so the pool
+        runs it outside its lock. Per slot None or the OSError that failed it (that slot
+        is not persisted). Default: nothing to write (the bytes are in place already)."""
+        return [None] * len(items)
+
     def commit_many(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
         """Commit several slots; per slot None or the OSError that failed it."""
         out: list[Exception | None] = []
@@ -173,6 +187,10 @@ class Tier(ABC):
         """Copy the block into ``out`` (a contiguous array or tensor of at least its size)
         without an intermediate bytes object; returns the bytes copied or None on a miss."""
         return self.read(key, lambda view: copy_into(out, view))
+
+    def flush(self) -> None:
+        """Finish slow work the tier deferred (an SSD tier's deletes of removed blocks);
+        thread-safe, run by the pool outside its lock. Default: none."""
 
     def close(self) -> None:
         """Release the tier's resources."""

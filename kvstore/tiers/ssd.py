@@ -55,7 +55,15 @@ class SsdTier(TableTier):
 
     ``write_fault``: a test hook, None in service. When set it is called with the key at each
     commit, before anything reaches LMDB; raising OSError there (ENOSPC, EIO) is a failed write.
+
+    Slow I/O runs outside the pool's lock: :meth:`persist` writes blocks in one LMDB
+    transaction without making them readable (``commit`` then only updates the books), and
+    :meth:`remove` forgets a block at once and leaves its delete to the next transaction or
+    :meth:`flush`. Write transactions, map growth and quarantine are serialised by a lock of
+    the tier's own.
     """
+
+    slow_commit = True
 
     def __init__(self, capacity_bytes: int, path: str, fsync: str = "never",
                  max_map_bytes: int | None = None, initial_map_bytes: int = _MIN_MAP) -> None:
@@ -73,6 +81,9 @@ class SsdTier(TableTier):
         self._cv = threading.Condition()
         self._fd = -1
         self._need = 0               # bytes of data.mdb that LMDB's pages use
+        self._wlock = threading.RLock()      # one LMDB write transaction (or map change) at a time
+        self._dlock = threading.Lock()
+        self._doomed: list[bytes] = []       # removed blocks whose rows await their delete
         self.quarantines = 0
         self.write_fault: Callable[[bytes], None] | None = None
         try:
@@ -152,7 +163,7 @@ class SsdTier(TableTier):
         :attr:`quarantines` count when the damage was seen (another thread may have replaced
         the environment since: then nothing is done). Raises OSError when the directory
         cannot be moved or reopened."""
-        with self._cv:
+        with self._wlock, self._cv:
             if seen is not None and seen != self.quarantines:
                 return
             self._growing = True
@@ -172,6 +183,8 @@ class SsdTier(TableTier):
                 self._blocks = {}
                 self._used = 0
                 self._seq = 0
+                with self._dlock:
+                    self._doomed = []
                 self.quarantines += 1
                 what = "its blocks are lost" if lost is None else f"{len(lost)} blocks lost"
                 log.error("ssd tier at %s is damaged: %s; moved it to %s and opened an empty one (%s); "
@@ -214,37 +227,63 @@ class SsdTier(TableTier):
         if err is not None:
             raise err
 
-    def commit_many(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
-        """One LMDB transaction for all blocks that pass the write-fault hook."""
+    def persist(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
+        """One LMDB transaction for all blocks that pass the write-fault hook (and the
+        deletes of removed blocks); thread-safe, run outside the pool's lock."""
         errors: list[Exception | None] = [None] * len(items)
-        self._guard()
-        rows = []
-        for i, (slot, key, checksum) in enumerate(items):
+        with self._wlock:
+            self._guard()
+            rows = []
+            for i, (slot, key, checksum) in enumerate(items):
+                try:
+                    if self.write_fault is not None:
+                        self.write_fault(key)
+                except OSError as exc:
+                    errors[i] = exc
+                    continue
+                rows.append((i, slot, key, checksum, self._seq + len(rows) + 1))
             try:
-                if self.write_fault is not None:
-                    self.write_fault(key)
+                self._put_rows(rows)
             except OSError as exc:
-                errors[i] = exc
-                continue
-            rows.append((i, slot, key, checksum, self._seq + len(rows) + 1))
-        try:
-            self._put_rows(rows)
-        except OSError as exc:
-            for i, *_ in rows:
-                errors[i] = exc
-            return errors
-        for i, slot, key, checksum, seq in rows:
-            self._blocks[key] = (slot.size, checksum)
-            self._reserved -= slot.size
-            self._used += slot.size
-            self._seq = seq
-            slot.data = None
+                for i, *_ in rows:
+                    errors[i] = exc
+                return errors
+            for _, slot, key, _, seq in rows:
+                slot.persisted, slot.data = key, None
+                self._seq = max(self._seq, seq)
         return errors
 
+    def commit_many(self, items: Sequence[tuple[Slot, bytes, int]]) -> list[Exception | None]:
+        """Publish persisted slots (books only); slots not persisted yet are persisted
+        first, in one LMDB transaction."""
+        errors: list[Exception | None] = [None] * len(items)
+        todo = [i for i, (slot, key, _) in enumerate(items) if slot.persisted != key]
+        if todo:
+            for i, err in zip(todo, self.persist([items[i] for i in todo])):
+                errors[i] = err
+        for (slot, key, checksum), err in zip(items, errors):
+            if err is None:
+                self._blocks[key] = (slot.size, checksum)
+                self._reserved -= slot.size
+                self._used += slot.size
+                slot.persisted = None
+        return errors
+
+    def _take_doomed(self) -> list[bytes]:
+        with self._dlock:
+            doomed, self._doomed = self._doomed, []
+        return [key for key in doomed if key not in self._blocks]
+
     def _put_rows(self, rows: list[tuple[int, Slot, bytes, int, int]]) -> None:
-        while rows:
+        """Write ``rows`` (and delete the removed blocks' rows first) in one transaction.
+        The caller holds the write lock."""
+        doomed = self._take_doomed()
+        while rows or doomed:
             try:
                 with self._env.begin(write=True) as txn:
+                    for key in doomed:
+                        txn.delete(key, db=self._data)
+                        txn.delete(key, db=self._meta)
                     for _, slot, key, checksum, seq in rows:
                         txn.put(key, b"" if slot.data is None else slot.data, db=self._data)
                         txn.put(key, _META.pack(slot.size, checksum, seq), db=self._meta)
@@ -258,7 +297,23 @@ class SsdTier(TableTier):
                 self._quarantine(f"LMDB reports damage on a write ({exc})", list(self._blocks), self.quarantines)
                 raise OSError(errno.EIO, f"ssd: LMDB write failed at {self.path}: {exc}") from exc
             except lmdb.Error as exc:
+                with self._dlock:
+                    self._doomed[:0] = doomed     # retried with the next transaction
                 raise OSError(errno.EIO, f"ssd: LMDB write failed at {self.path}: {exc}") from exc
+
+    def flush(self) -> None:
+        """Delete the rows of removed blocks now (one transaction); run outside the pool's
+        lock. A failure is logged; the deletes are retried with the next transaction."""
+        if not self._doomed:
+            return
+        with self._wlock:
+            if self._fd < 0:
+                return
+            try:
+                self._guard()
+                self._put_rows([])
+            except OSError as exc:
+                log.warning("ssd tier at %s: deleting removed blocks failed: %s", self.path, exc)
 
     def _grow(self) -> bool:
         """Double the map (up to ``max_map_bytes``) once no read is in flight."""
@@ -289,8 +344,14 @@ class SsdTier(TableTier):
                     self._cv.notify_all()
 
     def abort(self, slot: Slot) -> None:
+        """Give the slot back; bytes :meth:`persist` wrote for it are deleted with the next
+        transaction (unless the key was committed since)."""
         self._reserved -= slot.size
         slot.data = None
+        if slot.persisted is not None:
+            with self._dlock:
+                self._doomed.append(slot.persisted)
+            slot.persisted = None
 
     def _read_in(self, txn: lmdb.Transaction, key: bytes, sink: Sink[T]) -> T | None:
         info = self._blocks.get(key)
@@ -337,24 +398,23 @@ class SsdTier(TableTier):
         return out
 
     def remove(self, key: bytes) -> int:
-        if key not in self._blocks:
-            return 0
-        self._guard()
+        """Forget the block now (it is a miss at once, its bytes are free in the books); its
+        rows are deleted by the next transaction or :meth:`flush`."""
         info = self._blocks.pop(key, None)
         if info is None:
-            return 0  # lost with a damaged environment
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.delete(key, db=self._data)
-                txn.delete(key, db=self._meta)
-        except _DAMAGE as exc:
-            self._blocks[key] = info
-            self._quarantine(f"LMDB reports damage on a delete ({exc})", list(self._blocks), self.quarantines)
             return 0
         self._used -= info[0]
-        self._measure()
+        with self._dlock:
+            self._doomed.append(key)
         return info[0]
 
+    @property
+    def pending_deletes(self) -> int:
+        """Removed blocks whose rows are still on disk (until the next transaction)."""
+        return len(self._doomed)
+
     def close(self) -> None:
-        if self._fd >= 0:
-            self._close_env()
+        self.flush()
+        with self._wlock:
+            if self._fd >= 0:
+                self._close_env()
