@@ -2,23 +2,14 @@
 every read), usage accounting that survives restart (rebuilt from what is on disk when
 opened), an LMDB map grown as needed and a configurable fsync policy.
 
-Damage never kills the node. LMDB maps its file, so touching a page past the end of a
-truncated file is SIGBUS; the tier therefore checks the file's size against the pages LMDB
-uses (``(last_pgno + 1) * page size``) when it opens and before every read, write and remove
-(one ``fstat``), and treats LMDB's own corruption errors the same way. A damaged
-environment is moved aside (``ssd.damaged-<unix time>``) and an empty one opened in its
-place; the blocks it held are reported to the pool (``on_lost``) as lost, one log line says
-what happened and ``quarantines`` counts it."""
+Damage never kills the node: the environment is checked before it is touched and a damaged
+one is quarantined (kvstore/tiers/ssd_storage.py)."""
 from __future__ import annotations
 
 import errno
 import logging
-import os
-import struct
 import threading
-import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import lmdb
 import numpy as np
@@ -27,23 +18,14 @@ from kvstore.errors import IntegrityError
 from kvstore.integrity import checksum_of
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 from kvstore.tiers.buffers import host_u8, nbytes
+from kvstore.tiers.ssd_storage import _DAMAGE, _META, _MIN_MAP, SsdStorage, _Damaged
 
 log = logging.getLogger(__name__)
-_META = struct.Struct("<QQQ")  # size, checksum, write sequence
 FSYNC_POLICIES = ("never", "commit")
-_MIN_MAP = 64 << 20
-# LMDB errors that mean the file is damaged (any other LMDB error at open: the directory is
-# unusable, an OSError for the caller).
-_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
-           lmdb.VersionMismatchError, lmdb.BadTxnError)
-
-
-class _Damaged(Exception):
-    """The environment is damaged (the message says how); it must be quarantined."""
 
 
 @register_tier("ssd")
-class SsdTier(TableTier):
+class SsdTier(SsdStorage, TableTier):
     """Blocks in an LMDB environment at ``path``.
 
     Two named databases: ``blocks`` (key → bytes) and ``meta`` (key → size, checksum, write
@@ -91,124 +73,6 @@ class SsdTier(TableTier):
         except _Damaged as exc:
             self._quarantine(str(exc), lost=None)
 
-    # -- opening, damage and quarantine ----------------------------------------------------
-    def _open(self, load: bool) -> None:
-        """Open (creating) the environment at :attr:`path`; with ``load``, read the books
-        of what it holds. Raises OSError (one line) when the directory cannot be used and
-        _Damaged when the file is damaged."""
-        data = os.path.join(self.path, "data.mdb")
-        try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)   # every tenant's blocks: this user only
-            on_disk = os.path.getsize(data) if os.path.exists(data) else 0
-            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
-                    os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
-                raise PermissionError(errno.EACCES, "permission denied")
-        except OSError as exc:
-            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
-                                     f"{exc.strerror or exc}") from None
-        if 0 < on_disk < 2 * 4096:
-            raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
-        try:
-            self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
-                                  max_dbs=2, sync=self.fsync == "commit", metasync=self.fsync == "commit",
-                                  readahead=False, lock=True, mode=0o600)
-        except _DAMAGE as exc:
-            raise _Damaged(f"LMDB cannot open it ({exc})") from None
-        except lmdb.Error as exc:
-            raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
-        self._fd = os.open(data, os.O_RDONLY)
-        try:
-            self._measure()
-            self._check()
-            self._data = self._env.open_db(b"blocks")
-            self._meta = self._env.open_db(b"meta")
-            self._measure()
-            if load:
-                with self._env.begin(db=self._meta) as txn:
-                    rows = [(_META.unpack(raw), bytes(key)) for key, raw in txn.cursor()]
-                for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
-                    self._blocks[key] = (size, checksum)
-                    self._seq = max(self._seq, seq)
-                self._used = sum(size for size, _ in self._blocks.values())
-        except (*_DAMAGE, struct.error) as exc:
-            self._close_env()
-            raise _Damaged(f"LMDB reports damage ({exc})") from None
-        except _Damaged:
-            self._close_env()
-            raise
-
-    def _measure(self) -> None:
-        """Record the bytes of data.mdb LMDB's pages use (after opening and every write)."""
-        self._need = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
-
-    def _check(self) -> None:
-        """Raises _Damaged when data.mdb is shorter than LMDB's pages (a read there would
-        be SIGBUS). One fstat."""
-        size = os.fstat(self._fd).st_size
-        if size < self._need:
-            raise _Damaged(f"data.mdb shrank to {size} bytes; LMDB's pages need {self._need}")
-
-    def _close_env(self) -> None:
-        try:
-            self._env.close()
-        except Exception:  # noqa: BLE001 — closing a damaged environment
-            pass
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def _quarantine(self, reason: str, lost: list[bytes] | None, seen: int | None = None) -> None:
-        """Move the damaged environment aside and open an empty one in its place (waiting
-        for reads in flight); report the blocks it held to :attr:`on_lost`. ``seen``: the
-        :attr:`quarantines` count when the damage was seen (another thread may have replaced
-        the environment since: then nothing is done). Raises OSError when the directory
-        cannot be moved or reopened."""
-        with self._wlock, self._cv:
-            if seen is not None and seen != self.quarantines:
-                return
-            self._growing = True
-            self._cv.wait_for(lambda: self._readers == 0)
-            try:
-                if self._fd >= 0:
-                    self._close_env()
-                aside = f"{self.path}.damaged-{int(time.time())}"
-                n = 1
-                while os.path.exists(aside):
-                    aside, n = f"{self.path}.damaged-{int(time.time())}-{n}", n + 1
-                try:
-                    os.rename(self.path, aside)
-                except OSError as exc:
-                    raise OSError(exc.errno, f"ssd tier: {self.path} is damaged ({reason}) and cannot "
-                                             f"be moved aside: {exc.strerror}") from None
-                self._blocks = {}
-                self._used = 0
-                self._seq = 0
-                with self._dlock:
-                    self._doomed = []
-                self.quarantines += 1
-                what = "its blocks are lost" if lost is None else f"{len(lost)} blocks lost"
-                log.error("ssd tier at %s is damaged: %s; moved it to %s and opened an empty one (%s); "
-                          "the other tiers keep serving", self.path, reason, aside, what)
-                try:
-                    self._open(load=False)
-                except _Damaged as exc:
-                    raise OSError(errno.EIO, f"ssd tier: a fresh environment at {self.path} is damaged "
-                                             f"too: {exc}") from None
-            finally:
-                self._growing = False
-                self._cv.notify_all()
-        if lost and self.on_lost is not None:
-            self.on_lost(lost)
-
-    def _guard(self) -> None:
-        """Before touching LMDB: quarantine a damaged environment. Raises OSError when it
-        cannot be replaced."""
-        seen = self.quarantines
-        try:
-            self._check()
-        except _Damaged as exc:
-            self._quarantine(str(exc), list(self._blocks), seen)
-
     @property
     def map_bytes(self) -> int:
         return self._env.info()["map_size"]
@@ -233,7 +97,7 @@ class SsdTier(TableTier):
         errors: list[Exception | None] = [None] * len(items)
         with self._wlock:
             self._guard()
-            rows = []
+            rows: list[tuple[int, Slot, bytes, int, int]] = []
             for i, (slot, key, checksum) in enumerate(items):
                 try:
                     if self.write_fault is not None:
@@ -314,34 +178,6 @@ class SsdTier(TableTier):
                 self._put_rows([])
             except OSError as exc:
                 log.warning("ssd tier at %s: deleting removed blocks failed: %s", self.path, exc)
-
-    def _grow(self) -> bool:
-        """Double the map (up to ``max_map_bytes``) once no read is in flight."""
-        new = min(self.max_map_bytes, 2 * self.map_bytes)
-        if new <= self.map_bytes:
-            return False
-        with self._cv:
-            self._growing = True
-            self._cv.wait_for(lambda: self._readers == 0)
-            try:
-                self._env.set_mapsize(new)
-            finally:
-                self._growing = False
-                self._cv.notify_all()
-        return True
-
-    @contextmanager
-    def _reading(self) -> Iterator[None]:
-        with self._cv:
-            self._cv.wait_for(lambda: not self._growing)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cv.notify_all()
 
     def abort(self, slot: Slot) -> None:
         """Give the slot back; bytes :meth:`persist` wrote for it are deleted with the next

@@ -1,0 +1,208 @@
+"""The LMDB environment under an SSD tier (kvstore/tiers/ssd.py): opening it and reading its
+books, the size check that keeps a truncated file from being touched (SIGBUS), quarantine of
+a damaged environment, growth of the map and the count of reads in flight.
+
+LMDB maps its file, so touching a page past the end of a truncated file is SIGBUS; the tier
+therefore checks the file's size against the pages LMDB uses (``(last_pgno + 1) * page
+size``) when it opens and before every read and write (one ``fstat``), and treats LMDB's own
+corruption errors the same way. A damaged environment is moved aside
+(``ssd.damaged-<unix time>``) and an empty one opened in its place; the blocks it held are
+reported to the pool (``on_lost``) as lost, one log line says what happened and
+``quarantines`` counts it.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import lmdb
+
+log = logging.getLogger("kvstore.tiers.ssd")
+_META = struct.Struct("<QQQ")  # size, checksum, write sequence
+_MIN_MAP = 64 << 20
+# LMDB errors that mean the file is damaged (any other LMDB error at open: the directory is
+# unusable, an OSError for the caller).
+_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
+           lmdb.VersionMismatchError, lmdb.BadTxnError)
+
+
+class _Damaged(Exception):
+    """The environment is damaged (the message says how); it must be quarantined."""
+
+
+class SsdStorage:
+    """The environment side of :class:`kvstore.tiers.ssd.SsdTier` (a mixin: the tier holds
+    the state these methods use)."""
+
+    path: str
+    fsync: str
+    max_map_bytes: int
+    _initial_map: int
+    _blocks: dict[bytes, tuple[int, int]]
+    _used: int
+    _seq: int
+    _readers: int
+    _growing: bool
+    _cv: threading.Condition
+    _wlock: threading.RLock
+    _dlock: threading.Lock
+    _doomed: list[bytes]
+    _fd: int
+    _need: int
+    _env: lmdb.Environment
+    _data: object
+    _meta: object
+    quarantines: int
+    on_lost: Callable[[list[bytes]], None] | None
+
+    # -- opening, damage and quarantine ----------------------------------------------------
+    def _open(self, load: bool) -> None:
+        """Open (creating) the environment at :attr:`path`; with ``load``, read the books
+        of what it holds. Raises OSError (one line) when the directory cannot be used and
+        _Damaged when the file is damaged."""
+        data = os.path.join(self.path, "data.mdb")
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)   # every tenant's blocks: this user only
+            on_disk = os.path.getsize(data) if os.path.exists(data) else 0
+            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
+                    os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
+                raise PermissionError(errno.EACCES, "permission denied")
+        except OSError as exc:
+            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
+                                     f"{exc.strerror or exc}") from None
+        if 0 < on_disk < 2 * 4096:
+            raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
+        try:
+            self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
+                                  max_dbs=2, sync=self.fsync == "commit", metasync=self.fsync == "commit",
+                                  readahead=False, lock=True, mode=0o600)
+        except _DAMAGE as exc:
+            raise _Damaged(f"LMDB cannot open it ({exc})") from None
+        except lmdb.Error as exc:
+            raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
+        self._fd = os.open(data, os.O_RDONLY)
+        try:
+            self._measure()
+            self._check()
+            self._data = self._env.open_db(b"blocks")
+            self._meta = self._env.open_db(b"meta")
+            self._measure()
+            if load:
+                with self._env.begin(db=self._meta) as txn:
+                    rows = [(_META.unpack(raw), bytes(key)) for key, raw in txn.cursor()]
+                for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
+                    self._blocks[key] = (size, checksum)
+                    self._seq = max(self._seq, seq)
+                self._used = sum(size for size, _ in self._blocks.values())
+        except (*_DAMAGE, struct.error) as exc:
+            self._close_env()
+            raise _Damaged(f"LMDB reports damage ({exc})") from None
+        except _Damaged:
+            self._close_env()
+            raise
+
+    def _measure(self) -> None:
+        """Record the bytes of data.mdb LMDB's pages use (after opening and every write)."""
+        self._need = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+
+    def _check(self) -> None:
+        """Raises _Damaged when data.mdb is shorter than LMDB's pages (a read there would
+        be SIGBUS). One fstat."""
+        size = os.fstat(self._fd).st_size
+        if size < self._need:
+            raise _Damaged(f"data.mdb shrank to {size} bytes; LMDB's pages need {self._need}")
+
+    def _close_env(self) -> None:
+        try:
+            self._env.close()
+        except Exception:  # noqa: BLE001 — closing a damaged environment
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _quarantine(self, reason: str, lost: list[bytes] | None, seen: int | None = None) -> None:
+        """Move the damaged environment aside and open an empty one in its place (waiting
+        for reads in flight); report the blocks it held to :attr:`on_lost`. ``seen``: the
+        :attr:`quarantines` count when the damage was seen (another thread may have replaced
+        the environment since: then nothing is done). Raises OSError when the directory
+        cannot be moved or reopened."""
+        with self._wlock, self._cv:
+            if seen is not None and seen != self.quarantines:
+                return
+            self._growing = True
+            self._cv.wait_for(lambda: self._readers == 0)
+            try:
+                if self._fd >= 0:
+                    self._close_env()
+                aside = f"{self.path}.damaged-{int(time.time())}"
+                n = 1
+                while os.path.exists(aside):
+                    aside, n = f"{self.path}.damaged-{int(time.time())}-{n}", n + 1
+                try:
+                    os.rename(self.path, aside)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"ssd tier: {self.path} is damaged ({reason}) and cannot "
+                                             f"be moved aside: {exc.strerror}") from None
+                self._blocks = {}
+                self._used = 0
+                self._seq = 0
+                with self._dlock:
+                    self._doomed = []
+                self.quarantines += 1
+                what = "its blocks are lost" if lost is None else f"{len(lost)} blocks lost"
+                log.error("ssd tier at %s is damaged: %s; moved it to %s and opened an empty one (%s); "
+                          "the other tiers keep serving", self.path, reason, aside, what)
+                try:
+                    self._open(load=False)
+                except _Damaged as exc:
+                    raise OSError(errno.EIO, f"ssd tier: a fresh environment at {self.path} is damaged "
+                                             f"too: {exc}") from None
+            finally:
+                self._growing = False
+                self._cv.notify_all()
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
+
+    def _guard(self) -> None:
+        """Before touching LMDB: quarantine a damaged environment. Raises OSError when it
+        cannot be replaced."""
+        seen = self.quarantines
+        try:
+            self._check()
+        except _Damaged as exc:
+            self._quarantine(str(exc), list(self._blocks), seen)
+
+    def _grow(self) -> bool:
+        """Double the map (up to ``max_map_bytes``) once no read is in flight."""
+        new = min(self.max_map_bytes, 2 * self.map_bytes)
+        if new <= self.map_bytes:
+            return False
+        with self._cv:
+            self._growing = True
+            self._cv.wait_for(lambda: self._readers == 0)
+            try:
+                self._env.set_mapsize(new)
+            finally:
+                self._growing = False
+                self._cv.notify_all()
+        return True
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._growing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cv.notify_all()
