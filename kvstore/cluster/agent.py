@@ -15,6 +15,7 @@ from kvstore.config import StoreConfig
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.server import TcpControlServer
 from kvstore.pool import KVPool
+from kvstore.tiers import registry as tier_registry
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable
 from kvstore.transfer.service import transfer_service
 from kvstore.transfer.staging import StagedReads
@@ -32,7 +33,7 @@ class ClusterAgent:
         self.epoch = time.time_ns()
         self.node_te: NodeTransferEngine | None = None
         self.te_error: str | None = None
-        dram = next((t for t in pool.tiers if t.name == "dram"), None)
+        dram = next((t for t in pool.tiers if t.name == tier_registry.DRAM.name), None)  # the shared-memory slab
         protocol = cfg.transfer_protocol()
         if protocol and dram is not None:
             try:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore.tiers import registry
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
@@ -29,7 +30,7 @@ class AccountingTier(TableTier):
 
     holds_bytes = False
 
-    def __init__(self, capacity_bytes: int = UNBOUNDED, name: str = "dram", device: str = "none") -> None:
+    def __init__(self, capacity_bytes: int = UNBOUNDED, name: str = registry.DRAM.name, device: str = "none") -> None:
         super().__init__(capacity_bytes)
         self.name = name
         self.device = device

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvstore.errors import IntegrityError, InvalidArgument
 from kvstore.integrity import checksum_of
+from kvstore.tiers import registry
 from kvstore.tiers.base import register_tier
 from kvstore.tiers.buffers import as_u8, copy_into
 from kvstore.tiers.prefault import Prefaulter
@@ -20,7 +21,7 @@ from kvstore.tiers.slab import PAGE_BYTES, ExtentAllocator, SlabTier
 __all__ = ["PAGE_BYTES", "DramTier", "ExtentAllocator", "SlabReader"]
 
 
-@register_tier("dram")
+@register_tier(registry.DRAM.name)
 class DramTier(SlabTier):
     """Blocks in a shared-memory slab of ``capacity_bytes`` (rounded up to pages).
 

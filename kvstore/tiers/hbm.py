@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.tiers import registry
 from kvstore.tiers.base import register_tier
 from kvstore.tiers.buffers import as_u8
 from kvstore.tiers.slab import PAGE_BYTES, SlabTier
@@ -26,7 +27,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
-@register_tier("hbm")
+@register_tier(registry.HBM.name)
 class HbmTier(SlabTier):
     """Blocks in one ``torch.uint8`` tensor of ``capacity_bytes`` (rounded up to pages) on
     ``device``. Reads hand the sink a read-only numpy view when the slab is in host memory

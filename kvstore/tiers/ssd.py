@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore.errors import IntegrityError
 from kvstore.integrity import checksum_of
+from kvstore.tiers import registry
 from kvstore.tiers.base import Sink, Slot, T, TableTier, register_tier
 from kvstore.tiers.buffers import host_u8, nbytes
 from kvstore.tiers.ssd_storage import _DAMAGE, _META, _MIN_MAP, SsdStorage, _Damaged
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 FSYNC_POLICIES = ("never", "commit")
 
 
-@register_tier("ssd")
+@register_tier(registry.SSD.name)
 class SsdTier(SsdStorage, TableTier):
     """Blocks in an LMDB environment at ``path``.
 
