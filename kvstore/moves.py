@@ -67,25 +67,35 @@ class Mover:
             with self._lock:
                 moves, place.moves = place.moves, []
                 dirty, place.dirty = place.dirty, set()
-            for level in sorted(dirty):
-                place.tiers[level].flush()
-            if not moves:
-                continue
-            for move in moves:
-                if move.meta is not None:
-                    self._copy(move)
-            by_dst: dict[int, list[Move]] = {}
-            for move in moves:
-                if move.error is None and place.tiers[move.dst].slow_commit:
-                    by_dst.setdefault(move.dst, []).append(move)
-            for dst, group in by_dst.items():
+            try:
+                self._work(moves)
+                for level in sorted(dirty):
+                    place.tiers[level].flush()
+            finally:   # every move is published or given up, whatever the byte work raised
+                if moves:
+                    with self._lock:
+                        for move in moves:
+                            place.publish(move)
+                        self.settled.notify_all()
+
+    def _work(self, moves: list[Move]) -> None:
+        """The byte work of ``moves`` (no lock held): promotions' copies, then one
+        persist per slow target tier. A failure is recorded on its move."""
+        place = self._place
+        for move in moves:
+            if move.meta is not None:
+                self._copy(move)
+        by_dst: dict[int, list[Move]] = {}
+        for move in moves:
+            if move.error is None and place.tiers[move.dst].slow_commit:
+                by_dst.setdefault(move.dst, []).append(move)
+        for dst, group in by_dst.items():
+            try:
                 errors = place.tiers[dst].persist([(m.slot, m.key, m.checksum) for m in group])
-                for move, err in zip(group, errors):
-                    move.error = err
-            with self._lock:
-                for move in moves:
-                    place.publish(move)
-                self.settled.notify_all()
+            except Exception as exc:  # noqa: BLE001 — recorded on each move, which is then given up
+                errors = [exc] * len(group)
+            for move, err in zip(group, errors):
+                move.error = err
 
     def _copy(self, move: Move) -> None:
         """A promotion's bytes: the source copy into the target slot."""
@@ -95,7 +105,7 @@ class Mover:
             ok = place.tiers[move.src].read(move.key, lambda view: target.write(move.slot, 0, view) or True)
             if not ok:
                 move.error = KVStoreError(f"block {move.key.hex()[:16]} left tier {move.src} while promoted")
-        except (OSError, KVStoreError) as exc:
+        except Exception as exc:  # noqa: BLE001 — recorded on the move, which is then given up
             move.error = exc
             if isinstance(exc, IntegrityError):
                 with self._lock:

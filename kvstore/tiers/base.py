@@ -29,12 +29,15 @@ register_tier = registrar(TIERS)
 class Slot:
     """Space reserved in a tier for one block of ``size`` bytes. ``offset``: where it starts
     in a slab (bytes); ``data``: the tier's private write buffer, if it keeps one;
-    ``persisted``: the key :meth:`Tier.persist` wrote the bytes under (None before)."""
+    ``persisted``: the key :meth:`Tier.persist` wrote the bytes under (None before), and
+    ``epoch``: the tier's storage generation then (a tier that replaces damaged storage
+    loses what was persisted before)."""
 
     size: int
     offset: int = 0
     data: Any = None
     persisted: bytes | None = None
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

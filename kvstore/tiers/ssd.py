@@ -114,7 +114,7 @@ class SsdTier(SsdStorage, TableTier):
                     errors[i] = exc
                 return errors
             for _, slot, key, _, seq in rows:
-                slot.persisted, slot.data = key, None
+                slot.persisted, slot.epoch, slot.data = key, self.quarantines, None
                 self._seq = max(self._seq, seq)
         return errors
 
@@ -122,6 +122,10 @@ class SsdTier(SsdStorage, TableTier):
         """Publish persisted slots (books only); slots not persisted yet are persisted
         first, in one LMDB transaction."""
         errors: list[Exception | None] = [None] * len(items)
+        for i, (slot, key, _) in enumerate(items):
+            if slot.persisted == key and slot.epoch != self.quarantines:
+                errors[i] = OSError(errno.EIO, f"ssd: the environment at {self.path} was replaced (damaged) "
+                                               f"while block {key.hex()[:16]} was written")
         todo = [i for i, (slot, key, _) in enumerate(items) if slot.persisted != key]
         if todo:
             for i, err in zip(todo, self.persist([items[i] for i in todo])):

@@ -113,10 +113,12 @@ class SsdStorage:
 
     def _check(self) -> None:
         """Raises _Damaged when data.mdb is shorter than LMDB's pages (a read there would
-        be SIGBUS). One fstat."""
+        be SIGBUS). One fstat. The need is read before the size: a write transaction on
+        another thread may grow both in between, and the file never shrinks by itself."""
+        need = self._need
         size = os.fstat(self._fd).st_size
-        if size < self._need:
-            raise _Damaged(f"data.mdb shrank to {size} bytes; LMDB's pages need {self._need}")
+        if size < need:
+            raise _Damaged(f"data.mdb shrank to {size} bytes; LMDB's pages need {need}")
 
     def _close_env(self) -> None:
         try:
