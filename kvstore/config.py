@@ -3,8 +3,8 @@ command-line flags (flags win)."""
 from __future__ import annotations
 
 import re
-from argparse import ArgumentTypeError
 import tomllib
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -58,7 +58,7 @@ class TierSpec:
                              f"got {self.capacity_bytes!r}")
 
     @classmethod
-    def parse(cls, text: str) -> "TierSpec":
+    def parse(cls, text: str) -> TierSpec:
         """``"dram=1GiB"`` → TierSpec("dram", 1073741824). Raises ValueError."""
         name, sep, size = text.partition("=")
         if not sep:
@@ -192,7 +192,7 @@ class StoreConfig:
                      if _legacy_field(k) in _FIELDS and getattr(self, _legacy_field(k)) > 0)
 
     @classmethod
-    def load(cls, path: str | None = None, **overrides: Any) -> "StoreConfig":
+    def load(cls, path: str | None = None, **overrides: Any) -> StoreConfig:
         """Defaults, then the TOML file at ``path`` (keys = field names), then ``overrides``
         whose value is not None. Raises ValueError for unknown keys, naming the valid ones."""
         values: dict[str, Any] = {}

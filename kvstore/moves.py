@@ -47,7 +47,7 @@ class Mover:
     """Runs the moves a pool's placement planned. ``settled``: a condition on the pool's
     lock, notified whenever an in-flight (tier, key) is published or given up."""
 
-    def __init__(self, place: "Placement", lock: threading.RLock) -> None:
+    def __init__(self, place: Placement, lock: threading.RLock) -> None:
         self._place = place
         self._lock = lock
         self.settled = threading.Condition(lock)

@@ -15,7 +15,8 @@ import functools
 import itertools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.errors import IntegrityError, InvalidArgument, LeaseExpired
 from kvstore.index.prefix_index import PrefixIndex
@@ -42,7 +43,7 @@ class PoolReads:
     _lock: threading.RLock
     _place: Placement
     _mover: Mover
-    _lease_ids: "itertools.count[int]"
+    _lease_ids: itertools.count[int]
 
     # -- the shared rule -------------------------------------------------------------------
     def _end_read(self, keys: Sequence[bytes], found: list[Found], corrupt: list[Found]) -> None:

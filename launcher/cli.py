@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 from kvstore import __version__
-from kvstore.errors import KVStoreError
 from kvstore.config import EVICTION_POLICIES, SSD_ON_ERROR, TRANSFER_ENGINES, StoreConfig, TierSpec, positive_int
+from kvstore.errors import KVStoreError
+from kvstore.shutdown import Shutdown
 from kvstore.tiers import registry
 from kvstore.tiers.ssd import FSYNC_POLICIES
-from kvstore.shutdown import Shutdown
 from launcher.up_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
 
 

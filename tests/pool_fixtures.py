@@ -2,7 +2,8 @@
 pools that checks every pool's invariants after the test, and small pools over real tiers."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

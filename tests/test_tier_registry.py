@@ -89,7 +89,7 @@ def test_build_tiers_builds_the_list_in_order(tmp_path: Path) -> None:
 def test_build_tiers_can_leave_out_an_unusable_ssd(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    bad = dict(data_dir=str(blocked), dram_prefault=False, tiers=(TierSpec("dram", MIB), TierSpec("ssd", MIB)))
+    bad = {"data_dir": str(blocked), "dram_prefault": False, "tiers": (TierSpec("dram", MIB), TierSpec("ssd", MIB))}
     with pytest.raises(OSError, match="cannot use data directory"):
         registry.build_tiers(StoreConfig(**bad))   # type: ignore[arg-type]
     tiers = registry.build_tiers(StoreConfig(**bad, ssd_on_error="disable"))   # type: ignore[arg-type]

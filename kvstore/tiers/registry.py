@@ -21,8 +21,9 @@ Bandwidths (bytes/s, reads on the same host): HBM 100e9 (an A100/H100's HBM2e/HB
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidArgument
 
@@ -44,21 +45,21 @@ class TierKind:
     bandwidth_bytes_per_s: float
     persistent: bool
     default_bytes: int
-    build: Callable[["StoreConfig", int], "Tier"]
+    build: Callable[[StoreConfig, int], Tier]
     help: str = ""
 
 
-def _hbm(cfg: "StoreConfig", capacity: int) -> "Tier":
+def _hbm(cfg: StoreConfig, capacity: int) -> Tier:
     from kvstore.tiers.hbm import HbmTier
     return HbmTier(capacity, device=cfg.hbm_device)
 
 
-def _dram(cfg: "StoreConfig", capacity: int) -> "Tier":
+def _dram(cfg: StoreConfig, capacity: int) -> Tier:
     from kvstore.tiers.dram import DramTier
     return DramTier(capacity, prefault=cfg.dram_prefault)
 
 
-def _ssd(cfg: "StoreConfig", capacity: int) -> "Tier":
+def _ssd(cfg: StoreConfig, capacity: int) -> Tier:
     from kvstore.tiers.ssd import SsdTier
     return SsdTier(capacity, path=os.path.join(cfg.data_dir, cfg.node_id, "ssd"), fsync=cfg.ssd_fsync)
 
@@ -90,7 +91,7 @@ def ordered(kinds: Iterable[str]) -> list[str]:
     return sorted(kinds, key=lambda n: kind(n).rank)
 
 
-def build_tiers(cfg: "StoreConfig") -> list["Tier"]:
+def build_tiers(cfg: StoreConfig) -> list[Tier]:
     """The tiers of ``cfg.tier_list()``, fastest first. A persistent tier whose storage
     cannot be used raises OSError (one line), or with ``ssd_on_error = "disable"`` is left
     out (logged) while another tier remains; tiers built already are closed on a failure."""

@@ -18,8 +18,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any
 
 import lmdb
 
@@ -56,8 +57,8 @@ class SsdStorage:
     _fd: int
     _need: int
     _env: lmdb.Environment
-    _data: object
-    _meta: object
+    _data: Any
+    _meta: Any
     quarantines: int
     on_lost: Callable[[list[bytes]], None] | None
 
@@ -123,7 +124,7 @@ class SsdStorage:
     def _close_env(self) -> None:
         try:
             self._env.close()
-        except Exception:  # noqa: BLE001 — closing a damaged environment
+        except Exception:  # noqa: BLE001, S110 — closing a damaged environment
             pass
         if self._fd >= 0:
             os.close(self._fd)
