@@ -152,7 +152,8 @@ class PoolReads:
             corrupt = found
         finally:
             self._end_read((key,), found, corrupt)
-        self._after_read((key,), found, [out], deadline)
+        if level > 0 or time.monotonic() > deadline:   # else the shared rule has nothing to do
+            self._after_read((key,), found, [out], deadline)
         return out
 
     def get(self, key: bytes) -> bytes | None:
