@@ -128,7 +128,7 @@ def test_a_parked_batch_commit_keeps_chain_links_and_aborts_cleanly(pool_and_ssd
     assert ssd.pending_deletes == 0
 
 
-def test_removed_ssd_blocks_are_deleted_on_disk_outside_the_lock(pool_and_ssd: Any, tmp_path: Path) -> None:
+def test_removed_ssd_blocks_are_deleted_on_disk_outside_the_lock(pool_and_ssd: Any) -> None:
     pool, ssd = pool_and_ssd
     assert pool.put(key_of(5), block_of(5), tier="ssd").ok
     assert pool.remove(key_of(5)) == BS
