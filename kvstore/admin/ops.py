@@ -80,6 +80,12 @@ def _books(pool: Any) -> tuple[Placement, Any]:
     return pool._place, pool._lock
 
 
+def _settle(pool: Any) -> None:
+    """Do the byte work the locked changes planned (a demotion's write into a slow tier, a
+    promotion's copy, a slow tier's deletes: kvstore/moves.py), after the lock."""
+    pool._mover.settle()
+
+
 def _view(place: Placement, key: bytes, books: TenantBooks, now: float) -> BlockView | None:
     metas: list[BlockMeta] = []
     tiers: list[str] = []
@@ -181,6 +187,7 @@ def remove(pool: Any, keys: Sequence[bytes]) -> MoveReport:
             else:
                 report.freed_bytes += sum(place.drop(lv, key) for lv in levels)
                 report.done.append(key)
+    _settle(pool)
     return report
 
 
@@ -210,6 +217,7 @@ def flush(pool: Any, tier: str | None = None, namespace: str | None = None, forc
                 else:
                     report.freed_bytes += place.drop(level, key)
                     report.dropped_blocks += 1
+    _settle(pool)
     return report
 
 
@@ -224,8 +232,8 @@ def evict(pool: Any, tier: str, nbytes: int) -> EvictReport:
         level = place.level_of(tier)
         report = EvictReport(place.tiers[level].name, nbytes)
         book = place.books[level]
+        before, blocks = book.counters.demotions, 0
         while report.freed_bytes < nbytes:
-            before = book.counters.demotions
             size = place.evict_victim(level)
             if size is None:
                 left = len(book.blocks)
@@ -233,10 +241,11 @@ def evict(pool: Any, tier: str, nbytes: int) -> EvictReport:
                                  f"the {left} blocks left in {tier} are leased or hard-pinned")
                 break
             report.freed_bytes += size
-            if book.counters.demotions > before:
-                report.demoted += 1
-            else:
-                report.dropped += 1
+            blocks += 1
+    _settle(pool)   # demotions into a slow tier are counted once written
+    with lock:
+        report.demoted = min(blocks, book.counters.demotions - before)
+        report.dropped = blocks - report.demoted
     return report
 
 
@@ -245,6 +254,7 @@ def demote(pool: Any, keys: Sequence[bytes]) -> MoveReport:
     tier); a block already in the last tier, leased, or with no room below is reported."""
     place, lock = _books(pool)
     report = MoveReport()
+    moved: list[tuple[bytes, int]] = []   # (key, the tier it goes to)
     with lock:
         now = time.monotonic()
         for key in keys:
@@ -253,16 +263,29 @@ def demote(pool: Any, keys: Sequence[bytes]) -> MoveReport:
                 report.failed[key] = "not held on this node"
                 continue
             meta = place.books[level].blocks[key]
-            if level + 1 >= len(place.tiers):
+            below = level + 1
+            if below >= len(place.tiers):
                 report.failed[key] = f"already in the last tier ({place.tiers[level].name})"
-            elif meta.leased(now):
+                continue
+            if meta.leased(now):
                 report.failed[key] = "leased by a reader; try again once the read ends"
-            elif key not in place.books[level + 1].blocks and not place.copy(level, level + 1, key, meta):
-                report.failed[key] = f"no room in {place.tiers[level + 1].name} (or its write failed)"
+                continue
+            if key in place.books[below].blocks:
+                place.books[level].counters.demotions += 1   # a copy there already: only the drop
             else:
-                place.drop(level, key)
-                place.books[level].counters.demotions += 1
+                place.demote(level, key, meta)   # copied now, or (a slow tier) written after the lock
+                if key not in place.books[below].blocks and (below, key) not in place.inflight:
+                    report.failed[key] = f"no room in {place.tiers[below].name} (or its write failed)"
+                    continue
+            place.drop(level, key)
+            moved.append((key, below))
+    _settle(pool)
+    with lock:
+        for key, below in moved:
+            if key in place.books[below].blocks:
                 report.done.append(key)
+            else:
+                report.failed[key] = f"writing it to {place.tiers[below].name} failed"
     return report
 
 
@@ -271,6 +294,7 @@ def promote(pool: Any, keys: Sequence[bytes]) -> MoveReport:
     done, one with no room in the top tier is reported."""
     place, lock = _books(pool)
     report = MoveReport()
+    planned: list[bytes] = []
     with lock:
         for key in keys:
             level = next((lv for lv, b in enumerate(place.books) if key in b.blocks), None)
@@ -278,9 +302,16 @@ def promote(pool: Any, keys: Sequence[bytes]) -> MoveReport:
                 report.failed[key] = "not held on this node"
                 continue
             if level > 0:
-                place.promote(level, key)
-                if key not in place.books[0].blocks:
+                place.promote(level, key)   # planned: the copy runs after the lock
+                if (0, key) not in place.inflight:
                     report.failed[key] = f"no room in {place.tiers[0].name} (everything there is leased or pinned)"
                     continue
-            report.done.append(key)
+            planned.append(key)
+    _settle(pool)
+    with lock:
+        for key in planned:
+            if key in place.books[0].blocks:
+                report.done.append(key)
+            else:
+                report.failed[key] = f"copying it to {place.tiers[0].name} failed"
     return report
