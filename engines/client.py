@@ -50,14 +50,16 @@ class EngineClient:
 
     async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
                       max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY,
-                      top_logprobs: int | None = None) -> PrefillResult:
+                      top_logprobs: int | None = None, recompute: bool = False) -> PrefillResult:
         """``max_load_blocks``: the longest prefix (blocks) the engine may load from the pool
         (None: any hit; its own cache is never limited); ``sampling``: how the first token
         is chosen; ``top_logprobs``: set, the result carries the first token's logprobs and
-        that many alternatives'."""
+        that many alternatives'. ``recompute``: pool off — the engine computes every token
+        and reads or writes no cache (protos/engine.proto)."""
         r = await self._unary(self._stub.Prefill, pb.PrefillRequest(
             request_id=request_id, prompt=list(prompt), namespace=namespace,
-            max_load_blocks=max_load_blocks, sampling=_sampling_pb(sampling), top_logprobs=top_logprobs))
+            max_load_blocks=max_load_blocks, sampling=_sampling_pb(sampling), top_logprobs=top_logprobs,
+            recompute=recompute))
         return PrefillResult(r.request_id, r.first_token, tuple(r.block_keys), r.cached_tokens,
                              r.computed_tokens, r.tail_kv, r.tail_tokens, r.prefill_s,
                              r.loaded_blocks, r.stored_blocks, r.load_s, r.load_bytes, r.load_tier,

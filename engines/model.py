@@ -14,6 +14,7 @@ from kvstore.index.keys import KVLayout
 
 log = logging.getLogger(__name__)
 TINY_MODEL_ID = "kvstore/tiny-llama"
+DEFAULT_MAX_MODEL_LEN = 4096   # tokens, prompt + generation
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -22,16 +23,20 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class ModelConfig:
     """``model_dir``: a local checkpoint, or None for the tiny seeded model. ``device``:
     ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda[:i]"``. ``block_size`` in
-    tokens."""
+    tokens. ``max_model_len``: the longest prompt + generation served (tokens; the tiny
+    model's rotary positions take any length, a checkpoint's ``max_position_embeddings``
+    caps it)."""
 
     model_dir: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
+            raise ValueError(f"max_model_len must be an integer >= 1 (tokens), got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not supported; valid: {sorted(DTYPES)}")
         if self.block_size <= 0:
@@ -51,7 +56,7 @@ class LoadedModel:
     max_model_len: int
 
 
-def tiny_llama_config(max_model_len: int = 4096) -> LlamaConfig:
+def tiny_llama_config(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> LlamaConfig:
     """2 layers, hidden 64, 4 attention heads, 2 KV heads (head dim 16), vocab 512."""
     return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2,
@@ -63,6 +68,16 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device)
+
+
+def _use_prefix_attention(model: torch.nn.Module) -> None:
+    """Run the model with engines/attention.py's attention (fast causal kernel on a prefill
+    over a cached prefix); a model whose code cannot switch keeps its own, logged."""
+    from engines.attention import NAME
+    try:
+        model.set_attn_implementation(NAME)  # type: ignore[operator]
+    except (ValueError, AttributeError) as exc:
+        log.warning("model keeps its own attention (%s): a prefill over a cached prefix may be slower", exc)
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -80,6 +95,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = LlamaForCausalLM(tiny_llama_config(cfg.max_model_len)).to(dtype)
         model_id, revision, max_len = TINY_MODEL_ID, f"seed-{cfg.seed}", cfg.max_model_len
     model = model.to(device).eval()
+    _use_prefix_attention(model)
     c = model.config
     num_heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads

@@ -82,14 +82,16 @@ class PrefillEngine:
 
     def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
                 max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY,
-                top_logprobs: int | None = None) -> PrefillResult:
+                top_logprobs: int | None = None, recompute: bool = False) -> PrefillResult:
         """Prefill ``prompt``, loading from the pool at most the prefix of ``max_load_blocks``
         blocks (the scheduler's decision to recompute the rest; None: any hit — the
         engine's own cache is never limited); the first token is chosen as ``sampling``
         says (token index 0), and with ``top_logprobs`` (alternatives, 0 or more) the result
-        carries its log probabilities. Raises InvalidArgument for a bad prompt. A
-        pool that cannot be reached is a miss (the prefix is recomputed), never a failed
-        request."""
+        carries its log probabilities. ``recompute``: pool off — every prompt token is
+        computed, neither this engine's own cache nor the pool is read or written, and the
+        whole prompt's KV goes to decode in ``tail_kv`` (``cached_tokens`` is 0). Raises
+        InvalidArgument for a bad prompt. A pool that cannot be reached is a miss (the
+        prefix is recomputed), never a failed request."""
         if max_load_blocks is not None and max_load_blocks < 0:
             raise InvalidArgument(f"max_load_blocks must be >= 0, got {max_load_blocks}")
         validate_prompt(prompt, self.lm)
@@ -102,6 +104,8 @@ class PrefillEngine:
                 self._queued_tokens -= len(prompt)
                 self._running += 1
             try:
+                if recompute:
+                    return self._recompute(request_id, list(prompt), namespace, sampling, top_logprobs)
                 return self._prefill(request_id, list(prompt), namespace, max_load_blocks, sampling,
                                      top_logprobs)
             finally:
@@ -172,6 +176,22 @@ class PrefillEngine:
                              slice_bytes(cache, in_pool * bs, len(prompt)), len(prompt) - in_pool * bs,
                              time.perf_counter() - t0, loaded, stored, load_s, load_bytes,
                              tier if load_bytes else "", first_lp)
+
+    def _recompute(self, request_id: str, prompt: list[int], namespace: str, sampling: SamplingParams,
+                   top_logprobs: int | None) -> PrefillResult:
+        """Pool off: the whole prompt computed, nothing read from or written to a cache; its
+        KV goes to decode whole (the block keys are still returned: decode checks them)."""
+        t0 = time.perf_counter()
+        lm = self.lm
+        keys = block_keys(prompt, self.block_size, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        cache = build_cache([], lm.layout, lm.dtype, lm.device)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
+            out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        first = Sampler(sampling).choose(out.logits[0, -1], 0)
+        first_lp = None if top_logprobs is None else logprobs_of(out.logits[0, -1], first, top_logprobs)
+        return PrefillResult(request_id, first, tuple(keys), 0, len(prompt), slice_bytes(cache, 0, len(prompt)),
+                             len(prompt), time.perf_counter() - t0, 0, 0, first_logprobs=first_lp)
 
     def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int,
                upto: int) -> tuple[int, list[bytes], str]:

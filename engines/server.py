@@ -12,7 +12,7 @@ import torch
 
 from engines.decode import DecodeEngine
 from engines.metrics import EngineMetrics
-from engines.model import LoadedModel, ModelConfig, load_model
+from engines.model import DEFAULT_MAX_MODEL_LEN, LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
 from engines.sampling import MAX_TOP_LOGPROBS
 from engines.types import GREEDY, SamplingParams, TokenLogprobs
@@ -64,7 +64,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
             r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit,
-                                    sampling_from_pb(request), top_logprobs_from_pb(request))
+                                    sampling_from_pb(request), top_logprobs_from_pb(request),
+                                    recompute=request.recompute)
         except InvalidArgument as exc:
             self._failed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -164,7 +165,8 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
                  store_token: str | None = None, workers: int = 16,
                  store_redis: str | None = None, auth_token: str | None = None,
-                 metrics_port: int | None = None, kv_events: str | None = None) -> tuple[grpc.Server, int]:
+                 metrics_port: int | None = None, kv_events: str | None = None,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
     (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
@@ -175,11 +177,14 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     same host, taking ``auth_token`` too (0: a free port, :func:`metrics_url`; None: none).
     ``kv_events``: a Redis URL; a prefill engine publishes its own cache's KV events there
     (the scheduler's index replica reads them; None: it publishes none).
-    Returns (server, port). Raises ValueError for an unknown role, RuntimeError when the
-    address cannot be bound."""
+    ``max_model_len``: the longest prompt + generation served (tokens; a checkpoint's
+    ``max_position_embeddings`` caps it); a longer request is INVALID_ARGUMENT.
+    Returns (server, port). Raises ValueError for an unknown role or a ``max_model_len``
+    < 1, RuntimeError when the address cannot be bound."""
     if role not in ROLES:
         raise ValueError(f"engine role must be one of {ROLES}, got {role!r}")
-    lm = load_model(ModelConfig(model_dir=model_dir, dtype=dtype, device=device, block_size=block_size))
+    lm = load_model(ModelConfig(model_dir=model_dir, dtype=dtype, device=device, block_size=block_size,
+                                max_model_len=max_model_len))
     if lm.device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     store = StoreClient(store_address, auth_token=store_token) if store_address else None
