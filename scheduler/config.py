@@ -26,7 +26,9 @@ class FrontdoorConfig:
     ``decode_max_running``/``decode_kv_capacity_tokens``: each decode
     instance's batch and KV limits as admission sees them; ``ready_timeout_s``: how long to
     wait for the engines at start (seconds); ``health_interval_s``: how often each engine
-    and the store are health-checked (seconds; scheduler/health.py)."""
+    and the store are health-checked (seconds; scheduler/health.py); ``max_model_len``: the
+    longest prompt + ``max_tokens`` admitted (tokens; None: the engines' limit, which also
+    caps it)."""
 
     model_dir: str | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -41,8 +43,11 @@ class FrontdoorConfig:
     decode_kv_capacity_tokens: int = 1 << 20
     ready_timeout_s: float = 60.0
     health_interval_s: float = 1.0
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
+            raise InvalidArgument(f"max_model_len must be an integer >= 1 (tokens), got {self.max_model_len!r}")
         if self.policy not in POLICIES:
             raise InvalidArgument(f"unknown scheduling policy {self.policy!r}; valid: {sorted(POLICIES)}")
         if not (isinstance(self.default_max_tokens, int) and self.default_max_tokens >= 1):

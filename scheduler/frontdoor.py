@@ -16,8 +16,13 @@ come from the engines: each token's log-softmax under the model (scheduler/opena
 
 Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
 not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN`, included), unknown
-model or path 404, wrong method 405, prompt too long 413, admission 429 (with
+model or path 404, wrong method 405, a prompt over the model's limit 400 too
+(``context_length_exceeded``), a body over 32 MiB 413, admission 429 (with
 ``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
+
+A request with ``"prefix_cache": false`` is served with the pool off: the router plans it
+as a full prefill (no pool lookup, no local hit) and the prefill engine is asked to
+``recompute`` (protos/engine.proto: no cache read or written, the whole KV handed to decode).
 """
 from __future__ import annotations
 
@@ -84,7 +89,12 @@ class Frontdoor:
         infos = [p.info for p in router.prefill.values()] + [d.info for d in router.decode.values()]
         self.info = router.info
         names = (self.info.model_id, *([config.model_dir] if config.model_dir else []))
-        self.limits = ModelLimits(self.info.vocab_size, min(i.max_model_len for i in infos), names)
+        engines_limit = min(i.max_model_len for i in infos)
+        if config.max_model_len is not None and config.max_model_len > engines_limit:
+            log.warning("max_model_len %d is above the engines' limit of %d tokens: the front door refuses "
+                        "requests over %d", config.max_model_len, engines_limit, engines_limit)
+        self.limits = ModelLimits(self.info.vocab_size, min(engines_limit, config.max_model_len or engines_limit),
+                                  names)
         self.health_checks = HealthChecker(router, config.health_interval_s)
 
     def routes(self) -> list[web.RouteDef]:
@@ -171,7 +181,7 @@ class Frontdoor:
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
         rid = request_id(req.chat, uuid.uuid4().hex)
         try:
-            plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens)
+            plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
         except KVStoreError as exc:     # no instance up for a role
@@ -200,7 +210,8 @@ class Frontdoor:
         while True:
             try:
                 result = await self.router.prefill_client(plan).prefill(
-                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks, sampling, req.logprobs)
+                    plan.request_id, req.prompt, plan.namespace, plan.max_load_blocks, sampling, req.logprobs,
+                    recompute=not req.prefix_cache)
                 break
             except KVStoreError as exc:
                 if isinstance(exc, InvalidArgument):

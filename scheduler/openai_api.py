@@ -11,8 +11,13 @@ it and ``finish_reason`` is ``"stop"``, scheduler/text_stream.py), ``stream_opti
 parts. Fields that would change the answer and that neither front door applies
 (:data:`NEVER_APPLIED`) are a 400, never ignored.
 
+A prompt whose tokens plus ``max_tokens`` exceed the model's limit (``max_model_len``) is a
+400 with code ``context_length_exceeded``, as OpenAI's API and vLLM answer it.
+
 Extensions to OpenAI's shapes: ``choices[0].token_ids`` (generated ids, also one per stream
-chunk), ``ignore_eos`` in the request (generate exactly ``max_tokens``) and
+chunk), ``ignore_eos`` in the request (generate exactly ``max_tokens``),
+``prefix_cache`` in the request (default true; false: pool off for this request — every
+prompt token is computed, no cache is read or written, ``cached_tokens`` is 0) and
 ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens loaded from a cache).
 """
 from __future__ import annotations
@@ -64,7 +69,8 @@ class GenerationRequest:
     ``chat``: answer in the chat shapes; ``temperature``, ``top_p``, ``seed``: as sent
     (None: not sent); ``include_usage``: a stream ends with a usage chunk
     (``stream_options.include_usage``); ``logprobs``: how many alternatives per token the
-    client asked log probabilities for (None: none asked)."""
+    client asked log probabilities for (None: none asked); ``prefix_cache``: False computes
+    every prompt token, reading and writing no cache (the request's ``"prefix_cache": false``)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -77,6 +83,7 @@ class GenerationRequest:
     seed: int | None = None
     include_usage: bool = False
     logprobs: int | None = None
+    prefix_cache: bool = True
 
 
 def _bad(message: str, code: str = "invalid_value", param: str | None = None) -> APIError:
@@ -106,13 +113,13 @@ MAX_CHARS_PER_TOKEN = 32
 
 
 def _too_long(n: int, unit: str, limits: ModelLimits) -> APIError:
-    return APIError(413, f"the prompt has {n} {unit}, more than the model's limit of {limits.max_model_len} tokens "
+    return APIError(400, f"the prompt has {n} {unit}, more than the model's limit of {limits.max_model_len} tokens "
                          f"can hold", code="context_length_exceeded")
 
 
 def _encode(tokenizer: Tokenizer, text: str, field: str, limits: ModelLimits) -> list[int]:
-    """Token ids of ``text``; text that cannot be encoded (a lone surrogate) is a 400, text
-    too long to fit the context whatever its tokens a 413 (before tokenizing it)."""
+    """Token ids of ``text``; text that cannot be encoded (a lone surrogate) is a 400, and so
+    is text too long to fit the context whatever its tokens (checked before tokenizing it)."""
     if len(text) > limits.max_model_len * MAX_CHARS_PER_TOKEN:
         raise _too_long(len(text), "characters", limits)
     try:
@@ -253,20 +260,25 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
     if bad is not None:
         raise _bad(f"token id {bad} in the prompt is outside the vocabulary [0, {limits.vocab_size})")
     if len(tokens) + max_tokens > limits.max_model_len:
-        raise APIError(413, f"the prompt has {len(tokens)} tokens and {max_tokens} were asked for: "
+        raise APIError(400, f"the prompt has {len(tokens)} tokens and {max_tokens} were asked for: "
                             f"{len(tokens) + max_tokens} exceeds the model's limit of "
                             f"{limits.max_model_len} tokens", code="context_length_exceeded")
     stream = _flag(body, "stream")
+    prefix_cache = body.get("prefix_cache", True)
+    if prefix_cache is not None and not isinstance(prefix_cache, bool):
+        raise _bad(f"'prefix_cache' must be true or false, got {type(prefix_cache).__name__}", "invalid_type",
+                   "prefix_cache")
     return GenerationRequest(tuple(tokens), max_tokens, stream, _flag(body, "ignore_eos"), chat, _stops(body),
                              _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0),
-                             _seed(body), _stream_options(body, stream), _logprobs(body, chat))
+                             _seed(body), _stream_options(body, stream), _logprobs(body, chat),
+                             prefix_cache is not False)
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                      default_max_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/completions`` body. ``prompt`` is a string or a list of token ids.
-    Raises APIError 400 (what is wrong), 404 (``model`` is not the served model) or 413
-    (prompt + max_tokens over the limit)."""
+    Raises APIError 400 (what is wrong; ``context_length_exceeded``: prompt + max_tokens
+    over the limit) or 404 (``model`` is not the served model)."""
     _common(body, limits)
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt", "prompt")
@@ -304,7 +316,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                default_max_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body: ``messages`` is a non-empty list of
     ``{"role": one of CHAT_ROLES, "content": str or a list of text parts}``; the prompt is
-    the tokenizer's chat template of them. Raises APIError 400, 404 or 413 as
+    the tokenizer's chat template of them. Raises APIError 400 or 404 as
     :func:`parse_completion`."""
     _common(body, limits)
     messages = body.get("messages")

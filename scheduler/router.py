@@ -94,7 +94,8 @@ class RoutePlan:
     """An admitted request: its identity, block keys, the pool's hit, and the policy's
     :class:`Decision` (instances, fetch, predicted TTFT and TBT). ``max_load_blocks``: the
     prefix the prefill engine may load from the pool (:func:`scheduler.views.load_limit`:
-    set when the policy chose to recompute what the pool holds; None: any hit)."""
+    set when the policy chose to recompute what the pool holds; None: any hit). ``reuse``
+    False: pool off for this request (planned as a full prefill; the engine recomputes it)."""
 
     request_id: str
     namespace: str
@@ -104,6 +105,7 @@ class RoutePlan:
     pool_hit: TierHit
     decision: Decision
     max_load_blocks: int | None = None
+    reuse: bool = True
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -219,13 +221,17 @@ class Router:
 
     # -- deciding ---------------------------------------------------------------------------
     async def plan(self, request_id: str, tokens: Sequence[int], namespace: str,
-                   max_tokens: int = 16) -> RoutePlan | Rejection:
+                   max_tokens: int = 16, reuse: bool = True) -> RoutePlan | Rejection:
         """Choose the instances for a prompt of token ids, or reject it (before any prefill).
-        Raises InvalidArgument for bad token ids. A store node that cannot be reached counts
-        as a pool miss."""
+        ``reuse`` False (pool off): the policy sees no pool hit and no instance's own hit,
+        so it plans and admits a full prefill. Raises InvalidArgument for bad token ids. A
+        store node that cannot be reached counts as a pool miss."""
         keys = tuple(self.prompt_keys(tokens, namespace))
         self.check_serving()
-        if self.replica is not None:       # every hit from the replica: no await, no RPC
+        if not reuse:                      # pool off: planned as a full prefill, whatever is cached
+            pool_hit = NO_HIT
+            view = self.cluster_view((), NO_HIT)
+        elif self.replica is not None:     # every hit from the replica: no await, no RPC
             view = self.cluster_view(keys)
             pool_hit = view.pool_hit
         else:
@@ -237,7 +243,7 @@ class Router:
         if isinstance(result, Rejection):
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
-                         load_limit(result, pool_hit, self.info.block_size))
+                         load_limit(result, pool_hit, self.info.block_size), reuse)
 
     def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         """The pool keys of the prompt's full blocks, as the engines key them."""

@@ -15,7 +15,7 @@ the decode instance loaded); a stream carries it only when the client asked
 (``model``, chat content parts, ids, fields never applied) are checked here the same way.
 ``/health`` is 503 with the reasons when an instance or the store is down.
 
-Errors: as :mod:`scheduler.frontdoor` (400, 413, 429, 503 when an instance fails — it is
+Errors: as :mod:`scheduler.frontdoor` (400, 429, 503 when an instance fails — it is
 then routed around until its ``/health`` answers again); a 4xx from vLLM is relayed as 400.
 Responses carry ``X-Kvstore-Prefill`` and ``X-Kvstore-Decode``: the instances chosen.
 """
@@ -72,6 +72,9 @@ class VLLMFrontdoor(Frontdoor):
             else:
                 body_n = body
             req = parse(body_n, self.tokenizer, self.limits, self.config.default_max_tokens)
+            if not req.prefix_cache:
+                raise APIError(400, "'prefix_cache': false is not supported over vLLM instances (their "
+                                    "connector always reuses the pool)", code="unsupported_value")
             try:
                 plan = await self._admit(request, req)
             except Unavailable as exc:

@@ -1,7 +1,7 @@
 """The HTTP front door over a real store node, real prefill and decode engines (the tiny
 model) and a real aiohttp server on 127.0.0.1 (tests/frontdoor_cluster.py): validation
-(400, 413), streamed and whole answers, stop strings, chat, /health and /metrics. Routing
-and admission: test_frontdoor_routing.py; failures and cancellation:
+(400, context_length_exceeded included), streamed and whole answers, stop strings, chat,
+/health and /metrics. Routing and admission: test_frontdoor_routing.py; failures and cancellation:
 test_frontdoor_lifecycle.py; the OpenAI surface through the SDK: test_openai_sdk.py."""
 from __future__ import annotations
 
@@ -56,19 +56,21 @@ def test_chat_with_bad_messages_is_400(url):
     assert status == 400 and "role" in json.loads(data)["error"]["message"]
 
 
-def test_prompt_over_the_limit_is_413(url):
+def test_prompt_over_the_limit_is_400_context_length_exceeded(url):
     status, _, data = call(url, "/v1/completions", {"prompt": [7] * 4090, "max_tokens": 16})
-    assert status == 413 and "4106" in json.loads(data)["error"]["message"]
+    err = json.loads(data)["error"]
+    assert status == 400 and "4106" in err["message"] and err["code"] == "context_length_exceeded"
 
 
-def test_a_text_too_long_for_any_tokenization_is_413_before_tokenizing(url):
+def test_a_text_too_long_for_any_tokenization_is_400_before_tokenizing(url):
     """30 MB of text cannot fit 4096 tokens: refused on its length, so it never holds the event
     loop (the health checks and other requests) while a tokenizer runs over it."""
     t0 = time.monotonic()
     status, _, data = call(url, "/v1/completions", {"prompt": "a" * 30_000_000, "max_tokens": 2})
-    assert status == 413 and "characters" in json.loads(data)["error"]["message"]
+    err = json.loads(data)["error"]
+    assert status == 400 and "characters" in err["message"] and err["code"] == "context_length_exceeded"
     status, _, _ = call(url, "/v1/completions", {"prompt": [7] * 100_000, "max_tokens": 2})
-    assert status == 413
+    assert status == 400
     assert time.monotonic() - t0 < 30
 
 
