@@ -39,7 +39,6 @@ PAD_RATIO = 3
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     """One unpadded sequence per call: no mask (causality is :func:`prefix_attention`'s)."""
-    return None
 
 
 def prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

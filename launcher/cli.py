@@ -37,6 +37,9 @@ def _env_events() -> str | None:
     return os.environ.get(EVENTS_URL_ENV) or None
 
 log = logging.getLogger("kvstore")
+# kvstore up's engines and front door: room for the demo's longest prompt (15162 tokens at 64
+# tokens per trace block) and its output
+UP_MAX_MODEL_LEN = 16384
 # The vendored trace, found from the checkout whatever the working directory.
 DEFAULT_TRACE = str(Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_trace.jsonl")
 
@@ -115,7 +118,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 store_token=token_from(args.store_token, STORE_TOKEN_ENV),
                                 store_redis=args.redis, kv_events=args.kv_events or args.redis,
                                 auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV),
-                                metrics_port=args.metrics_port)
+                                metrics_port=args.metrics_port, max_model_len=args.max_model_len)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
     from engines.server import metrics_url
     if metrics_url(server):
@@ -184,10 +187,20 @@ def _tier_arg(text: str) -> TierSpec:
 
 
 def add_replay_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=positive_int, default=100, help="replay the first N requests of the trace")
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (timestamps are divided by it)")
-    p.add_argument("--tokens-per-block", type=int, default=16,
-                   help="tokens each trace hash id (a 512-token block) becomes")
+    p.add_argument("--requests", type=positive_int, default=100, help="requests to replay")
+    p.add_argument("--start", type=int, default=0, help="index of the trace request the window starts at")
+    p.add_argument("--window-s", type=float, default=180.0, metavar="S",
+                   help="replay the --requests requests of the conversations with the most turns within S trace "
+                        "seconds from --start (their reuse: a later turn extends an earlier prompt)")
+    p.add_argument("--contiguous", action="store_true",
+                   help="replay the --requests consecutive requests from --start instead (little reuse)")
+    p.add_argument("--speed", type=float, default=4.0, help="replay speed factor (timestamps are divided by it)")
+    p.add_argument("--tokens-per-block", type=positive_int, default=64,
+                   help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay twice, pool on then pool off (every prompt recomputed: \"prefix_cache\": false), "
+                        "and print both side by side")
+    p.add_argument("--plots", metavar="DIR", help="with --compare, write the TTFT CDF and hit ratio PNGs here")
     p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's output_length")
     p.add_argument("--ttft-slo-s", type=float, default=2.0, help="TTFT SLO for goodput (seconds)")
     p.add_argument("--tbt-slo-s", type=float, default=0.2, help="TBT SLO for goodput (seconds)")
@@ -309,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events", metavar="URL", default=_env_events(),
                    help="publish the own cache's KV events to this Redis, where the scheduler reads them "
                         "(default: KVSTORE_EVENTS_URL, else --redis; none: publish nothing)")
+    p.add_argument("--max-model-len", type=positive_int, default=4096,
+                   help="longest prompt + generation served, tokens (a checkpoint's max_position_embeddings "
+                        "caps it); a longer request is refused (INVALID_ARGUMENT)")
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
@@ -331,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "no instance's own cache seen)")
     add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
+    p.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
+                   help="refuse (400 context_length_exceeded) a request whose prompt + max_tokens exceed this "
+                        "(default: the engines' limit, which also caps it)")
     add_scheduler_flags(p)
     add_vllm_scheduler_flags(p)
     p.set_defaults(func=cmd_scheduler)
@@ -345,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=8000, help="front door port (0 picks a free one)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
+    p.add_argument("--max-model-len", type=positive_int, default=UP_MAX_MODEL_LEN, metavar="TOKENS",
+                   help="the engines' and the front door's limit on prompt + generation (tokens); a longer "
+                        "request gets a 400 and a replay skips it")
     p.add_argument("--dram", default="256MiB", help="store node DRAM tier capacity")
     p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")
     p.add_argument("--data-dir", default="var/up", help="store node data directory (wiped at start)")

@@ -2,8 +2,9 @@
 (``--store-nodes N``: N nodes registered in Redis — ``--redis URL``, else a private
 ``redis-server`` — with engines and scheduler in cluster mode),
 ``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
-scheduler's front door (``--policy``) — then a trace replay through
-the front door (``--replay``) or serving until Ctrl-C."""
+scheduler's front door (``--policy``), engines and front door limited to ``--max-model-len``
+tokens — then a trace replay through the front door (``--replay``: by default twice, pool
+on then pool off, side by side; scheduler/compare.py) or serving until Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +79,7 @@ def run_up(args: argparse.Namespace) -> int:
                      [("store" if n_store == 1 else f"store-{i}") for i in range(n_store)] + [e[0] for e in engines]}
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []
+    max_len = ["--max-model-len", str(args.max_model_len)] if getattr(args, "max_model_len", None) else []
     t0 = time.monotonic()
     _install_stop_handlers(stack)
     stack.handlers_installed = True
@@ -117,7 +119,7 @@ def run_up(args: argparse.Namespace) -> int:
                         "--transfer-engine", "off")
         for name, role, port in engines:
             stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
-                        "--port", str(port), "--engine-id", name, *model,
+                        "--port", str(port), "--engine-id", name, *model, *max_len,
                         "--metrics-port", str(metrics_ports[name]))
         for i, port in enumerate(store_ports):
             _wait_grpc(stack, f"{host}:{port}", 60)
@@ -136,7 +138,7 @@ def run_up(args: argparse.Namespace) -> int:
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
-                    "--balancing-threshold", str(args.balancing_threshold), *model,
+                    "--balancing-threshold", str(args.balancing_threshold), *model, *max_len,
                     *(["--api-keys-file", keys_file] if keys_file else []))
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)

@@ -104,6 +104,9 @@ def run_up_vllm(args: argparse.Namespace) -> int:
             print(f"replay: {specs[0].block_size} tokens per trace block (vLLM's block size), not "
                   f"{args.tokens_per_block}", flush=True)
             args.tokens_per_block = specs[0].block_size
+        if args.compare:   # the vLLM front door refuses "prefix_cache": false
+            print("replay: pool on only (vLLM instances always reuse the pool through the connector)", flush=True)
+            args.compare = False
         return replay_and_report(url, args.replay, args)
     except (RuntimeError, Unavailable) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)

@@ -22,7 +22,8 @@ from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
-from scheduler.replay import run_replay
+from scheduler.compare import format_comparison
+from scheduler.replay import run_comparison, run_replay
 from scheduler.report import format_report
 from scheduler.router import Router
 from scheduler.scheduling_policy import DEFAULT_POLICY
@@ -104,7 +105,7 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
 
 def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
-    (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``,
+    (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``, ``--max-model-len``,
     ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
     ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its default. Raises ValueError / OSError
@@ -120,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            decode_max_running=getattr(args, "decode_max_running", 64),
                            store_auth_token=token_from(getattr(args, "store_token", None), STORE_TOKEN_ENV),
                            engine_auth_token=token_from(getattr(args, "engine_token", None), ENGINE_TOKEN_ENV),
-                           api_keys=api_keys,
+                           api_keys=api_keys, max_model_len=getattr(args, "max_model_len", None),
                            kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None))
 
 
@@ -169,22 +170,35 @@ def serve_frontdoor_forever(args: argparse.Namespace) -> int:
 
 def replay_and_report(url: str, trace_path: str, args: argparse.Namespace) -> int:
     """Replay ``trace_path`` against the front door at ``url`` with the replay flags in ``args``
-    (``--requests``, ``--speed``, ``--tokens-per-block``, ``--max-output-tokens``,
-    ``--ttft-slo-s``, ``--tbt-slo-s``, ``--json``), print the report. Returns 0, or 1 when the
-    replay could not run or no request completed."""
+    (``--requests``, ``--start``, ``--window-s``, ``--contiguous``, ``--speed``,
+    ``--tokens-per-block``, ``--max-output-tokens``, ``--ttft-slo-s``, ``--tbt-slo-s``,
+    ``--json``; ``--compare``: twice, pool on then off, side by side — scheduler/compare.py;
+    ``--plots DIR``: its PNGs), print the report. Returns 0, or 1 when the replay could not
+    run or no request completed (in either run)."""
+    window_s = None if getattr(args, "contiguous", False) else getattr(args, "window_s", None)
+    kw: dict[str, Any] = {"requests": args.requests, "speed": args.speed, "max_output_tokens": args.max_output_tokens,
+                          "tokens_per_block": args.tokens_per_block, "ttft_slo_s": args.ttft_slo_s,
+                          "tbt_slo_s": args.tbt_slo_s, "json_path": getattr(args, "json", None),
+                          "api_key": _replay_key(args), "start": getattr(args, "start", 0), "window_s": window_s}
     try:
-        report = asyncio.run(run_replay(
-            url, trace_path, requests=args.requests, speed=args.speed,
-            max_output_tokens=args.max_output_tokens, tokens_per_block=args.tokens_per_block,
-            ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, json_path=getattr(args, "json", None),
-            api_key=_replay_key(args)))
+        if getattr(args, "compare", False):
+            comparison = asyncio.run(run_comparison(url, trace_path, **kw))
+            reports = [comparison.pool, comparison.recompute]
+            print(format_comparison(comparison), flush=True)
+        else:
+            report = asyncio.run(run_replay(url, trace_path, **kw))
+            reports = [report]
+            print(format_report(report), flush=True)
     except KVStoreError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 1
-    print(format_report(report), flush=True)
     if getattr(args, "json", None):
         print(f"report written to {args.json}", flush=True)
-    return 0 if report.completed or not report.requests_sent else 1
+    if getattr(args, "compare", False) and getattr(args, "plots", None):
+        from scheduler.replay_plots import write_plots
+        for path in write_plots(comparison, args.plots):
+            print(f"plot written to {path}", flush=True)
+    return 0 if all(r.completed or not r.requests_sent for r in reports) else 1
 
 
 def _replay_key(args: argparse.Namespace) -> str | None:

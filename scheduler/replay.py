@@ -3,9 +3,11 @@ measure, client-side, what each one saw; fold it into a :class:`Report`.
 
 Each request is ``POST {target}/v1/completions`` with the mapped prompt as token ids,
 ``stream: true``, ``ignore_eos: true`` and ``max_tokens = max(1, min(output_length,
-max_output_tokens))``, sent at ``timestamp / speed`` after the start whether or not earlier
-requests have finished (open loop). TTFT is send → first token event; TBT the gaps between
-later token events.
+max_output_tokens))`` (and ``"prefix_cache": false`` when the pool is off), sent at
+``timestamp / speed`` after the start whether or not earlier requests have finished (open
+loop). TTFT is send → first token event; TBT the gaps between later token events. A request
+whose prompt + ``max_tokens`` exceed the front door's ``max_model_len`` is not sent: it is
+reported as skipped (``context_length_exceeded``).
 """
 from __future__ import annotations
 
@@ -20,11 +22,15 @@ from typing import Any, Sequence
 import aiohttp
 
 from kvstore.errors import InvalidArgument, Unavailable
+from scheduler.compare import Comparison
 from scheduler.report import Report, RequestOutcome, summarize
-from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace
+from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace, select_window
 
 log = logging.getLogger(__name__)
 
+# Sent once in each mode before a comparison, not counted: hash ids far from the trace's, so
+# its tokens share no block with a trace request.
+WARM_UP = TraceRequest(0, 4 * 512, 2, tuple(range(1 << 40, (1 << 40) + 4)))
 DEFAULT_TTFT_SLO_S = 5.0
 DEFAULT_TBT_SLO_S = 0.5
 
@@ -72,7 +78,8 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
                  max_output_tokens: int = 32, mapping: TraceMapping | None = None, *,
                  ttft_slo_s: float = DEFAULT_TTFT_SLO_S, tbt_slo_s: float = DEFAULT_TBT_SLO_S,
                  api_key: str | None = None, timeout_s: float = 600.0,
-                 progress_every_s: float = 5.0) -> Report:
+                 progress_every_s: float = 5.0, prefix_cache: bool = True,
+                 max_model_len: int | None = None) -> Report:
     """Replay ``requests`` against the front door at ``target_url`` (``http://host:port``).
 
     Args:
@@ -83,6 +90,10 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
         api_key: sent as ``Authorization: Bearer``; None replays in the public namespace.
         timeout_s: per-request limit (seconds); a request over it counts as failed.
         progress_every_s: how often to log progress (seconds).
+        prefix_cache: False sends every request with ``"prefix_cache": false`` (pool off:
+            every prompt token recomputed, scheduler/openai_api.py).
+        max_model_len: the front door's limit (tokens, prompt + max_tokens); a request
+            over it is skipped, not sent (None: every request is sent).
 
     Raises:
         InvalidArgument: bad speed, cap or SLO.
@@ -96,9 +107,16 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
     mapping = mapping or TraceMapping()
     url = target_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    bodies = [{"prompt": mapping.prompt(r), "max_tokens": max(1, min(r.output_length, max_output_tokens)),
-               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-              for r in requests]
+    bodies: list[dict[str, Any]] = [
+        {"prompt": mapping.prompt(r), "max_tokens": max(1, min(r.output_length, max_output_tokens)),
+         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+         **({} if prefix_cache else {"prefix_cache": False})}
+        for r in requests]
+    fits = [max_model_len is None or len(b["prompt"]) + b["max_tokens"] <= max_model_len for b in bodies]
+    sent = [r for r, ok in zip(requests, fits) if ok]
+    if len(sent) < len(requests):
+        log.warning("replay: %d of %d requests are longer than the model's limit of %s tokens: skipped",
+                    len(requests) - len(sent), len(requests), max_model_len)
     t0_ms = min((r.timestamp_ms for r in requests), default=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -106,7 +124,10 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
 
         done: list[RequestOutcome] = []
 
-        async def at(req: TraceRequest, body: dict[str, Any]) -> RequestOutcome:
+        async def at(req: TraceRequest, body: dict[str, Any], fits: bool) -> RequestOutcome:
+            if not fits:
+                return RequestOutcome("skipped", "context_length_exceeded", prompt_tokens=len(body["prompt"]),
+                                      trace_blocks=len(req.hash_ids))
             delay = start + (req.timestamp_ms - t0_ms) / 1000.0 / speed - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -119,20 +140,20 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
                 await asyncio.sleep(progress_every_s)
                 ok = sum(o.status == "ok" for o in done)
                 log.info("replay: %d of %d answered (%d completed, %d rejected) after %.0f s",
-                         len(done), len(bodies), ok, sum(o.status == "rejected" for o in done),
+                         len(done), len(sent), ok, sum(o.status == "rejected" for o in done),
                          time.perf_counter() - start)
 
         reporter = asyncio.create_task(progress())
         try:
-            outcomes = await asyncio.gather(*(at(r, b) for r, b in zip(requests, bodies)))
+            outcomes = await asyncio.gather(*(at(r, b, f) for r, b, f in zip(requests, bodies, fits)))
         finally:
             reporter.cancel()
         wall = time.perf_counter() - start
     settings = {"target": target_url, "speed": speed, "max_output_tokens": max_output_tokens,
                 "tokens_per_block": mapping.tokens_per_block, "vocab_size": mapping.vocab_size,
-                "seed": mapping.seed}
-    return summarize(outcomes, sum(best_possible_hit_blocks(requests, mapping)), wall,
-                     ttft_slo_s, tbt_slo_s, settings)
+                "seed": mapping.seed, "prefix_cache": prefix_cache, "max_model_len": max_model_len}
+    best = best_possible_hit_blocks(sent, mapping)   # what was sent: a skipped prompt caches nothing
+    return summarize(outcomes, sum(best), wall, ttft_slo_s, tbt_slo_s, settings, best)
 
 
 async def server_info(target_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -153,16 +174,12 @@ async def server_info(target_url: str, timeout_s: float = 10.0) -> dict[str, Any
         raise Unavailable(f"front door at {target_url} unreachable: {exc}") from None
 
 
-async def run_replay(target_url: str, trace_path: str | Path, *, requests: int | None = None,
-                     speed: float = 1.0, max_output_tokens: int = 32, tokens_per_block: int | None = None,
-                     ttft_slo_s: float = DEFAULT_TTFT_SLO_S, tbt_slo_s: float = DEFAULT_TBT_SLO_S,
-                     api_key: str | None = None, seed: int | None = None,
-                     json_path: str | Path | None = None) -> Report:
-    """Replay the first ``requests`` (all when None) of the trace at ``trace_path`` against the
-    front door at ``target_url``; the vocabulary and (by default) ``tokens_per_block`` = the
-    engines' block size come from its ``/health``. Writes the report as JSON to ``json_path``
-    when given. Raises Unavailable when the front door does not answer, InvalidArgument for a
-    malformed trace or bad settings."""
+async def _prepare(target_url: str, trace_path: str | Path, requests: int | None, start: int,
+                   window_s: float | None, tokens_per_block: int | None,
+                   seed: int | None) -> tuple[TraceMapping, list[TraceRequest], int | None, dict[str, Any]]:
+    """The mapping (vocabulary and by default ``tokens_per_block`` = the engines' block size,
+    from ``/health``), the requests to replay (:func:`scheduler.trace.select_window`), the
+    front door's ``max_model_len`` and the settings that say what was replayed."""
     info = await server_info(target_url)
     tpb = tokens_per_block or int(info.get("block_size") or 16)
     block = int(info.get("block_size") or tpb)
@@ -171,13 +188,76 @@ async def run_replay(target_url: str, trace_path: str | Path, *, requests: int |
                     "blocks and cache blocks will not align", tpb, block)
     kw = {} if seed is None else {"seed": seed}
     mapping = TraceMapping(tpb, int(info.get("vocab_size") or 512), **kw)
-    trace = load_trace(trace_path, requests)
-    report = await replay(target_url, trace, speed, max_output_tokens, mapping,
-                          ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, api_key=api_key)
-    report = dataclasses.replace(report, settings={**report.settings, "trace": str(trace_path),
-                                                   "requests": len(trace)})
+    whole = load_trace(trace_path, None if window_s is not None or requests is None else start + requests)
+    trace = select_window(whole, start, requests or len(whole), window_s)
+    limit = info.get("max_model_len")
+    settings = {"trace": str(trace_path), "requests": len(trace), "start": start, "window_s": window_s,
+                "selection": "contiguous" if window_s is None else "conversations with the most turns in the window"}
+    return mapping, trace, int(limit) if limit else None, settings
+
+
+def _write_json(json_path: str | Path | None, data: dict[str, Any]) -> None:
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+async def run_replay(target_url: str, trace_path: str | Path, *, requests: int | None = None,
+                     speed: float = 1.0, max_output_tokens: int = 32, tokens_per_block: int | None = None,
+                     ttft_slo_s: float = DEFAULT_TTFT_SLO_S, tbt_slo_s: float = DEFAULT_TBT_SLO_S,
+                     api_key: str | None = None, seed: int | None = None,
+                     json_path: str | Path | None = None, start: int = 0, window_s: float | None = None,
+                     prefix_cache: bool = True) -> Report:
+    """Replay ``requests`` requests (all when None) of the trace at ``trace_path`` from request
+    ``start`` on — consecutive ones, or with ``window_s`` the conversations with the most
+    turns within ``window_s`` trace seconds (:func:`scheduler.trace.select_window`) —
+    against the front door at ``target_url``; the vocabulary, the model's limit and (by
+    default) ``tokens_per_block`` = the engines' block size come from its ``/health``.
+    ``prefix_cache`` False: pool off. Writes the report as JSON to ``json_path`` when given.
+    Raises Unavailable when the front door does not answer, InvalidArgument for a malformed
+    trace or bad settings."""
+    mapping, trace, limit, settings = await _prepare(target_url, trace_path, requests, start, window_s,
+                                                     tokens_per_block, seed)
+    report = await replay(target_url, trace, speed, max_output_tokens, mapping, ttft_slo_s=ttft_slo_s,
+                          tbt_slo_s=tbt_slo_s, api_key=api_key, prefix_cache=prefix_cache, max_model_len=limit)
+    report = dataclasses.replace(report, settings={**report.settings, **settings})
+    _write_json(json_path, report.to_dict())
     return report
+
+
+async def run_comparison(target_url: str, trace_path: str | Path, *, requests: int | None = None,
+                         speed: float = 1.0, max_output_tokens: int = 32, tokens_per_block: int | None = None,
+                         ttft_slo_s: float = DEFAULT_TTFT_SLO_S, tbt_slo_s: float = DEFAULT_TBT_SLO_S,
+                         api_key: str | None = None, seed: int | None = None,
+                         json_path: str | Path | None = None, start: int = 0,
+                         window_s: float | None = None) -> Comparison:
+    """The same requests as :func:`run_replay` replayed twice on the same front door and
+    engines: pool on, then pool off (every request sent with ``"prefix_cache": false``, so
+    every prompt token is recomputed and no cache is read or written). One :data:`WARM_UP`
+    request in each mode goes first, not counted (the first calls on fresh engines and
+    connections are slow); then the pool-on run, on whatever the stack holds (cold, under
+    ``kvstore up``), then the pool-off run. Writes :meth:`Comparison.to_dict` as JSON to ``json_path`` when
+    given. Raises Unavailable when the front door does not answer, InvalidArgument for a
+    malformed trace or bad settings, or when the front door served cached tokens to a
+    request sent with the pool off (it does not honour ``prefix_cache``)."""
+    mapping, trace, limit, settings = await _prepare(target_url, trace_path, requests, start, window_s,
+                                                     tokens_per_block, seed)
+    for prefix_cache in (True, False):
+        await replay(target_url, [WARM_UP], 1.0, 2, mapping, api_key=api_key, prefix_cache=prefix_cache,
+                     max_model_len=limit)
+    runs = []
+    for prefix_cache in (True, False):
+        log.info("replay: %d requests with the pool %s", len(trace), "on" if prefix_cache else "off (recompute)")
+        report = await replay(target_url, trace, speed, max_output_tokens, mapping, ttft_slo_s=ttft_slo_s,
+                              tbt_slo_s=tbt_slo_s, api_key=api_key, prefix_cache=prefix_cache,
+                              max_model_len=limit)
+        runs.append(dataclasses.replace(report, settings={**report.settings, **settings}))
+    pool, recompute = runs
+    if recompute.cached_tokens:
+        raise InvalidArgument(f"the front door at {target_url} served {recompute.cached_tokens} cached prompt "
+                              "tokens to requests sent with \"prefix_cache\": false: it does not honour the "
+                              "flag, so pool on and off cannot be compared")
+    comparison = Comparison(pool, recompute, {k: v for k, v in pool.settings.items() if k != "prefix_cache"})
+    _write_json(json_path, comparison.to_dict())
+    return comparison

@@ -10,8 +10,9 @@ from scheduler.stats import mean, percentile
 
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
-    """One replayed request, measured by the client. ``status``: "ok", "rejected" or
-    "failed"; ``code``: the rejection reason or the failure (HTTP status or error kind);
+    """One replayed request, measured by the client. ``status``: "ok", "rejected", "failed"
+    or "skipped" (never sent: longer than the model's limit); ``code``: the rejection
+    reason, the failure (HTTP status or error kind) or why it was skipped;
     ``ttft_s``: send to first token (seconds); ``tbt_s``: gaps between later tokens
     (seconds); ``cached_blocks``/``trace_blocks``: trace blocks served from cache / in all."""
 
@@ -30,7 +31,8 @@ class RequestOutcome:
         (a request of one token has no TBT and meets that SLO)."""
         if self.status != "ok" or self.ttft_s is None or self.ttft_s > ttft_slo_s:
             return False
-        return not self.tbt_s or mean(self.tbt_s) <= tbt_slo_s
+        gap = mean(self.tbt_s) if self.tbt_s else None
+        return gap is None or gap <= tbt_slo_s
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,12 @@ class Report:
     """Summary of a replay; every time in seconds. Hit ratios are trace blocks served from a
     cache / trace blocks of all requests sent (``best_possible_hit_ratio``: an infinite cache
     that never serves a prompt's last token, over the same requests). ``goodput_rps``:
-    completed requests meeting both SLOs per second of ``wall_s``."""
+    completed requests meeting both SLOs per second of ``wall_s``. ``prefill_tokens``:
+    prompt tokens computed (not loaded from a cache) for the completed requests. Skipped
+    requests (``skipped``, by reason) were never sent and count nowhere else.
+    ``outcomes`` (arrival order, skipped ones included) and ``best_blocks`` (per request
+    sent, the best possible hit in trace blocks) are kept for plots, not written by
+    :meth:`to_dict`."""
 
     requests_sent: int
     completed: int
@@ -62,10 +69,17 @@ class Report:
     goodput_rps: float
     wall_s: float
     settings: dict[str, Any] = field(default_factory=dict)
+    skipped: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    outcomes: tuple[RequestOutcome, ...] = field(default=(), repr=False, compare=False)
+    best_blocks: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of every field."""
-        return asdict(self)
+        """A JSON-able dict of every field but ``outcomes`` and ``best_blocks``."""
+        out = asdict(self)
+        del out["outcomes"], out["best_blocks"]
+        return out
 
 
 def _count(items: Sequence[str]) -> dict[str, int]:
@@ -76,9 +90,14 @@ def _count(items: Sequence[str]) -> dict[str, int]:
 
 
 def summarize(outcomes: Sequence[RequestOutcome], best_hit_blocks: int, wall_s: float,
-              ttft_slo_s: float, tbt_slo_s: float, settings: dict[str, Any] | None = None) -> Report:
+              ttft_slo_s: float, tbt_slo_s: float, settings: dict[str, Any] | None = None,
+              best_blocks: Sequence[int] = ()) -> Report:
     """Fold per-request outcomes into a :class:`Report`; ``best_hit_blocks`` is the best possible
-    hit (trace blocks) summed over the same requests."""
+    hit (trace blocks) summed over the requests sent (``best_blocks``: the same, per request
+    sent, in order; optional)."""
+    every = tuple(outcomes)
+    skipped = [o for o in every if o.status == "skipped"]
+    outcomes = [o for o in every if o.status != "skipped"]
     ok = [o for o in outcomes if o.status == "ok"]
     blocks = sum(o.trace_blocks for o in outcomes)
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
@@ -99,7 +118,10 @@ def summarize(outcomes: Sequence[RequestOutcome], best_hit_blocks: int, wall_s: 
         ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
         slo_rule="TTFT <= ttft_slo_s and mean TBT of the request <= tbt_slo_s",
         met_slo=met, goodput_rps=met / wall_s if wall_s > 0 else 0.0, wall_s=wall_s,
-        settings=dict(settings or {}))
+        settings=dict(settings or {}), skipped=len(skipped),
+        skipped_by_reason=_count([o.code for o in skipped]),
+        prefill_tokens=sum(o.prompt_tokens - o.cached_tokens for o in ok),
+        outcomes=every, best_blocks=tuple(best_blocks))
 
 
 def format_report(report: Report) -> str:
@@ -114,9 +136,11 @@ def format_report(report: Report) -> str:
         ("rejected (429)", f"{report.rejected} ({report.rejected / sent:.1%})"
          + (f" {report.rejected_by_reason}" if report.rejected_by_reason else "")),
         ("failed", str(report.failed) + (f" {report.failed_by_code}" if report.failed_by_code else "")),
+        ("skipped (not sent)", str(report.skipped) + (f" {report.skipped_by_reason}" if report.skipped else "")),
         ("prefix hit ratio (blocks)", f"{report.hit_ratio:.3f}"),
         ("best possible hit ratio", f"{report.best_possible_hit_ratio:.3f}"),
         ("cached / prompt tokens", f"{report.cached_tokens} / {report.prompt_tokens}"),
+        ("prefill tokens computed", str(report.prefill_tokens)),
         ("TTFT p50 / p99", f"{s(report.ttft_p50_s)} / {s(report.ttft_p99_s)}"),
         ("TBT p50 / p99", f"{s(report.tbt_p50_s)} / {s(report.tbt_p99_s)}"),
         ("SLOs", f"TTFT <= {report.ttft_slo_s:g} s, mean TBT <= {report.tbt_slo_s:g} s"),

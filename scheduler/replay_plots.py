@@ -1,0 +1,90 @@
+"""PNG plots of a pool on / pool off comparison (:class:`scheduler.compare.Comparison`;
+matplotlib, headless): the TTFT CDF of both runs, and the hit ratio over the replay."""
+from __future__ import annotations
+
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from scheduler.compare import Comparison
+from scheduler.report import Report
+
+
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _title(c: Comparison) -> str:
+    s = c.settings
+    return (f"{s.get('requests', '?')} trace requests, {s.get('tokens_per_block', '?')} tokens per trace block, "
+            f"speed {s.get('speed', '?')}")
+
+
+def ttft_cdf(c: Comparison, path: str | Path) -> Path:
+    """One CDF line of the completed requests' TTFT (seconds, log scale) per run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rep in (("pool on", c.pool), ("pool off (recompute)", c.recompute)):
+        xs = sorted(o.ttft_s for o in rep.outcomes if o.status == "ok" and o.ttft_s is not None)
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        p50 = "-" if rep.ttft_p50_s is None else f"{rep.ttft_p50_s:.3f}"
+        ax.step(xs, ys, where="post", label=f"{label}: p50 {p50} s, hit ratio {rep.hit_ratio:.2f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale; client-side, send to first token)")
+    ax.set_ylabel("fraction of completed requests")
+    ax.set_title(f"TTFT CDF, pool on against off\n{_title(c)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, plt, path)
+
+
+def _cumulative_hit(rep: Report) -> list[float]:
+    """After each request sent (arrival order), trace blocks served from a cache so far / trace
+    blocks sent so far."""
+    sent = [o for o in rep.outcomes if o.status != "skipped"]
+    hits = accumulate(o.cached_blocks if o.status == "ok" else 0 for o in sent)
+    blocks = accumulate(o.trace_blocks for o in sent)
+    return [h / b if b else 0.0 for h, b in zip(hits, blocks)]
+
+
+def hit_ratio_over_replay(c: Comparison, path: str | Path) -> Path:
+    """The cumulative hit ratio after each request (arrival order) of both runs, beside the
+    best possible (an infinite cache over the same requests)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rep in (("pool on", c.pool), ("pool off (recompute)", c.recompute)):
+        ys = _cumulative_hit(rep)
+        ax.plot(range(1, len(ys) + 1), ys, linewidth=2.5, label=f"{label}: {rep.hit_ratio:.3f} at the end")
+    sent = [o for o in c.pool.outcomes if o.status != "skipped"]
+    if c.pool.best_blocks and len(c.pool.best_blocks) == len(sent):   # drawn on top: pool on may reach it
+        best = [h / b if b else 0.0 for h, b in zip(accumulate(c.pool.best_blocks),
+                                                     accumulate(o.trace_blocks for o in sent))]
+        ax.plot(range(1, len(best) + 1), best, color="black", linestyle="--", linewidth=1,
+                label=f"best possible (infinite cache): {c.pool.best_possible_hit_ratio:.3f}")
+    ax.set_xlabel("requests sent (arrival order)")
+    ax.set_ylabel("prefix hit ratio so far (trace blocks)")
+    ax.set_ylim(-0.02, 1.0)
+    ax.set_title(f"Hit ratio over the replay\n{_title(c)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, plt, path)
+
+
+def write_plots(c: Comparison, out_dir: str | Path, prefix: str = "demo") -> list[Path]:
+    """Both plots as ``<out_dir>/<prefix>_ttft_cdf.png`` and ``<prefix>_hit_ratio.png``."""
+    out = Path(out_dir)
+    return [ttft_cdf(c, out / f"{prefix}_ttft_cdf.png"), hit_ratio_over_replay(c, out / f"{prefix}_hit_ratio.png")]
+
+
+def _save(fig: Any, plt: Any, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
