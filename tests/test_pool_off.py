@@ -13,7 +13,9 @@ from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixt
 
 
 def ask(url: str, prompt: list[int], prefix_cache: bool | None, stream: bool = False) -> dict:
-    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": stream}
+    body: dict = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if prefix_cache is not None:
         body["prefix_cache"] = prefix_cache
     if not stream:
@@ -21,7 +23,7 @@ def ask(url: str, prompt: list[int], prefix_cache: bool | None, stream: bool = F
     status, _, data = call(url, "/v1/completions", body)
     assert status == 200, data
     events = sse_events(data)
-    return {"choices": [{"token_ids": [t for e in events for t in e["choices"][0]["token_ids"]]}],
+    return {"choices": [{"token_ids": [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]}],
             "usage": events[-1]["usage"]}
 
 
@@ -55,3 +57,16 @@ def test_pool_off_leaves_nothing_in_either_cache(url, cluster):
 def test_a_prefix_cache_that_is_not_a_boolean_is_400(url, value):
     status, _, data = call(url, "/v1/completions", {"prompt": [5, 6, 7], "prefix_cache": value})
     assert status == 400 and "prefix_cache" in json.loads(data)["error"]["message"]
+
+
+def test_pool_off_samples_and_scores_as_pool_on(url):
+    """A seeded sampled request with logprobs: pool off draws the same tokens with the same log
+    probabilities as pool on (the first token included, which the recompute path chooses)."""
+    prompt = prompt_of(33, 4 * BS + 7)
+    body = {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 7, "logprobs": 2}
+    on = [complete(url, body) for _ in range(2)][-1]   # the second: served from the caches
+    off = complete(url, {**body, "prefix_cache": False})
+    assert cached(on) == 4 * BS and cached(off) == 0
+    assert off["choices"][0]["token_ids"] == on["choices"][0]["token_ids"]
+    lp_on, lp_off = on["choices"][0]["logprobs"]["token_logprobs"], off["choices"][0]["logprobs"]["token_logprobs"]
+    assert lp_off == pytest.approx(lp_on, abs=1e-4) and len(lp_off) == 5
