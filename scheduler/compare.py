@@ -5,8 +5,8 @@ neither the engine's own nor the pool — is read or written (scheduler/openai_a
 protos/engine.proto ``PrefillRequest.recompute``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tabulate import tabulate

@@ -9,7 +9,15 @@ import json
 import pytest
 
 from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    BS, call, cluster_fixture, complete, door_fixture, prompt_of, sse_events, url_fixture)
+    BS,
+    call,
+    cluster_fixture,
+    complete,
+    door_fixture,
+    prompt_of,
+    sse_events,
+    url_fixture,
+)
 
 
 def ask(url: str, prompt: list[int], prefix_cache: bool | None, stream: bool = False) -> dict:
