@@ -1,7 +1,9 @@
 """The front door's health checks: every ``interval_s`` each engine is asked for its load
 (``Engine/Load``, one gRPC round trip, ``timeout_s`` at most) and the store node for its
-health; an engine that fails the check — or a request (:meth:`Router.mark_down`) — is out of
-routing until a check succeeds again. :meth:`HealthChecker.report` is what ``GET /health``
+health; an engine that refuses the check (gRPC error: not listening, crashed), or that gives
+no answer within ``timeout_s`` in ``misses_to_down`` checks in a row (a busy engine may miss
+one: a long prefill holds its process), or that fails a request (:meth:`Router.mark_down`),
+is out of routing until a check succeeds again. :meth:`HealthChecker.report` is what ``GET /health``
 answers: ``ok`` (HTTP 200), or HTTP 503 with the reasons (one line per part that is down)
 and a status saying what that means: ``degraded`` (an engine or the store is down; requests
 are still served — by the other instances, or recomputed without the pool) or
@@ -38,8 +40,12 @@ class HealthChecker:
     """Runs the checks in a task of the front door's event loop (:meth:`start`/:meth:`stop`)."""
 
     def __init__(self, router: Router, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 probe_engines: bool = True) -> None:
+                 probe_engines: bool = True, misses_to_down: int = 3) -> None:
+        if misses_to_down < 1:
+            raise ValueError(f"misses_to_down must be >= 1, not {misses_to_down}")
         self.router = router
+        self.misses_to_down = misses_to_down
+        self.misses: dict[str, int] = {}    # engine id -> checks in a row without an answer
         self.probe_engines = probe_engines
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -67,22 +73,26 @@ class HealthChecker:
         """Ask every engine (in parallel) and the store once; update the router's ``down``."""
         insts = [*self.router.prefill.items(), *self.router.decode.items()] if self.probe_engines else []
         results = await asyncio.gather(*(self._probe(inst.client) for _, inst in insts))
-        for (engine_id, _), error in zip(insts, results):
-            if error:
-                self.router.mark_down(engine_id, error)
-            else:
+        for (engine_id, _), (error, timed_out) in zip(insts, results):
+            if not error:
+                self.misses.pop(engine_id, None)
                 self.router.mark_up(engine_id)
+                continue
+            missed = self.misses[engine_id] = self.misses.get(engine_id, 0) + 1 if timed_out else self.misses_to_down
+            if missed >= self.misses_to_down:
+                self.router.mark_down(engine_id, f"{error} ({missed} checks in a row)" if timed_out else error)
         await self._check_store()
         self.rounds += 1
 
-    async def _probe(self, client: Any) -> str:
+    async def _probe(self, client: Any) -> tuple[str, bool]:
+        """("", False) when the engine answered; else (the reason, whether it only timed out)."""
         try:
             await asyncio.wait_for(client.load(), self.timeout_s)
-            return ""
+            return "", False
         except asyncio.TimeoutError:
-            return f"no answer to a health check within {self.timeout_s:g} s"
+            return f"no answer to a health check within {self.timeout_s:g} s", True
         except KVStoreError as exc:
-            return f"health check failed: {exc}"
+            return f"health check failed: {exc}", False
 
     async def _check_store(self) -> None:
         store = self.router.store

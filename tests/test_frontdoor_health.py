@@ -140,3 +140,49 @@ def test_a_store_node_that_is_down_is_503_with_the_reason_and_requests_are_still
     assert status == 503 and any(r.startswith("store:") for r in body["reasons"])
     status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, 2 * BS + 3), "max_tokens": 3})
     assert status == 200, data                                          # recomputed, not failed
+
+
+def test_a_busy_engine_missing_one_check_stays_in_routing_but_one_silent_for_three_is_out(cluster):
+    """A long prefill can hold an engine past one check's timeout; only ``misses_to_down``
+    checks in a row without an answer take it out. The busy engine here is a real gRPC server
+    whose Engine/Load handler does not answer until the test lets it."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from engines.client import EngineClient
+    from scheduler.router import PrefillInstance
+    from tests.busy_engine import busy_engine_handler
+    door = cluster.start(FrontdoorConfig(health_interval_s=60))
+    checks = door.frontdoor.health_checks
+    wait_for(lambda: checks.rounds >= 1)                               # the next one in 60 s
+    router = door.frontdoor.router
+    release = threading.Event()
+    busy = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    busy.add_generic_rpc_handlers((busy_engine_handler(release),))
+    address = f"127.0.0.1:{busy.add_insecure_port('127.0.0.1:0')}"
+    busy.start()
+    try:
+        info = next(iter(router.prefill.values())).info
+
+        async def add_busy() -> None:        # the client's channel belongs to the door's loop
+            router.prefill["prefill-busy"] = PrefillInstance(EngineClient(address), info)
+
+        cluster.loop.run(add_busy())
+        checks.timeout_s = 0.3
+        for round_ in range(1, checks.misses_to_down):
+            cluster.loop.run(checks.check_once())
+            assert "prefill-busy" not in router.down, f"out after {round_} missed check(s)"
+            assert checks.misses["prefill-busy"] == round_
+        cluster.loop.run(checks.check_once())
+        assert "prefill-busy" in router.down
+        assert f"{checks.misses_to_down} checks in a row" in router.down["prefill-busy"]
+        assert not any(e in router.down for e in router.prefill if e != "prefill-busy")
+        release.set()                                                  # it answers again
+        cluster.loop.run(checks.check_once())
+        assert "prefill-busy" not in router.down and "prefill-busy" not in checks.misses
+    finally:
+        release.set()
+        cluster.loop.run(router.prefill.pop("prefill-busy").client.close())
+        busy.stop(None).wait()
