@@ -10,7 +10,7 @@ from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.index.keys import KVLayout
-from kvstore.service import GRPC_OPTIONS
+from kvstore.wire.channel import GRPC_OPTIONS
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 

@@ -22,7 +22,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events.channel import make_channel
 from kvstore.limits import check_keys
 from kvstore.metrics_http import MetricsServer
-from kvstore.service import SERVER_OPTIONS
+from kvstore.wire.channel import SERVER_OPTIONS
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 

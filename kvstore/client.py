@@ -5,38 +5,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidArgument, LeaseExpired, QuotaExceeded, Unavailable
+from kvstore.auth import bearer_metadata
+from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
-from kvstore.pool import PutResult, TierStats, checksum_of
-from kvstore.service import CHUNK_BYTES, GRPC_OPTIONS
 from kvstore.tiers.buffers import Segments, to_bytes
+from kvstore.wire import proto_codec as codec
+from kvstore.wire.channel import GRPC_OPTIONS
+from kvstore.wire.errors import from_rpc_error
+from kvstore.wire.types import LookupResult, PutResult, TierStats
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 DATA_PATHS = ("auto", "grpc")
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """``blocks``: longest prefix held; ``tiers``: the tier of each of those blocks."""
-
-    blocks: int
-    tiers: tuple[str, ...]
+__all__ = ["DATA_PATHS", "LookupResult", "StoreClient"]
 
 
 class StoreClient:
     """Talks to one store node at ``address`` (host:port).
 
-    Every method raises :class:`Unavailable` when the node cannot be reached and
-    :class:`InvalidArgument` when the node rejects the request as malformed.
+    Every method raises :class:`Unavailable` when the node cannot be reached,
+    :class:`~kvstore.errors.Unauthenticated` (an Unavailable) when it refuses the token, and
+    :class:`InvalidArgument` when it rejects the request as malformed (the node's error
+    class, as kvstore/wire/errors.py carries it).
 
     ``data_path``: ``auto`` (default) moves block bytes through the node's shared-memory
     slab when the node runs on this host, its top tier is that DRAM slab and the slab can be
@@ -55,7 +52,7 @@ class StoreClient:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._meta = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._meta = bearer_metadata(auth_token)
         self._token = auth_token
         self._plane: Any = None          # a kvstore.dataplane.local.LocalDataPlane once attached
         self._plane_decided = data_path == "grpc"
@@ -85,7 +82,6 @@ class StoreClient:
             if self._plane_decided:
                 return self._plane
             from kvstore.dataplane.local import LocalDataPlane
-            from kvstore.dataplane.types import DataPlaneInfo
             try:
                 resp = self._stub.DataPlaneInfo(pb.DataPlaneInfoRequest(), timeout=self.timeout_s,
                                                 metadata=self._meta)
@@ -96,13 +92,12 @@ class StoreClient:
                 log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc.code().name)
                 return None
             self._plane_decided = True
-            if not resp.available or not resp.puts_in_slab:
+            info = codec.dataplane_info_of(resp)
+            if info is None or not info.puts_in_slab:
                 # no slab, or a tier above it (HBM) that takes puts and promotions in the node
                 log.info("store client -> %s: gRPC stream data path (the node's top tier is not a DRAM slab)",
                          self.address)
                 return None
-            info = DataPlaneInfo(resp.slab_name, resp.slab_bytes, resp.socket_path, resp.host_id, resp.node_id,
-                                 resp.puts_in_slab)
             try:
                 self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks,
                                              prefault=self._prefault)
@@ -125,7 +120,7 @@ class StoreClient:
     def _control(self, info: Any) -> Any:
         from kvstore.dataplane.grpc_control import GrpcControl
         if info.socket_path:
-            from kvstore.dataplane.uds import UdsControl
+            from kvstore.dataplane.control_client import UdsControl
             try:
                 return UdsControl(info.socket_path, self._token, self.timeout_s)
             except Unavailable as exc:
@@ -142,7 +137,7 @@ class StoreClient:
         try:
             return fn(*args, timeout=self.timeout_s, metadata=self._meta, **kw)
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from None
+            raise from_rpc_error(exc, self.address) from None
 
     def health(self) -> str:
         return self._call(self._stub.Health, pb.HealthRequest()).status
@@ -172,8 +167,7 @@ class StoreClient:
                 return LookupResult(n, tuple(tiers))
             except Unavailable as exc:
                 self._drop_plane(exc)
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
-        return LookupResult(resp.prefix_blocks, tuple(resp.tiers))
+        return codec.lookup_of(self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys))))
 
     def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
                    parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
@@ -186,24 +180,19 @@ class StoreClient:
         the refused one are stored)."""
         if not blocks:
             return []
-        if namespace:
-            from kvstore.tenants import NAMESPACE_METADATA
-            blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]
-            meta = (*self._meta, (NAMESPACE_METADATA, namespace))
-            try:
-                resp = self._stub.Put(_put_chunks(blocks, chain, parent), timeout=self.timeout_s, metadata=meta)
-            except grpc.RpcError as exc:
-                raise _translate(exc, self.address) from None
-            return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
-        plane = self._local()
+        plane = None if namespace else self._local()
         if plane is not None:
             try:
                 return plane.put_blocks(blocks, chain, parent)
             except Unavailable as exc:  # puts are idempotent: the stream redoes the whole batch
                 self._drop_plane(exc)
         blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]
-        resp = self._call(self._stub.Put, _put_chunks(blocks, chain, parent))
-        return [PutResult(r.key, r.ok, r.existed, r.error) for r in resp.results]
+        meta = self._meta + codec.namespace_metadata(namespace)
+        try:
+            resp = self._stub.Put(codec.put_chunks(blocks, chain, parent), timeout=self.timeout_s, metadata=meta)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        return codec.put_results_of(resp.results)
 
     def put(self, key: bytes, data: bytes) -> PutResult:
         return self.put_blocks([(key, data)])[0]
@@ -264,44 +253,18 @@ class StoreClient:
         """:meth:`get_blocks` over the gRPC stream."""
         if not keys:
             return []
-        out: list[bytes | None] = []
-        buf = bytearray()
-        size = checksum = 0
-        started = False
-
-        def finish() -> None:
-            if started:
-                ok = len(buf) == size and checksum_of(buf) == checksum
-                out.append(bytes(buf) if ok else None)
-
         try:
-            for chunk in self._stub.Get(pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss),
-                                        timeout=self.timeout_s, metadata=self._meta):
-                if chunk.missing:
-                    finish()
-                    started = False
-                    out.append(None)
-                elif chunk.key:
-                    finish()
-                    started, size, checksum = True, chunk.size, chunk.checksum
-                    buf = bytearray(chunk.data)
-                else:
-                    buf += chunk.data
-            finish()
+            return codec.blocks_of(self._stub.Get(pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss),
+                                                  timeout=self.timeout_s, metadata=self._meta))
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from None
-        return out
+            raise from_rpc_error(exc, self.address) from None
 
     def get(self, key: bytes) -> bytes | None:
         return self.get_blocks([key])[0]
 
     def stats(self) -> tuple[str, list[TierStats]]:
         resp = self._call(self._stub.Stats, pb.StatsRequest())
-        return resp.node_id, [TierStats(t.name, t.device or "cpu", t.capacity_bytes, t.used_bytes, t.blocks,
-                                        t.hits, t.misses, t.evictions, t.demotions, t.promotions,
-                                        t.integrity_failures, leased_bytes=t.leased_bytes,
-                                        pinned_bytes=t.pinned_bytes, reserved_bytes=t.reserved_bytes,
-                                        policy=t.policy, quarantines=t.quarantines) for t in resp.tiers]
+        return resp.node_id, [codec.tier_stats_of(t) for t in resp.tiers]
 
     def evict(self, tier: str, nbytes: int) -> tuple[int, int]:
         resp = self._call(self._stub.Evict, pb.EvictRequest(tier=tier, bytes=nbytes))
@@ -337,26 +300,5 @@ class StoreClient:
                     node, epoch, seq = chunk.node_id, chunk.epoch, chunk.seq
                 entries.extend(zip(chunk.keys, chunk.tiers, chunk.sizes))
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from None
+            raise from_rpc_error(exc, self.address) from None
         return NodeSnapshot(node, epoch, seq, tuple(entries))
-
-
-def _put_chunks(blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
-                parent: bytes | None = None) -> Iterator[pb.PutChunk]:
-    for i, (key, data) in enumerate(blocks):
-        view = memoryview(data)
-        link = (blocks[i - 1][0] if i else parent) if chain else None
-        yield pb.PutChunk(key=key, size=len(data), checksum=checksum_of(data), data=bytes(view[:CHUNK_BYTES]),
-                          parent=link or b"")
-        for off in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
-            yield pb.PutChunk(data=bytes(view[off:off + CHUNK_BYTES]))
-
-
-def _translate(exc: grpc.RpcError, address: str) -> Exception:
-    code = exc.code() if hasattr(exc, "code") else None
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(detail)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return QuotaExceeded(detail)
-    return Unavailable(f"store node at {address}: {code.name if code else 'error'}: {detail}")

@@ -36,3 +36,8 @@ class QuotaExceeded(CapacityError):
     """A tenant's put would take its namespace over its byte quota and evicting the
     tenant's own blocks cannot make room (they are leased or pinned); the message names the
     namespace and the quota. Mapped to gRPC RESOURCE_EXHAUSTED."""
+
+
+class Unauthenticated(Unavailable):
+    """A store node refused the caller's credentials (a missing or wrong token). A subclass
+    of :class:`Unavailable`: to a caller, a node that refuses it cannot be used either."""

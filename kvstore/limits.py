@@ -64,3 +64,9 @@ def check_ttl(ttl_s: float | None, field: str = "ttl_s", limit: float = MAX_TTL_
         raise InvalidArgument(f"{field} {ttl_s!r}: 0 (the node's default) or a number of seconds "
                               f"in (0, {limit:.0f}]")
     return float(ttl_s)
+
+
+# The longest key a store node keeps internally (the same-host data plane's spare slots are
+# reserved under placeholder keys before their block's key is known); the wire takes only
+# the key spec's lengths (:func:`check_key`).
+MAX_KEY_BYTES = 64

@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvstore.auth import STORE_TOKEN_ENV, token_from
-    from kvstore.node import start_node, stop_node
+    from kvstore.node import StoreNode
     sizes = {f"{k}_bytes": getattr(args, f"{k}_bytes") for k in tier_size_flags()}
     cfg = StoreConfig.load(args.config, node_id=args.node_id, host=args.host, port=args.port,
                            data_dir=args.data_dir, tiers=args.tier, **sizes,
@@ -90,18 +90,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port)
     if not cfg.auth_token and token_from(None, STORE_TOKEN_ENV):   # flag, then file, then environment
         cfg = replace(cfg, auth_token=token_from(None, STORE_TOKEN_ENV))
-    server, port, pool = start_node(cfg)
+    node = StoreNode.start(cfg)
+    pool, port = node.pool, node.port
     from kvstore.shutdown import leave_nothing  # a forced exit unlinks these
     leave_nothing(cfg.dataplane_socket_path(),
                   *(f"/dev/shm/{t.shm_name}" for t in pool.tiers if getattr(t, "shm_name", None)))
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
     print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
-    from kvstore.node import metrics_url
-    if metrics_url(server):
-        print(f"store node {cfg.node_id} metrics on {metrics_url(server)}", flush=True)
+    if node.metrics_url:
+        print(f"store node {cfg.node_id} metrics on {node.metrics_url}", flush=True)
     shutdown = _wait_for_signal(f"store node {cfg.node_id}")
-    stop_node(server, pool)
+    node.stop()
     if "kvstore.transfer.engine" in sys.modules:   # unregister from the metadata service
         sys.modules["kvstore.transfer.engine"].shutdown_engines()
     shutdown.exit(0)

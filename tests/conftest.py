@@ -67,17 +67,16 @@ def same_host_store() -> Iterator[tuple["object", str]]:
     import tempfile
     import uuid
 
+    from kvstore.node import StoreNode
     from kvstore.pool import KVPool, PoolSettings
-    from kvstore.service import close_dataplane, serve_store
     from kvstore.tiers.dram import DramTier
 
     tier = DramTier(256 << 20)
     pool = KVPool([tier], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
     path = os.path.join(tempfile.gettempdir(), f"kvstore-test-{uuid.uuid4().hex[:8]}.sock")
-    server, port = serve_store(pool, dataplane_socket=path)
-    yield pool, f"127.0.0.1:{port}"
-    close_dataplane(server)
-    server.stop(grace=None).wait()
+    node = StoreNode.serve(pool, dataplane_socket=path)
+    yield pool, node.address
+    node.stop(grace_s=None)
     tier.close()
 
 

@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 
 from kvstore.client import StoreClient
-from kvstore.dataplane import wire
+from kvstore.dataplane import framing
 from kvstore.dataplane.local import LocalDataPlane
-from kvstore.dataplane.types import MAPPED, LeaseGrant
-from kvstore.dataplane.uds import UdsControl
+from kvstore.wire.types import MAPPED, LeaseGrant
+from kvstore.dataplane.control_client import UdsControl
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of
 from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.pool import KVPool, PoolSettings
-from kvstore.service import close_dataplane, serve_store
+from kvstore.node import StoreNode
+from kvstore.wire import frame_codec as wire
+from kvstore.wire.errors import frame_status
 
 MIB = 1 << 20
 
@@ -53,14 +55,16 @@ def node(make_dram, make_ssd):
         tiers = [make_dram(dram_bytes)] + ([make_ssd(ssd_bytes)] if ssd_bytes else [])
         pool = KVPool(tiers, settings=PoolSettings(high_watermark=1.0, low_watermark=1.0, **settings))
         path = _socket_path() if socket else ""
-        server, port = serve_store(pool, auth_token=token, dataplane_socket=path or None)
-        started.append(server)
-        return pool, f"127.0.0.1:{port}", path
+        served = StoreNode.serve(pool, auth_token=token, dataplane_socket=path or None)
+        started.append(served)
+        nodes[id(pool)] = served
+        return pool, served.address, path
 
+    nodes: dict[int, StoreNode] = {}
+    start.nodes = nodes  # type: ignore[attr-defined]  # id(pool) -> its StoreNode
     yield start
-    for server in started:
-        close_dataplane(server)
-        server.stop(grace=None).wait()
+    for served in started:
+        served.stop(grace_s=None)
 
 
 @pytest.fixture
@@ -185,8 +189,8 @@ def test_repeated_puts_of_one_size_use_spare_slots_and_survive_their_timeout(nod
     client = client_of(address)
     plane = client._local()
     assert client.put(_key(1), _block(1)).ok
-    plane._stock(plane.control.take_spares(wait=True))  # granted just after the commit's reply
-    assert plane._spares.get(64 << 10), "a commit hands out spare slots for the next put"
+    plane.spares.stock(plane.control.take_spares(wait=True))  # granted just after the commit's reply
+    assert plane.spares.by_size.get(64 << 10), "a commit hands out spare slots for the next put"
     assert client.put(_key(2), _block(2)).ok  # written into a spare: one round trip
     time.sleep(0.8)                            # the spares time out in the pool
     assert client.put(_key(3), _block(3)).ok  # put again through a fresh reservation
@@ -212,7 +216,7 @@ def test_blocks_in_another_tier_come_over_the_grpc_stream(node, client_of) -> No
 def test_a_large_batch_leases_in_pipelined_chunks_and_keeps_every_block_in_place(node, client_of) -> None:
     """300 keys (over two lease chunks): DRAM hits, misses and SSD blocks interleaved come
     back in the caller's order, and every chunk's lease is released."""
-    from kvstore.dataplane.local import LEASE_CHUNK
+    from kvstore.dataplane.slab_reads import LEASE_CHUNK
     n = 300
     assert n > 2 * LEASE_CHUNK
     pool, address, _ = node(dram_bytes=16 * MIB, ssd_bytes=16 * MIB, promote_on_hit=False)
@@ -244,7 +248,7 @@ def test_an_expired_and_evicted_block_is_never_read_through_the_mapping(node) ->
     assert pool.evict("dram", 4 * MIB) == (0, 0) and pool.contains(_key(10))
     time.sleep(0.1)
     assert pool.evict("dram", 4 * MIB)[1] == 1 and not pool.contains(_key(10))
-    plane._spares.clear()  # so B takes the lowest free pages: A's
+    plane.spares.by_size.clear()  # so B takes the lowest free pages: A's
     assert plane.put_blocks([(_key(11), b)])[0].ok
     assert pool.tier("dram").locate(_key(11))[0] == grant.blocks[0].offset, "B reuses A's pages"
     out = np.zeros(MIB, dtype=np.uint8)
@@ -263,7 +267,7 @@ def test_an_expired_and_evicted_block_is_never_read_through_the_mapping(node) ->
 
 def test_a_vanished_client_leaves_no_lease_or_reservation(node) -> None:
     pool, address, path = node()
-    code = ("import sys; from kvstore.dataplane.uds import UdsControl\n"
+    code = ("import sys; from kvstore.dataplane.control_client import UdsControl\n"
             "c = UdsControl(sys.argv[1]); print(c.reserve([(b'k' * 32, 1 << 20)])[0].state, flush=True)\n"
             "c.lease([sys.argv[2].encode()], ttl_s=600); import os; os._exit(0)\n")
     pool.put(b"x" * 32, _block(1))
@@ -296,10 +300,7 @@ def test_a_lost_control_socket_falls_back_and_reattaches(node, client_of) -> Non
     pool, address, _ = node()
     client = client_of(address)
     assert client.put(_key(1), _block(1)).ok and client.data_path_in_use == "same-host/uds"
-    from kvstore.service import _UDS
-    for uds in list(_UDS.values()):
-        if uds.host.pool is pool:
-            uds.close()  # as if the node's socket went away under the client
+    node.nodes[id(pool)].control.close()  # as if the node's socket went away under the client
     assert client.get_blocks([_key(1)]) == [_block(1)]     # this call: over gRPC
     assert client.data_path_in_use == "same-host/grpc"      # then the slab again, control over gRPC
     assert client.put(_key(2), _block(2)).ok and pool.get(_key(2)) == _block(2)
@@ -365,8 +366,8 @@ def test_a_spare_slot_past_its_write_by_time_is_never_written(node, client_of) -
     a, b = client_of(address), client_of(address)
     plane = a._local()
     assert a.put(_key(1), _block(1)).ok
-    plane._stock(plane.control.take_spares(wait=True))
-    assert plane._spares.get(64 << 10)
+    plane.spares.stock(plane.control.take_spares(wait=True))
+    assert plane.spares.by_size.get(64 << 10)
     time.sleep(1.3)                                   # A's spares time out in the pool
     ours = [(_key(100 + i), _block(100 + i)) for i in range(16)]
     assert all(r.ok for r in b.put_blocks(ours))      # B may get the space A's spares held
@@ -414,7 +415,7 @@ def test_a_pipelined_put_whose_copy_fails_raises_and_leaves_the_client_usable(no
 def test_a_malformed_release_frame_ends_only_that_connection(node) -> None:
     pool, _, path = node()
     ctl = UdsControl(path)
-    wire.write_frame(ctl._sock, wire.OP_RELEASE, b"abc")  # not 8 bytes
+    framing.write_frame(ctl._sock, wire.OP_RELEASE, b"abc")  # not 8 bytes
     with pytest.raises((Unavailable, OSError)):
         ctl.lookup([_key(1)])
     ctl.close()
@@ -430,8 +431,8 @@ def test_a_one_block_put_whose_spare_timed_out_before_commit_is_put_again(node, 
     client = client_of(address)
     plane = client._local()
     assert client.put(_key(1), _block(1)).ok
-    plane._stock(plane.control.take_spares(wait=True))
-    stock = plane._spares[64 << 10]
+    plane.spares.stock(plane.control.take_spares(wait=True))
+    stock = plane.spares.by_size[64 << 10]
     stock[:] = [g._replace(write_by=0.0) for g in stock]   # always "in time"
     time.sleep(0.6)                                         # the node's reservations run out
     redone = []
@@ -452,9 +453,9 @@ def test_control_channel_polling_is_only_a_latency_choice(make_dram, node_poll_s
         StoreConfig(dataplane_poll_us=-1)
     pool = KVPool([make_dram(64 * MIB)], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
     path = _socket_path()
-    server, port = serve_store(pool, dataplane_socket=path, dataplane_poll_s=node_poll_s)
+    served = StoreNode.serve(pool, dataplane_socket=path, dataplane_poll_s=node_poll_s)
     try:
-        with StoreClient(f"127.0.0.1:{port}") as client:
+        with StoreClient(served.address) as client:
             plane = client._local()
             plane.control.poll_s = reply_poll_s
             blocks = [(_key(i), _block(i, (i + 1) << 14)) for i in range(40)]
@@ -465,8 +466,7 @@ def test_control_channel_polling_is_only_a_latency_choice(make_dram, node_poll_s
             assert [o.tobytes() for o in outs] == [d for _, d in blocks]
             assert client.lookup([k for k, _ in blocks]).blocks == 40
     finally:
-        close_dataplane(server)
-        server.stop(grace=None).wait()
+        served.stop(grace_s=None)
 
 
 def test_a_client_builds_its_slab_mapping_in_the_background(node, client_of) -> None:
@@ -514,8 +514,8 @@ def test_bad_frames_and_leases_get_clear_errors(node) -> None:
     raw = so.socket(so.AF_UNIX, so.SOCK_STREAM)
     raw.connect(path)
     raw.sendall(wire.HEADER.pack(wire.OP_HELLO, 1 << 20))  # claims 1 MiB before any token
-    status, reply = wire.read_frame(raw)
-    assert status == wire.STATUS_OF[InvalidArgument] and b"at most 4096" in reply
+    status, reply = framing.read_frame(raw)
+    assert status == frame_status(InvalidArgument('')) and b"at most 4096" in reply
     assert raw.recv(1) == b""                                # then closed
     raw.close()
     ctl = UdsControl(path, "s3cret")
@@ -539,9 +539,9 @@ def test_a_reply_that_cannot_be_read_drops_the_connection() -> None:
 
     def serve() -> None:
         conn, _ = listener.accept()
-        wire.read_frame(conn)                      # HELLO
-        wire.write_frame(conn, wire.OK)
-        wire.read_frame(conn)                      # LOOKUP
+        framing.read_frame(conn)                      # HELLO
+        framing.write_frame(conn, wire.OK)
+        framing.read_frame(conn)                      # LOOKUP
         conn.sendall(wire.HEADER.pack(wire.OK, wire.MAX_FRAME_BYTES + 1))
         conn.recv(1)                               # until the client hangs up
         conn.close()
@@ -564,9 +564,8 @@ def test_a_reply_that_cannot_be_read_drops_the_connection() -> None:
 def test_the_accept_loop_survives_accept_errors(node) -> None:
     """EMFILE and the like are transient: the server logs, backs off and accepts again."""
     import errno
-    from kvstore.service import _UDS
     pool, _, path = node()
-    server = next(u for u in _UDS.values() if u.host.pool is pool)
+    server = node.nodes[id(pool)].control
 
     class Flaky:
         def __init__(self, sock):

@@ -15,7 +15,7 @@ from kvstore.config import StoreConfig
 from kvstore.events import (EventChannel, EventKind, IndexReplica, KVEvent, LocalEventChannel,
                             PublishingIndex, RedisEventChannel, local_channel, make_channel,
                             store_snapshot_source)
-from kvstore.node import start_node, stop_node
+from kvstore.node import StoreNode
 from kvstore.pool import KVPool
 from kvstore.service import serve_store
 from kvstore.tiers import TIERS
@@ -296,16 +296,17 @@ def test_no_redis_means_an_in_process_channel_and_the_node_says_so(tmp_path, cap
     assert "in-process" in caplog.text
     replica = IndexReplica(local_channel(), from_start=False)
     cfg = StoreConfig(node_id="solo", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path))
-    server, port, pool = start_node(cfg)
+    node = StoreNode.start(cfg)
+    pool = node.pool
     try:
-        with StoreClient(f"127.0.0.1:{port}") as client:
+        with StoreClient(node.address) as client:
             client.put(K[0], b"q" * 100)
         pool.index.publisher.flush()
         while replica.poll():
             pass
         assert replica.hits([K[0]]) == {"solo": 1}
     finally:
-        stop_node(server, pool, grace_s=0)
+        node.stop(grace_s=0)
     replica.poll()
     assert replica.hits([K[0]]) == {}
 
@@ -315,15 +316,16 @@ def test_store_config_takes_a_redis_url(redis_url, tmp_path) -> None:
         StoreConfig(redis_url="localhost:6379")
     cfg = StoreConfig.load(None, node_id="r1", port=0, dram_bytes="1MiB", ssd_bytes=0,
                            data_dir=str(tmp_path), redis_url=redis_url)
-    server, port, pool = start_node(cfg)
+    node = StoreNode.start(cfg)
+    pool = node.pool
     channel = make_channel(redis_url)
-    replica = IndexReplica(channel, store_snapshot_source({"r1": f"127.0.0.1:{port}"})).start()
+    replica = IndexReplica(channel, store_snapshot_source({"r1": node.address})).start()
     try:
-        with StoreClient(f"127.0.0.1:{port}") as client:
+        with StoreClient(node.address) as client:
             client.put(K[1], b"r" * 100)
         assert replica.wait_for("r1", pool.index.seq) and replica.hits([K[1]]) == {"r1": 1}
     finally:
-        stop_node(server, pool, grace_s=0)
+        node.stop(grace_s=0)
         assert replica.wait_for("r1", pool.index.seq) and replica.hits([K[1]]) == {}
         replica.stop()
     assert isinstance(channel, RedisEventChannel)

@@ -1,5 +1,5 @@
-"""Fuzz targets of the control channel's frames (kvstore/dataplane/wire.py, served by
-kvstore/dataplane/server.py) against real servers on a real pool: the same-host Unix socket
+"""Fuzz targets of the control channel's frames (kvstore/wire/frame_codec.py, served by
+kvstore/dataplane/control_server.py) against real servers on a real pool: the same-host Unix socket
 (every op), the read-only TCP channel, and the bytes a client may send before its token was
 checked. Each input is a frame (or a raw byte stream) built by hypothesis; after it the
 connection either answers a probe LOOKUP of a stored block correctly or was closed by the
@@ -21,13 +21,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.client import StoreClient
-from kvstore.dataplane import wire as w
+from kvstore.dataplane import framing
+from kvstore.wire import frame_codec as w
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.dataplane.server import TcpControlServer
+from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.errors import InvalidArgument
 from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.pool import KVPool, PoolSettings
-from kvstore.service import close_dataplane, serve_store
+from kvstore.node import StoreNode
 from tests.fuzzing import Counter, fuzz_settings, run_target
 
 TOKEN = "fuzz-token"
@@ -49,13 +50,12 @@ def node():
         assert pool.put(key, bytes([i]) * 4096).ok
         pool.pin([key], hard=True)   # a fuzzed RESERVE may fill the tier: these stay
     path = os.path.join(tempfile.gettempdir(), f"kvstore-fuzz-{uuid.uuid4().hex[:8]}.sock")
-    server, port = serve_store(pool, auth_token=TOKEN, dataplane_socket=path)
+    served = StoreNode.serve(pool, auth_token=TOKEN, dataplane_socket=path)
     host = DataPlaneHost(pool)
     tcp = TcpControlServer(host, "127.0.0.1", 0, TOKEN)
-    yield pool, host, path, tcp.port, f"127.0.0.1:{port}"
+    yield pool, host, path, tcp.port, served.address
     tcp.close()
-    close_dataplane(server)
-    server.stop(grace=None).wait()
+    served.stop(grace_s=None)
     pool.close()
     dram.close()
 
@@ -130,8 +130,8 @@ class Conn:
         if self.sock is None:
             s = self._connect()
             s.settimeout(REPLY_TIMEOUT_S)
-            w.write_frame(s, w.OP_HELLO, TOKEN.encode())
-            assert w.read_frame(s) == (w.OK, b"")
+            framing.write_frame(s, w.OP_HELLO, TOKEN.encode())
+            assert framing.read_frame(s) == (w.OK, b"")
             self.sock = s
             self.history = []
         return self.sock
@@ -157,10 +157,10 @@ def exchange(conn: Conn, op: int, payload: bytes, probe_reply: bytes) -> None:
     s = conn.open()
     said_closing = False
     try:
-        w.write_frame(s, op, payload)
-        w.write_frame(s, w.OP_LOOKUP, PROBE)
+        framing.write_frame(s, op, payload)
+        framing.write_frame(s, w.OP_LOOKUP, PROBE)
         for _ in range(4):
-            code, reply = w.read_frame(s)
+            code, reply = framing.read_frame(s)
             _check_reply(code, reply)
             said_closing |= b"closing the connection" in reply
             if (code, reply) == (w.OK, probe_reply):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvstore.client import StoreClient
 from kvstore.pool import KVPool, PoolSettings, checksum_of
-from kvstore.service import close_dataplane, serve_store
+from kvstore.service import serve_store
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.ssd import SsdTier
 from protos import kvstore_pb2 as pb
@@ -40,7 +40,6 @@ def node(tmp_path_factory):
         assert pool.put(key, bytes([i]) * 5000).ok
     server, port = serve_store(pool)
     yield pool, f"127.0.0.1:{port}"
-    close_dataplane(server)
     assert_stops(server)
     pool.close()
     for t in tiers:

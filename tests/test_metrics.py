@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import StoreClient
 from kvstore.config import StoreConfig
-from kvstore.node import metrics_url, start_node, stop_node
+from kvstore.node import StoreNode
 
 TOKEN = "metrics-test-token"
 
@@ -50,9 +50,9 @@ def node(tmp_path):
     cfg = StoreConfig(node_id="metrics-node", port=0, metrics_port=0, dram_bytes=16 << 20, ssd_bytes=32 << 20,
                       data_dir=str(tmp_path), auth_token=TOKEN, dram_prefault=False,
                       high_watermark=1.0, low_watermark=1.0)
-    server, port, pool = start_node(cfg)
-    yield f"127.0.0.1:{port}", metrics_url(server), pool
-    stop_node(server, pool, grace_s=0)
+    served = StoreNode.start(cfg)
+    yield served.address, served.metrics_url, served.pool
+    served.stop(grace_s=0)
 
 
 def blocks(n: int, size: int = 64 << 10, seed: int = 0) -> list[tuple[bytes, bytes]]:
@@ -136,7 +136,7 @@ def test_metrics_port_in_use_is_a_clear_error(node, tmp_path):
     cfg = StoreConfig(node_id="second", port=0, metrics_port=taken, dram_bytes=4 << 20, ssd_bytes=0,
                       data_dir=str(tmp_path / "b"), dram_prefault=False)
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{taken} for metrics"):
-        start_node(cfg)
+        StoreNode.start(cfg)
     with pytest.raises(ValueError, match="metrics_port"):
         StoreConfig(metrics_port=70000)
 
@@ -219,9 +219,10 @@ def test_store_metrics_count_the_transfer_engine_plane(tmp_path, redis_url):
 
     cfg = StoreConfig(node_id="te-node", port=0, metrics_port=0, dram_bytes=8 << 20, ssd_bytes=0,
                       data_dir=str(tmp_path), redis_url=redis_url, dram_prefault=False)
-    server, port, pool = start_node(cfg)
+    served = StoreNode.start(cfg)
+    pool = served.pool
     try:
-        got = scrape(metrics_url(server), None)
+        got = scrape(served.metrics_url, None)
         assert value(got, "kvstore_leases", plane="remote") == 0
         assert value(got, "kvstore_reservations", plane="remote") == 0
         data = blocks(2, seed=5)
@@ -230,8 +231,8 @@ def test_store_metrics_count_the_transfer_engine_plane(tmp_path, redis_url):
             cluster.wait_for_nodes(1, timeout_s=10)
             assert cluster.get_blocks([k for k, _ in data]) == [v for _, v in data]
             assert set(cluster.paths.values()) == {"transfer_engine"}, cluster.paths
-        got = scrape(metrics_url(server), None)
+        got = scrape(served.metrics_url, None)
         assert value(got, "kvstore_dataplane_op_seconds_count", plane="remote", op="lease") >= 1
         assert value(got, "kvstore_leases", plane="remote") == 0      # released after the read
     finally:
-        stop_node(server, pool, grace_s=0)
+        served.stop(grace_s=0)

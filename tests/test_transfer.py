@@ -222,7 +222,7 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_sto
     serves reads only; when it breaks, the bytes stay right: from a node that registers its
     slab (``--te-staging 0``) leases go over gRPC, from a staging node (whose gRPC leases
     point outside what its engine registered) blocks come over the gRPC stream."""
-    from kvstore.dataplane.uds import TcpControl
+    from kvstore.dataplane.control_client import TcpControl
     from kvstore.errors import InvalidArgument
 
     _, address = spawn_store_node("te-ctl", "--dram", "32MiB", "--ssd", "0", "--transfer-engine", "tcp",
@@ -256,7 +256,7 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_sto
 
 
 def test_tcp_control_channel_needs_the_node_token(spawn_store_node):
-    from kvstore.dataplane.uds import TcpControl
+    from kvstore.dataplane.control_client import TcpControl
 
     _, address = spawn_store_node("te-tok", "--dram", "8MiB", "--ssd", "0", "--transfer-engine", "tcp",
                                   "--auth-token", "s3cret")
@@ -278,7 +278,7 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
     import socket
 
     from kvstore.config import StoreConfig
-    from kvstore.node import start_node
+    from kvstore.node import StoreNode
 
     with pytest.raises(ValueError, match="control_port must be in"):
         StoreConfig(control_port=70000)
@@ -291,7 +291,7 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
         cfg = StoreConfig(node_id="ctl-taken", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path),
                           control_port=taken.getsockname()[1], dataplane_socket="", transfer_engine="tcp")
         with pytest.raises(OSError, match="cannot listen for control connections"):
-            start_node(cfg)
+            StoreNode.start(cfg)
         assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind
 
 

@@ -13,7 +13,7 @@ import grpc
 from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
 from kvstore.config import StoreConfig
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.dataplane.server import TcpControlServer
+from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.pool import KVPool
 from kvstore.tiers import registry as tier_registry
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable

@@ -1,12 +1,13 @@
 """The same-host control over gRPC, for a node that serves no Unix socket (or one this
-process cannot reach): the calls of :class:`kvstore.dataplane.uds.UdsControl`, one RPC each
-(about 0.7 ms per call from Python, against tens of microseconds on the socket)."""
+process cannot reach): the calls of :class:`kvstore.dataplane.control_client.UdsControl`, one
+RPC each (about 0.7 ms per call from Python, against tens of microseconds on the socket);
+messages through kvstore/wire/proto_codec.py."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
-from kvstore.pool import PutResult
-from kvstore.dataplane.types import BlockLocation, LeaseGrant, SlotGrant
+from kvstore.wire import proto_codec as codec
+from kvstore.wire.types import LeaseGrant, LeaseRequest, PutResult, ReserveRequest, SlotGrant
 from protos import kvstore_pb2 as pb
 
 
@@ -18,15 +19,13 @@ class GrpcControl:
         self._stub, self._call = stub, call
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
-        return resp.prefix_blocks, list(resp.tiers)
+        n, tiers = codec.lookup_of(self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys))))
+        return n, list(tiers)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
               chain: bool = False) -> LeaseGrant:
-        resp = self._call(self._stub.LeaseBlocks, pb.LeaseBlocksRequest(
-            keys=list(keys), ttl_s=ttl_s or 0.0, stop_at_miss=stop_at_miss, chain=chain))
-        return LeaseGrant(resp.lease_id, resp.deadline,
-                          [BlockLocation(b.state, b.offset, b.size, b.checksum) for b in resp.blocks])
+        req = codec.lease_request(LeaseRequest(keys, ttl_s, stop_at_miss, chain))
+        return codec.lease_grant_of(self._call(self._stub.LeaseBlocks, req))
 
     def lease_pipelined(self, chunks: Sequence[Sequence[bytes]], ttl_s: float | None,
                         consume: Callable[[int, LeaseGrant], None]) -> None:
@@ -44,9 +43,8 @@ class GrpcControl:
 
     def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
                 parent: bytes | None = None) -> list[SlotGrant]:
-        resp = self._call(self._stub.ReserveBlocks, pb.ReserveBlocksRequest(
-            keys=[k for k, _ in items], sizes=[s for _, s in items], chain=chain, parent=parent or b""))
-        return [SlotGrant(s.state, s.reservation_id, s.offset, s.error, s.write_by) for s in resp.slots]
+        req = codec.reserve_request(ReserveRequest(items, chain, parent))
+        return codec.slots_of(self._call(self._stub.ReserveBlocks, req))
 
     name = "grpc"
     spares = False  # no spare slots over gRPC: reserve, write, commit
@@ -61,9 +59,8 @@ class GrpcControl:
         self.abort(give_back)
         if not res_ids:
             return []
-        resp = self._call(self._stub.CommitBlocks, pb.CommitBlocksRequest(reservation_ids=list(res_ids),
-                                                                          checksums=list(checksums or ())))
-        return [PutResult(k, r.ok, r.existed, r.error) for k, r in zip(keys, resp.results)]
+        resp = self._call(self._stub.CommitBlocks, codec.commit_request(res_ids, checksums))
+        return codec.put_results_of(resp.results, keys)
 
     def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
                                                       Sequence[int]]]) -> list[PutResult]:

@@ -11,16 +11,17 @@ from typing import Sequence
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.integrity import checksum_of
 from kvstore.lease import Lease, Reservation
-from kvstore.limits import check_key
+from kvstore.limits import MAX_KEY_BYTES, check_key, check_ttl
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.dram import PAGE_BYTES, DramTier
-from kvstore.dataplane.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN, WRITE_GRACE_S,
-                                     BlockLocation, DataPlaneInfo, LeaseGrant, SlotGrant, host_id)
+from kvstore.wire.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN, BlockLocation,
+                                DataPlaneInfo, LeaseGrant, LeaseRequest, ReserveRequest, SlotGrant, chain_parents,
+                                host_id)
 
-MAX_KEY_BYTES = 64        # of the internal keys reserve() takes (spares); the wire takes the key spec's only
 SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
 MAX_SPARES_PER_ASK = 64
 MAX_LEASE_TTL_S = 3600.0  # a longer lease would pin blocks past any reasonable copy
+WRITE_GRACE_S = 5.0  # at most: a reservation timeout of T gives the writer T - min(5 s, T / 2)
 _MISS = (MISS, 0, 0, 0)
 _ELSEWHERE = (ELSEWHERE, 0, 0, 0)
 
@@ -77,9 +78,8 @@ class DataPlaneHost:
         """:meth:`lease` with the locations flattened (state, offset, size, checksum per
         key), as the Unix socket packs them. Raises InvalidArgument for a TTL that is not a
         number of seconds in (0, :data:`MAX_LEASE_TTL_S`] (0 or None: the pool's)."""
-        if ttl_s and not 0 < ttl_s <= MAX_LEASE_TTL_S:  # NaN fails this too
-            raise InvalidArgument(f"lease TTL {ttl_s} s; 0 (the node's default) or up to {MAX_LEASE_TTL_S:.0f} s")
-        lease, tiers = self.pool.lease_many(keys, ttl_s or None, stop_at_miss, chain)
+        ttl_s = check_ttl(ttl_s, "lease TTL", MAX_LEASE_TTL_S)
+        lease, tiers = self.pool.lease_many(keys, ttl_s, stop_at_miss, chain)
         dram, locate = self.tier.name, self.tier.locate
         flat: list[int] = []
         for key, tier in zip(keys, tiers):
@@ -96,6 +96,10 @@ class DataPlaneHost:
             self._leases[lease.id] = lease
             self._tick()
         return lease.id, lease.deadline, flat
+
+    def lease_for(self, req: LeaseRequest) -> LeaseGrant:
+        """:meth:`lease` of a decoded request (what the gRPC servicer calls)."""
+        return self.lease(req.keys, req.ttl_s, req.stop_at_miss, req.chain)
 
     def release(self, lease_id: int) -> bool:
         """End a lease; False when it is unknown (released or swept already)."""
@@ -114,8 +118,8 @@ class DataPlaneHost:
         fit (or is malformed) SLOT_FAILED with the reason."""
         out: list[SlotGrant] = []
         made: list[Reservation] = []
-        for i, (key, size) in enumerate(items):
-            link = parent if i == 0 else (items[i - 1][0] if chain else None)
+        links = chain_parents([k for k, _ in items], chain, parent)
+        for (key, size), link in zip(items, links):
             if not key or len(key) > MAX_KEY_BYTES:
                 out.append(SlotGrant(SLOT_FAILED, error=f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}"))
                 continue
@@ -123,7 +127,7 @@ class DataPlaneHost:
                 out.append(SlotGrant(SLOT_FAILED, error=f"block of {size} bytes; at most {self.max_block_bytes}"))
                 continue
             try:
-                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link or None)
+                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link)
             except (KVStoreError, OSError) as exc:
                 out.append(SlotGrant(SLOT_FAILED, error=str(exc)))
                 continue
@@ -138,6 +142,10 @@ class DataPlaneHost:
                     self._slots[res.id] = res
                 self._tick()
         return out
+
+    def reserve_for(self, req: ReserveRequest) -> list[SlotGrant]:
+        """:meth:`reserve` of a decoded request (what the servicers call)."""
+        return self.reserve(req.items, req.chain, req.parent)
 
     def reserve_spares(self, size: int, count: int, held_bytes: int = 0) -> list[SlotGrant]:
         """Up to ``count`` slots of ``size`` bytes reserved before their keys are known: a

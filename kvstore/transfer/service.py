@@ -1,7 +1,7 @@
 """The node side of the transfer-engine path: the ``BlockTransfer`` gRPC service
 (protos/transfer.proto) says where the node's transfer engine listens and where its
 registered DRAM slab lies, and the port of the node's compact TCP control channel
-(kvstore/dataplane/server.py ``TcpControlServer``), where readers lease slab offsets; without
+(kvstore/dataplane/control_server.py ``TcpControlServer``), where readers lease slab offsets; without
 one they use the store service's own ``LeaseBlocks`` / ``ReleaseLease``."""
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import grpc
 
 from kvstore.pool import KVPool
 from kvstore.transfer.engine import NodeTransferEngine
+from kvstore.wire.transfer_codec import info_response
+from kvstore.wire.types import TransferInfo
 from protos import transfer_pb2 as pb
 from protos import transfer_pb2_grpc as pb_grpc
 
@@ -22,13 +24,14 @@ class TransferServicer(pb_grpc.BlockTransferServicer):
         self.control_port = control_port
 
     def Info(self, request: pb.TransferInfoRequest, context: grpc.ServicerContext) -> pb.TransferInfoResponse:
+        return info_response(self.info())
+
+    def info(self) -> TransferInfo:
         te = self.node_te
         if te is None:
-            return pb.TransferInfoResponse(node_id=self.pool.node_id)
-        return pb.TransferInfoResponse(node_id=self.pool.node_id, te_endpoint=te.endpoint, protocol=te.protocol,
-                                       slab_address=te.slab_address, slab_bytes=te.slab_bytes,
-                                       metadata=te.handle.metadata, control_port=self.control_port,
-                                       staged=te.staging is not None)
+            return TransferInfo(self.pool.node_id)
+        return TransferInfo(self.pool.node_id, te.endpoint, te.protocol, te.slab_address, te.slab_bytes,
+                            te.handle.metadata, self.control_port, te.staging is not None)
 
 
 def transfer_service(pool: KVPool, node_te: NodeTransferEngine | None,

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.dataplane.types import ELSEWHERE, MAPPED
+from kvstore.wire.types import ELSEWHERE, MAPPED
 
 log = logging.getLogger(__name__)
 ALIGN = 4096

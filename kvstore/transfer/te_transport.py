@@ -1,6 +1,6 @@
 """The across-host path: lease the blocks (slab offsets) over the node's compact TCP control
-channel (kvstore/dataplane/uds.py ``TcpControl``; the store's gRPC ``LeaseBlocks`` where the
-node runs none), read them out of the node's registered slab with the Mooncake Transfer
+channel (kvstore/dataplane/control_client.py ``TcpControl``; the store's gRPC ``LeaseBlocks``
+where the node runs none; both decoded to the same LeaseGrant by kvstore/wire's codecs), read them out of the node's registered slab with the Mooncake Transfer
 Engine, verify each against its checksum, release."""
 from __future__ import annotations
 
@@ -13,17 +13,19 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
-from kvstore.client import _translate
-from kvstore.dataplane.types import ELSEWHERE, MAPPED, MISS, BlockLocation  # LeasedBlock.state too
-from kvstore.dataplane.uds import TcpControl
+from kvstore.auth import bearer_metadata
+from kvstore.dataplane.control_client import TcpControl
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
 from kvstore.tiers.buffers import copy_into
-from kvstore.service import GRPC_OPTIONS
 from kvstore.transfer.base import BlockTransport, register_transport
 from kvstore.transfer.engine import (DONE, IN_FLIGHT, TransferEngineHandle, TransferEngineUnavailable,
                                      process_engine)
 from kvstore.transfer.grpc_stream import grpc_only_client
+from kvstore.wire import proto_codec, transfer_codec
+from kvstore.wire.channel import GRPC_OPTIONS
+from kvstore.wire.errors import from_rpc_error
+from kvstore.wire.types import ELSEWHERE, MAPPED, MISS, BlockLocation, LeaseRequest
 from protos import kvstore_pb2 as kv_pb
 from protos import kvstore_pb2_grpc as kv_grpc
 from protos import transfer_pb2 as pb
@@ -56,7 +58,7 @@ class TransferEngineTransport(BlockTransport):
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
     the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others).
     Leases go over the node's TCP control channel when it announces one (``control`` is
-    then a :class:`~kvstore.dataplane.uds.TcpControl`; after that connection fails, and
+    then a :class:`~kvstore.dataplane.control_client.TcpControl`; after that connection fails, and
     for nodes without one, over gRPC: ``control`` is None).
 
     Raises TransferEngineUnavailable at construction when the engine cannot start here or
@@ -67,7 +69,7 @@ class TransferEngineTransport(BlockTransport):
                  engine: TransferEngineHandle | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._meta = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._meta = bearer_metadata(auth_token)
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._info_stub = pb_grpc.BlockTransferStub(self._channel)
         self._kv = kv_grpc.KVStoreStub(self._channel)
@@ -82,7 +84,8 @@ class TransferEngineTransport(BlockTransport):
         self.control: TcpControl | None = None
         self.staged = False
         try:
-            info = self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s, metadata=self._meta)
+            info = transfer_codec.info_of(self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s,
+                                                               metadata=self._meta))
             if not info.te_endpoint:
                 raise TransferEngineUnavailable(f"store node at {address} runs no transfer engine")
             self.endpoint, self.protocol, self.slab_address = info.te_endpoint, info.protocol, info.slab_address
@@ -95,7 +98,7 @@ class TransferEngineTransport(BlockTransport):
                                                    info.protocol)
         except grpc.RpcError as exc:
             self.close()
-            raise _translate(exc, address) from None
+            raise from_rpc_error(exc, address) from None
         except TransferEngineUnavailable:
             self.close()
             raise
@@ -182,7 +185,7 @@ class TransferEngineTransport(BlockTransport):
             return out + [None] if len(out) < len(keys) else out
         return out + [None] * (len(keys) - len(out))
 
-    def _lease(self, keys: list[bytes], stop_at_miss: bool) -> tuple[int, list[Any]]:
+    def _lease(self, keys: list[bytes], stop_at_miss: bool) -> tuple[int, list[BlockLocation]]:
         """(lease id, per key a block with state, offset, size, checksum): over the TCP
         control channel, or gRPC where there is none (or it just failed). Raises
         Unavailable when the node cannot be reached, and the node's refusal as its class.
@@ -199,11 +202,12 @@ class TransferEngineTransport(BlockTransport):
         if self.staged:   # gRPC leases give slab offsets, which lie outside what the engine may read
             return 0, [BlockLocation(ELSEWHERE)] * len(keys)
         try:
-            lease = self._kv.LeaseBlocks(kv_pb.LeaseBlocksRequest(keys=keys, stop_at_miss=stop_at_miss),
-                                         timeout=self.timeout_s, metadata=self._meta)
+            grant = proto_codec.lease_grant_of(self._kv.LeaseBlocks(
+                proto_codec.lease_request(LeaseRequest(keys, None, stop_at_miss, stop_at_miss)),
+                timeout=self.timeout_s, metadata=self._meta))
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from None
-        return lease.lease_id, list(lease.blocks)
+            raise from_rpc_error(exc, self.address) from None
+        return grant.lease_id, grant.blocks
 
     def _release(self, lease_id: int) -> None:
         """End a lease without waiting for the node. Over gRPC the call's future is kept
@@ -221,7 +225,8 @@ class TransferEngineTransport(BlockTransport):
         self._releases.append(self._kv.ReleaseLease.future(
             kv_pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s, metadata=self._meta))
 
-    def _read(self, blocks: list, mapped: list[int], out: list[Any], outs: Sequence[Any] | None) -> bool:
+    def _read(self, blocks: list[BlockLocation], mapped: list[int], out: list[Any],
+              outs: Sequence[Any] | None) -> bool:
         """Read the ``mapped`` blocks with the engine: each into its caller's registered
         buffer, or else into the transport's buffer (then copied out, or to bytes when
         ``outs`` is None). The pieces (at most :data:`PIECE_BYTES`) are all started at

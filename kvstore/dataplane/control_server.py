@@ -1,8 +1,8 @@
 """The store side of the light control channel: a Unix domain socket for same-host clients
 (:class:`UdsServer`) and the same frames over TCP for readers on other hosts, which move the
 bytes with the transfer engine (:class:`TcpControlServer`, reads only: LOOKUP, LEASE,
-RELEASE); a thread per connection. Frames are those of :mod:`kvstore.dataplane.wire`; the
-client side is :mod:`kvstore.dataplane.uds`. A connection's leases and reservations end
+RELEASE); a thread per connection. Frames are those of :mod:`kvstore.wire.frame_codec`; the
+client side is :mod:`kvstore.dataplane.control_client`. A connection's leases and reservations end
 with it, so a client that dies holds nothing past its socket."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import struct
 import threading
 import time
 
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
-from kvstore.limits import check_count
-from kvstore.dataplane import wire as w
+from kvstore.dataplane import framing as io
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.dataplane.types import SLOT_FAILED
+from kvstore.errors import InvalidArgument, KVStoreError, Unauthenticated
+from kvstore.wire import frame_codec as w
+from kvstore.wire.errors import frame_status
 
 log = logging.getLogger(__name__)
 READ_OPS = frozenset((w.OP_HELLO, w.OP_LOOKUP, w.OP_LEASE, w.OP_RELEASE))
@@ -34,7 +34,7 @@ class ControlServer:
     an ``auth_token``, a connection must open with HELLO carrying it. ``read_only``: only
     LOOKUP, LEASE and RELEASE are served (other ops get InvalidArgument). ``poll_s``:
     after each request, a connection's thread polls this long for the next one before it
-    sleeps (:func:`~kvstore.dataplane.wire.spin_until_readable`; 0: never), trading that
+    sleeps (:func:`~kvstore.dataplane.framing.spin_until_readable`; 0: never), trading that
     much CPU per request for a faster answer to a client that keeps asking. One connection
     polls at a time (the others sleep meanwhile), so a node never spends more than about
     one core polling, however many clients it serves."""
@@ -93,39 +93,41 @@ class ControlServer:
         slots: set[int] = set()
         spares: dict[int, int] = {}  # spare slots lent on this connection: id -> bytes
         authed = not self._token
-        poller, poll_s, gate = w.poller_of(conn), self.poll_s, self._poll_gate
+        poller, poll_s, gate = io.poller_of(conn), self.poll_s, self._poll_gate
+        refused = frame_status(Unauthenticated("")), b"missing or wrong auth token"
+        invalid = frame_status(InvalidArgument(""))
         try:
             while True:
                 if poll_s and gate.acquire(blocking=False):  # a busy client's next request comes soon
                     try:
-                        w.spin_until_readable(poller, poll_s)
+                        io.spin_until_readable(poller, poll_s)
                     finally:
                         gate.release()
                 # before the token is checked, a frame is at most a HELLO's worth of bytes
                 try:
-                    op, payload = w.read_frame(conn, w.MAX_FRAME_BYTES if authed else w.MAX_HELLO_BYTES)
+                    op, payload = io.read_frame(conn, w.MAX_FRAME_BYTES if authed else w.MAX_HELLO_BYTES)
                 except InvalidArgument as exc:  # out of step with the client: say why, then hang up
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"{exc}; closing the connection".encode())
+                    io.write_frame(conn, invalid, f"{exc}; closing the connection".encode())
                     return
                 if op == w.OP_HELLO:
                     authed = not self._token or hmac.compare_digest(payload, self._token)
                     if not authed:
-                        w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
+                        io.write_frame(conn, *refused)
                         return
-                    w.write_frame(conn, w.OK)
+                    io.write_frame(conn, w.OK)
                     continue
                 if not authed:
-                    w.write_frame(conn, w.STATUS_OF[Unavailable], b"missing or wrong auth token")
+                    io.write_frame(conn, *refused)
                     return
                 if self.read_only and op not in READ_OPS:
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument],
-                                  f"control op {op} is not served on {self.kind}: it reads only".encode())
+                    io.write_frame(conn, invalid, f"control op {op} is not served on {self.kind}: it reads only".encode())
                     continue
                 if op == w.OP_RELEASE:  # no reply: a malformed one ends the connection
-                    if len(payload) != w.U64.size:
-                        log.warning("malformed RELEASE frame of %d bytes; closing the connection", len(payload))
+                    try:
+                        lid = w.decode_release_request(payload)
+                    except InvalidArgument as exc:
+                        log.warning("%s; closing the connection", exc)
                         return
-                    (lid,) = w.U64.unpack(payload)
                     if lid in leases:  # its own only: lease ids are not secrets
                         leases.discard(lid)
                         self.host.release(lid)
@@ -134,20 +136,19 @@ class ControlServer:
                 try:
                     reply = self._dispatch(op, payload, leases, slots, spare, spares)
                 except KVStoreError as exc:
-                    w.write_frame(conn, w.status_of(exc), str(exc).encode())
+                    io.write_frame(conn, frame_status(exc), str(exc).encode())
                     continue
                 except (struct.error, IndexError, ValueError) as exc:
-                    w.write_frame(conn, w.STATUS_OF[InvalidArgument], f"malformed frame: {exc}".encode())
+                    io.write_frame(conn, invalid, f"malformed frame: {exc}".encode())
                     continue
-                w.write_frame(conn, w.OK, reply)
+                io.write_frame(conn, w.OK, reply)
                 if spare[1]:  # reserved while the client copies its next block, off its path
                     for rid in set(spares) - set(self.host.still_open(list(spares))):
                         del spares[rid]  # committed, given back or timed out
                     grants = self.host.reserve_spares(spare[0], spare[1], sum(spares.values()))
                     slots.update(g.res_id for g in grants)
                     spares.update((g.res_id, spare[0]) for g in grants)
-                    w.write_frame(conn, w.OK, w.SPARE_ASK.pack(spare[0], len(grants))
-                                  + b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants))
+                    io.write_frame(conn, w.OK, w.spare_grant(spare[0], grants))
         except (ConnectionError, OSError, KVStoreError):
             pass
         finally:
@@ -162,60 +163,33 @@ class ControlServer:
                   spares: dict[int, int]) -> bytes:
         host = self.host
         if op == w.OP_LEASE:
-            ttl, flags = w.LEASE_HEAD.unpack_from(p, 0)
-            keys, _ = w.decode_keys(p, w.LEASE_HEAD.size)  # at most MAX_KEYS_PER_CALL: the reply fits a frame
-            lease_id, deadline, flat = host.lease_flat(keys, ttl, bool(flags & w.FLAG_STOP_AT_MISS),
-                                                       bool(flags & w.FLAG_CHAIN))
+            req = w.decode_lease_request(p)  # at most MAX_KEYS_PER_CALL keys: the reply fits a frame
+            lease_id, deadline, flat = host.lease_flat(req.keys, req.ttl_s, req.stop_at_miss, req.chain)
             if lease_id:
                 leases.add(lease_id)
-            return w.LEASE_REPLY.pack(lease_id, deadline) + struct.pack(f"<{len(flat)}Q", *flat)
+            return w.lease_reply(lease_id, deadline, flat)
         if op == w.OP_RESERVE:
-            flags = p[0]
-            parents, pos = w.decode_keys(p, 1, allow_empty=True)
-            keys, pos = w.decode_keys(p, pos)
-            sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
-            grants = host.reserve(list(zip(keys, sizes)), bool(flags & w.FLAG_CHAIN),
-                                  parents[0] if parents else None)
+            grants = host.reserve_for(w.decode_reserve_request(p))
             slots.update(g.res_id for g in grants if g.res_id)
-            return (b"".join(w.SLOT.pack(g.state, g.res_id, g.offset, g.write_by) for g in grants)
-                    + w.encode_errors([g.error for g in grants if g.state == SLOT_FAILED]))
+            return w.reserve_reply(grants)
         if op == w.OP_COMMIT:
-            (n,) = w.U32.unpack_from(p, 0)
-            check_count(n, "reservation ids")
-            ids = struct.unpack_from(f"<{n}Q", p, 4)
-            keys, pos = w.decode_keys(p, 4 + 8 * n, allow_empty=True)
-            parents, pos = w.decode_keys(p, pos, allow_empty=True)
-            spare_size, spare_count = w.SPARE_ASK.unpack_from(p, pos)
-            sections = p[pos + w.SPARE_ASK.size]
-            pos += w.SPARE_ASK.size + 1
-            checksums = None
-            if sections & w.COMMIT_CHECKSUMS:
-                checksums = struct.unpack_from(f"<{n}Q", p, pos)
-                pos += 8 * n
-            if sections & w.COMMIT_GIVE_BACK:
-                (m,) = w.U32.unpack_from(p, pos)
-                check_count(m, "spare ids given back")
-                back = [i for i in struct.unpack_from(f"<{m}Q", p, pos + 4) if i in slots]  # its own only
-                pos += 4 + 8 * m
+            c = w.decode_commit_request(p)
+            if c.give_back:
+                back = [i for i in c.give_back if i in slots]  # its own only
                 slots.difference_update(back)
                 host.abort(back)
-            if pos != len(p):
-                raise InvalidArgument(f"commit frame has {len(p) - pos} bytes past its sections")
-            slots.difference_update(ids)
-            results = host.commit(ids, keys, parents, checksums)
-            spare[:] = spare_size, spare_count
-            codes = bytes(0 if r.ok and not r.existed else 1 if r.ok else 2 for r in results)
-            return codes + w.encode_errors([r.error for r in results if not r.ok])
+            slots.difference_update(c.res_ids)
+            results = host.commit(c.res_ids, c.keys, c.parents, c.checksums)
+            spare[:] = c.spare
+            return w.commit_reply(results)
         if op == w.OP_ABORT:
-            check_count(len(p) // 8, "reservation ids")
-            ids = struct.unpack(f"<{len(p) // 8}Q", p)
+            ids = w.decode_abort_request(p)
             slots.difference_update(ids)
             host.abort(ids)
             return b""
         if op == w.OP_LOOKUP:
             keys, _ = w.decode_keys(p, 0)
-            n, tiers = host.pool.lookup(keys)
-            return w.U32.pack(n) + ",".join(tiers).encode()
+            return w.lookup_reply(*host.pool.lookup(keys))
         raise InvalidArgument(f"unknown control op {op}")
 
     def close(self) -> None:

@@ -1,0 +1,13 @@
+"""Settings both ends of a store node's gRPC wire use: how block bytes are chunked and the
+channel and server options. A neutral module, so a client never imports the server."""
+from __future__ import annotations
+
+CHUNK_BYTES = 1 << 20                # block bytes per PutChunk / GetChunk
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+                # a client finds a restarted peer within 0.1-2 s (gRPC's default backs off to 120 s)
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
+# Servers refuse a port already in use (gRPC sets SO_REUSEPORT by default, which would let a
+# second node share the port and take half its connections).
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
