@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -127,7 +128,7 @@ class StoreClient:
                 log.info("store client -> %s: no Unix control socket (%s); control over gRPC", self.address, exc)
         return GrpcControl(self._stub, self._call)
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,8 +5,9 @@ kvstore/wire/errors.py. Block bytes travel in chunks of ``kvstore.wire.channel.C
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -192,7 +193,8 @@ class StoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no DRAM slab to map")
         return self.dataplane  # type: ignore[return-value]
 
-    def DataPlaneInfo(self, request: pb.DataPlaneInfoRequest, context: grpc.ServicerContext) -> pb.DataPlaneInfoResponse:
+    def DataPlaneInfo(self, request: pb.DataPlaneInfoRequest,
+                      context: grpc.ServicerContext) -> pb.DataPlaneInfoResponse:
         info = None if self.dataplane is None else self.dataplane.info()
         return codec.dataplane_info(info, self.pool.node_id)
 
@@ -205,7 +207,8 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.ReleaseLeaseResponse(released=self._plane(context).release(request.lease_id))
 
     @refusing
-    def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context: grpc.ServicerContext) -> pb.ReserveBlocksResponse:
+    def ReserveBlocks(self, request: pb.ReserveBlocksRequest,
+                      context: grpc.ServicerContext) -> pb.ReserveBlocksResponse:
         try:
             req = codec.reserve_request_of(request)
         except ValueError as exc:

@@ -18,16 +18,16 @@ import pytest
 
 from kvstore.client import StoreClient
 from kvstore.dataplane import framing
-from kvstore.dataplane.local import LocalDataPlane
-from kvstore.wire.types import MAPPED, LeaseGrant
 from kvstore.dataplane.control_client import UdsControl
+from kvstore.dataplane.local import LocalDataPlane
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.integrity import checksum_of
 from kvstore.limits import MAX_KEYS_PER_CALL
-from kvstore.pool import KVPool, PoolSettings
 from kvstore.node import StoreNode
+from kvstore.pool import KVPool, PoolSettings
 from kvstore.wire import frame_codec as wire
 from kvstore.wire.errors import frame_status
+from kvstore.wire.types import MAPPED, LeaseGrant
 
 MIB = 1 << 20
 

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 
 from kvstore.client import StoreClient
 from kvstore.dataplane import framing
-from kvstore.wire import frame_codec as w
-from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.control_server import TcpControlServer
+from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import InvalidArgument
 from kvstore.limits import MAX_KEYS_PER_CALL
-from kvstore.pool import KVPool, PoolSettings
 from kvstore.node import StoreNode
+from kvstore.pool import KVPool, PoolSettings
+from kvstore.wire import frame_codec as w
 from tests.fuzzing import Counter, fuzz_settings, run_target
 
 TOKEN = "fuzz-token"
@@ -167,7 +167,7 @@ def exchange(conn: Conn, op: int, payload: bytes, probe_reply: bytes) -> None:
                 conn.history.append((op, len(payload), "probe answered"))
                 return
         raise AssertionError(f"no probe reply after op {op}: out of step")
-    except socket.timeout:
+    except TimeoutError:
         raise AssertionError(f"op {op} with {len(payload)} bytes: no reply in {REPLY_TIMEOUT_S} s (hang)") from None
     except (ConnectionError, BrokenPipeError):
         history = conn.history
@@ -254,7 +254,7 @@ def test_fuzz_raw_streams_before_and_after_the_token(node) -> None:
                 if not chunk:
                     break
                 got += chunk
-        except socket.timeout:
+        except TimeoutError:
             raise AssertionError("the node did not close a finished stream (hang)") from None
         except ConnectionError:
             return

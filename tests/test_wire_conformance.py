@@ -22,8 +22,9 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,12 +96,11 @@ def _seed(pool: KVPool, blocks: list[tuple[bytes, bytes]]) -> None:
 def te_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
     """A ``kvstore serve`` process with a transfer engine (tcp) and TOKEN; (Popen, address)."""
     pytest.importorskip("mooncake.engine")
+    import socket
     import subprocess
     import sys
 
     import grpc
-
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

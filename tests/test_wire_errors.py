@@ -5,15 +5,24 @@ the documented gRPC status code. A failure with no kvstore class reads as Unavai
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from concurrent import futures
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
 
 from kvstore.dataplane import framing
-from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVStoreError, LeaseExpired,
-                            ReservationExpired, Unauthenticated, Unavailable)
+from kvstore.errors import (
+    CapacityError,
+    IntegrityError,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    ReservationExpired,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.wire.errors import GRPC_CODE, frame_error, frame_status, from_rpc_error, refusing
 
 CLASSES = [InvalidArgument, LeaseExpired, CapacityError, IntegrityError, ReservationExpired, Unavailable,

@@ -3,7 +3,8 @@ calls :class:`~kvstore.dataplane.control_client.UdsControl` (the node's Unix soc
 :class:`~kvstore.dataplane.grpc_control.GrpcControl` (gRPC) both serve."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from kvstore.wire.types import LeaseGrant, PutResult, SlotGrant
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.dataplane import framing as io
 from kvstore.errors import InvalidArgument, Unavailable

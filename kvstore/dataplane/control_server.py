@@ -120,7 +120,8 @@ class ControlServer:
                     io.write_frame(conn, *refused)
                     return
                 if self.read_only and op not in READ_OPS:
-                    io.write_frame(conn, invalid, f"control op {op} is not served on {self.kind}: it reads only".encode())
+                    io.write_frame(conn, invalid,
+                                   f"control op {op} is not served on {self.kind}: it reads only".encode())
                     continue
                 if op == w.OP_RELEASE:  # no reply: a malformed one ends the connection
                     try:

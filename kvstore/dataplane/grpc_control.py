@@ -4,7 +4,8 @@ RPC each (about 0.7 ms per call from Python, against tens of microseconds on the
 messages through kvstore/wire/proto_codec.py."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.types import LeaseGrant, LeaseRequest, PutResult, ReserveRequest, SlotGrant

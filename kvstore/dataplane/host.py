@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.integrity import checksum_of
@@ -14,9 +14,22 @@ from kvstore.lease import Lease, Reservation
 from kvstore.limits import MAX_KEY_BYTES, check_key, check_ttl
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.dram import PAGE_BYTES, DramTier
-from kvstore.wire.types import (ELSEWHERE, MAPPED, MISS, SLOT_EXISTED, SLOT_FAILED, SLOT_OPEN, BlockLocation,
-                                DataPlaneInfo, LeaseGrant, LeaseRequest, ReserveRequest, SlotGrant, chain_parents,
-                                host_id)
+from kvstore.wire.types import (
+    ELSEWHERE,
+    MAPPED,
+    MISS,
+    SLOT_EXISTED,
+    SLOT_FAILED,
+    SLOT_OPEN,
+    BlockLocation,
+    DataPlaneInfo,
+    LeaseGrant,
+    LeaseRequest,
+    ReserveRequest,
+    SlotGrant,
+    chain_parents,
+    host_id,
+)
 
 SPARE_KEY = b"\0spare:"   # the placeholder key of a slot reserved before its block's key is known
 MAX_SPARES_PER_ASK = 64
@@ -53,7 +66,7 @@ class DataPlaneHost:
         self.grace_s = min(WRITE_GRACE_S, timeout / 2)  # space kept past a slot's write-by time
 
     @classmethod
-    def for_pool(cls, pool: KVPool, socket_path: str = "") -> "DataPlaneHost | None":
+    def for_pool(cls, pool: KVPool, socket_path: str = "") -> DataPlaneHost | None:
         """A host for ``pool``, or None when it has no DRAM tier."""
         try:
             return cls(pool, socket_path)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 

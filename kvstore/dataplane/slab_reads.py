@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,7 @@ class SlabReads:
             np.copyto(part, src[at:at + VERIFY_CHUNK_BYTES])
             if pending is not None:
                 pending.result()
-            pending = pool.submit(hasher.update, part)
+            pending = pool.submit(hasher.update, part.data)
         if pending is not None:
             pending.result()
         return hasher.intdigest()
@@ -173,8 +174,8 @@ class SlabReads:
         finally:
             self.control.release(grant.lease_id)
         self._settle(grant, keys, out, bad, copied_at)
-        for i, data in self._fetch_elsewhere(keys, later):
-            out[i] = data
+        for i, fetched in self._fetch_elsewhere(keys, later):
+            out[i] = fetched
         return _cut(out) if stop_at_miss else out
 
     @staticmethod

@@ -5,7 +5,7 @@ registered DRAM slab lies, and the port of the node's compact TCP control channe
 one they use the store service's own ``LeaseBlocks`` / ``ReleaseLease``."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

@@ -1,14 +1,16 @@
 """The across-host path: lease the blocks (slab offsets) over the node's compact TCP control
 channel (kvstore/dataplane/control_client.py ``TcpControl``; the store's gRPC ``LeaseBlocks``
-where the node runs none; both decoded to the same LeaseGrant by kvstore/wire's codecs), read them out of the node's registered slab with the Mooncake Transfer
-Engine, verify each against its checksum, release."""
+where the node runs none; both decoded to the same LeaseGrant by kvstore/wire's codecs), read
+them out of the node's registered slab with the Mooncake Transfer Engine, verify each against
+its checksum, release."""
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,8 +21,7 @@ from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
 from kvstore.tiers.buffers import copy_into
 from kvstore.transfer.base import BlockTransport, register_transport
-from kvstore.transfer.engine import (DONE, IN_FLIGHT, TransferEngineHandle, TransferEngineUnavailable,
-                                     process_engine)
+from kvstore.transfer.engine import DONE, IN_FLIGHT, TransferEngineHandle, TransferEngineUnavailable, process_engine
 from kvstore.transfer.grpc_stream import grpc_only_client
 from kvstore.wire import proto_codec, transfer_codec
 from kvstore.wire.channel import GRPC_OPTIONS

@@ -23,12 +23,21 @@ Codes: https://grpc.github.io/grpc/core/md_doc_statuscodes.html
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from kvstore.errors import (CapacityError, IntegrityError, InvalidArgument, KVStoreError, LeaseExpired,
-                            ReservationExpired, Unauthenticated, Unavailable)
+from kvstore.errors import (
+    CapacityError,
+    IntegrityError,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    ReservationExpired,
+    Unauthenticated,
+    Unavailable,
+)
 
 ERROR_METADATA_KEY = "kvstore-error"
 _CLASSES: tuple[type[KVStoreError], ...] = (InvalidArgument, LeaseExpired, CapacityError, IntegrityError,
@@ -53,7 +62,7 @@ def kvstore_class(exc: BaseException) -> type[KVStoreError]:
     """The class of :data:`_CLASSES` ``exc`` is (its nearest base among them)."""
     for cls in type(exc).__mro__:
         if cls in GRPC_CODE:
-            return cls  # type: ignore[return-value]
+            return cls
     return KVStoreError
 
 
@@ -88,8 +97,8 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KVStoreError:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    named = dict(trailing or ()).get(ERROR_METADATA_KEY)
-    cls = BY_NAME.get(named) if isinstance(named, str) else _BY_CODE.get(code)  # type: ignore[arg-type]
+    named = next((m.value for m in trailing or () if m.key == ERROR_METADATA_KEY), None)
+    cls = BY_NAME.get(named) if isinstance(named, str) else _BY_CODE.get(code) if code is not None else None
     where = f"store node at {address}: {code.name if code else 'error'}: {detail}"
     if cls is None or cls is KVStoreError:
         return Unavailable(where)

@@ -33,14 +33,21 @@ server answers as InvalidArgument) for a malformed payload.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.limits import check_count, check_key
 from kvstore.wire.errors import FRAME_ERRORS, FRAME_OK
-from kvstore.wire.types import SLOT_FAILED, BlockLocation, LeaseGrant, LeaseRequest, PutResult, ReserveRequest, \
-    SlotGrant
+from kvstore.wire.types import (
+    SLOT_FAILED,
+    BlockLocation,
+    LeaseGrant,
+    LeaseRequest,
+    PutResult,
+    ReserveRequest,
+    SlotGrant,
+)
 
 HEADER = struct.Struct("<BI")
 OP_HELLO, OP_LOOKUP, OP_LEASE, OP_RELEASE, OP_RESERVE, OP_COMMIT, OP_ABORT = range(1, 8)

@@ -8,14 +8,25 @@ kvstore/wire/errors.py. Block bytes travel in chunks of
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from kvstore.integrity import checksum_of
 from kvstore.tenants import NAMESPACE_METADATA
 from kvstore.wire.channel import CHUNK_BYTES
-from kvstore.wire.types import (BlockLocation, DataPlaneInfo, LeaseGrant, LeaseRequest, LookupResult, PutResult,
-                                ReserveRequest, SlotGrant, TierStats, chain_parents)
+from kvstore.wire.types import (
+    BlockLocation,
+    DataPlaneInfo,
+    LeaseGrant,
+    LeaseRequest,
+    LookupResult,
+    PutResult,
+    ReserveRequest,
+    SlotGrant,
+    TierStats,
+    chain_parents,
+)
 from protos import kvstore_pb2 as pb
 
 _TIER_FIELDS = tuple(f.name for f in fields(TierStats))

@@ -12,8 +12,9 @@ copy (a reader on another host trusts a block by its checksum instead). Sizes ar
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from kvstore.pool_types import PutResult, TierStats
 
