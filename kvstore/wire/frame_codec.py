@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.limits import check_count, check_key
@@ -216,8 +216,7 @@ def decode_spare_grant(frame: bytes) -> list[tuple[int, SlotGrant]]:
 
 
 # -- COMMIT / ABORT ----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class CommitRequest:
+class CommitRequest(NamedTuple):
     """A COMMIT: filled slots ``res_ids`` named ``keys`` (b"": keep the reserved key) with
     chain ``parents`` (b"" / None: none); ``spare`` = (size, count) slots wanted for the next
     puts; ``checksums``: the writer's xxh3_64 per slot (None: the node takes them);

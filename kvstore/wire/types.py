@@ -44,11 +44,11 @@ class LookupResult(NamedTuple):
     tiers: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRequest:
+class LeaseRequest(NamedTuple):
     """A lease on ``keys`` (at most MAX_KEYS_PER_CALL): ``ttl_s`` seconds (None: the node's
     lease TTL), ``stop_at_miss``: a prefix read (the grant ends at the first miss),
-    ``chain``: the keys are one prefix chain (recency is touched tail first)."""
+    ``chain``: the keys are one prefix chain (recency is touched tail first). (NamedTuples,
+as the results: one is made per call on the hot path.)"""
 
     keys: Sequence[bytes]
     ttl_s: float | None = None
@@ -56,8 +56,7 @@ class LeaseRequest:
     chain: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ReserveRequest:
+class ReserveRequest(NamedTuple):
     """Slab slots for ``items`` = (key, size bytes); ``chain``: block i extends block i - 1,
     ``parent``: the key the first block extends (None: none)."""
 
