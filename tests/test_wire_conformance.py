@@ -354,3 +354,10 @@ def test_a_stopped_node_is_unavailable(wire: Wire, spawn_store_node: Any) -> Non
     if control is not None:
         with pytest.raises(Unavailable):
             control.lease([key("gone")])
+
+
+def test_stats_round_trip_field_for_field(put_wire: Wire) -> None:
+    """Every TierStats field crosses the wire (they map by name, kvstore/wire/proto_codec.py)."""
+    assert put_wire.client.put(key(f"stats-{put_wire.name}"), b"s" * 4096).ok
+    node_id, tiers = put_wire.client.stats()
+    assert node_id == put_wire.pool.node_id and tiers == put_wire.pool.stats()

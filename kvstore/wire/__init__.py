@@ -8,4 +8,10 @@
 - :mod:`kvstore.wire.channel`: chunk size and gRPC options both ends use.
 
 tests/test_wire_conformance.py checks each option and each error over every wire.
+
+Adding an option to a put or a lease: a field of the request type in ``types.py``; the
+proto field (protos/kvstore.proto, then regenerate) and its line in ``proto_codec.py``; its
+place in the frame (``frame_codec.py``: the module docstring, the encoder and the decoder);
+what takes it (kvstore/dataplane/host.py, the pool); a case in the conformance test. A new
+error class: its row in ``errors.py`` (a gRPC code, a frame status byte never used before).
 """
