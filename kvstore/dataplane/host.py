@@ -160,16 +160,16 @@ class DataPlaneHost:
         """:meth:`reserve` of a decoded request (what the servicers call)."""
         return self.reserve(req.items, req.chain, req.parent)
 
-    def reserve_spares(self, size: int, count: int, held_bytes: int = 0) -> list[SlotGrant]:
+    def reserve_spares(self, size: int, count: int, lent_bytes: int = 0) -> list[SlotGrant]:
         """Up to ``count`` slots of ``size`` bytes reserved before their keys are known: a
         writer that puts blocks of one size again and again fills a spare and names it at
-        commit — one round trip per put instead of two. ``held_bytes``: what the asking
+        commit — one round trip per put instead of two. ``lent_bytes``: what the asking
         connection holds in spares already; with it at most :attr:`max_spare_bytes` (and
         :data:`MAX_SPARES_PER_ASK` slots). Spares take free room only (they never evict a
         block) and time out as any reservation does; ones that cannot fit are left out."""
         tier = self.tier
         room = int(self.pool.settings.high_watermark * tier.capacity_bytes) - tier.used_bytes
-        budget = min(self.max_spare_bytes - held_bytes, room)
+        budget = min(self.max_spare_bytes - lent_bytes, room)
         count = min(count, MAX_SPARES_PER_ASK, budget // max(size, PAGE_BYTES))
         if count <= 0 or size <= 0:
             return []
