@@ -80,6 +80,53 @@ def same_host_store() -> Iterator[tuple["object", str]]:
     tier.close()
 
 
+# -- same-host data plane: store nodes with their Unix control socket ---------------------------
+@pytest.fixture
+def slab_node(make_dram, make_ssd):
+    """Yields a factory: ``start(dram_bytes, ssd_bytes=0, socket=True, token=None, **settings)``
+    → (pool, address, socket path or ""); everything is stopped after the test."""
+    from kvstore.node import StoreNode
+    from kvstore.pool import KVPool, PoolSettings
+    from tests.dataplane_helpers import socket_path
+
+    started: list[StoreNode] = []
+
+    def start(dram_bytes: int = 16 << 20, ssd_bytes: int = 0, socket: bool = True, token: str | None = None,
+              **settings):
+        tiers = [make_dram(dram_bytes)] + ([make_ssd(ssd_bytes)] if ssd_bytes else [])
+        pool = KVPool(tiers, settings=PoolSettings(high_watermark=1.0, low_watermark=1.0, **settings))
+        path = socket_path() if socket else ""
+        served = StoreNode.serve(pool, auth_token=token, dataplane_socket=path or None)
+        started.append(served)
+        nodes[id(pool)] = served
+        return pool, served.address, path
+
+    nodes: dict[int, StoreNode] = {}
+    start.nodes = nodes  # type: ignore[attr-defined]  # id(pool) -> its StoreNode
+    yield start
+    for served in started:
+        served.stop(grace_s=None)
+
+
+@pytest.fixture
+def client_of():
+    """Factory of StoreClients (``make(address, **kw)``, ready, 30 s timeout), closed after
+    the test."""
+    from kvstore.client import StoreClient
+
+    made: list[StoreClient] = []
+
+    def make(address: str, **kw) -> StoreClient:
+        c = StoreClient(address, timeout_s=30, **kw)
+        c.wait_ready(10)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
 # -- KV events: a private Redis ---------------------------------------------------------------
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
