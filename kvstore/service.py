@@ -5,7 +5,7 @@ kvstore/wire/errors.py. Block bytes travel in chunks of ``kvstore.wire.channel.C
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -182,7 +182,7 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         entries = snap.entries
         for start in range(0, max(len(entries), 1), SNAPSHOT_CHUNK_ENTRIES):
             part = entries[start:start + SNAPSHOT_CHUNK_ENTRIES]
-            head = dict(node_id=snap.node, epoch=snap.epoch, seq=snap.seq) if start == 0 else {}
+            head: dict[str, Any] = dict(node_id=snap.node, epoch=snap.epoch, seq=snap.seq) if start == 0 else {}
             yield pb.SnapshotChunk(keys=[e[0] for e in part], tiers=[e[1] for e in part],
                                    sizes=[e[2] for e in part], **head)
 
@@ -191,7 +191,7 @@ class StoreServicer(pb_grpc.KVStoreServicer):
     def _plane(self, context: grpc.ServicerContext) -> DataPlaneHost:
         if self.dataplane is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no DRAM slab to map")
-        return self.dataplane  # type: ignore[return-value]
+        return self.dataplane
 
     def DataPlaneInfo(self, request: pb.DataPlaneInfoRequest,
                       context: grpc.ServicerContext) -> pb.DataPlaneInfoResponse:
@@ -257,7 +257,8 @@ class _StreamParseGuard(grpc.ServerInterceptor):
     This wraps the deserializer of client-streamed requests: a message that does not parse
     arrives as :data:`UNPARSED`, and the handler refuses it (INVALID_ARGUMENT)."""
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
         if handler is None or not handler.request_streaming or handler.request_deserializer is None:
             return handler

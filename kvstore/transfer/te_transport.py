@@ -139,7 +139,7 @@ class TransferEngineTransport(BlockTransport):
         self._registered.append(self.engine.register(array))
 
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
-        return self._get(list(keys), None, stop_at_miss)  # type: ignore[return-value]
+        return self._get(list(keys), None, stop_at_miss)
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
         """Copy block i into ``outs[i]`` (a numpy array or tensor, at least the block's
@@ -151,7 +151,7 @@ class TransferEngineTransport(BlockTransport):
         waits on (a warning every ``timeout_s``). Raises InvalidArgument for too few buffers."""
         if len(outs) < len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
-        return self._get(list(keys), outs, stop_at_miss)  # type: ignore[return-value]
+        return self._get(list(keys), outs, stop_at_miss)
 
     def _get(self, keys: list[bytes], outs: Sequence[Any] | None, stop_at_miss: bool) -> list[Any]:
         """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block)."""
@@ -177,8 +177,9 @@ class TransferEngineTransport(BlockTransport):
             self.grpc_reads += len(redo)
             for i, data in zip(redo, self.stream.get_blocks([keys[i] for i in redo])):
                 if data is not None and outs is not None:
-                    data = copy_into(outs[i], np.frombuffer(data, dtype=np.uint8))
-                out[i] = data
+                    out[i] = copy_into(outs[i], np.frombuffer(data, dtype=np.uint8))
+                else:
+                    out[i] = data
         if stop_at_miss:
             first = next((i for i, d in enumerate(out) if d is None), None)
             if first is not None:
