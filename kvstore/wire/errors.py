@@ -14,6 +14,7 @@ ReservationExpired        ABORTED              5
 Unavailable               UNAVAILABLE          6
 KVStoreError (any other)  INTERNAL             7
 Unauthenticated           UNAUTHENTICATED      8
+QuotaExceeded             RESOURCE_EXHAUSTED   9
 ========================  ===================  ============
 
 A gRPC failure with no kvstore class (the node is down, a deadline passed, an UNKNOWN from a
@@ -34,6 +35,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
+    QuotaExceeded,
     ReservationExpired,
     Unauthenticated,
     Unavailable,
@@ -41,16 +43,19 @@ from kvstore.errors import (
 
 ERROR_METADATA_KEY = "kvstore-error"
 _CLASSES: tuple[type[KVStoreError], ...] = (InvalidArgument, LeaseExpired, CapacityError, IntegrityError,
-                                            ReservationExpired, Unavailable, KVStoreError, Unauthenticated)
+                                            ReservationExpired, Unavailable, KVStoreError, Unauthenticated,
+                                            QuotaExceeded)
 BY_NAME: dict[str, type[KVStoreError]] = {cls.__name__: cls for cls in _CLASSES}
 GRPC_CODE: dict[type[KVStoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, LeaseExpired: grpc.StatusCode.ABORTED,
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED, IntegrityError: grpc.StatusCode.DATA_LOSS,
     ReservationExpired: grpc.StatusCode.ABORTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
-    KVStoreError: grpc.StatusCode.INTERNAL, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED}
-# a code without the metadata (another server, an interceptor): the class it stands for
+    KVStoreError: grpc.StatusCode.INTERNAL, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED}
+# a code without the metadata (another server, an interceptor, the Admin service): the class it
+# stands for; RESOURCE_EXHAUSTED is a tenant's quota there (a node names CapacityError itself)
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
     grpc.StatusCode.DATA_LOSS: IntegrityError, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: Unauthenticated}
 FRAME_OK = 0
