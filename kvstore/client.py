@@ -134,7 +134,7 @@ class StoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, fn, *args, **kw):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         try:
             return fn(*args, timeout=self.timeout_s, metadata=self._meta, **kw)
         except grpc.RpcError as exc:
@@ -154,7 +154,8 @@ class StoreClient:
         """Longest prefix of the key chain the node holds (renews nothing). A chain longer
         than the node takes in one call (MAX_KEYS_PER_CALL) is looked up in parts."""
         if len(keys) > MAX_KEYS_PER_CALL:
-            n, tiers = 0, ()
+            n = 0
+            tiers: tuple[str, ...] = ()
             for start in range(0, len(keys), MAX_KEYS_PER_CALL):
                 part = self.lookup(keys[start:start + MAX_KEYS_PER_CALL])
                 n, tiers = n + part.blocks, tiers + part.tiers

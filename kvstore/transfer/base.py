@@ -27,6 +27,7 @@ class BlockTransport(ABC):
     """
 
     name = "abstract"
+    fallback_reason: str | None = None   # why this transport stands in for the one preferred
 
     @abstractmethod
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
