@@ -47,8 +47,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -211,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in probe:
         print(f"  (te_probe failed: {probe['error']})")
     else:
-        print(f"  te_probe (16 MiB, own node with a staging area, best GB/s): get_into {probe['te_tcp_get_into_best_gbps']:.2f}, raw "
-              f"engine read {probe['te_raw_read_best_gbps']:.2f}, gRPC stream {probe['grpc_stream_get_best_gbps']:.2f}")
+        print(f"  te_probe (16 MiB, own node with a staging area, best GB/s): "
+              f"get_into {probe['te_tcp_get_into_best_gbps']:.2f}, raw engine read"
+              f" {probe['te_raw_read_best_gbps']:.2f}, gRPC stream {probe['grpc_stream_get_best_gbps']:.2f}")
     bad = [k for k, ok in report["byte_identical"].items() if not ok]
     print(f"\nbyte-identical round trips: {'all' if not bad else 'FAILED for ' + ', '.join(bad)}")
     print(f"wrote {RESULTS.relative_to(ROOT)} in {report['wall_s']:.0f} s")

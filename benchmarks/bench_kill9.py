@@ -135,7 +135,7 @@ def run_cycles(cycles: int, data_dir: str, log_path: str, seed: int = 0,
                 in_flight = set()
                 stop = threading.Event()
 
-                def writer(batch: int) -> None:
+                def writer(batch: int, address: str, stop: threading.Event, in_flight: set[int]) -> None:
                     with StoreClient(address, timeout_s=30) as w:
                         while not stop.is_set():
                             with lock:
@@ -154,7 +154,8 @@ def run_cycles(cycles: int, data_dir: str, log_path: str, seed: int = 0,
                                     else:
                                         totals["put_errors"] += 1
 
-                threads = [threading.Thread(target=writer, args=(b,), daemon=True) for b in (1, 1, 8)]
+                threads = [threading.Thread(target=writer, args=(b, address, stop, in_flight), daemon=True)
+                           for b in (1, 1, 8)]
                 for t in threads:
                     t.start()
                 time.sleep(rng.uniform(*put_s))

@@ -37,8 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.index.prefix_index import PrefixIndex  # noqa: E402
 from scheduler.baselines import make_policy  # noqa: E402
-from scheduler.views import (NO_HIT, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView,  # noqa: E402
-                             TierHit)
+from scheduler.views import NO_HIT, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scheduler.json"
 BS = 16
@@ -144,7 +143,8 @@ def main() -> int:
     }
     for n, r in results.items():
         print(f"{n:>3} prefill instances: conductor p50 {r['conductor']['p50_ms']:.3f} ms, "
-              f"p99 {r['conductor']['p99_ms']:.3f} ms (raw {r['conductor']['p99_ms_raw']:.3f}); round_robin p50 {r['round_robin']['p50_ms']:.3f} ms; "
+              f"p99 {r['conductor']['p99_ms']:.3f} ms (raw {r['conductor']['p99_ms_raw']:.3f}); "
+              f"round_robin p50 {r['round_robin']['p50_ms']:.3f} ms; "
               f"index match p50 {r['match']['p50_ms']:.3f} ms ({r['indexed_blocks']} blocks indexed)")
     print("ratios:")
     for k, v in ratios.items():

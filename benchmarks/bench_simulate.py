@@ -164,7 +164,8 @@ def main() -> int:
     ratios.update({
         "wall_s_full_trace_max_policy": max(r.wall_s for r in fig5_res.values()),
         "conductor_vs_least_loaded_avg_ttft_speed1.2": busier["conductor"] / busier["least_loaded"],
-        "paper_conductor_vs_least_loaded_avg_ttft": PAPER_FIG5_AVG_TTFT["conductor"] / PAPER_FIG5_AVG_TTFT["least_loaded"],
+        "paper_conductor_vs_least_loaded_avg_ttft":
+            PAPER_FIG5_AVG_TTFT["conductor"] / PAPER_FIG5_AVG_TTFT["least_loaded"],
         "paper_conductor_vs_local_cache_aware_avg_ttft":
             PAPER_FIG5_AVG_TTFT["conductor"] / PAPER_FIG5_AVG_TTFT["local_cache_aware"],
         "capacity_disagg_vs_colocated_tbt100ms": pd["disaggregated"]["tbt100ms"]["effective_capacity"]
@@ -186,7 +187,8 @@ def main() -> int:
     print("\nTBT SLO attainment (effective request capacity), disaggregated / colocated / colocated chunked:")
     for s in slos:
         k = f"tbt{int(s * 1000)}ms"
-        print(f"  {k}: {pd['disaggregated'][k]['effective_capacity']:.3f} / {pd['colocated'][k]['effective_capacity']:.3f}"
+        print(f"  {k}: {pd['disaggregated'][k]['effective_capacity']:.3f}"
+              f" / {pd['colocated'][k]['effective_capacity']:.3f}"
               f" / {pd['colocated_chunked512'][k]['effective_capacity']:.3f}")
     print("\nratios (learned | oracle):")
     for k, v in ratios.items():

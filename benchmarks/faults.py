@@ -69,7 +69,7 @@ class UpStack:
     url: str = ""
     output: list[str] = field(default_factory=list)
 
-    def start(self, timeout_s: float = 240.0) -> "UpStack":
+    def start(self, timeout_s: float = 240.0) -> UpStack:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up",
                                       "--port", "0", "--data-dir", self.data_dir, *self.flags],
@@ -154,7 +154,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
         return "refused"
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError):
         return "cut"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         UNCLEAN[f"{type(exc).__name__} (status {status})"] += 1
         return "unclean"
 

@@ -58,7 +58,8 @@ def connector_figures(c: dict[str, Any] | None, reqs: list[dict[str, Any]]) -> d
         "load_blocking_in_flight_ms": ms(c["load_blocking_in_flight_s"]),
         "store_ms_per_block": ms(c["store_blocking_s"] / stored) if stored else None,
         "store_blocking_ms": ms(c["store_blocking_s"]),
-        "store_tail_ms_per_request": ms(c["store_tail_s"] / c["store_tail_requests"]) if c["store_tail_requests"] else None,
+        "store_tail_ms_per_request":
+            ms(c["store_tail_s"] / c["store_tail_requests"]) if c["store_tail_requests"] else None,
         "lookup_ms_per_call": ms(c["lookup_s"] / c["lookups"]) if c["lookups"] else None,
         "load_error_blocks": c["load_error_blocks"], "connector_class": c["base"],
     }
@@ -86,13 +87,15 @@ def ratios(fig: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         return fig.get(setup, {}).get(key)
 
     out: dict[str, float | None] = {}
-    for other, tag in (("recompute", "recompute"), ("mooncake", "mooncake_connector"), ("lmcache", "lmcache_connector")):
+    peers = (("recompute", "recompute"), ("mooncake", "mooncake_connector"), ("lmcache", "lmcache_connector"))
+    for other, tag in peers:
         out[f"ttft_hit_vs_{tag}"] = ratio(get("kvstore", "ttft_reuse_p50_ms"), get(other, "ttft_reuse_p50_ms"))
         out[f"ttft_hit_p99_vs_{tag}"] = ratio(get("kvstore", "ttft_reuse_p99_ms"), get(other, "ttft_reuse_p99_ms"))
     for other, tag in (("mooncake", "mooncake_connector"), ("lmcache", "lmcache_connector")):
         for key in ("load_ms_per_block", "store_ms_per_block"):
             out[f"{key}_vs_{tag}"] = ratio(get("kvstore", key), get(other, key))
-        out[f"{other}_ttft_hit_vs_recompute"] = ratio(get(other, "ttft_reuse_p50_ms"), get("recompute", "ttft_reuse_p50_ms"))
+        out[f"{other}_ttft_hit_vs_recompute"] = ratio(get(other, "ttft_reuse_p50_ms"),
+                                                      get("recompute", "ttft_reuse_p50_ms"))
     return out
 
 

@@ -1,7 +1,7 @@
 """Async gRPC client of an engine (prefill or decode), for the scheduler."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 

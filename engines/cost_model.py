@@ -23,9 +23,10 @@ import math
 import random
 import tomllib
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from engines.types import EngineLoad, PrefillResult
 from kvstore.errors import InvalidArgument
@@ -39,7 +40,8 @@ LINKS = ("network", "pcie", "nvlink", "ssd")
 class HardwareProfile:
     """One serving instance (a node of ``gpus`` GPUs under tensor parallelism). Per-GPU
     figures are FLOP/s, bytes and bytes/s; ``network_bw`` is the node's total NIC bandwidth
-    (bytes/s); ``ssd_bw`` the node's SSD read bandwidth (bytes/s); ``mfu``/``mbu`` in (0, 1]; ``step_overhead_s`` seconds per decode step."""
+    (bytes/s); ``ssd_bw`` the node's SSD read bandwidth (bytes/s); ``mfu``/``mbu`` in (0, 1];
+    ``step_overhead_s`` seconds per decode step."""
 
     name: str
     gpus: int

@@ -7,7 +7,7 @@ Restoring blocks gives bit-identical tensors, hence bit-identical logits (DESIGN
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
 from concurrent import futures
-from typing import Iterator
 
 import grpc
 import torch

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import codecs
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvstore.errors import InvalidArgument
 
@@ -41,7 +42,7 @@ class ByteTokenizer:
         stream = self.stream()
         return "".join(stream.push(i) for i in ids) + stream.flush()
 
-    def stream(self) -> "ByteStream":
+    def stream(self) -> ByteStream:
         """An incremental decoder: the text of one token at a time (see :class:`ByteStream`)."""
         return ByteStream(self.OFFSET)
 

@@ -1,8 +1,9 @@
 """Domain types the engines exchange with the scheduler (protobuf stops at the edge)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from kvstore.index.keys import KeyExtras, KVLayout
 
@@ -45,7 +46,7 @@ class PrefillResult:
     load_s: float = 0.0
     load_bytes: int = 0
     load_tier: str = ""
-    first_logprobs: "TokenLogprobs | None" = None   # when asked for (``top_logprobs``)
+    first_logprobs: TokenLogprobs | None = None   # when asked for (``top_logprobs``)
 
 
 @dataclass(frozen=True, slots=True)

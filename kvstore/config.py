@@ -15,7 +15,7 @@ from kvstore.tiers.ssd import FSYNC_POLICIES
 
 TRANSFER_ENGINES = ("auto", "tcp", "rdma", "off")
 SSD_ON_ERROR = ("fail", "disable")
-EVICTION_POLICIES = tuple(sorted(POLICIES))
+EVICTION_POLICIES = POLICIES   # the registry itself, not a copy: a policy registered later is valid too
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 

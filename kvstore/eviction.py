@@ -16,19 +16,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvstore.errors import InvalidArgument
 from kvstore.registry import registrar
 
 Eligible = Callable[[bytes], bool]
-POLICIES: dict[str, type["EvictionPolicy"]] = {}
+POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
 register_policy = registrar(POLICIES)
 
 
-def make_policy(name: str) -> "EvictionPolicy":
+def make_policy(name: str) -> EvictionPolicy:
     """A new, empty policy by name. Raises InvalidArgument naming the valid ones."""
     try:
         return POLICIES[name]()
@@ -45,7 +45,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def admit(self, key: bytes) -> None: ...
 
-    def access(self, key: bytes) -> None:
+    def access(self, key: bytes) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """A read of ``key`` (lookups and existence checks are not reads)."""
 
     @abstractmethod

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

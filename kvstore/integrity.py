@@ -3,7 +3,8 @@ SSD and wherever bytes cross a process boundary (gRPC, a mapped slab). A mismatc
 a dropped block and a counter, never wrong bytes."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import xxhash
 
@@ -15,7 +16,7 @@ ALGORITHM = "xxh3_64"
 checksum_of: Callable[[Any], int] = xxhash.xxh3_64_intdigest
 
 
-def new_hasher() -> "xxhash.xxh3_64":
+def new_hasher() -> xxhash.xxh3_64:
     """A streaming xxh3_64: ``update(chunk)`` in order, then ``intdigest()`` equals
     :func:`checksum_of` of the concatenated chunks."""
     return xxhash.xxh3_64()

@@ -2,8 +2,8 @@
 policy over them, the prefix-chain links among them, and the tier's counters."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 from kvstore.eviction import EvictionPolicy
 from kvstore.tiers.base import Tier

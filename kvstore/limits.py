@@ -17,7 +17,7 @@ Each check raises :class:`~kvstore.errors.InvalidArgument` with a message naming
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import HASH_FUNCTIONS

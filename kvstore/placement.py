@@ -9,7 +9,8 @@ commit of a demoted block, a promotion's copy — is planned here as a
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class Placement:
         book = self.books[level]
         now = time.monotonic()
         for last_resort in (False, True):
-            key = book.victim(lambda k: self.evictable(k, book.blocks[k], now, last_resort))
+            key = book.victim(lambda k: self.evictable(k, book.blocks[k], now, last_resort))  # noqa: B023 (called at once)
             if key is not None:
                 return self.evict(level, key)
         return None

@@ -24,7 +24,8 @@ import functools
 import itertools
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.errors import IntegrityError, InvalidArgument
 from kvstore.eviction import make_policy

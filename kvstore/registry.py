@@ -2,7 +2,8 @@
 itself under a name with a decorator, and configuration picks it by that name."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def registrar(table: dict[str, Any]) -> Callable[[str], Callable[[type], type]]:

@@ -7,13 +7,15 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, ReservationExpired
 from kvstore.integrity import checksum_of
-from kvstore.lease import Reservation, ReservationState as RS
+from kvstore.lease import Reservation
+from kvstore.lease import ReservationState as RS
 from kvstore.ledger import BlockMeta
 from kvstore.moves import Mover
 from kvstore.placement import Placement

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Shutdown:
         self.signals = 0
         self._armed = False
 
-    def install(self, on_signal: Callable[[], None] | None = None) -> "Shutdown":
+    def install(self, on_signal: Callable[[], None] | None = None) -> Shutdown:
         """Handle SIGINT and SIGTERM with :meth:`trigger` (then ``on_signal``, e.g. an
         event loop's stop). Must run in the main thread."""
         def handler(signum: int, _frame: object) -> None:

@@ -14,18 +14,23 @@ import logging
 import sys
 from pathlib import Path
 
+from engines.types import ROLES
 from kvstore import __version__
 from kvstore.config import EVICTION_POLICIES, SSD_ON_ERROR, TRANSFER_ENGINES, StoreConfig, TierSpec, positive_int
 from kvstore.errors import KVStoreError
+from kvstore.pool_types import PoolSettings
 from kvstore.shutdown import Shutdown
 from kvstore.tiers import registry
 from kvstore.tiers.ssd import FSYNC_POLICIES
 from launcher.up_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
+from scheduler.scheduling_policy import DEFAULT_POLICY
+from scheduler.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
 
 def _env_redis() -> str | None:
     """The Redis URL of the environment (kvstore.auth.REDIS_URL_ENV), which may hold a password."""
     import os
+
     from kvstore.auth import REDIS_URL_ENV
     return os.environ.get(REDIS_URL_ENV) or None
 
@@ -33,6 +38,7 @@ def _env_redis() -> str | None:
 def _env_events() -> str | None:
     """The KV events' Redis URL of the environment (kvstore.events.channel.EVENTS_URL_ENV)."""
     import os
+
     from kvstore.events.channel import EVENTS_URL_ENV
     return os.environ.get(EVENTS_URL_ENV) or None
 
@@ -51,7 +57,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if action.default in (None, argparse.SUPPRESS) or "default" in text:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -93,8 +99,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     node = StoreNode.start(cfg)
     pool, port = node.pool, node.port
     from kvstore.shutdown import leave_nothing  # a forced exit unlinks these
+    from kvstore.tiers.dram import DramTier
     leave_nothing(cfg.dataplane_socket_path(),
-                  *(f"/dev/shm/{t.shm_name}" for t in pool.tiers if getattr(t, "shm_name", None)))
+                  *(f"/dev/shm/{t.shm_name}" for t in pool.tiers if isinstance(t, DramTier)))
     tiers = ", ".join(f"{s.name} {s.capacity_bytes / 2**20:.0f} MiB ({s.used_bytes / 2**20:.1f} used)"
                       for s in pool.stats())
     print(f"store node {cfg.node_id} serving on {cfg.host}:{port}: {tiers}", flush=True)
@@ -214,8 +221,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="admission bound: reject (429) when the predicted TTFT exceeds this")
     p.add_argument("--admit-tbt-s", type=float, default=0.0,
                    help="admission bound: reject (429) when the predicted TBT exceeds this (0: no TBT SLO)")
-    p.add_argument("--policy", default="conductor",
-                   choices=["conductor", "random", "round_robin", "least_loaded", "local_cache_aware"],
+    # The registry itself, not a copy: a policy registered later is accepted too.
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=SCHEDULING_POLICIES,
                    help="scheduling policy: the Conductor or a baseline")
     p.add_argument("--decode-max-running", type=int, default=64,
                    help="requests one decode instance takes at once (admission's decode capacity)")
@@ -232,7 +239,8 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="what the services log to stderr (default INFO)")
@@ -252,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an SSD data directory that cannot be used at start: fail (exit with the error; "
                         "default) or disable (serve without the SSD tier)")
     p.add_argument("--hbm-device", help="HBM tier device: auto (CUDA if present, else cpu), cpu, cuda:0, ...")
-    p.add_argument("--policy", choices=EVICTION_POLICIES, help="eviction policy (default lru)")
+    p.add_argument("--policy", choices=EVICTION_POLICIES,
+                   help=f"eviction policy (default {PoolSettings().policy})")
     p.add_argument("--high-watermark", type=float, help="evict once a put would fill a tier above this "
                    "fraction of its capacity (default 0.95)")
     p.add_argument("--low-watermark", type=float, help="... down to this fraction (default 0.90)")
@@ -298,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
                        description="Run a prefill or decode engine around a transformers causal LM "
                                    "(the tiny seeded Llama unless --model is given).")
-    p.add_argument("--role", choices=["prefill", "decode"], required=True,
+    p.add_argument("--role", choices=ROLES, required=True,
                    help="prefill computes prompts and publishes blocks; decode loads them and generates")
     p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--store-token", help="bearer token for the store node (default: KVSTORE_STORE_TOKEN)")
@@ -358,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start a store node, a prefill engine, a decode engine and the "
                                    "front door on this host. With --replay, replay a trace through "
                                    "the front door, print a report and stop; without, serve until Ctrl-C.")
-    p.add_argument("--replay", metavar="TRACE", help="Mooncake-format trace to replay, e.g. data/traces/conversation_trace.jsonl")
+    p.add_argument("--replay", metavar="TRACE",
+                   help="Mooncake-format trace to replay, e.g. data/traces/conversation_trace.jsonl")
     add_replay_flags(p)
     add_scheduler_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from kvstore.errors import Unavailable
 
 
-
 def port_is_free(host: str, port: int) -> bool:
     """Whether a TCP listener could bind ``host:port`` now."""
     with socket.socket() as s:

@@ -16,8 +16,17 @@ import time
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 from kvstore.events.channel import EVENTS_URL_ENV
-from launcher.supervisor import (MAX_RESTARTS, Stack, _install_stop_handlers, _serve_until_signal, _Stopped, _wait_grpc,
-                                 _wait_http, free_port, port_is_free)
+from launcher.supervisor import (
+    MAX_RESTARTS,
+    Stack,
+    _install_stop_handlers,
+    _serve_until_signal,
+    _Stopped,
+    _wait_grpc,
+    _wait_http,
+    free_port,
+    port_is_free,
+)
 
 STACK_MARK = ".kvstore-up"   # in a data directory kvstore up made, so it may wipe it
 

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from kvstore.errors import Unavailable
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
+from kvstore.errors import Unavailable
 from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port
 from launcher.up import preflight, stack_tokens, write_api_keys
 
@@ -82,11 +82,13 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         servers = start_servers(specs, stack.log_dir, names, timeout_s=600)
         for name, spec in zip(names, specs):
             print(f"vLLM {spec.role:<11} {name} {spec.url}", flush=True)
-        urls = {kind: [s.url for (k, _), s in zip(roles, specs) if k == kind] for kind in ("prefill", "decode", "colocated")}
+        urls = {kind: [s.url for (k, _), s in zip(roles, specs) if k == kind]
+                for kind in ("prefill", "decode", "colocated")}
         flags = (["--vllm-colocated", *urls["colocated"]] if args.topology == "colocated"
                  else ["--vllm-prefill", *urls["prefill"], "--vllm-decode", *urls["decode"]])
         stack.start("scheduler", "scheduler", *flags, "--store", store, "--host", host, "--port", str(http_port),
-                    "--model", model, "--max-inflight", str(args.max_inflight), "--admit-ttft-s", str(args.admit_ttft_s),
+                    "--model", model, "--max-inflight", str(args.max_inflight),
+                    "--admit-ttft-s", str(args.admit_ttft_s),
                     "--admit-tbt-s", str(args.admit_tbt_s), "--policy", args.policy,
                     "--decode-max-running", str(args.decode_max_running),
                     "--balancing-threshold", str(args.balancing_threshold),

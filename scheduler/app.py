@@ -9,8 +9,9 @@ import logging
 import math
 import signal
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -19,10 +20,10 @@ from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, token_from
 from kvstore.errors import KVStoreError
 from scheduler.admission import AdmissionConfig
 from scheduler.api_keys import load_api_keys, read_keys_file
+from scheduler.compare import format_comparison
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
-from scheduler.compare import format_comparison
 from scheduler.replay import run_comparison, run_replay
 from scheduler.report import format_report
 from scheduler.router import Router
@@ -108,8 +109,9 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``, ``--max-model-len``,
     ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
-    ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its default. Raises ValueError / OSError
-    for an API keys file that cannot be read or holds no key."""
+    ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its
+    default. Raises ValueError / OSError for an API keys file that cannot be read or holds no
+    key."""
     admit_tbt = getattr(args, "admit_tbt_s", None)
     api_keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
     return FrontdoorConfig(model_dir=getattr(args, "model", None),

@@ -19,7 +19,7 @@ Registry: :data:`POLICIES` maps a name to its class; :func:`make_policy` builds 
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import usable_prefix_tokens

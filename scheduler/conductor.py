@@ -34,8 +34,9 @@ the predictions and admission — one code path.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import usable_prefix_tokens

@@ -23,8 +23,8 @@ BENCHMARKS.md (shared memory ~6 GB/s, LMDB from the page cache ~7 GB/s, gRPC ~0.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvstore.errors import InvalidArgument
 from kvstore.tiers import registry

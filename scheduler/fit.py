@@ -10,8 +10,8 @@ Pure and synchronous; O(k³ · 2ᵏ) per refit, refitted lazily on the next pred
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import combinations
-from typing import Sequence
 
 import numpy as np
 

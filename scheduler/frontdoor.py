@@ -33,7 +33,8 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -45,8 +46,17 @@ from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
 from scheduler.health import HealthChecker
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
-from scheduler.openai_api import (NOT_BUILT_IN, APIError, GenerationRequest, ModelLimits, model_not_found,
-                                  parse_chat, parse_completion, read_json, refuse_fields)
+from scheduler.openai_api import (
+    NOT_BUILT_IN,
+    APIError,
+    GenerationRequest,
+    ModelLimits,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+    read_json,
+    refuse_fields,
+)
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
@@ -279,7 +289,7 @@ class Frontdoor:
                                    decode=plan.decode_id).inc()
         self.metrics.count_prompt(len(req.prompt))
 
-    def _timer(self, t0: float, plan: RoutePlan) -> "_TokenClock":
+    def _timer(self, t0: float, plan: RoutePlan) -> _TokenClock:
         return _TokenClock(self, t0, plan)
 
     async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:

@@ -89,7 +89,7 @@ class HealthChecker:
         try:
             await asyncio.wait_for(client.load(), self.timeout_s)
             return "", False
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no answer to a health check within {self.timeout_s:g} s", True
         except KVStoreError as exc:
             return f"health check failed: {exc}", False
@@ -102,7 +102,7 @@ class HealthChecker:
             self._store_probe = asyncio.ensure_future(asyncio.to_thread(store.health))
         try:
             status = await asyncio.wait_for(asyncio.shield(self._store_probe), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._mark_store(f"no answer to a health check within {self.timeout_s:g} s")
         except KVStoreError as exc:
             self._mark_store(f"health check failed: {exc}")

@@ -23,8 +23,9 @@ prompt token is computed, no cache is read or written, ``cached_tokens`` is 0) a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument

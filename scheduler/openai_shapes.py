@@ -9,7 +9,8 @@ as OpenAI sends it. ``logprobs`` (when asked): completions carry OpenAI's legacy
 list (``token``, ``logprob``, ``bytes``, ``top_logprobs``) — built by :class:`LogprobsShape`."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from engines.tokenizer import ByteTokenizer, Tokenizer
 from engines.types import TokenLogprobs

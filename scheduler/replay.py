@@ -16,8 +16,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -65,7 +66,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
                     times.extend([time.perf_counter()] * len(event["choices"][0]["token_ids"]))
                 if event.get("usage"):
                     cached = int(event["usage"]["prompt_tokens_details"]["cached_tokens"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         return RequestOutcome("failed", type(exc).__name__, **base)
     if not times:
         return RequestOutcome("failed", "no_tokens", **base)
@@ -170,7 +171,7 @@ async def server_info(target_url: str, timeout_s: float = 10.0) -> dict[str, Any
                     raise Unavailable(f"front door at {target_url}: /health answered {resp.status} "
                                       f"{'; '.join(info.get('reasons', ()))}".rstrip())
                 return dict(info)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         raise Unavailable(f"front door at {target_url} unreachable: {exc}") from None
 
 

@@ -2,8 +2,9 @@
 (goodput beside hit ratio, TTFT/TBT percentiles and rejections, DESIGN.md §7)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from scheduler.stats import mean, percentile
 

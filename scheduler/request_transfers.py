@@ -16,7 +16,8 @@ aborted transfer's bytes never land in someone else's block.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.errors import KVStoreError
 
@@ -28,8 +29,8 @@ CHUNK_BYTES = 64 << 10
 
 class KVTransfer:
     """Moves ``keys`` (a prefix chain, head first) from ``source`` into ``target``, in chunks of
-    ``chunk_bytes`` (``on_chunk(bytes_so_far)`` after each). :meth:`run` does the work (call it in the thread that transfers);
-    :meth:`abort` may be called from any thread, any number of times.
+    ``chunk_bytes`` (``on_chunk(bytes_so_far)`` after each). :meth:`run` does the work (call
+    it in the thread that transfers); :meth:`abort` may be called from any thread, any number of times.
 
     Invariants: after :meth:`run` returns or :meth:`abort` returns, the source lease is
     released; every reservation this transfer made is committed or aborted; ``reservations``

@@ -6,10 +6,11 @@ For a prompt it computes the block keys (the engines' key spec), looks them up i
 replica of the store's index (:mod:`scheduler.cache_index`: the KV events of the store nodes
 and of the prefill engines' own caches) for each prefill instance's local hit and the pool's
 hit by tier — without a replica (no ``kv_events``), the store node's ``Lookup`` gives the
-pool's hit and no instance has a local one — and hands the policy: per prefill instance the predicted seconds queued there (T_queue) and its
-hit; per decode instance the requests it holds and those it will receive, with predicted
-join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills feed the
-T_prefill regression, finished decodes the TBT regression.
+pool's hit and no instance has a local one — and hands the policy: per prefill instance the
+predicted seconds queued there (T_queue) and its hit; per decode instance the requests it
+holds and those it will receive, with predicted join and finish instants; ``now_s`` from
+``time.monotonic()``. Finished prefills feed the T_prefill regression, finished decodes the
+TBT regression.
 
 The live engines fetch a longer pool hit themselves — no further than the plan's
 ``max_load_blocks`` when the policy chose to recompute — and cannot read a peer's cache, so
@@ -28,8 +29,8 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from engines.client import EngineClient
 from engines.kv import block_bytes
@@ -160,7 +161,7 @@ class Router:
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       kv_events: str | None = None, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
-                      store_redis: str | None = None, engine_auth_token: str | None = None) -> "Router":
+                      store_redis: str | None = None, engine_auth_token: str | None = None) -> Router:
         """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
         kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine

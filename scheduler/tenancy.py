@@ -3,7 +3,7 @@ credentials, and the block keys of a prompt, built exactly as the engines build 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from engines.types import EngineInfo, extras_for
 from kvstore.index.keys import BlockKey, KeyExtras, block_keys

@@ -3,7 +3,7 @@ OpenAI's ``stop`` strings (:class:`StopText`), for both the whole and the stream
 of the front door."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from engines.tokenizer import ByteTokenizer, Tokenizer
 

@@ -48,7 +48,7 @@ class TierHit(NamedTuple):
     by_tier: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def from_tiers(cls, tiers: "tuple[str, ...] | list[str]") -> "TierHit":
+    def from_tiers(cls, tiers: tuple[str, ...] | list[str]) -> TierHit:
         """From the tier of each block, head first (``PrefixMatch.per_node[n]``,
         ``LookupResult.tiers``): runs of one tier become one pair."""
         n = len(tiers)
@@ -66,7 +66,7 @@ class TierHit(NamedTuple):
         return cls(n, tuple(runs))
 
     @classmethod
-    def uniform(cls, blocks: int, tier: str) -> "TierHit":
+    def uniform(cls, blocks: int, tier: str) -> TierHit:
         """``blocks`` blocks all in ``tier``."""
         return cls(blocks, ((tier, blocks),) if blocks > 0 else ())
 

@@ -19,8 +19,9 @@ import json
 import os
 import re
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -43,7 +44,7 @@ class VLLMModel:
     eos_token_id: int
 
     @classmethod
-    def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> "VLLMModel":
+    def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> VLLMModel:
         """``dtype``: the instances' ``--dtype`` (default: the checkpoint's). Raises
         InvalidArgument when ``model_dir`` holds no ``config.json``."""
         path = os.path.join(model_dir, "config.json")
@@ -155,7 +156,7 @@ class VLLMClient:
                         self.served_model = data["id"]
                         self.max_model_len = int(data.get("max_model_len") or 0)
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError):
+            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise Unavailable(f"vLLM instance at {self.url} not ready after {timeout_s} s")
@@ -168,7 +169,7 @@ class VLLMClient:
         try:
             async with self._http().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def load(self) -> VLLMLoad:
@@ -179,7 +180,7 @@ class VLLMClient:
                     raise Unavailable(f"vLLM instance at {self.url}: /metrics answered {r.status}")
                 self.last_load = parse_metrics(await r.text())
                 return self.last_load
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
 
     async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
@@ -208,7 +209,7 @@ class VLLMClient:
                 if r.status != 200:
                     raise await _error(r, self.url)
                 return await r.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -230,7 +231,7 @@ class VLLMClient:
                     if "error" in event:
                         raise Unavailable(f"vLLM instance at {self.url}: {event['error'].get('message')}")
                     yield event
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
         raise Unavailable(f"vLLM instance at {self.url}: the stream ended before [DONE]")
 

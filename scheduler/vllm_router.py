@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, Unavailable

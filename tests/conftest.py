@@ -1,15 +1,15 @@
 """Shared pytest fixtures. Append fixtures; keep each group under its own heading."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 
 # -- store core: tiers, pool and store service ------------------------------------------------
 @pytest.fixture
-def make_dram() -> Iterator[Callable[..., "object"]]:
+def make_dram() -> Iterator[Callable[..., object]]:
     """Factory of DRAM tiers (shared-memory slabs); every slab is closed and unlinked after
     the test, so no /dev/shm segment leaks."""
     from kvstore.tiers.dram import DramTier
@@ -27,7 +27,7 @@ def make_dram() -> Iterator[Callable[..., "object"]]:
 
 
 @pytest.fixture
-def make_ssd(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
+def make_ssd(tmp_path: Path) -> Iterator[Callable[..., object]]:
     """Factory of SSD tiers on a real LMDB directory under ``tmp_path`` (default ``ssd``);
     closed after the test."""
     from kvstore.tiers.ssd import SsdTier
@@ -45,7 +45,7 @@ def make_ssd(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
 
 
 @pytest.fixture
-def store_node(make_dram, make_ssd) -> Iterator[tuple["object", str]]:
+def store_node(make_dram, make_ssd) -> Iterator[tuple[object, str]]:
     """A real store service on 127.0.0.1 (port 0) over a DRAM (64 MiB) + SSD (256 MiB) pool,
     with the Admin service (kvstore/admin) on the same port. Yields (pool, "127.0.0.1:port")."""
     from kvstore.admin.service import NodeControl, admin_service
@@ -59,7 +59,7 @@ def store_node(make_dram, make_ssd) -> Iterator[tuple["object", str]]:
 
 
 @pytest.fixture(scope="module")
-def same_host_store() -> Iterator[tuple["object", str]]:
+def same_host_store() -> Iterator[tuple[object, str]]:
     """A store node in this process, shared by a module's tests (so a test can reach its slab
     while engines in other processes use it): a 256 MiB DRAM tier, the same-host data plane
     on a Unix socket. Yields (pool, "127.0.0.1:port")."""
@@ -158,7 +158,7 @@ def redis_url(redis_server: str) -> str:
 
 # -- cluster and transfer: store node processes -----------------------------------------------
 @pytest.fixture
-def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
+def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., object]]:
     """Factory of real store node processes (``python -m launcher serve``) on 127.0.0.1.
     ``spawn(node_id, *flags)`` returns (Popen, "127.0.0.1:port") once the node answers;
     every process still running is terminated (then killed) after the test."""
@@ -187,7 +187,7 @@ def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., "object"]]:
             except grpc.FutureTimeoutError:
                 proc.kill()
                 raise RuntimeError(f"store node {node_id} not ready: "
-                                   f"{(tmp_path / f'{node_id}.log').read_text(errors='replace')[-2000:]}")
+                                   f"{(tmp_path / f'{node_id}.log').read_text(errors='replace')[-2000:]}") from None
         return proc, address
 
     yield spawn

@@ -10,7 +10,8 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ is a clean one: OK or a status the servicer chose (never UNKNOWN, the mark of an
 that escaped it, and never a hang)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor as FD
@@ -108,7 +108,10 @@ def call_raw(channel: grpc.Channel, service: str, method: Any, raw: bytes,
     parse may be INTERNAL (gRPC's own answer), anything else as :func:`call_fuzzed`."""
     path = f"/{service}/{method.name}"
     kind = (method.client_streaming, method.server_streaming)
-    ident: Callable[[bytes], bytes] = lambda b: b
+
+    def ident(b: bytes) -> bytes:
+        return b
+
     try:
         if kind == (False, False):
             channel.unary_unary(path, ident, ident)(raw, timeout=TIMEOUT_S, metadata=metadata)

@@ -5,7 +5,6 @@ cannot start, and a ``kvstore up`` stack whose store and engine ports refuse a t
 caller."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -13,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest

@@ -112,7 +112,8 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
         assert r.stored_blocks == 64
         owners = [n.node_id for n in cluster.locate(list(r.block_keys))]
         assert len(owners) == 64 and len(set(owners)) == 3           # the chain spans all three
-        assert [s.token for s in decode.decode("r1", prompt, r.first_token, r.block_keys, r.tail_kv, 8, namespace="t")] == want
+        steps = decode.decode("r1", prompt, r.first_token, r.block_keys, r.tail_kv, 8, namespace="t")
+        assert [s.token for s in steps] == want
 
         victim = owners[32]                                            # holds a middle run
         survive = owners.index(victim)
@@ -129,5 +130,6 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
         prefill2 = PrefillEngine(lm, cluster, local_cache_blocks=0)
         r2 = prefill2.prefill("r2", prompt, "t")
         assert r2.loaded_blocks == survive and r2.cached_tokens == survive * BS
-        tokens = [s.token for s in decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8, namespace="t")]
+        steps = decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8, namespace="t")
+        tokens = [s.token for s in steps]
         assert tokens == want

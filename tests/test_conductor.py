@@ -13,8 +13,17 @@ from scheduler.conductor import Conductor, ConductorConfig
 from scheduler.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel
 from scheduler.fit import OnlineFit
 from scheduler.tbt import DecodeProfile, TBTModel, load_at
-from scheduler.views import (POOL, ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView,
-                             TierHit, load_limit)
+from scheduler.views import (
+    POOL,
+    ClusterView,
+    Decision,
+    DecodeView,
+    DecodeWork,
+    PrefillView,
+    RequestView,
+    TierHit,
+    load_limit,
+)
 
 BS = 16
 BLOCK_BYTES = 8192
@@ -86,7 +95,8 @@ def test_shared_prefix_spreads_over_two_equal_instances():
 def test_queue_on_the_holder_sends_the_request_elsewhere_once_recompute_is_cheaper(peer_fetch):
     policy = conductor(peer_fetch=peer_fetch)
     req = request(2 * BS + 8, (1, 2))
-    saving = policy.prefill_model.predict(req.prompt_tokens, 0) - policy.prefill_model.predict(req.prompt_tokens, 2 * BS)
+    predict = policy.prefill_model.predict
+    saving = predict(req.prompt_tokens, 0) - predict(req.prompt_tokens, 2 * BS)
     assert saving > 0
     holder = TierHit.uniform(2, "hbm")
     for queue_s, want in [(0.5 * saving, "p0"), (20 * 1e-3 + 2 * saving, "p1")]:

@@ -26,7 +26,8 @@ def test_demo_replays_20_requests_with_the_pool_on_and_off(tmp_path):
     report = json.loads(out.read_text())
     pool, off = report["pool"], report["recompute"]
     for run in (pool, off):   # both complete every request
-        assert (run["requests_sent"], run["completed"], run["rejected"], run["failed"], run["skipped"]) == (20, 20, 0, 0, 0)
+        counts = (run["requests_sent"], run["completed"], run["rejected"], run["failed"], run["skipped"])
+        assert counts == (20, 20, 0, 0, 0)
         assert run["prompt_tokens"] == pool["prompt_tokens"] > 0
     assert pool["settings"]["prefix_cache"] is True and off["settings"]["prefix_cache"] is False
     # what is replayed has reuse, the pool serves it, pool off serves none of it

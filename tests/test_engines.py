@@ -44,7 +44,8 @@ def reference(lm, prompt: list[int], n: int) -> list[int]:
 
 def disaggregated(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], n: int):
     r = prefill.prefill("req", prompt, "tenant")
-    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, n, namespace="tenant")]
+    steps = decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, n, namespace="tenant")
+    tokens = [s.token for s in steps]
     return r, tokens
 
 
@@ -106,7 +107,8 @@ def test_decode_recomputes_blocks_missing_from_the_pool(lm, store):
     prompt = prompt_of(5, 3 * BS + 2)
     r = prefill.prefill("req", prompt, "tenant")
     pool.remove(r.block_keys[1])
-    tokens = [s.token for s in decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, 6, namespace="tenant")]
+    steps = decode.decode("req", prompt, r.first_token, r.block_keys, r.tail_kv, 6, namespace="tenant")
+    tokens = [s.token for s in steps]
     assert decode.recomputed_tokens == len(prompt) - BS
     assert tokens == reference(lm, prompt, 6)
 

@@ -5,16 +5,26 @@ real gRPC store nodes, real tiers."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import redis
 
 from kvstore.client import StoreClient
 from kvstore.config import StoreConfig
-from kvstore.events import (EventChannel, EventKind, IndexReplica, KVEvent, LocalEventChannel,
-                            PublishingIndex, RedisEventChannel, local_channel, make_channel,
-                            store_snapshot_source)
+from kvstore.events import (
+    EventChannel,
+    EventKind,
+    IndexReplica,
+    KVEvent,
+    LocalEventChannel,
+    PublishingIndex,
+    RedisEventChannel,
+    local_channel,
+    make_channel,
+    store_snapshot_source,
+)
 from kvstore.node import StoreNode
 from kvstore.pool import KVPool
 from kvstore.service import serve_store

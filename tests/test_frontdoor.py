@@ -13,7 +13,16 @@ import torch
 
 from engines.model import ModelConfig, load_model
 from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    BS, call, complete, prompt_of, sse_events, cluster_fixture, door_fixture, url_fixture)
+    BS,
+    call,
+    cluster_fixture,
+    complete,
+    door_fixture,
+    prompt_of,
+    sse_events,
+    url_fixture,
+)
+
 
 @pytest.mark.parametrize("raw,body,needle", [
     (b"{not json", None, "JSON"),

@@ -9,8 +9,8 @@ import json
 import time
 
 from engines.client import EngineClient
-from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    BS, call, complete, prompt_of, cluster_fixture, door_fixture, url_fixture)
+from tests.frontdoor_cluster import BS, call, cluster_fixture, complete, door_fixture, prompt_of, url_fixture  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
+
 
 def test_engine_failure_is_503(cluster):
     address = cluster.engine("prefill", "prefill-doomed")

@@ -13,8 +13,8 @@ import pytest
 from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.config import FrontdoorConfig
 from scheduler.tenancy import namespace_from_authorization
-from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    BS, Cluster, call, complete, prompt_of, cluster_fixture, door_fixture, url_fixture)
+from tests.frontdoor_cluster import BS, Cluster, call, cluster_fixture, complete, door_fixture, prompt_of, url_fixture  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
+
 
 def test_second_identical_request_reports_cached_tokens(url):
     body = {"prompt": "the quick brown fox jumps over the lazy dog, twice over", "max_tokens": 3}

@@ -8,7 +8,8 @@ here; ``make fuzz`` runs them long."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -17,9 +18,9 @@ from hypothesis import strategies as st
 
 from protos import engine_pb2 as epb
 from scheduler.config import FrontdoorConfig
+from tests.frontdoor_cluster import BS, Cluster, call, complete, prompt_of, sse_events
 from tests.fuzzing import Counter, fuzz_settings, run_target
 from tests.grpc_fuzzing import call_fuzzed, call_raw, message, request_class
-from tests.frontdoor_cluster import BS, Cluster, call, complete, prompt_of, sse_events
 
 ENGINE = epb.DESCRIPTOR.services_by_name["Engine"]
 VOCAB = 512                       # the tiny model's vocabulary (tests/frontdoor_cluster.py prompts)

@@ -49,9 +49,9 @@ def test_lookup_gives_the_engines_keys_and_finds_the_blocks(engine, tmp_path):
     assert [b["key"] for b in doc["blocks"]] == [k.hex() for k in done.block_keys]
     from engines.types import EngineInfo
     from kvstore.index.keys import KVLayout
-    front_door = prompt_keys(tokens, EngineInfo(info.engine_id, info.role, info.model_id, info.revision,
-                                                KVLayout.from_json(info.layout_json), info.block_size,
-                                                info.vocab_size, info.eos_token_id, info.device, info.max_model_len), ns)
+    engine = EngineInfo(info.engine_id, info.role, info.model_id, info.revision, KVLayout.from_json(info.layout_json),
+                        info.block_size, info.vocab_size, info.eos_token_id, info.device, info.max_model_len)
+    front_door = prompt_keys(tokens, engine, ns)
     assert [b["key"] for b in doc["blocks"]] == [k.hex() for k in front_door]
     assert doc["held_prefix_blocks"] == done.stored_blocks
     assert all(b["copies"][0]["node"] == "lk-node" and b["copies"][0]["tiers"] == ["dram"] for b in doc["blocks"])

@@ -7,16 +7,16 @@ token's text as it decodes."""
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterator
 from itertools import accumulate
-from typing import Any, Iterator
+from typing import Any
 
 import openai
 import pytest
 import torch
 
 from engines.model import TINY_MODEL_ID, ModelConfig, load_model
-from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    BS, cluster_fixture, door_fixture, prompt_of, url_fixture)
+from tests.frontdoor_cluster import BS, cluster_fixture, door_fixture, prompt_of, url_fixture  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
 
 MODEL = TINY_MODEL_ID
 OFFSET = 3           # the byte tokenizer's id of byte 0 (engines/tokenizer.py)
@@ -92,7 +92,7 @@ def test_a_stream_carries_usage_only_when_asked(client, include_usage):
     if include_usage:
         *chunks, last = chunks
         assert last.choices == [] and last.usage.completion_tokens == 5
-        assert last.usage.prompt_tokens == len("usage please".encode())
+        assert last.usage.prompt_tokens == len(b"usage please")
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
 

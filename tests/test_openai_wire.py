@@ -10,8 +10,7 @@ import json
 import pytest
 
 from engines.model import TINY_MODEL_ID
-from tests.frontdoor_cluster import (  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
-    call, cluster_fixture, complete, door_fixture, sse_events, url_fixture)
+from tests.frontdoor_cluster import call, cluster_fixture, complete, door_fixture, sse_events, url_fixture  # noqa: F401  (cluster_fixture, door_fixture, url_fixture: fixtures)
 
 
 def error_of(status: int, data: bytes, want_status: int) -> dict:

@@ -13,8 +13,7 @@ import pytest
 
 from scheduler.replay import replay, run_replay
 from scheduler.report import format_report
-from scheduler.trace import (TraceMapping, TraceRequest, best_possible_hit_blocks, best_possible_hit_ratio,
-                             load_trace)
+from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, best_possible_hit_ratio, load_trace
 from tests.frontdoor_cluster import cluster_fixture, door_fixture, url_fixture  # noqa: F401  (fixtures: a live front door)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -70,8 +70,10 @@ def test_hits_per_instance_and_per_tier_come_from_the_kv_events(stack):
             assert router.cluster_view(keys).pool_hit == TierHit()     # nothing cached anywhere yet
             await _prefill_through(router, "prefill-0")
             # The engine's own cache (hbm) and the store node's DRAM, each from its events.
-            assert await asyncio.to_thread(wait_until, lambda: (
-                router.cluster_view(keys).prefill[0].hit.blocks == 6 and router.cluster_view(keys).pool_hit.blocks == 6))
+            def both_hit() -> bool:
+                view = router.cluster_view(keys)
+                return view.prefill[0].hit.blocks == 6 and view.pool_hit.blocks == 6
+            assert await asyncio.to_thread(wait_until, both_hit)
             view = router.cluster_view(keys)
             assert [(v.instance_id, v.hit) for v in view.prefill] == [
                 ("prefill-0", TierHit(6, (("hbm", 6),))), ("prefill-1", TierHit())]

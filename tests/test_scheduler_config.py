@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from launcher.cli import build_parser
 from kvstore.errors import InvalidArgument
+from launcher.cli import build_parser
 from scheduler.app import config_from_args
 from scheduler.config import FrontdoorConfig
 

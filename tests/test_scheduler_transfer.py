@@ -49,7 +49,8 @@ def test_abort_mid_transfer_then_admit_at_once_100_cycles(pools):
     for cycle in range(100):
         midway, go = threading.Event(), threading.Event()
 
-        def pace(done: int, paced: bool = cycle % 2 == 0) -> None:
+        def pace(done: int, paced: bool = cycle % 2 == 0, midway: threading.Event = midway,
+                 go: threading.Event = go) -> None:
             if paced and done == 3 * BLOCK // 2:     # halfway through the second block
                 midway.set()
                 go.wait(10)
@@ -74,7 +75,7 @@ def test_abort_mid_transfer_then_admit_at_once_100_cycles(pools):
             if first.aborted:
                 assert not target.contains(key)
             target.remove(key)
-        for key, data in b:                         # and none of its bytes landed in the second's blocks
+        for key, _ in b:                         # and none of its bytes landed in the second's blocks
             assert target.get(key) == b_bytes[key]
             target.remove(key)
         target.check_integrity()

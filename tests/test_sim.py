@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import main
 from kvstore.errors import InvalidArgument
+from launcher.cli import main
 from scheduler.baselines import POLICIES
 from scheduler.sim import SimConfig, Simulator, simulate
 from scheduler.sim.metrics import summarize

@@ -16,7 +16,6 @@ import pytest
 from kvstore.client import StoreClient
 from kvstore.integrity import checksum_of
 from kvstore.pool import KVPool
-from kvstore.tiers.dram import DramTier
 from kvstore.tiers.ssd import SsdTier
 
 BLOCK = 64 << 10

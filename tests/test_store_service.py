@@ -10,8 +10,8 @@ import pytest
 
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.pool import KVPool, checksum_of
 from kvstore.limits import MAX_KEYS_PER_CALL
+from kvstore.pool import KVPool, checksum_of
 from kvstore.service import serve_store
 from kvstore.wire.channel import CHUNK_BYTES
 from protos import kvstore_pb2 as pb

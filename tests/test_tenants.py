@@ -9,7 +9,8 @@ import asyncio
 import json
 import threading
 import urllib.request
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

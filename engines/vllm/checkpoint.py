@@ -3,10 +3,11 @@ seeded random weights saved with ``save_pretrained``, beside a byte-level BPE to
 with the ``tokenizers`` library (no merges: one token per UTF-8 byte), so ``vllm serve DIR``
 and ``LLM(model=DIR)`` run with ``HF_HUB_OFFLINE=1`` and nothing downloaded.
 
-Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, 2 KV heads of 64 — vLLM's CPU attention takes no head size under 32; tests) and ``bench`` (8 layers,
-hidden 512, 8 KV heads of 64; recomputing a 2k-token prefix costs about a second on 2 CPU
-cores, loading its 64 MiB of KV a few milliseconds — what ``benchmarks/bench_vllm.py``
-needs to show the pool's worth)."""
+Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, 2 KV heads of 64 — vLLM's CPU
+attention takes no head size under 32; tests) and ``bench`` (8 layers, hidden 512, 8 KV
+heads of 64; recomputing a 2k-token prefix costs about a second on 2 CPU cores, loading its
+64 MiB of KV a few milliseconds — what ``benchmarks/bench_vllm.py`` needs to show the
+pool's worth)."""
 from __future__ import annotations
 
 import json

@@ -42,8 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
@@ -149,7 +148,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                  tc.kv_role, self.link.target, self.paged.model_id, self.paged.layout.to_json())
 
     # -- scheduler side -------------------------------------------------------------------
-    def _track(self, request: "Request") -> _Tracked | None:
+    def _track(self, request: Request) -> _Tracked | None:
         tr = self._tracked.get(request.request_id)
         if tr is None:
             prompt = request.prompt_token_ids
@@ -160,7 +159,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._tracked[request.request_id] = tr
         return tr
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens beyond ``num_computed_tokens`` (vLLM's own block-aligned hit) whose
         KV the pool holds: whole blocks of the longest cached prefix, never the last prompt
         token. One lookup; 0 when the pool cannot be reached. Loads are synchronous."""
@@ -175,7 +174,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         extra = usable * self.block_size - num_computed_tokens
         return (extra, False) if extra > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Record the load of the ``num_external_tokens`` tokens after vLLM's local hit
         into the blocks vLLM just allocated for them."""
@@ -191,7 +190,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                                         tags=tuple(tr.tags[start:start + count]))
         self.stats.hit_blocks += count
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         """This step's loads (every load recorded since the last step) and saves (the full
         prompt blocks this step completes that the pool lacks)."""
         meta = KVStoreConnectorMetadata(loads=list(self._loads.values()),
@@ -227,7 +226,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             tr.saved = done
             tr.sent_saves = True
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request. True (vLLM keeps its blocks until ``get_finished`` names it)
         when saves of it may still be running on the worker's background thread."""
         tr = self._tracked.pop(request.request_id, None)
@@ -249,7 +248,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.info("kvstore connector: %d KV blocks of %d bytes on %s (layer slice %s)", num_blocks,
                  self._blocks.block_bytes, self._blocks.device, self._blocks.layer_shape)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's blocks into the paged tensors before the forward pass; a block
         not loaded whole and verified is reported as a load error (vLLM recomputes it and
         the rest of its request's prefix)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
@@ -54,7 +55,7 @@ class PagedLayout:
     layer_shape: tuple[int, ...] | None = None
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> "PagedLayout":
+    def from_vllm(cls, vllm_config: Any) -> PagedLayout:
         """From a ``VllmConfig``. Raises InvalidArgument for a set-up the connector does not
         serve: tensor or pipeline parallelism above 1 (each rank would hold a shard of every
         block under one key)."""

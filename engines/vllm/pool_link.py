@@ -15,8 +15,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class ConnectorConfig:
             raise InvalidArgument(f"kvstore.store must be host:port, got {self.store!r}")
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """From ``kv_connector_extra_config``. Raises InvalidArgument for an unknown
         ``kvstore.`` key (the message lists the valid ones) or a bad value."""
         fields = {f: v for f, v in cls.__dataclass_fields__.items()}

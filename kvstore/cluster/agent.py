@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
 from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
 from kvstore.config import StoreConfig
-from kvstore.dataplane.host import DataPlaneHost
 from kvstore.dataplane.control_server import TcpControlServer
+from kvstore.dataplane.host import DataPlaneHost
 from kvstore.pool import KVPool
 from kvstore.tiers import registry as tier_registry
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 from kvstore.client import LookupResult, StoreClient
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
@@ -128,7 +128,7 @@ class ClusterClient:
         live = self.nodes()
         while len(owners) < len(keys) and live:
             rest = keys[len(owners):]
-            answers = list(self._pool.map(lambda n: self._lookup_one(n, rest), live))
+            answers = list(self._pool.map(self._lookup_one, live, [rest] * len(live)))
             best = max(range(len(live)), key=lambda i: answers[i].blocks)
             if answers[best].blocks == 0:
                 break
@@ -290,7 +290,7 @@ class ClusterClient:
             c.close()
         self._pool.shutdown(wait=False)
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

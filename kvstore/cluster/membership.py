@@ -8,8 +8,8 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvstore:nodes:"
@@ -35,7 +35,7 @@ class NodeInfo:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "NodeInfo":
+    def from_json(cls, text: str | bytes) -> NodeInfo:
         d = json.loads(text)
         d["tiers"] = tuple(tuple(t) for t in d.get("tiers", ()))
         return cls(**d)
@@ -58,8 +58,8 @@ class Registry(ABC):
     def nodes(self) -> list[NodeInfo]:
         """The live nodes, sorted by node id."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
+        """Release connections."""
 
 
 class RedisRegistry(Registry):
@@ -136,7 +136,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="kvstore-heartbeat", daemon=True)
         self.node_id: str | None = None
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self._beat()
         self._thread.start()
         return self

@@ -10,8 +10,9 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from itertools import islice
-from typing import Any, Sequence
+from typing import Any
 
 from kvstore.events.event import KVEvent
 
@@ -42,7 +43,7 @@ class EventChannel(ABC):
         """Up to ``count`` events after ``cursor``, waiting up to ``block_s`` seconds for the
         first one. Returns the new cursor and the events (possibly none)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release connections."""
 
 

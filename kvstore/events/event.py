@@ -13,7 +13,7 @@ from typing import NamedTuple
 WIRE_VERSION = b"1"
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     """What happened to the node's copies."""
 
     BLOCK_STORED = "BlockStored"      # a copy of ``key`` is now readable in ``tier``
@@ -43,7 +43,7 @@ class KVEvent(NamedTuple):
                 b"tier": self.tier.encode(), b"size": b"%d" % self.size, b"ts": repr(self.ts).encode()}
 
     @classmethod
-    def from_fields(cls, fields: dict[bytes, bytes]) -> "KVEvent":
+    def from_fields(cls, fields: dict[bytes, bytes]) -> KVEvent:
         """Parse a Redis Stream entry. Raises ValueError for a malformed or foreign entry."""
         if fields.get(b"v") != WIRE_VERSION:
             raise ValueError(f"KV event of unknown wire version {fields.get(b'v')!r}")

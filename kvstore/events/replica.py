@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
 
 from kvstore.events.channel import EventChannel
 from kvstore.events.event import EventKind, KVEvent, NodeSnapshot
@@ -72,7 +72,7 @@ class IndexReplica:
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "IndexReplica":
+    def start(self) -> IndexReplica:
         """Consume events in a background thread until :meth:`stop`."""
         if self._thread is None:
             self._stop.clear()
@@ -86,7 +86,7 @@ class IndexReplica:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def __enter__(self) -> "IndexReplica":
+    def __enter__(self) -> IndexReplica:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

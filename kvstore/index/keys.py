@@ -21,8 +21,9 @@ import hashlib
 import json
 import struct
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NewType, Sequence
+from typing import Any, NewType
 
 import numpy as np
 import xxhash
@@ -112,7 +113,7 @@ class KVLayout:
                            "block_size": self.block_size}, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "KVLayout":
+    def from_json(cls, text: str) -> KVLayout:
         return cls(**json.loads(text))
 
 
@@ -162,7 +163,8 @@ class KeyExtras:
 
 
 # Value type tags of the extras encoding.
-_T_NONE, _T_STR, _T_BYTES, _T_INT, _T_BOOL, _T_FLOAT, _T_SEQ = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x05", b"\x06"
+_T_NONE, _T_STR, _T_BYTES, _T_INT = b"\x00", b"\x01", b"\x02", b"\x03"
+_T_BOOL, _T_FLOAT, _T_SEQ = b"\x04", b"\x05", b"\x06"
 _U32 = struct.Struct("<I").pack
 _F64 = struct.Struct("<d").pack
 

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "else kvstore up's auth.env)")
     parser.add_argument("--redis", metavar="URL", help="the membership registry: every node of the cluster "
                                                        "(default: KVSTORE_REDIS_URL, else kvstore up's)")
-    parser.add_argument("--timeout", type=positive, default=10.0, help="seconds to wait for a node (default %(default)s)")
+    parser.add_argument("--timeout", type=positive, default=10.0,
+                        help="seconds to wait for a node (default %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (tiers, cluster, lookup, blocks, quota, watch):
         group.add_commands(sub)

@@ -151,8 +151,9 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
             raise InvalidArgument(f"{source.node_id} is the only node not draining: nowhere to move its blocks")
         _progress(args, f"{source.node_id}: draining (placement puts no new blocks there); moving its blocks to "
                         f"{', '.join(n.node_id for n in others)}")
-        targets: dict[str, list[Any]] = {n.node_id: [StoreClient(n.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc"),
-                               n.info.free_bytes if n.info else 0] for n in others}
+        targets: dict[str, list[Any]] = {
+            n.node_id: [StoreClient(n.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc"),
+                        n.info.free_bytes if n.info else 0] for n in others}
         failed: dict[str, str] = {}
         moved = moved_bytes = 0
         total = admin.list_blocks(limit=1)["matched"]

@@ -44,7 +44,8 @@ def tokens_of(args: argparse.Namespace) -> list[int]:
         try:
             return [int(x) for x in args.tokens.replace(",", " ").split()]
         except ValueError:
-            raise InvalidArgument(f"--tokens takes integers separated by commas or spaces, got {args.tokens!r}") from None
+            raise InvalidArgument(f"--tokens takes integers separated by commas or spaces, "
+                                  f"got {args.tokens!r}") from None
     if args.tokenizer:
         from transformers import AutoTokenizer
         return list(AutoTokenizer.from_pretrained(args.tokenizer).encode(args.prompt, add_special_tokens=False))
@@ -89,8 +90,9 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
                     b = r["block"]
                     where[i].append({"node": node.node_id, "tiers": b["tiers"], "size": b["size"], "pin": b["pin"],
                                      "namespace": b["namespace"]})
-    blocks: list[dict[str, Any]] = [{"index": i, "key": k.hex(), "tokens": [i * block_size, (i + 1) * block_size], "copies": w}
-              for i, (k, w) in enumerate(zip(keys, where))]
+    blocks: list[dict[str, Any]] = [
+        {"index": i, "key": k.hex(), "tokens": [i * block_size, (i + 1) * block_size], "copies": w}
+        for i, (k, w) in enumerate(zip(keys, where))]
     held = next((i for i, w in enumerate(where) if not w), len(keys))
     rows = [[b["index"], b["key"][:16], ",".join(c["node"] for c in b["copies"]) or "-",
              ";".join(",".join(c["tiers"]) for c in b["copies"]) or "miss",

@@ -8,7 +8,8 @@ A pool over accounting tiers takes blocks with :meth:`kvstore.pool.KVPool.accoun
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

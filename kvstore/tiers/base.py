@@ -8,8 +8,9 @@ the index are the pool's business, not the tier's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from kvstore.tiers.buffers import copy_into, to_bytes
 
 T = TypeVar("T")
 Sink = Callable[[Any], T]  # receives a read-only uint8 view of a block (numpy, or torch on a device)
-TIERS: dict[str, Callable[..., "Tier"]] = {}
+TIERS: dict[str, Callable[..., Tier]] = {}
 
 
 register_tier = registrar(TIERS)
@@ -191,11 +192,11 @@ class Tier(ABC):
         without an intermediate bytes object; returns the bytes copied or None on a miss."""
         return self.read(key, lambda view: copy_into(out, view))
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Finish slow work the tier deferred (an SSD tier's deletes of removed blocks);
         thread-safe, run by the pool outside its lock. Default: none."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release the tier's resources."""
 
 

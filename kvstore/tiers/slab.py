@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 from abc import abstractmethod
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.integrity import checksum_of

@@ -9,7 +9,8 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import lmdb
 import numpy as np

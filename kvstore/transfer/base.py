@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from kvstore.registry import registrar
 from kvstore.tiers.buffers import copy_into
 
 log = logging.getLogger(__name__)
-TRANSPORTS: dict[str, Callable[..., "BlockTransport"]] = {}
+TRANSPORTS: dict[str, Callable[..., BlockTransport]] = {}
 
 
 register_transport = registrar(TRANSPORTS)
@@ -41,7 +42,7 @@ class BlockTransport(ABC):
         return [None if data is None else copy_into(out, np.frombuffer(data, dtype=np.uint8))
                 for data, out in zip(self.get_blocks(keys, stop_at_miss), outs)]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release what the transport holds (connections, registered buffers)."""
 
 

@@ -29,7 +29,7 @@ PROTOCOLS = ("tcp", "rdma")
 # naps of this long between polls (benchmarks/te_probe.py's machine, best of 11).
 POLL_NAP_S = 50e-6
 DONE, FAILED, IN_FLIGHT = 1, -1, 0  # TransferEngineHandle.wait_piece
-_engines: dict[tuple[str, str, str], "TransferEngineHandle"] = {}
+_engines: dict[tuple[str, str, str], TransferEngineHandle] = {}
 _engines_lock = threading.Lock()
 
 

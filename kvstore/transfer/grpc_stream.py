@@ -2,7 +2,8 @@
 and the same-host path, which is :class:`StoreClient`'s own slab mapping (kvstore/dataplane)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.client import StoreClient
 from kvstore.errors import Unavailable

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -8,7 +8,7 @@ are missing. Every copy lands in the one real
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvstore.index.prefix_index import PrefixIndex
 from kvstore.pool import KVPool, PoolSettings

@@ -45,7 +45,8 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--prefill-cv", type=float, default=0.1, help="engines' noise: CV of a prefill's seconds")
     p.add_argument("--decode-cv", type=float, default=0.05, help="engines' noise: CV of a decode segment's step time")
     p.add_argument("--straggler-prob", type=float, default=0.01, help="probability a prefill is a straggler")
-    p.add_argument("--straggler-factor", type=float, default=3.0, help="a straggler prefill takes this many times as long")
+    p.add_argument("--straggler-factor", type=float, default=3.0,
+                   help="a straggler prefill takes this many times as long")
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
     p.add_argument("--topology", default="disaggregated", help="comma list: disaggregated, colocated")
@@ -60,7 +61,9 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--pool-dram-tokens", default="auto",
                    help="pool DRAM capacity in tokens (auto: 1 TiB per prefill node; inf; 0: no pool)")
     p.add_argument("--pool-ssd-tokens", type=_tokens, default=0, help="pool SSD capacity in tokens (inf, or 0: none)")
-    p.add_argument("--hbm-cache-tokens", type=_tokens, help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; half of it colocated)")
+    p.add_argument("--hbm-cache-tokens", type=_tokens,
+                   help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; "
+                        "half of it colocated)")
     p.add_argument("--max-running", type=int, default=256, help="decode batch limit per instance")
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' HBM")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
@@ -131,7 +134,8 @@ def format_table(results: Sequence[SimResult]) -> str:
                      r.admission, f"{r.speed:g}", r.requests, r.completed,
                      f"{r.rejected_early}/{r.rejected_late}", f"{r.goodput_rps:.3f}", f"{r.effective_capacity:.3f}",
                      f"{r.throughput_tok_s:.0f}", _f(r.ttft_mean_s), _f(r.ttft_p50_s), _f(r.ttft_p90_s),
-                     _f(r.ttft_p99_s), _f(r.tbt_p90_s and r.tbt_p90_s * 1e3, 1), _f(r.tbt_p99_s and r.tbt_p99_s * 1e3, 1),
+                     _f(r.ttft_p99_s), _f(r.tbt_p90_s and r.tbt_p90_s * 1e3, 1),
+                     _f(r.tbt_p99_s and r.tbt_p99_s * 1e3, 1),
                      f"{r.hit_ratio:.3f}/{r.best_possible_hit_ratio:.3f}", f"{r.wasted_prefill_gpu_s:.0f}",
                      f"{r.wall_s:.1f}"])
     head = ["policy", "topology", "admission", "speed", "reqs", "done", "rej early/late", "goodput r/s",

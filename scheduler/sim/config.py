@@ -24,8 +24,8 @@ class SimConfig:
     0 = none). ``hbm_cache_tokens``: an instance's prefix cache (None: all the KV room of a
     prefill instance; half of it when colocated, the other half holds the decode batch).
     ``max_running``: decode batch limit. ``peer_fetch``: the Conductor may fetch a prefix from
-    another prefill instance's HBM. ``chunked_prefill_tokens``: colocated only, prefill in chunks of this many tokens fused with
-    decode steps (None: a prefill pauses the batch).
+    another prefill instance's HBM. ``chunked_prefill_tokens``: colocated only, prefill in
+    chunks of this many tokens fused with decode steps (None: a prefill pauses the batch).
     ``eviction``: the caches' eviction strategy (:mod:`kvstore.eviction`). ``seed``: of the
     random policy and of the engines' noise. ``prefill_cv``/``decode_cv``/``straggler_prob``/
     ``straggler_factor``: the engines' variance (:class:`engines.cost_model.Variance`, where

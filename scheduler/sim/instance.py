@@ -165,7 +165,7 @@ class Instance:
         out = [(self.time_of(lo) - req.first_token_s, 1)]
         if finish_step <= lo:
             return out
-        steps, times, dts, gaps = self.seg_step, self.seg_time, self.seg_dt, self.seg_gap
+        steps, dts, gaps = self.seg_step, self.seg_dt, self.seg_gap
         i = bisect_right(steps, lo) - 1
         n = len(steps)
         while i < n and steps[i] < finish_step:

@@ -3,13 +3,14 @@
 :mod:`scheduler.stats` that the live replay report shares."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from scheduler.sim.config import SimConfig
 from scheduler.sim.workload import SimRequest
 from scheduler.stats import mean, mooncake_tbt_runs, percentile
-from scheduler.trace import TraceMapping, TRACE_BLOCK_TOKENS, best_possible_hit_blocks
+from scheduler.trace import TRACE_BLOCK_TOKENS, TraceMapping, best_possible_hit_blocks
 
 
 @dataclass(frozen=True)
@@ -103,5 +104,6 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
         hit_ratio=sum(r.hit_blocks for r in prefilled) / blocks if blocks else 0.0,
         best_possible_hit_ratio=best / blocks if blocks else 0.0,
         wasted_prefill_gpu_s=wasted * gpus,
-        late_rejected_prefill_gpu_s=sum(r.prefill_s for r in reqs if r.status == "rejected_late") * gpus, prefill_gpu_s=sum(r.prefill_s for r in prefilled) * gpus,
+        late_rejected_prefill_gpu_s=sum(r.prefill_s for r in reqs if r.status == "rejected_late") * gpus,
+        prefill_gpu_s=sum(r.prefill_s for r in prefilled) * gpus,
         makespan_s=makespan, wall_s=wall_s, settings=asdict(cfg), ttfts=tuple(ttfts))

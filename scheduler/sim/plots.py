@@ -2,8 +2,8 @@
 against request rate, hit ratio against pool capacity."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

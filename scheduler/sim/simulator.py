@@ -48,8 +48,17 @@ from scheduler.sim.instance import Instance
 from scheduler.sim.profiling import conductor_config, variance_of
 from scheduler.sim.workload import SimRequest
 from scheduler.trace import TRACE_BLOCK_TOKENS
-from scheduler.views import (NO_HIT, POOL, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit,
-                             load_limit)
+from scheduler.views import (
+    NO_HIT,
+    POOL,
+    ClusterView,
+    DecodeView,
+    DecodeWork,
+    PrefillView,
+    RequestView,
+    TierHit,
+    load_limit,
+)
 
 ARRIVAL, PREFILL_END, DECODE_READY, BOUNDARY = 0, 1, 2, 3
 BLOCK = TRACE_BLOCK_TOKENS
