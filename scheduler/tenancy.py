@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 
 from engines.types import EngineInfo, extras_for
-from kvstore.index.keys import BlockKey, KeyExtras, block_keys
+from kvstore.index.keys import KeyExtras, block_keys
 
 PUBLIC_NAMESPACE = "public"
 
@@ -30,7 +30,7 @@ def request_extras(info: EngineInfo, namespace: str) -> KeyExtras:
     return extras_for(info.model_id, info.revision, info.layout, namespace)
 
 
-def prompt_keys(tokens: Sequence[int], info: EngineInfo, namespace: str) -> list[BlockKey]:
+def prompt_keys(tokens: Sequence[int], info: EngineInfo, namespace: str) -> list[bytes]:
     """Block keys of the full blocks of ``tokens`` (``len(tokens) // info.block_size`` keys,
     head first). Raises InvalidArgument for token ids outside ``[0, 2**32)``."""
     return block_keys(tokens, info.block_size, request_extras(info, namespace))

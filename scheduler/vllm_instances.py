@@ -29,7 +29,7 @@ from engines.types import EngineInfo, PrefillResult
 from engines.vllm.launch import SERVED_MODEL_NAME
 from engines.vllm.layout import PagedLayout, model_identity
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.index.keys import BlockKey, KVLayout
+from kvstore.index.keys import KVLayout
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class VLLMModel:
     def block_size(self) -> int:
         return self.paged.block_size
 
-    def keys(self, tokens: Sequence[int], namespace: str) -> list[BlockKey]:
+    def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         """The pool keys of ``tokens``' full blocks for tenant ``namespace`` (sent to vLLM as
         ``cache_salt``): the connector's own keys."""
         return self.paged.keys(tokens, namespace)

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
-from kvstore.index.keys import BlockKey, KeyExtras, KVLayout, block_keys
+from kvstore.index.keys import KeyExtras, KVLayout, block_keys
 from kvstore.tiers.buffers import Segments
 
 DEFAULT_NAMESPACE = "default"
@@ -83,7 +83,7 @@ class PagedLayout:
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
                          namespace=cache_salt or DEFAULT_NAMESPACE, other=(BLOCK_FORMAT,))
 
-    def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[BlockKey]:
+    def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py)."""
         return block_keys(tokens, self.block_size, self.extras(cache_salt))
 

@@ -3,12 +3,12 @@
 or to an in-process channel when no Redis is configured; scheduler-side replicas of the
 index (:class:`IndexReplica`) consume them, detect gaps and resynchronise from snapshots."""
 from kvstore.events.channel import (
-                                    DEFAULT_STREAM,
-                                    EventChannel,
-                                    LocalEventChannel,
-                                    RedisEventChannel,
-                                    local_channel,
-                                    make_channel,
+    DEFAULT_STREAM,
+    EventChannel,
+    LocalEventChannel,
+    RedisEventChannel,
+    local_channel,
+    make_channel,
 )
 from kvstore.events.event import EventKind, KVEvent, NodeSnapshot
 from kvstore.events.publisher import EventPublisher, PublishingIndex, snapshot_of

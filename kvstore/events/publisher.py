@@ -17,7 +17,6 @@ from collections import deque
 
 from kvstore.events.channel import EventChannel
 from kvstore.events.event import EventKind, KVEvent, NodeSnapshot
-from kvstore.index.keys import BlockKey
 from kvstore.index.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -133,14 +132,14 @@ class PublishingIndex(PrefixIndex):
         self.publisher.publish(KVEvent(self.node_id, self.epoch, self.seq, kind, key, tier, size,
                                        time.time()))
 
-    def add(self, key: BlockKey, node: str, tier: str, size: int = 0, checksum: int = 0) -> bool:
+    def add(self, key: bytes, node: str, tier: str, size: int = 0, checksum: int = 0) -> bool:
         with self._lock:
             added = super().add(key, node, tier, size, checksum)
             if added and node == self.node_id:
                 self._emit(EventKind.BLOCK_STORED, key, tier, size)
             return added
 
-    def remove(self, key: BlockKey, node: str, tier: str) -> bool:
+    def remove(self, key: bytes, node: str, tier: str) -> bool:
         with self._lock:
             removed = super().remove(key, node, tier)
             if removed and node == self.node_id:

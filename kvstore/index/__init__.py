@@ -1,14 +1,13 @@
 """Block keys (the key spec of DESIGN.md §3) and the prefix index."""
 from kvstore.index.keys import (
-                                HASH_FUNCTIONS,
-                                BlockKey,
-                                KeyExtras,
-                                KVLayout,
-                                block_keys,
-                                encode_extras,
-                                usable_prefix_tokens,
+    HASH_FUNCTIONS,
+    KeyExtras,
+    KVLayout,
+    block_keys,
+    encode_extras,
+    usable_prefix_tokens,
 )
 from kvstore.index.prefix_index import BlockEntry, PrefixIndex, PrefixMatch
 
-__all__ = ["BlockKey", "HASH_FUNCTIONS", "KeyExtras", "KVLayout", "block_keys", "encode_extras",
+__all__ = ["HASH_FUNCTIONS", "KeyExtras", "KVLayout", "block_keys", "encode_extras",
            "usable_prefix_tokens", "BlockEntry", "PrefixIndex", "PrefixMatch"]

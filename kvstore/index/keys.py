@@ -23,14 +23,13 @@ import struct
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidArgument
 
-BlockKey = NewType("BlockKey", bytes)
 SPEC_VERSION = 1
 _ROOT_TAG = b"kvstore.root.v1"
 _BLOCK_TAG = b"kvstore.block.v1"
@@ -283,7 +282,7 @@ def _tokens_u32le(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
 
 
-def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras) -> list[BlockKey]:
+def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras) -> list[bytes]:
     """The chain of block keys for the full blocks of ``tokens``.
 
     Args:

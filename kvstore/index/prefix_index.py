@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.index.keys import BlockKey
 from kvstore.tiers import registry
 
 # Tiers by speed, fastest first (kvstore/tiers/registry.py); a tier not registered ranks
@@ -55,7 +54,8 @@ class PrefixMatch:
 
 
 class PrefixIndex:
-    """Maps block keys to locations. Not thread-safe: the owner holds its lock.
+    """Maps block keys to locations. Not thread-safe: the owner holds its lock. Keys are
+    opaque ``bytes``: those of :func:`kvstore.index.keys.block_keys` or any a client chose.
 
     Invariants (checked by :meth:`check_integrity`): a key is indexed iff at least one
     (node, tier) copy of it exists; ``node_blocks(n)`` counts the keys ``n`` holds a copy
@@ -98,7 +98,7 @@ class PrefixIndex:
         return 0 if i is None else self._node_count[i]
 
     # -- writes ------------------------------------------------------------------------------
-    def add(self, key: BlockKey, node: str, tier: str, size: int = 0, checksum: int = 0) -> bool:
+    def add(self, key: bytes, node: str, tier: str, size: int = 0, checksum: int = 0) -> bool:
         """Record a copy of ``key`` on (node, tier). ``size`` (bytes) and ``checksum`` are
         set when the key is new. Returns True if the copy was not already recorded."""
         bit = self._bit.get((node, tier))
@@ -123,7 +123,7 @@ class PrefixIndex:
         self._locs[slot] = bits | flag
         return True
 
-    def remove(self, key: BlockKey, node: str, tier: str) -> bool:
+    def remove(self, key: bytes, node: str, tier: str) -> bool:
         """Drop one copy; the key stays visible while another copy exists. True if dropped."""
         bit = self._bit.get((node, tier))
         slot = self._slots.get(key)
@@ -173,7 +173,7 @@ class PrefixIndex:
             self._last[idx] = time.monotonic()
 
     # -- reads -------------------------------------------------------------------------------
-    def entry(self, key: BlockKey) -> BlockEntry | None:
+    def entry(self, key: bytes) -> BlockEntry | None:
         """A view of the block's metadata and locations, or None if it is not indexed."""
         slot = self._slots.get(key)
         if slot is None:
