@@ -14,7 +14,7 @@ from engines.model import LoadedModel
 from engines.prefill import read_prefix, validate_prompt
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, DecodeStep, EngineLoad, SamplingParams, extras_for
-from kvstore.client import StoreClient
+from kvstore.block_store import BlockStore
 from kvstore.errors import InvalidArgument
 from kvstore.identity import IdentityCheck, block_tags
 
@@ -27,7 +27,7 @@ class DecodeEngine:
 
     role = "decode"
 
-    def __init__(self, lm: LoadedModel, store: StoreClient | None, engine_id: str = "decode-0") -> None:
+    def __init__(self, lm: LoadedModel, store: BlockStore | None, engine_id: str = "decode-0") -> None:
         self.lm = lm
         self.store = store
         self.engine_id = engine_id

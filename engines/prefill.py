@@ -15,7 +15,7 @@ from engines.local_cache import LocalBlockCache
 from engines.model import LoadedModel
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
-from kvstore.client import StoreClient
+from kvstore.block_store import BlockStore
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events.channel import EventChannel
 from kvstore.events.publisher import PublishingIndex
@@ -38,7 +38,7 @@ def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 
                               f"the model's limit of {lm.max_model_len} tokens")
 
 
-def read_prefix(store: StoreClient | None, keys: Sequence[bytes], tags: Sequence[bytes],
+def read_prefix(store: BlockStore | None, keys: Sequence[bytes], tags: Sequence[bytes],
                 check: IdentityCheck) -> list[bytes]:
     """Bytes of the longest prefix of ``keys`` the pool returns (one batched, streamed get
     that stops at the first miss) whose blocks carry the identity ``tags`` of the tokens
@@ -59,7 +59,7 @@ class PrefillEngine:
 
     role = "prefill"
 
-    def __init__(self, lm: LoadedModel, store: StoreClient | None, engine_id: str = "prefill-0",
+    def __init__(self, lm: LoadedModel, store: BlockStore | None, engine_id: str = "prefill-0",
                  local_cache_blocks: int = 4096, events: EventChannel | None = None) -> None:
         self.lm = lm
         self.store = store

@@ -17,6 +17,7 @@ from engines.prefill import PrefillEngine
 from engines.sampling import MAX_TOP_LOGPROBS
 from engines.types import GREEDY, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
+from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events.channel import make_channel
@@ -187,10 +188,12 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                                 max_model_len=max_model_len))
     if lm.device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    store = StoreClient(store_address, auth_token=store_token) if store_address else None
+    store: BlockStore | None = None
     if store_redis:
         from kvstore.cluster.client import ClusterClient
-        store = ClusterClient(store_redis, auth_token=store_token)  # type: ignore[assignment]
+        store = ClusterClient(store_redis, auth_token=store_token)
+    elif store_address:
+        store = StoreClient(store_address, auth_token=store_token)
     engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:6]}"
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks,

@@ -29,7 +29,7 @@ __all__ = ["DATA_PATHS", "LookupResult", "StoreClient"]
 
 
 class StoreClient:
-    """Talks to one store node at ``address`` (host:port).
+    """Talks to one store node at ``address`` (host:port); a :class:`~kvstore.block_store.BlockStore`.
 
     Every method raises :class:`Unavailable` when the node cannot be reached,
     :class:`~kvstore.errors.Unauthenticated` (an Unavailable) when it refuses the token, and

@@ -71,9 +71,10 @@ class HealthChecker:
 
     async def check_once(self) -> None:
         """Ask every engine (in parallel) and the store once; update the router's ``down``."""
-        insts = [*self.router.prefill.items(), *self.router.decode.items()] if self.probe_engines else []
-        results = await asyncio.gather(*(self._probe(inst.client) for _, inst in insts))
-        for (engine_id, _), (error, timed_out) in zip(insts, results):
+        clients = ([(e, p.client) for e, p in self.router.prefill.items()]
+                   + [(e, d.client) for e, d in self.router.decode.items()]) if self.probe_engines else []
+        results = await asyncio.gather(*(self._probe(client) for _, client in clients))
+        for (engine_id, _), (error, timed_out) in zip(clients, results):
             if not error:
                 self.misses.pop(engine_id, None)
                 self.router.mark_up(engine_id)

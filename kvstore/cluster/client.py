@@ -12,19 +12,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.client import LookupResult, StoreClient
+from kvstore.client import StoreClient
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
 from kvstore.errors import KVStoreError
 from kvstore.pool import PutResult
 from kvstore.tiers.slab import PAGE_BYTES, pages_for
 from kvstore.transfer import BlockTransport, open_transport
+from kvstore.wire.types import LookupResult
 
 log = logging.getLogger(__name__)
 
 
 class ClusterClient:
-    """Places, finds and reads blocks across the live nodes.
+    """Places, finds and reads blocks across the live nodes; a
+    :class:`~kvstore.block_store.BlockStore`, like one node's :class:`StoreClient`.
 
     Placement: a chain goes to the node holding its parent, else to the node with the most
     free bytes, spilling to the next only when full (:func:`plan_chain`); ``replicas`` > 1
