@@ -1,7 +1,8 @@
 """Async gRPC client of an engine (prefill or decode), for the scheduler."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -88,7 +89,7 @@ class EngineClient:
         finally:
             call.cancel()
 
-    async def _unary(self, fn, request):  # type: ignore[no-untyped-def]
+    async def _unary(self, fn: Callable[..., Any], request: Any) -> Any:
         try:
             return await fn(request, timeout=self.timeout_s, metadata=self._meta)
         except grpc.aio.AioRpcError as exc:

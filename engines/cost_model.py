@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from engines.types import EngineLoad, PrefillResult
 from kvstore.errors import InvalidArgument
@@ -89,7 +89,10 @@ class ModelConfig:
                 raise InvalidArgument(f"model config {self.name!r}: {f.name} must be > 0, got {v!r}")
 
 
-def _load(kind: str, name_or_path: str | Path, cls: type) -> object:
+_Config = TypeVar("_Config", HardwareProfile, ModelConfig)
+
+
+def _load(kind: str, name_or_path: str | Path, cls: type[_Config]) -> _Config:
     path = Path(name_or_path)
     if not path.suffix:
         path = CONFIG_DIR / kind / f"{name_or_path}.toml"
@@ -110,12 +113,12 @@ def _load(kind: str, name_or_path: str | Path, cls: type) -> object:
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """``configs/hardware/<name>.toml`` (e.g. ``8xA800``) or a TOML path. Raises
     InvalidArgument listing the known profiles."""
-    return _load("hardware", name_or_path, HardwareProfile)  # type: ignore[return-value]
+    return _load("hardware", name_or_path, HardwareProfile)
 
 
 def load_model(name_or_path: str | Path) -> ModelConfig:
     """``configs/models/<name>.toml`` (e.g. ``llama3-70b``) or a TOML path."""
-    return _load("models", name_or_path, ModelConfig)  # type: ignore[return-value]
+    return _load("models", name_or_path, ModelConfig)
 
 
 class CostModel:

@@ -24,7 +24,9 @@ def block_bytes(layout: KVLayout, tokens: int, itemsize: int) -> int:
 
 def slice_bytes(cache: DynamicCache, start: int, end: int) -> bytes:
     """KV of token positions ``[start, end)`` of a batch-1 cache, as block bytes."""
-    parts = [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+    # Every layer of a full-attention model's cache is a filled DynamicLayer (keys and values
+    # set); transformers types the layers as a union with linear-attention ones.
+    parts = [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))  # type: ignore[union-attr,index]
              for layer in cache.layers]
     t = torch.stack(parts).contiguous().cpu()
     return t.view(torch.uint8).numpy().tobytes()

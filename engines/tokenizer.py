@@ -49,7 +49,7 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
         """A simple template for the tiny model: ``<role>: <content>\\n`` per message, then
         ``assistant: ``."""
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return plain_chat_template(messages)
 
 
 class ByteStream:
@@ -88,12 +88,22 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        text = self._tok.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)   # one sequence of ids decodes to one string
+        return text
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+        """The checkpoint's chat template, or :func:`plain_chat_template` where it has none."""
         if getattr(self._tok, "chat_template", None):
-            return self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return ByteTokenizer.apply_chat_template(self, messages)  # type: ignore[arg-type]
+            text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            assert isinstance(text, str)   # tokenize=False: the prompt as text
+            return text
+        return plain_chat_template(messages)
+
+
+def plain_chat_template(messages: Sequence[dict[str, str]]) -> str:
+    """``<role>: <content>\\n`` per message, then ``assistant: `` (the tiny model's template)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int = 512) -> Tokenizer:

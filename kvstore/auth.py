@@ -16,6 +16,8 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -42,8 +44,9 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def bearer_matches(header: str | None, token: str) -> bool:
-    """Whether an ``authorization`` value is exactly ``Bearer <token>`` (constant time)."""
+def bearer_matches(header: str | bytes | None, token: str) -> bool:
+    """Whether an ``authorization`` value is exactly ``Bearer <token>`` (constant time; a
+    binary value never is)."""
     return hmac.compare_digest(str(header or "").encode(), f"Bearer {token}".encode())
 
 
@@ -58,9 +61,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
         def deny(request: object, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: grpc.RpcMethodHandler[Any, None] = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
         meta = dict(handler_call_details.invocation_metadata or ())
         if not bearer_matches(meta.get("authorization"), self._token):
             return self._deny

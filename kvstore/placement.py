@@ -68,7 +68,7 @@ class Placement:
             for key, _ in tier.keys():
                 size, checksum = tier.info(key)  # type: ignore[misc]
                 self.admit(level, key, BlockMeta(size, checksum))
-            self.evict_until(level, lambda t=tier: t.used_bytes <= t.capacity_bytes)
+            self.evict_until(level, lambda: tier.used_bytes <= tier.capacity_bytes)  # noqa: B023 (called at once)
 
     def level_of(self, name: str | None) -> int:
         if name is None:

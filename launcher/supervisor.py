@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import Unavailable
@@ -38,7 +39,7 @@ BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second
 STOP_DEADLINE_S = 9.5    # SIGTERM, then SIGKILL of what is left (children force themselves at 8 s)
 
 
-def _prctl():  # type: ignore[no-untyped-def]
+def _prctl() -> Callable[..., int] | None:
     try:
         import ctypes
         return ctypes.CDLL(None, use_errno=True).prctl

@@ -9,7 +9,7 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ class RunningFrontdoor:
     frontdoor: Frontdoor
     url: str
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Any]:
         """Unpacks as ``(runner, port)``."""
         return iter((self.runner, self.port))
 

@@ -193,13 +193,13 @@ class Conductor:
         return out
 
     def _best_option(self, n: int, bs: int, useful: int, local: int, pool: TierHit,
-                     peer: PrefillView | None) -> tuple:
+                     peer: PrefillView | None) -> tuple[float, FetchPlan | None, float, float, int]:
         """(cost, fetch, transfer_s, prefill_s, cached_tokens) of the best way to get a prompt
         with ``local`` blocks cached: as is, or fetching from the pool or ``peer``."""
         predict = self.prefill_model.predict
         cached = usable_prefix_tokens(local, bs, n)
         base = predict(n, cached)
-        best = (base, None, 0.0, base, cached)
+        best: tuple[float, FetchPlan | None, float, float, int] = (base, None, 0.0, base, cached)
         sources: list[tuple[str, TierHit]] = [(POOL, pool)] if pool.blocks > local else []
         if peer is not None and peer.hit.blocks > local:
             sources.append((peer.instance_id, peer.hit))

@@ -39,7 +39,7 @@ DEFAULT_TBT_SLO_S = 0.5
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
                tokens_per_block: int, trace_blocks: int) -> RequestOutcome:
     prompt_tokens = len(body["prompt"])
-    base = {"prompt_tokens": prompt_tokens, "trace_blocks": trace_blocks}
+    base: dict[str, Any] = {"prompt_tokens": prompt_tokens, "trace_blocks": trace_blocks}
     t0 = time.perf_counter()
     times: list[float] = []
     cached = 0

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
+    from kvstore.lease import Lease, Reservation
     from kvstore.pool import KVPool, PutResult
 
 CHUNK_BYTES = 64 << 10
@@ -44,9 +45,9 @@ class KVTransfer:
         self.keys = tuple(keys)
         self.chunk_bytes = max(1, chunk_bytes)
         self.on_chunk = on_chunk             # called with the bytes written so far, after each chunk
-        self.reservations: list = []
+        self.reservations: list[Reservation] = []
         self.written = threading.Event()    # set once the first chunk landed (tests wait on it)
-        self._lease = None
+        self._lease: Lease | None = None
         self._lock = threading.Lock()
         self._aborted = False
         self._done = False

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class ConnectorConfig:
     redis: str | None = None
     store_token: str | None = None
     timeout_s: float = 5.0
-    on_load_error: str = "recompute"
+    on_load_error: Literal["recompute", "fail"] = "recompute"
     async_save: bool = True
 
     def __post_init__(self) -> None:

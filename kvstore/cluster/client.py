@@ -228,7 +228,8 @@ class ClusterClient:
                 got = [PutResult(k, False, False, str(exc)) for k, _ in part]
             self._account(node_id, sum(sizes[start:end]))
             for i, r in enumerate(got, start):
-                if results[i] is None or (r.ok and not results[i].ok):
+                prev = results[i]
+                if prev is None or (r.ok and not prev.ok):
                     results[i] = r
         return [r or PutResult(k, False, False, "not placed") for r, (k, _) in zip(results, blocks)]
 
@@ -248,7 +249,7 @@ class ClusterClient:
         data = self.get_blocks(held, stop_at_miss=True)
         if len(data) < len(held) or any(d is None for d in data):
             return 0
-        blocks = list(zip(held, data))
+        blocks = [(k, d) for k, d in zip(held, data) if d is not None]   # all of them: checked above
         free = self._free([n for n in self.nodes() if n.node_id not in have])
         copied = 0
         for node_id in sorted(free, key=lambda n: (-free[n], n))[:need]:
@@ -258,7 +259,7 @@ class ClusterClient:
             except (KVStoreError, OSError) as exc:
                 self._fail(node, exc)
                 continue
-            self._account(node_id, sum(len(d) for d in data))
+            self._account(node_id, sum(len(d) for _, d in blocks))
             copied += sum(1 for r in got if r.ok and not r.existed)
         return copied
 

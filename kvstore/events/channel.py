@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 from kvstore.events.event import KVEvent
 
@@ -94,7 +94,9 @@ class RedisEventChannel(EventChannel):
     def publish(self, events: Sequence[KVEvent]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for event in events:
-            pipe.xadd(self.stream, event.to_fields(), maxlen=self.maxlen, approximate=True)
+            # redis-py types the fields as a dict of its own key and value unions (a dict is
+            # invariant, so dict[bytes, bytes] is not one); bytes are what it sends.
+            pipe.xadd(self.stream, event.to_fields(), maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
         pipe.execute()
 
     def start_cursor(self, from_start: bool) -> str:
@@ -105,7 +107,9 @@ class RedisEventChannel(EventChannel):
 
     def read(self, cursor: str, count: int = 1000, block_s: float = 0.0) -> tuple[str, list[KVEvent]]:
         block_ms = int(block_s * 1000) if block_s > 0 else None
-        reply = self._redis.xread({self.stream: cursor}, count=count, block=block_ms)
+        # RESP2 (redis-py's default protocol): [[stream, [(entry id, {field: value}), ...]]]
+        reply = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
+                     self._redis.xread({self.stream: cursor}, count=count, block=block_ms))
         events: list[KVEvent] = []
         for _, entries in reply or ():
             for entry_id, fields in entries:

@@ -279,7 +279,7 @@ def _tokens_u32le(tokens: Sequence[int] | np.ndarray) -> memoryview:
             raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
         if int(arr.min()) < 0 or int(arr.max()) >= 2**32:
             raise InvalidArgument("tokens must be integers in [0, 2**32)")
-    return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
+    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
 
 
 def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras) -> list[bytes]:
@@ -301,7 +301,7 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyE
     if type(block_size) is not int or block_size <= 0:
         raise InvalidArgument(f"block_size must be an int > 0, got {block_size!r}")
     raw = _tokens_u32le(tokens)
-    return _CHAINS[extras.hash_name](_root(extras), _U32(block_size), raw, block_size * 4)  # type: ignore[return-value]
+    return _CHAINS[extras.hash_name](_root(extras), _U32(block_size), raw, block_size * 4)
 
 
 def usable_prefix_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:

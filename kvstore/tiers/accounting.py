@@ -22,7 +22,7 @@ UNBOUNDED = 1 << 62   # bytes: the capacity of a tier without a bound
 
 
 @register_tier("accounting")
-class AccountingTier(TableTier):
+class AccountingTier(TableTier[tuple[int, int]]):
     """Books ``capacity_bytes`` of blocks without storing them. ``name``: the tier it stands
     in for (``hbm``, ``dram``, ``ssd``: what the index records); ``device``: likewise.
 

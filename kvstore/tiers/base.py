@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -200,8 +200,12 @@ class Tier(ABC):
         """Release the tier's resources."""
 
 
-class TableTier(Tier):
-    """A tier that keeps its committed blocks in ``_blocks`` (key → ``(size, checksum)``,
+# A TableTier's entry per block: (size, checksum), or a longer tuple that starts with the size.
+Entry = TypeVar("Entry", bound=tuple[int, ...])
+
+
+class TableTier(Tier, Generic[Entry]):
+    """A tier that keeps its committed blocks in ``_blocks`` (key → ``Entry``: ``(size, checksum)``,
     or a longer tuple whose subclass overrides :meth:`keys` and :meth:`info`), and counts
     ``_used`` (committed bytes) and ``_reserved`` (bytes of puts in flight).
 
@@ -210,7 +214,7 @@ class TableTier(Tier):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._blocks: dict[bytes, tuple[int, ...]] = {}
+        self._blocks: dict[bytes, Entry] = {}
         self._used = 0
         self._reserved = 0
 

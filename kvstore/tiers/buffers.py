@@ -70,7 +70,7 @@ class Segments:
         from kvstore.integrity import new_hasher
         hasher = new_hasher()
         for part in self.parts:
-            hasher.update(part if isinstance(part, np.ndarray) else part.cpu().numpy())
+            hasher.update((part if isinstance(part, np.ndarray) else part.cpu().numpy()).data)
         return hasher.intdigest()
 
     def tobytes(self) -> bytes:

@@ -61,7 +61,7 @@ class ExtentAllocator:
             del self._starts[i + 1], self._lengths[i + 1]
 
 
-class SlabTier(TableTier):
+class SlabTier(TableTier[tuple[int, int, int]]):
     """Blocks in one pre-allocated slab of ``capacity_bytes`` rounded up to pages.
 
     Invariant: every committed block and every reserved slot owns a distinct run of pages;

@@ -82,6 +82,7 @@ def _split(text: str) -> list[str]:
 def base_config(args: argparse.Namespace) -> SimConfig:
     cfg = SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
                     model=args.model)
+    pool: int | None
     if args.pool_dram_tokens == "auto":
         pool = cfg.n_prefill * (2**40 // load_model(args.model).kv_bytes_per_token)
     else:
@@ -162,7 +163,8 @@ def make_plots(results: Sequence[SimResult], base: SimConfig, args: argparse.Nam
             r = simulate(cfg, trace, limit)
             sweep.setdefault(policy, []).append((rate * speed, r.goodput_rps))
     files["goodput_vs_rate"] = str(plots.goodput_vs_rate(sweep, out_dir / "goodput_vs_rate.png"))
-    points, best = [], 0.0
+    points: list[tuple[float | None, float]] = []
+    best = 0.0
     for cap in (_tokens(c) for c in _split(args.sweep_pool_tokens)):
         cfg = dataclasses.replace(base, policy="conductor", topology="disaggregated", admission=first.admission,
                                   pool_dram_tokens=cap)

@@ -21,6 +21,7 @@ from collections import deque
 from engines.cost_model import NO_VARIANCE, CostModel, CostModelEngine, Variance
 from scheduler.backlog import PrefillBacklog
 from scheduler.sim.workload import SimRequest
+from scheduler.views import DecodeView
 
 _EPS = 1e-9
 
@@ -66,7 +67,7 @@ class Instance:
         self.version = 0
         self.sched_s = math.inf
         self.view_dirty = True
-        self.view = None
+        self.view: DecodeView | None = None
 
     # -- prefill ---------------------------------------------------------------------------
     def queue_s(self, now: float) -> float:

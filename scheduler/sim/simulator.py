@@ -209,6 +209,7 @@ class Simulator:
         nodes = [inst.name]
         if self.pool is not None:
             nodes.append(POOL)
+        assert req.decision is not None   # only admitted requests are prefilled
         fetch = req.decision.fetch
         if fetch is not None and fetch.source != POOL:
             nodes.append(fetch.source)

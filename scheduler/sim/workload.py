@@ -19,6 +19,7 @@ import numpy as np
 
 from kvstore.index.keys import KeyExtras, block_keys
 from scheduler.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from scheduler.views import Decision
 
 SIM_EXTRAS = KeyExtras(model="sim", namespace="sim")
 _KEY_CACHE: dict[tuple[str, int | None], tuple[list[TraceRequest], list[tuple[bytes, ...]]]] = {}
@@ -41,7 +42,7 @@ class SimRequest:
     trace: TraceRequest
     status: str = "pending"
     reason: str = ""
-    decision: object = None
+    decision: Decision | None = None
     max_load_blocks: int | None = None   # the decision's limit on fetched prefix blocks
     prefill_id: str = ""
     decode_id: str = ""
