@@ -14,7 +14,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REQUESTS ?= 100
 FUZZ_SCALE ?= 20
 
-.PHONY: setup demo test fuzz bench clean system-deps protos lmcache-venv
+.PHONY: setup demo lint test fuzz bench clean system-deps protos lmcache-venv
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -51,6 +51,12 @@ demo: setup
 	$(VENV)/bin/kvstore up --replay data/traces/conversation_trace.jsonl \
 	  --requests $(REQUESTS) --json benchmarks/results/demo.json --plots benchmarks/results
 
+# The gate: ruff on the whole repository, mypy on the packages ([tool.ruff] and [tool.mypy] in
+# pyproject.toml). mypy reads the generated protos' .pyi, so it needs setup's protos.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
 # pytest exits 5 when it collected no test: that is a failure here, not green.
 test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
@@ -77,4 +83,4 @@ bench: setup $(LMC_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(LMC_VENV) protos/*_pb2*.py protos/*_pb2.pyi var/ build/ *.egg-info
+	rm -rf $(VENV) $(LMC_VENV) protos/*_pb2*.py protos/*_pb2.pyi var/ build/ *.egg-info .mypy_cache .ruff_cache
