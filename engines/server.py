@@ -15,7 +15,7 @@ from engines.metrics import EngineMetrics
 from engines.model import DEFAULT_MAX_MODEL_LEN, LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
 from engines.sampling import MAX_TOP_LOGPROBS
-from engines.types import GREEDY, SamplingParams, TokenLogprobs
+from engines.types import GREEDY, ROLES, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
@@ -28,7 +28,6 @@ from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
 
 
 class EngineServicer(pb_grpc.EngineServicer):

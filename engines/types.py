@@ -7,11 +7,13 @@ from typing import Protocol, runtime_checkable
 
 from kvstore.index.keys import KeyExtras, KVLayout
 
+ROLES = ("prefill", "decode")   # what an engine does: compute prompts and publish blocks, or generate
+
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     engine_id: str
-    role: str                 # "prefill" or "decode"
+    role: str                 # one of ROLES
     model_id: str
     revision: str
     layout: KVLayout

@@ -17,14 +17,17 @@ from tabulate import tabulate
 from engines.cost_model import load_model
 from kvstore.config import positive_int
 from kvstore.errors import InvalidArgument
+from kvstore.eviction import POLICIES as EVICTION_POLICIES
+from scheduler.policy import DEFAULT_POLICY, POLICIES
 from scheduler.sim import plots, simulate
-from scheduler.sim.config import SimConfig
+from scheduler.sim.config import ADMISSIONS, TOPOLOGIES, SimConfig
 from scheduler.sim.metrics import SimResult
 from scheduler.sim.presets import PRESETS, describe, preset_runs
 from scheduler.sim.workload import load_workload
 
 log = logging.getLogger(__name__)
-ALL_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+# Every registered scheduling policy, the default (the Conductor) last: the baselines, then it.
+ALL_POLICIES = tuple(sorted(POLICIES, key=lambda name: name == DEFAULT_POLICY))
 
 
 def _tokens(text: str) -> int | None:
@@ -49,8 +52,8 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="a straggler prefill takes this many times as long")
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
-    p.add_argument("--topology", default="disaggregated", help="comma list: disaggregated, colocated")
-    p.add_argument("--admission", default="none", help="comma list: none, current, predictive")
+    p.add_argument("--topology", default=TOPOLOGIES[0], help=f"comma list: {', '.join(TOPOLOGIES)}")
+    p.add_argument("--admission", default=ADMISSIONS[0], help=f"comma list: {', '.join(ADMISSIONS)}")
     p.add_argument("--instances", type=int, default=16, help="instances in all (each one node of --profile)")
     p.add_argument("--prefill-instances", type=int, help="disaggregated: prefill instances (None: half)")
     p.add_argument("--profile", default="8xA800", help="hardware profile (configs/hardware/NAME.toml or a path)")
@@ -67,7 +70,8 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--max-running", type=int, default=256, help="decode batch limit per instance")
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' HBM")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
-    p.add_argument("--eviction", default="lru", help="cache eviction strategy: lru, lfu, fifo, s3fifo")
+    p.add_argument("--eviction", default=SimConfig.eviction, choices=EVICTION_POLICIES,
+                   help="cache eviction strategy")
     p.add_argument("--seed", type=int, default=0, help="seed of the random baseline policy")
     p.add_argument("--json", metavar="PATH", help="also write every result as JSON here")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (runs a speed and a pool-capacity sweep)")
