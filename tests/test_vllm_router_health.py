@@ -1,0 +1,64 @@
+"""The vLLM router keeps the base router's books of instances that are down (engine id → why):
+the front door's health checks take a vLLM instance that does not answer out of routing, the
+report names it and the reason, and it is back once it answers. No vLLM engine here: the
+instances are HTTP servers on 127.0.0.1 answering ``/metrics`` as vLLM does, and a port that
+nothing listens on until the dead instance comes back there."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from engines.vllm.checkpoint import write_checkpoint
+from launcher.supervisor import free_port
+from scheduler.health import HealthChecker
+from scheduler.router import DecodeInstance, PrefillInstance
+from scheduler.vllm_instances import VLLMClient, VLLMModel
+from scheduler.vllm_router import VLLMRouter
+
+METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.0\n"
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text=METRICS)
+
+
+async def _serve(port: int) -> web.AppRunner:
+    app = web.Application()
+    app.router.add_get("/metrics", _metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _down_and_back(model: VLLMModel) -> None:
+    live, dead = free_port(), free_port()
+    runners = [await _serve(live)]
+    clients = [VLLMClient(f"http://127.0.0.1:{port}", role, model, name) for name, port, role in
+               (("vllm-prefill-0", live, "prefill"), ("vllm-prefill-1", dead, "prefill"),
+                ("vllm-decode-0", live, "decode"))]
+    infos = [await c.info() for c in clients]
+    router = VLLMRouter([PrefillInstance(c, i) for c, i in zip(clients[:2], infos[:2])],
+                        [DecodeInstance(clients[2], infos[2])], None, model)
+    checks = HealthChecker(router, timeout_s=5.0)
+    try:
+        await checks.check_once()
+        report = checks.report()
+        assert report.status == "degraded"
+        assert [r for r in report.reasons if r.startswith("prefill vllm-prefill-1: ")], report.reasons
+        assert router.serving("prefill") == ["vllm-prefill-0"] and "vllm-prefill-1" in router.down
+        runners.append(await _serve(dead))                  # the instance answers again
+        await checks.check_once()
+        assert checks.report().status == "ok" and router.down == {}
+        assert router.serving("prefill") == ["vllm-prefill-0", "vllm-prefill-1"]
+    finally:
+        await router.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_a_vllm_instance_that_does_not_answer_is_reported_down_and_comes_back(tmp_path: Path) -> None:
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    asyncio.run(_down_and_back(model))
