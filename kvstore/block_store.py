@@ -14,8 +14,10 @@ from kvstore.wire.types import LookupResult, PutResult
 class BlockStore(Protocol):
     """Block reads, writes and prefix lookups, by key (bytes), on one node or a cluster.
 
-    Each call raises :class:`kvstore.errors.Unavailable` when the store cannot be reached
-    and :class:`kvstore.errors.InvalidArgument` when it rejects the request as malformed.
+    A call may raise :class:`kvstore.errors.KVStoreError`: ``Unavailable`` when the store
+    cannot be reached, ``InvalidArgument`` when it rejects the request as malformed. A
+    cluster client answers a failed node's share as misses (reads, lookups) or as results
+    with ``ok=False`` (puts) instead.
     """
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
