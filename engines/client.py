@@ -100,7 +100,7 @@ def _sampling_pb(s: SamplingParams) -> pb.SamplingParams | None:
     return None if s.greedy else pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
 
 
-def _logprobs(message, field: str) -> TokenLogprobs | None:  # type: ignore[no-untyped-def]
+def _logprobs(message: pb.PrefillResponse | pb.DecodeToken, field: str) -> TokenLogprobs | None:
     if not message.HasField(field):
         return None
     lp = getattr(message, field)

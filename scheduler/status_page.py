@@ -144,14 +144,18 @@ class StatusFeed:
         store = self.door.router.store
         if store is None:
             return []
-        if hasattr(store, "nodes"):   # a cluster: every node registered
+        from kvstore.client import StoreClient
+        from kvstore.cluster.client import ClusterClient
+        if isinstance(store, ClusterClient):   # a cluster: every node registered
             try:
                 listed = await asyncio.to_thread(store.nodes)
             except KVStoreError as exc:
                 return [{"node_id": "?", "address": "", "state": f"registry unreachable: {exc}", "tiers": []}]
             addresses = [(n.node_id, n.address) for n in listed]
-        else:
+        elif isinstance(store, StoreClient):
             addresses = [("", store.address)]
+        else:
+            return []
         return list(await asyncio.gather(*(self._read_node(node_id, address) for node_id, address in addresses)))
 
     async def _read_node(self, node_id: str, address: str) -> dict[str, Any]:
