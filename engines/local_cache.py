@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 
 from kvstore.events.event import NodeSnapshot
 from kvstore.events.publisher import PublishingIndex, snapshot_of
-from kvstore.index.keys import BlockKey
 from kvstore.index.prefix_index import PrefixIndex
 
 HBM = "hbm"
@@ -60,12 +58,12 @@ class LocalBlockCache:
             return
         for lid, key, tensor in reversed(items):
             if lid not in self._blocks:
-                self.index.add(cast(BlockKey, key), self.node_id, HBM, tensor.numel() * tensor.element_size())
+                self.index.add(key, self.node_id, HBM, tensor.numel() * tensor.element_size())
             self._blocks[lid] = (key, tensor)
             self._blocks.move_to_end(lid)
         while len(self._blocks) > self.capacity_blocks:
             _, (key, _) = self._blocks.popitem(last=False)
-            self.index.remove(cast(BlockKey, key), self.node_id, HBM)
+            self.index.remove(key, self.node_id, HBM)
             self.evictions += 1
 
     def snapshot(self) -> NodeSnapshot:

@@ -6,11 +6,10 @@ For a prompt it computes the block keys (the engines' key spec), looks them up i
 replica of the store's index (:mod:`scheduler.cache_index`: the KV events of the store nodes
 and of the prefill engines' own caches) for each prefill instance's local hit and the pool's
 hit by tier — without a replica (no ``kv_events``), the store node's ``Lookup`` gives the
-pool's hit and no instance has a local one — and hands the policy: per prefill instance the
-predicted seconds queued there (T_queue) and its hit; per decode instance the requests it
-holds and those it will receive, with predicted join and finish instants; ``now_s`` from
-``time.monotonic()``. Finished prefills feed the T_prefill regression, finished decodes the
-TBT regression.
+pool's hit and no instance has a local one — and hands the policy: per prefill instance the predicted
+seconds queued there (T_queue) and its hit; per decode instance the requests it holds and those it will
+receive, with predicted join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills
+feed the T_prefill regression, finished decodes the TBT regression.
 
 The live engines fetch a longer pool hit themselves — no further than the plan's
 ``max_load_blocks`` when the policy chose to recompute — and cannot read a peer's cache, so
@@ -31,10 +30,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic
 
 from engines.client import EngineClient
 from engines.kv import block_bytes
 from engines.types import EngineInfo, PrefillResult
+from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.events.replica import IndexReplica
@@ -42,6 +43,7 @@ from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.backlog import PrefillBacklog
 from scheduler.cache_index import split_hits, start_replica, store_address_of
 from scheduler.conductor import Conductor, ConductorConfig
+from scheduler.engine_link import C
 from scheduler.request_transfers import TransferTable
 from scheduler.scheduling_policy import DEFAULT_POLICY, make_policy
 from scheduler.tenancy import prompt_keys
@@ -63,12 +65,12 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
-class PrefillInstance:
+class PrefillInstance(Generic[C]):
     """A prefill engine and the requests routed to it whose prefill has not finished, with
     their predicted seconds (``backlog``; T_queue is ``backlog.queue_s(now)``,
     :mod:`scheduler.backlog`)."""
 
-    client: EngineClient
+    client: C
     info: EngineInfo
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
 
@@ -77,11 +79,11 @@ class PrefillInstance:
 
 
 @dataclass
-class DecodeInstance:
+class DecodeInstance(Generic[C]):
     """A decode engine and the requests routed to it and not yet finished, with their
     predicted join and finish instants."""
 
-    client: EngineClient
+    client: C
     info: EngineInfo
     work: dict[str, DecodeWork] = field(default_factory=dict)
 
@@ -121,7 +123,7 @@ class RoutePlan:
         return self.decision.decode_id
 
 
-class Router:
+class Router(Generic[C]):
     """Holds the engine clients, the policy and the in-flight state. Used from one event
     loop; ``plan`` is the only coroutine, so a caller that calls ``begin`` right after
     ``plan`` returns sees the state ``plan`` saw (no await in between).
@@ -129,8 +131,8 @@ class Router:
     Invariant: ``inflight`` equals the number of ``begin`` calls minus ``finished`` calls.
     """
 
-    def __init__(self, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance],
-                 store: StoreClient | None, policy: str = DEFAULT_POLICY,
+    def __init__(self, prefill: Sequence[PrefillInstance[C]], decode: Sequence[DecodeInstance[C]],
+                 store: BlockStore | None, policy: str = DEFAULT_POLICY,
                  config: ConductorConfig | None = None, replica: IndexReplica | None = None,
                  decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20) -> None:
         if not prefill or not decode:
@@ -155,13 +157,13 @@ class Router:
         # engine id -> why it is out of routing (scheduler/health.py keeps it current)
         self.down: dict[str, str] = {}
 
-    @classmethod
-    async def connect(cls, prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
+    @staticmethod
+    async def connect(prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
                       store_address: str | None, *, policy: str = DEFAULT_POLICY,
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       kv_events: str | None = None, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
-                      store_redis: str | None = None, engine_auth_token: str | None = None) -> Router:
+                      store_redis: str | None = None, engine_auth_token: str | None = None) -> Router[EngineClient]:
         """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
         kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine
@@ -170,15 +172,14 @@ class Router:
         (:mod:`scheduler.cache_index`). Raises Unavailable if one does not within ``ready_timeout_s`` and
         InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
         opened: list[EngineClient] = []
+
+        async def open_engine(address: str) -> tuple[EngineClient, EngineInfo]:
+            opened.append(client := EngineClient(address, auth_token=engine_auth_token))
+            await client.wait_ready(ready_timeout_s)
+            return client, await client.info()
         try:
-            pre, dec = [], []
-            for addresses, kind, out in ((prefill_addresses, PrefillInstance, pre),
-                                         (decode_addresses, DecodeInstance, dec)):
-                for address in addresses:
-                    client = EngineClient(address, auth_token=engine_auth_token)
-                    opened.append(client)
-                    await client.wait_ready(ready_timeout_s)
-                    out.append(kind(client, await client.info()))
+            pre = [PrefillInstance(*await open_engine(address)) for address in prefill_addresses]
+            dec = [DecodeInstance(*await open_engine(address)) for address in decode_addresses]
             for inst, role in [(p, "prefill") for p in pre] + [(d, "decode") for d in dec]:
                 if inst.info.role != role:
                     raise InvalidArgument(f"engine {inst.info.engine_id} at {inst.client.address} is a "
@@ -187,13 +188,15 @@ class Router:
             for client in opened:
                 await client.close()
             raise
-        store = StoreClient(store_address, auth_token=store_auth_token) if store_address else None
+        store: BlockStore | None = None
         if store_redis:
             from kvstore.cluster.client import ClusterClient
-            store = ClusterClient(store_redis, auth_token=store_auth_token)  # type: ignore[assignment]
+            store = ClusterClient(store_redis, auth_token=store_auth_token)
+        elif store_address:
+            store = StoreClient(store_address, auth_token=store_auth_token)
         router = None
         try:
-            router = cls(pre, dec, store, policy, config, None, decode_max_running, decode_kv_capacity_tokens)
+            router = Router(pre, dec, store, policy, config, None, decode_max_running, decode_kv_capacity_tokens)
             if kv_events:
                 router.replica = start_replica(kv_events, {e: p.client.address for e, p in router.prefill.items()},
                                                engine_auth_token, store_address_of(store, store_address),
@@ -209,8 +212,8 @@ class Router:
             raise
 
     async def close(self) -> None:
-        for inst in [*self.prefill.values(), *self.decode.values()]:
-            await inst.client.close()
+        for client in [*(p.client for p in self.prefill.values()), *(d.client for d in self.decode.values())]:
+            await client.close()
         if self.store is not None:
             self.store.close()
         if self.replica is not None:
@@ -380,10 +383,10 @@ class Router:
             dec.work.pop(plan.request_id, None)
         self.inflight -= 1
 
-    def prefill_client(self, plan: RoutePlan) -> EngineClient:
+    def prefill_client(self, plan: RoutePlan) -> C:
         return self.prefill[plan.prefill_id].client
 
-    def decode_client(self, plan: RoutePlan) -> EngineClient:
+    def decode_client(self, plan: RoutePlan) -> C:
         return self.decode[plan.decode_id].client
 
     def queue_depths(self) -> dict[str, int]:

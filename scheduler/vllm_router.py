@@ -27,12 +27,13 @@ import time
 from collections.abc import Sequence
 
 from engines.types import PrefillResult
+from kvstore.block_store import BlockStore
 from kvstore.errors import InvalidArgument, Unavailable
 from scheduler.admission import Rejection
 from scheduler.conductor import ConductorConfig
 from scheduler.router import DecodeInstance, PrefillInstance, RoutePlan, Router
 from scheduler.scheduling_policy import DEFAULT_POLICY
-from scheduler.views import NO_HIT, ClusterView, TierHit
+from scheduler.views import ClusterView, TierHit
 from scheduler.vllm_instances import VLLMClient, VLLMModel
 
 log = logging.getLogger(__name__)
@@ -40,12 +41,12 @@ log = logging.getLogger(__name__)
 TOPOLOGIES = ("disaggregated", "colocated")
 
 
-class VLLMRouter(Router):
+class VLLMRouter(Router[VLLMClient]):
     """Invariant (beyond Router's): an engine id in ``down`` is in no view the policy sees;
     ``plan`` raises Unavailable when no prefill or no decode instance is up."""
 
-    def __init__(self, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance], store,
-                 model: VLLMModel, topology: str = "disaggregated", **kw) -> None:
+    def __init__(self, prefill: Sequence[PrefillInstance[VLLMClient]], decode: Sequence[DecodeInstance[VLLMClient]],
+                 store: BlockStore | None, model: VLLMModel, topology: str = "disaggregated", **kw) -> None:
         if topology not in TOPOLOGIES:
             raise InvalidArgument(f"unknown topology {topology!r}; valid: {list(TOPOLOGIES)}")
         super().__init__(prefill, decode, store, **kw)
@@ -62,7 +63,7 @@ class VLLMRouter(Router):
         """Every instance by engine id (a colocated instance once)."""
         out = {i: p.client for i, p in self.prefill.items()}
         out.update({i: d.client for i, d in self.decode.items()})
-        return out  # type: ignore[return-value]
+        return out
 
     def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         return self.model.keys(tokens, namespace)
@@ -79,7 +80,8 @@ class VLLMRouter(Router):
             plan = dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, decode_id=plan.prefill_id))
         return plan
 
-    def cluster_view(self, keys, pool_hit: TierHit = NO_HIT, now_s: float | None = None) -> ClusterView:
+    def cluster_view(self, keys: Sequence[bytes], pool_hit: TierHit | None = None,
+                     now_s: float | None = None) -> ClusterView:
         view = super().cluster_view(keys, pool_hit, now_s)
         prefill = []
         for v in view.prefill:
@@ -93,16 +95,16 @@ class VLLMRouter(Router):
                 v = v._replace(queue_s=v.queue_s + (load.running + load.waiting - ours) * self.mean_prefill_s)
             prefill.append(v)
         decode = []
-        for v in view.decode:
-            if v.instance_id in self.down:
+        for d in view.decode:
+            if d.instance_id in self.down:
                 continue
-            load = self.decode[v.instance_id].client.last_load
+            load = self.decode[d.instance_id].client.last_load
             if load is not None and load.kv_blocks:
                 capacity = load.kv_blocks * self.model.block_size
-                ours = sum(w.kv_tokens for w in v.work if w.start_s <= view.now_s)
+                ours = sum(w.kv_tokens for w in d.work if w.start_s <= view.now_s)
                 foreign = max(0, int(load.kv_usage * capacity) - ours)
-                v = v._replace(kv_capacity_tokens=min(v.kv_capacity_tokens, max(0, capacity - foreign)))
-            decode.append(v)
+                d = d._replace(kv_capacity_tokens=min(d.kv_capacity_tokens, max(0, capacity - foreign)))
+            decode.append(d)
         return dataclasses.replace(view, prefill=tuple(prefill), decode=tuple(decode), colocated=self.colocated)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -172,13 +174,14 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
         await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
         await asyncio.gather(*(c.load() for c in clients))
         infos = [await c.info() for c in clients]
-        pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]  # type: ignore[arg-type]
-        dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]  # type: ignore[arg-type]
+        pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]
+        dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]
+        store: BlockStore | None = None
         if store_redis:
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)
-        else:
-            store = StoreClient(store_address, auth_token=store_auth_token) if store_address else None
+        elif store_address:
+            store = StoreClient(store_address, auth_token=store_auth_token)
         return VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
                           decode_max_running=decode_max_running,
                           decode_kv_capacity_tokens=decode_kv_capacity_tokens)

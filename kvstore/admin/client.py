@@ -41,7 +41,7 @@ def to_dict(msg: Any) -> dict[str, Any]:
     """A reply as a dict: snake_case fields, defaults included, uint64s as ints, keys hex."""
     d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
                       unquote_int64_if_possible=True)
-    return _hexify(d)  # type: ignore[no-any-return]
+    return _hexify(d)
 
 
 class AdminClient:

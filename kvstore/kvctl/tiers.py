@@ -11,6 +11,7 @@ from tabulate import tabulate
 from kvstore.admin.client import AdminClient
 from kvstore.client import StoreClient
 from kvstore.config import parse_bytes
+from kvstore.eviction import POLICIES
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
     EXIT_OK,
@@ -112,7 +113,7 @@ def add_commands(sub: Any) -> None:
         add_json(p)
         p.set_defaults(func=func)
     p = sub.add_parser("policy", help="switch the eviction policy at run time")
-    p.add_argument("name", choices=["lru", "lfu", "fifo", "s3fifo"])
+    p.add_argument("name", choices=POLICIES)   # the registry itself: a policy registered later is valid too
     p.add_argument("--tier", help="tier name (default: every tier)")
     add_json(p)
     p.set_defaults(func=cmd_policy)

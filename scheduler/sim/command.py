@@ -18,7 +18,7 @@ from engines.cost_model import load_model
 from kvstore.config import positive_int
 from kvstore.errors import InvalidArgument
 from kvstore.eviction import POLICIES as EVICTION_POLICIES
-from scheduler.policy import DEFAULT_POLICY, POLICIES
+from scheduler.scheduling_policy import DEFAULT_POLICY, POLICIES
 from scheduler.sim import plots, simulate
 from scheduler.sim.config import ADMISSIONS, TOPOLOGIES, SimConfig
 from scheduler.sim.metrics import SimResult
