@@ -92,9 +92,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         max_len = min(cfg.max_model_len, getattr(model.config, "max_position_embeddings", cfg.max_model_len))
     else:
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(tiny_llama_config(cfg.max_model_len)).to(dtype)
+        # transformers wraps PreTrainedModel.to, and its wrapper's type takes the model first
+        model = LlamaForCausalLM(tiny_llama_config(cfg.max_model_len)).to(dtype)  # type: ignore[arg-type]
         model_id, revision, max_len = TINY_MODEL_ID, f"seed-{cfg.seed}", cfg.max_model_len
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     _use_prefix_attention(model)
     c = model.config
     num_heads = c.num_attention_heads

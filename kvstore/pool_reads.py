@@ -158,12 +158,12 @@ class PoolReads:
 
     def get(self, key: bytes) -> bytes | None:
         """The block's bytes, or None on a miss. Raises LeaseExpired (see read_many)."""
-        return self.read(key, to_bytes)  # type: ignore[no-any-return]
+        return self.read(key, to_bytes)
 
     def get_into(self, key: bytes, out: Any) -> int | None:
         """Copy the block into ``out`` (a contiguous numpy array or torch tensor of at least
         its size) with one copy; returns the bytes copied, or None on a miss."""
-        return self.read(key, functools.partial(copy_into, out))  # type: ignore[no-any-return]
+        return self.read(key, functools.partial(copy_into, out))
 
     def get_many(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         return self.read_many(keys, to_bytes, stop_at_miss=stop_at_miss)

@@ -16,6 +16,7 @@ from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.pool import KVPool
 from kvstore.tiers import registry as tier_registry
+from kvstore.tiers.dram import DramTier
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable
 from kvstore.transfer.service import transfer_service
 from kvstore.transfer.staging import StagedReads
@@ -33,7 +34,8 @@ class ClusterAgent:
         self.epoch = time.time_ns()
         self.node_te: NodeTransferEngine | None = None
         self.te_error: str | None = None
-        dram = next((t for t in pool.tiers if t.name == tier_registry.DRAM.name), None)  # the shared-memory slab
+        dram = next((t for t in pool.tiers if t.name == tier_registry.DRAM.name and isinstance(t, DramTier)),
+                    None)  # the shared-memory slab
         protocol = cfg.transfer_protocol()
         if protocol and dram is not None:
             try:
@@ -53,9 +55,10 @@ class ClusterAgent:
         self.control: TcpControlServer | None = None
         if self.node_te is not None:
             try:
-                host: DataPlaneHost | StagedReads = DataPlaneHost(pool)
+                plane = DataPlaneHost(pool)
+                host: DataPlaneHost | StagedReads = plane
                 if self.node_te.staging is not None:   # leases stage their blocks; the slab stays unregistered
-                    host = StagedReads(host, self.node_te.staging, cfg.lease_ttl_s)
+                    host = StagedReads(plane, self.node_te.staging, cfg.lease_ttl_s)
                 self.control = TcpControlServer(host, cfg.host, cfg.control_port, cfg.auth_token,  # type: ignore[arg-type]
                                                 cfg.dataplane_poll_us * 1e-6)
             except OSError:

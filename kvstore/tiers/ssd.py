@@ -27,7 +27,7 @@ FSYNC_POLICIES = ("never", "commit")
 
 
 @register_tier(registry.SSD.name)
-class SsdTier(SsdStorage, TableTier):
+class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
     """Blocks in an LMDB environment at ``path``.
 
     Two named databases: ``blocks`` (key → bytes) and ``meta`` (key → size, checksum, write

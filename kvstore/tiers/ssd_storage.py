@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
@@ -61,6 +61,10 @@ class SsdStorage:
     _meta: Any
     quarantines: int
     on_lost: Callable[[list[bytes]], None] | None
+
+    if TYPE_CHECKING:
+        @property
+        def map_bytes(self) -> int: ...   # the tier's (SsdTier.map_bytes: the LMDB map's size)
 
     # -- opening, damage and quarantine ----------------------------------------------------
     def _open(self, load: bool) -> None:
