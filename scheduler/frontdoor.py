@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -39,7 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.tokenizer import Tokenizer
-from engines.types import PrefillResult, SamplingParams, TokenLogprobs
+from engines.types import PrefillResult, TokenLogprobs
 from kvstore.errors import InvalidArgument, KVStoreError
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
@@ -58,6 +57,7 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
+from scheduler.request_parts import TokenClock, json_errors, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -69,23 +69,6 @@ log = logging.getLogger(__name__)
 Emit = Callable[[int, TokenLogprobs | None], Awaitable[bool]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own 404 (no such path) and 405 (a path that takes another method) answered in
-    OpenAI's error shape, as JSON, instead of plain text."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status not in (404, 405):
-            raise
-        what = (f"no route {request.method} {request.path}" if exc.status == 404 else
-                f"{request.path} does not take {request.method}")
-        code = "not_found" if exc.status == 404 else "method_not_allowed"
-        err = APIError(exc.status, what, code=code)
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
-        return web.json_response(err.body(), status=exc.status, headers=headers)
 
 
 class Frontdoor:
@@ -289,8 +272,8 @@ class Frontdoor:
                                    decode=plan.decode_id).inc()
         self.metrics.count_prompt(len(req.prompt))
 
-    def _timer(self, t0: float, plan: RoutePlan) -> _TokenClock:
-        return _TokenClock(self, t0, plan)
+    def _timer(self, t0: float, plan: RoutePlan) -> TokenClock:
+        return TokenClock(self.metrics, self.router, t0, plan)
 
     async def _whole(self, req: GenerationRequest, plan: RoutePlan, t0: float) -> web.Response:
         ids: list[int] = []
@@ -368,41 +351,3 @@ class Frontdoor:
         except ConnectionResetError:
             return resp, "cancelled"
         return resp, "ok"
-
-
-def sampling_of(req: GenerationRequest) -> SamplingParams:
-    """The engines' sampling parameters of a request: greedy when ``temperature`` is absent or
-    0 or ``top_p`` is 0; else sampled, with the client's seed or a random one (so every
-    engine that serves the request draws the same tokens)."""
-    temperature = req.temperature or 0.0
-    if temperature == 0.0 or req.top_p == 0.0:
-        return SamplingParams()
-    seed = req.seed if req.seed is not None else secrets.randbits(64)
-    return SamplingParams(temperature, 1.0 if req.top_p is None else req.top_p, seed)
-
-
-class _TokenClock:
-    """Called at each token sent (``tick()``): observes TTFT and the error of its prediction
-    once, then TBT; ``done()`` after the last token feeds the mean TBT to the router's fit."""
-
-    def __init__(self, door: Frontdoor, t0: float, plan: RoutePlan) -> None:
-        self.metrics, self.router, self.plan = door.metrics, door.router, plan
-        self.t0 = t0
-        self.first = self.last = 0.0
-        self.tokens = 0
-
-    def __call__(self) -> None:
-        now = time.perf_counter()
-        if not self.tokens:
-            self.metrics.ttft.observe(now - self.t0)
-            self.metrics.ttft_error.observe(abs(now - self.t0 - self.plan.predicted_ttft_s))
-            self.first = now
-        else:
-            self.metrics.tbt.observe(now - self.last)
-        self.last = now
-        self.tokens += 1
-        self.metrics.generated_tokens.inc()
-
-    def done(self) -> None:
-        if self.tokens >= 2:
-            self.router.observe_decode(self.plan, (self.last - self.first) / (self.tokens - 1))

@@ -34,9 +34,10 @@ from aiohttp import web
 from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
-from scheduler.frontdoor import Frontdoor, _TokenClock
+from scheduler.frontdoor import Frontdoor
 from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
+from scheduler.request_parts import TokenClock
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -156,7 +157,7 @@ class VLLMFrontdoor(Frontdoor):
         asked for usage (it feeds the books); it reaches the client only when asked."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_route(plan)})
-        tick = _TokenClock(self, t0, plan)
+        tick = TokenClock(self.metrics, self.router, t0, plan)
         ttft = 0.0
 
         async def send(obj: dict[str, Any] | str) -> None:

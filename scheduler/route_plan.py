@@ -1,0 +1,71 @@
+"""The router's records (scheduler/router.py): a prefill instance with its queued prefills
+(:class:`PrefillInstance`, T_queue from :mod:`scheduler.backlog`), a decode instance with the
+requests it runs (:class:`DecodeInstance`) and an admitted request's plan (:class:`RoutePlan`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic
+
+from engines.types import EngineInfo
+from scheduler.backlog import PrefillBacklog
+from scheduler.engine_link import C
+from scheduler.views import Decision, DecodeWork, TierHit
+
+
+@dataclass
+class PrefillInstance(Generic[C]):
+    """A prefill engine and the requests routed to it whose prefill has not finished, with
+    their predicted seconds (``backlog``; T_queue is ``backlog.queue_s(now)``,
+    :mod:`scheduler.backlog`)."""
+
+    client: C
+    info: EngineInfo
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
+
+    def queue_s(self, now_s: float) -> float:
+        return self.backlog.queue_s(now_s)
+
+
+@dataclass
+class DecodeInstance(Generic[C]):
+    """A decode engine and the requests routed to it and not yet finished, with their
+    predicted join and finish instants."""
+
+    client: C
+    info: EngineInfo
+    work: dict[str, DecodeWork] = field(default_factory=dict)
+
+    @property
+    def running(self) -> int:
+        return len(self.work)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """An admitted request: its identity, block keys, the pool's hit, and the policy's
+    :class:`Decision` (instances, fetch, predicted TTFT and TBT). ``max_load_blocks``: the
+    prefix the prefill engine may load from the pool (:func:`scheduler.views.load_limit`:
+    set when the policy chose to recompute what the pool holds; None: any hit). ``reuse``
+    False: pool off for this request (planned as a full prefill; the engine recomputes it)."""
+
+    request_id: str
+    namespace: str
+    prompt_tokens: int
+    max_tokens: int
+    keys: tuple[bytes, ...]
+    pool_hit: TierHit
+    decision: Decision
+    max_load_blocks: int | None = None
+    reuse: bool = True
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.decision.ttft_s
+
+    @property
+    def prefill_id(self) -> str:
+        return self.decision.prefill_id
+
+    @property
+    def decode_id(self) -> str:
+        return self.decision.decode_id
