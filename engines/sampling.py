@@ -12,6 +12,10 @@ import torch
 from engines.types import SamplingParams, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20     # OpenAI's bound on top_logprobs
+# Draws are computed in float32: a temperature below float32's smallest normal number
+# (about 1.2e-38; 1e-300 is 0 in float32) would divide the max logit's 0 by 0 (NaN), which
+# torch.multinomial refuses. Sampling that cold is the argmax, so it is drawn as greedy.
+MIN_SAMPLED_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -26,11 +30,13 @@ class Sampler:
     (shape ``(vocab,)``, any device and float dtype) and the token's index in the generated
     sequence; it returns the token id. Greedy requests take the argmax (the first on ties,
     as ``torch.argmax``); others are drawn on the CPU in float32, so the draw does not
-    depend on the device."""
+    depend on the device. A temperature under :data:`MIN_SAMPLED_TEMPERATURE` (its limit
+    is the argmax) is greedy too."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._gen = None if params.greedy else torch.Generator(device="cpu")
+        cold = params.greedy or params.temperature < MIN_SAMPLED_TEMPERATURE
+        self._gen = None if cold else torch.Generator(device="cpu")
 
     def choose(self, logits: torch.Tensor, index: int) -> int:
         if self._gen is None:

@@ -95,3 +95,16 @@ def test_neutral_values_of_unapplied_fields_are_served(url):
                          "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "seed": -5,
                          "temperature": 0.7, "top_p": 0.9})
     assert len(got["choices"][0]["token_ids"]) == 2 and got["choices"][0]["logprobs"] is None
+
+
+def test_a_temperature_too_small_for_float32_is_greedy_and_the_engine_stays_up(url):
+    """1e-300 is 0 in float32: the engine's draw divided 0 by 0 (NaN), the prefill failed with
+    an escaped UNKNOWN and the front door took the instance out of routing for every tenant.
+    Sampling that cold is the argmax: the greedy tokens, and the engines stay up."""
+    body = {"prompt": "The pool remembers every block.", "max_tokens": 4, "ignore_eos": True}
+    greedy = complete(url, body)["choices"][0]["token_ids"]
+    for temperature in (1e-300, 5e-324, 1e-39):
+        got = complete(url, {**body, "temperature": temperature, "seed": 7})
+        assert got["choices"][0]["token_ids"] == greedy, temperature
+    status, _, data = call(url, "/health")
+    assert status == 200 and json.loads(data)["status"] == "ok", data

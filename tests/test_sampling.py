@@ -61,6 +61,7 @@ def test_the_nucleus_keeps_the_most_likely_tokens_up_to_top_p():
 def test_a_huge_or_tiny_temperature_never_gives_nan():
     big = torch.tensor([1e30, -1e30, 0.0])
     assert Sampler(SamplingParams(1e-30, 1.0, 1)).choose(big, 0) == 0
+    assert Sampler(SamplingParams(1e-300, 1.0, 1)).choose(LOGITS, 0) == 0   # 0 in float32: greedy
     assert Sampler(SamplingParams(2.0, 1.0, 1)).choose(big, 0) == 0
 
 
