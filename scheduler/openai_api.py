@@ -148,9 +148,9 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list):
         raise _bad(f"'stop' must be a string or a list of strings, got {type(stop).__name__}", "invalid_type", "stop")
-    odd = next((x for x in items if not isinstance(x, str)), None)
-    if odd is not None:
-        raise _bad(f"'stop' must be a string or a list of strings, got a list holding a {type(odd).__name__}",
+    odd = [x for x in items if not isinstance(x, str)]
+    if odd:   # a list, since None (JSON null) inside it is an odd item too
+        raise _bad(f"'stop' must be a string or a list of strings, got a list holding a {type(odd[0]).__name__}",
                    "invalid_type", "stop")
     if len(items) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
@@ -250,11 +250,13 @@ def _common(body: Any, limits: ModelLimits) -> None:
 
 def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, default_max_tokens: int,
             chat: bool) -> GenerationRequest:
-    max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
+    # chat: max_completion_tokens (OpenAI's current name), else max_tokens; null is "not sent"
+    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(field)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise _bad(f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens")
+        raise _bad(f"'{field}' must be a positive integer, got {max_tokens!r}", param=field)
     if not tokens:
         raise _bad("the prompt is empty", "empty_prompt")
     bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)

@@ -68,6 +68,11 @@ def test_chat_ids_and_objects_whole_and_streamed(url):
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),   # without stream
     ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"prompt": "hi", "stop": [None]}, "stop"),          # a null in the list was a 500
+    ({"prompt": "hi", "stop": ["end", None]}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": None, "max_tokens": 0},
+     "max_tokens"),                                      # a null max_completion_tokens hid max_tokens
     ({"prompt": "hi", "seed": 1.5}, "seed"),
     ({"prompt": "hi", "seed": 2 ** 64}, "seed"),
     ({"prompt": "hi", "echo": True}, "echo"),
