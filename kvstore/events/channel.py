@@ -88,7 +88,8 @@ class RedisEventChannel(EventChannel):
         import redis  # imported here: single-host runs need no Redis client
 
         self.url, self.stream, self.maxlen = url, stream, maxlen
-        self.description = f"Redis stream {stream!r} at {url}"
+        from kvstore.cluster.redis_server import redact_url
+        self.description = f"Redis stream {stream!r} at {redact_url(url)}"   # logged: no password
         self._redis = redis.Redis.from_url(url)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
