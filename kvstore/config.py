@@ -6,6 +6,7 @@ import re
 import tomllib
 from argparse import ArgumentTypeError
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from typing import Any
 
 from kvstore.eviction import POLICIES
@@ -39,7 +40,8 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size; use a number with an optional unit "
                          f"({', '.join(u for u in _UNITS if u)})")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    # exact (Fraction, not float): "18446744073709551615" is that many bytes, not 2**64
+    return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True, slots=True)

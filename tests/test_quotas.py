@@ -142,3 +142,21 @@ def test_kvctl_quota_over_grpc_and_across_a_restart(spawn_store_node, tmp_path):
     rc, doc, _ = kvctl(env, "--store", address, "quota", "get", "--namespace", "key-q")
     assert rc == 3 and not doc["success"]
     assert kvctl(env, "--store", address, "quota", "set", "--namespace", "key-q")[0] == 1    # no --bytes
+
+
+def test_kvctl_quota_sizes_are_exact_and_bounded(spawn_store_node, tmp_path):
+    """A size goes to the node exactly (it went through float: 2**64 - 1 became 2**64 and
+    protobuf refused it with "Value out of range"); over the Admin API's uint64 is exit 1
+    naming --bytes; a quota of 0 is kept as 0."""
+    _, address = spawn_store_node("qbig", "--dram", "4MiB", "--ssd", "0", "--auth-token", TOKEN,
+                                  "--transfer-engine", "off")
+    env = kvctl_env(tmp_path)
+    for text, want in (("18446744073709551615", (1 << 64) - 1), ("9007199254740993", (1 << 53) + 1),
+                       ("1.5KiB", 1536), ("0", 0)):
+        rc, doc, err = kvctl(env, "--store", address, "quota", "set", "--namespace", "key-big", "--bytes", text)
+        assert rc == 0, err
+        rc, doc, err = kvctl(env, "--store", address, "quota", "get", "--namespace", "key-big")
+        assert rc == 0 and doc["nodes"][0]["found"] and doc["nodes"][0]["bytes"] == want, (text, doc, err)
+    rc, _, err = kvctl(env, "--store", address, "quota", "set", "--namespace", "key-big", "--bytes",
+                       "18446744073709551616")
+    assert rc == 1 and "--bytes" in err and "2**64 - 1" in err, err

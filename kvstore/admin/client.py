@@ -32,7 +32,8 @@ def _hexify(value: Any, key: str = "") -> Any:
         return [_hexify(v, key) for v in value]
     if key in ("key", "parent", "done") and isinstance(value, str):
         return base64.b64decode(value).hex()
-    if key == "checksum" and isinstance(value, str):   # a uint64 above 2**53 stays quoted
+    # a uint64 above 2**53 stays quoted: the checksum and byte counts (a quota of 2**64 - 1)
+    if (key == "checksum" or key.endswith("bytes")) and isinstance(value, str) and value.isdigit():
         return int(value)
     return value
 

@@ -22,6 +22,8 @@ from kvstore.kvctl.common import (
     size_text,
 )
 
+MAX_QUOTA_BYTES = (1 << 64) - 1
+
 
 def cmd_quota(t: Target, args: argparse.Namespace) -> int:
     if args.action in ("set", "get", "rm") and not args.namespace:
@@ -29,6 +31,8 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
     if args.action == "set" and args.bytes is None:
         raise InvalidArgument("quota set needs --bytes B (e.g. 2GiB)")
     nbytes = parse_bytes(args.bytes) if args.bytes is not None else 0
+    if nbytes > MAX_QUOTA_BYTES:   # the Admin API's uint64; protobuf's own error named no field
+        raise InvalidArgument(f"--bytes: a quota is at most 2**64 - 1 bytes, got {args.bytes}")
     docs: list[dict[str, Any]] = []
     lines: list[str] = []
     found_any = False
