@@ -134,6 +134,17 @@ def parse_keys(hexes: list[str]) -> list[bytes]:
     return keys
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a negative --limit listed nothing, silently)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def positive(text: str) -> float:
     value = float(text)
     if not value > 0:
