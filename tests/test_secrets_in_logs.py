@@ -13,7 +13,7 @@ from kvstore.auth import new_token
 from kvstore.client import StoreClient
 from kvstore.cluster.redis_server import start_private_redis, stop_private_redis
 from kvstore.config import StoreConfig
-from kvstore.events import IndexReplica, make_channel, store_snapshot_source
+from kvstore.events import IndexReplica, PublishingIndex, make_channel, store_snapshot_source
 from kvstore.node import StoreNode
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
@@ -28,12 +28,14 @@ def test_a_redis_password_is_never_logged(tmp_path, caplog) -> None:
         cfg = StoreConfig(node_id="p1", port=0, dram_bytes=1 << 20, ssd_bytes=0, data_dir=str(tmp_path),
                           redis_url=url, transfer_engine="off")
         node = StoreNode.start(cfg)
+        index = node.pool.index
+        assert isinstance(index, PublishingIndex)    # a node's index publishes its KV events
         channel = make_channel(url)
         replica = IndexReplica(channel, store_snapshot_source({"p1": node.address})).start()
         try:
             with StoreClient(node.address) as client:
                 client.put(b"s" * 32, b"v" * 100)
-            assert replica.wait_for("p1", node.pool.index.seq) and replica.hits([b"s" * 32]) == {"p1": 1}
+            assert replica.wait_for("p1", index.seq) and replica.hits([b"s" * 32]) == {"p1": 1}
         finally:
             replica.stop()
         assert password not in channel.description and ":***@127.0.0.1" in channel.description
