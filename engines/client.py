@@ -8,7 +8,7 @@ import grpc
 
 from engines.types import GREEDY, DecodeStep, EngineInfo, EngineLoad, PrefillResult, SamplingParams, TokenLogprobs
 from kvstore.auth import bearer_metadata
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.index.keys import KVLayout
 from kvstore.wire.channel import GRPC_OPTIONS
@@ -107,9 +107,20 @@ def _logprobs(message: pb.PrefillResponse | pb.DecodeToken, field: str) -> Token
     return TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
 
 
+# Codes of an engine that is there but failed this one request (its handler raised): the
+# request may move to another instance, the engine stays in routing for everyone else.
+_REQUEST_FAILED = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS,
+                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
+
+
 def _translate(exc: grpc.aio.AioRpcError, address: str) -> Exception:
+    """INVALID_ARGUMENT → InvalidArgument (the client's fault: a 400); a failure of this
+    request only (:data:`_REQUEST_FAILED`) → KVStoreError; anything else (not reachable, a
+    deadline, refused credentials) → Unavailable: the engine is treated as gone."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(exc.details() or "invalid argument")
+    if exc.code() in _REQUEST_FAILED:
+        return KVStoreError(f"engine at {address} failed the request: {exc.code().name}: {exc.details()}")
     return Unavailable(f"engine at {address}: {exc.code().name}: {exc.details()}")
 
 

@@ -39,7 +39,7 @@ from aiohttp import web
 
 from engines.tokenizer import Tokenizer
 from engines.types import PrefillResult, TokenLogprobs
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
@@ -249,11 +249,13 @@ class Frontdoor:
             return result, "length", plan
 
     def _failover(self, plan: RoutePlan, role: str, tried: set[str], exc: Exception, sent: int) -> RoutePlan:
-        """``plan``'s ``role`` engine failed: mark it down and move the request to another
-        one, or raise the 503 that ends it."""
+        """``plan``'s ``role`` engine failed: move the request to another one, or raise the 503
+        that ends it. An engine that is gone (:class:`Unavailable`) is marked down; one that
+        only failed this request (its handler raised) stays in routing for everyone else."""
         engine_id = plan.prefill_id if role == "prefill" else plan.decode_id
         tried.add(engine_id)
-        self.router.mark_down(engine_id, f"{role} failed: {exc}")
+        if isinstance(exc, Unavailable):
+            self.router.mark_down(engine_id, f"{role} failed: {exc}")
         moved = self.router.reroute(plan, role, tried)
         if moved is None:
             raise APIError(503, f"{role} engine {engine_id} failed after {sent} tokens were sent "

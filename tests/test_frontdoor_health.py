@@ -186,3 +186,44 @@ def test_a_busy_engine_missing_one_check_stays_in_routing_but_one_silent_for_thr
         release.set()
         cluster.loop.run(router.prefill.pop("prefill-busy").client.close())
         busy.stop(None).wait()
+
+
+def test_an_engine_failing_one_request_stays_in_routing_and_the_request_moves(cluster):
+    """An engine whose handler raises for a request (gRPC UNKNOWN) is there: the request moves
+    to another prefill instance, but the engine is not taken out of routing for every tenant
+    (only one that is gone, UNAVAILABLE, is)."""
+    from concurrent import futures
+
+    import grpc
+
+    from engines.client import EngineClient
+    from scheduler.router import PrefillInstance
+    from tests.busy_engine import failing_engine_handler
+    door = cluster.start(FrontdoorConfig(health_interval_s=60))
+    wait_for(lambda: door.frontdoor.health_checks.rounds >= 1)       # the next one in 60 s
+    router = door.frontdoor.router
+    failures: list[str] = []
+    bad = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    bad.add_generic_rpc_handlers((failing_engine_handler(failures),))
+    address = f"127.0.0.1:{bad.add_insecure_port('127.0.0.1:0')}"
+    bad.start()
+    try:
+        info = next(iter(router.prefill.values())).info
+
+        async def add_bad() -> None:
+            router.prefill["prefill-bad"] = PrefillInstance(EngineClient(address), info)
+
+        cluster.loop.run(add_bad())
+        router.mark_down("prefill-0", "kept out by the test")          # only prefill-bad routable
+        status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, BS + 2), "max_tokens": 2})
+        assert status == 503 and "prefill-bad" in json.loads(data)["error"]["message"], data
+        assert failures and "prefill-bad" not in router.down        # failed a request, still routable
+        router.mark_up("prefill-0")
+        for seed in range(4):                     # wherever the policy sends them, all are served
+            status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(71 + seed, BS + 2),
+                                                                 "max_tokens": 2})
+            assert status == 200, data
+        assert "prefill-bad" not in router.down
+    finally:
+        cluster.loop.run(router.prefill.pop("prefill-bad").client.close())
+        bad.stop(None).wait()
