@@ -15,6 +15,7 @@ from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
+from kvstore.quotas import check_namespace
 from kvstore.tiers.buffers import Segments, to_bytes
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.channel import GRPC_OPTIONS
@@ -176,16 +177,18 @@ class StoreClient:
         """Put several blocks in one streamed call; one result per block, in order.
         ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
         head extends), so the node evicts its tail before its head. ``namespace``: the
-        tenant the blocks belong to (kvstore/tenants.py: per-tenant accounting and quotas);
-        such a put goes over the gRPC stream, which carries it. Raises QuotaExceeded when
-        the tenant is over its quota and its own blocks cannot make room (the blocks before
-        the refused one are stored)."""
+        tenant the blocks belong to (kvstore/tenants.py: per-tenant accounting and quotas),
+        carried by every wire (the same-host frames and the gRPC stream). Raises
+        QuotaExceeded when the tenant is over its quota and its own blocks cannot make room
+        (the blocks before the refused one are stored)."""
         if not blocks:
             return []
-        plane = None if namespace else self._local()
+        if namespace:
+            check_namespace(namespace)
+        plane = self._local()
         if plane is not None:
             try:
-                return plane.put_blocks(blocks, chain, parent)
+                return plane.put_blocks(blocks, chain, parent, namespace)
             except Unavailable as exc:  # puts are idempotent: the stream redoes the whole batch
                 self._drop_plane(exc)
         blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]

@@ -118,6 +118,14 @@ class KVPool(PoolReads):
         """Give the reservation's space back (idempotent; a no-op once committed)."""
         self._writes.abort(res)
 
+    def claim(self, res: Reservation, namespace: str) -> None:
+        """Make ``namespace`` the tenant of an open reservation under its current key (a
+        same-host writer's spare slot, reserved before its tenant was known, named at
+        commit). A reservation of another tenant moves to this one only if its quota
+        takes the block (its own blocks evicted first); raises QuotaExceeded when it
+        cannot, ReservationExpired when ``res`` is no longer open."""
+        self._writes.claim(res, namespace)
+
     # -- one-call puts ---------------------------------------------------------------------
     def put(self, key: bytes, data: Any, checksum: int | None = None, tier: str | None = None,
             parent: bytes | None = None, namespace: str | None = None) -> PutResult:

@@ -22,11 +22,13 @@ MAX_NAMESPACE_CHARS = 256
 
 
 def check_namespace(namespace: str) -> str:
-    """``namespace`` if it names a tenant (1-256 printable characters); raises
-    InvalidArgument otherwise."""
+    """``namespace`` if it names a tenant (1-256 printable ASCII characters: what a gRPC
+    metadata value carries, https://grpc.io/docs/guides/metadata/, so every wire takes the
+    same names); raises InvalidArgument otherwise."""
     if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_CHARS \
-            or not namespace.isprintable():
-        raise InvalidArgument(f"a namespace is 1-{MAX_NAMESPACE_CHARS} printable characters, got {namespace!r}")
+            or not namespace.isascii() or not namespace.isprintable():
+        raise InvalidArgument(f"a namespace is 1-{MAX_NAMESPACE_CHARS} printable ASCII characters, "
+                              f"got {namespace!r}")
     return namespace
 
 

@@ -185,6 +185,20 @@ class Reservations:
             raise out
         return out
 
+    def claim(self, res: Reservation, namespace: str) -> None:
+        if res.state is RS.EXISTED:
+            return
+        try:
+            with self._lock:
+                self.check_open(res, time.monotonic())
+                tenants = self._place.tenants
+                if tenants is not None:
+                    tenants.claim(self._place, res.id, res.key, namespace)
+        finally:
+            place = self._place
+            if place.moves or place.dirty:
+                self._mover.settle()   # the quota evictions it made, outside the lock
+
     def abort(self, res: Reservation) -> None:
         with self._lock:
             if res.state is RS.OPEN:

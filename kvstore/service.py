@@ -222,8 +222,10 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         check_count(len(request.reservation_ids), "reservation_ids")
         if request.checksums and len(request.checksums) != len(request.reservation_ids):
             raise InvalidArgument("checksums and reservation_ids differ in length")
+        namespace = codec.commit_namespace_of(request)
         return codec.commit_response(self._plane(context).commit(list(request.reservation_ids),
-                                                                 checksums=list(request.checksums) or None))
+                                                                 checksums=list(request.checksums) or None,
+                                                                 namespace=namespace))
 
     @refusing
     def AbortBlocks(self, request: pb.AbortBlocksRequest, context: grpc.ServicerContext) -> pb.AbortBlocksResponse:

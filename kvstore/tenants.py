@@ -164,6 +164,22 @@ class TenantBooks:
         self._claims.setdefault(key, t)
         self._claim_count[key] += 1
 
+    def claim(self, place: Placement, res_id: int, key: bytes, namespace: str) -> None:
+        """The open reservation ``res_id`` commits as ``key`` for ``namespace`` (a spare
+        slot reserved unattributed, named at commit): its pending bytes move to that
+        tenant, once its quota takes them (:meth:`before_reserve`; raises QuotaExceeded)."""
+        entry = self.pending.get(res_id)
+        if entry is None:
+            return   # reserved before these books were attached
+        old_key, old, size = entry
+        t = self._tenant(namespace)
+        if old is t and old_key == key:
+            return
+        if old is not t:
+            self.before_reserve(place, key, size, namespace)
+        self.settled(res_id)
+        self.reserved(res_id, key, namespace, size)
+
     def settled(self, res_id: int) -> None:
         """A reservation committed, aborted or expired: its bytes are no longer pending."""
         entry = self.pending.pop(res_id, None)

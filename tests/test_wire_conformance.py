@@ -13,7 +13,9 @@ Real servers and sockets: the first three serve an in-process pool (DRAM 32 MiB 
 MiB), so the test reads what the pool recorded (chain links, checksums, lease deadlines);
 the transfer-engine node is a ``kvstore serve`` process. The namespace and the identity tag
 travel inside the key and the block bytes (kvstore/identity.py), so the bytes and keys
-checked here cover them. tests/test_wire_errors.py checks the error table itself.
+checked here cover them; the namespace as a put option (tenant books, quotas) is checked over
+every put wire in tests/test_wire_namespace.py. tests/test_wire_errors.py checks the error
+table itself.
 """
 from __future__ import annotations
 
@@ -190,29 +192,6 @@ def test_chain_and_parent_reach_the_pool(put_wire: Wire, chain: bool, parent: bo
     assert all(r.ok for r in put_wire.client.put_blocks(blocks, chain=chain, parent=head if parent else None))
     links = put_wire.pool._place.parents
     assert [links.get(k) for k in keys] == [head if parent else None] + ([keys[0], keys[1]] if chain else [None] * 2)
-
-
-def test_the_namespace_reaches_the_tenant_books(put_wire: Wire) -> None:
-    """A put's tenant (``namespace``; a same-host client sends such a put over the gRPC
-    stream, which carries it) owns its blocks in the pool; a put without one belongs to ""."""
-    from kvstore.tenants import attach
-    books = attach(put_wire.pool)
-    tenant, nobody = blocks_of(f"ns-{put_wire.name}", [4096, 4096]), blocks_of(f"nn-{put_wire.name}", [4096])
-    assert all(r.ok for r in put_wire.client.put_blocks(tenant, namespace="tenant-a"))
-    assert all(r.ok for r in put_wire.client.put_blocks(nobody))
-    assert [books.namespace_of(k) for k, _ in tenant + nobody] == ["tenant-a", "tenant-a", ""]
-
-
-def test_a_put_over_its_tenants_quota_is_quota_exceeded(put_wire: Wire) -> None:
-    from kvstore.errors import QuotaExceeded
-    from kvstore.tenants import attach
-    books = attach(put_wire.pool)
-    books.quotas.set("tenant-q", 8192)
-    for k, _ in blocks_of(f"q-{put_wire.name}", [4096, 4096]):   # its own blocks, pinned: no room to make
-        assert put_wire.client.put_blocks([(k, b"q" * 4096)], namespace="tenant-q")[0].ok
-        put_wire.pool.pin([k], hard=True)
-    with pytest.raises(QuotaExceeded, match="tenant-q"):
-        put_wire.client.put_blocks([(key(f"q3-{put_wire.name}"), b"q" * 4096)], namespace="tenant-q")
 
 
 def test_a_block_larger_than_every_tier_fails_with_the_reason(put_wire: Wire) -> None:

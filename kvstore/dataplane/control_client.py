@@ -149,8 +149,8 @@ class UdsControl:
                 raise Unavailable(f"store control socket {self.path}: {exc}") from None
 
     def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
-                parent: bytes | None = None) -> list[SlotGrant]:
-        reply = self._call(w.OP_RESERVE, w.reserve_request(ReserveRequest(items, chain, parent)))
+                parent: bytes | None = None, namespace: str | None = None) -> list[SlotGrant]:
+        reply = self._call(w.OP_RESERVE, w.reserve_request(ReserveRequest(items, chain, parent, namespace)))
         return w.decode_reserve_reply(reply, len(items))
 
     name = "uds"
@@ -158,18 +158,20 @@ class UdsControl:
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
                spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None,
-               give_back: Sequence[int] = ()) -> list[PutResult]:
+               give_back: Sequence[int] = (), namespace: str | None = None) -> list[PutResult]:
         """Commit filled slots as ``keys`` (chain ``parents``; ``checksums``: the writer's
-        xxh3_64 of each slot, None: the node takes them); ask for ``spare`` = (size, count)
-        slots for the next puts, which the node reserves after its reply (see
-        :meth:`take_spares`); ``give_back``: unused spare slots to abort. Returns a result
-        per id."""
-        req = CommitRequest(res_ids, keys, parents, spare, checksums, give_back)
+        xxh3_64 of each slot, None: the node takes them) for tenant ``namespace`` (None: as
+        reserved); ask for ``spare`` = (size, count) slots for the next puts, which the node
+        reserves after its reply (see :meth:`take_spares`); ``give_back``: unused spare
+        slots to abort. Returns a result per id."""
+        req = CommitRequest(res_ids, keys, parents, spare, checksums, give_back, namespace)
         return w.decode_commit_reply(self._call(w.OP_COMMIT, w.commit_request(req), spare[1] > 0), keys)
 
     def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
-                                                      Sequence[int]]]) -> list[PutResult]:
-        """Commit chunk after chunk of (ids, keys, parents, checksums) without waiting for
+                                                      Sequence[int]]],
+                         namespace: str | None = None) -> list[PutResult]:
+        """Commit chunk after chunk of (ids, keys, parents, checksums) for ``namespace``
+        without waiting for
         the replies, which are read once ``chunks`` is exhausted: the node commits a chunk
         while the caller still fills the next (``chunks`` may be a generator that copies).
         If ``chunks`` raises, the replies of the chunks sent are read and the error goes on.
@@ -182,7 +184,8 @@ class UdsControl:
                 try:
                     for ids, keys, parents, sums in chunks:
                         io.write_frame(self._sock, w.OP_COMMIT,
-                                       w.commit_request(CommitRequest(ids, keys, parents, checksums=sums)))
+                                       w.commit_request(CommitRequest(ids, keys, parents, checksums=sums,
+                                                                      namespace=namespace)))
                         sent.append(keys)
                 finally:
                     replies = [self._reply() for _ in sent]

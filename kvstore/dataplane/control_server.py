@@ -180,7 +180,7 @@ class ControlServer:
                 slots.difference_update(back)
                 host.abort(back)
             slots.difference_update(c.res_ids)
-            results = host.commit(c.res_ids, c.keys, c.parents, c.checksums)
+            results = host.commit(c.res_ids, c.keys, c.parents, c.checksums, c.namespace)
             spare[:] = c.spare
             return w.commit_reply(results)
         if op == w.OP_ABORT:

@@ -43,8 +43,8 @@ class GrpcControl:
             self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
-                parent: bytes | None = None) -> list[SlotGrant]:
-        req = codec.reserve_request(ReserveRequest(items, chain, parent))
+                parent: bytes | None = None, namespace: str | None = None) -> list[SlotGrant]:
+        req = codec.reserve_request(ReserveRequest(items, chain, parent, namespace))
         return codec.slots_of(self._call(self._stub.ReserveBlocks, req))
 
     name = "grpc"
@@ -53,22 +53,23 @@ class GrpcControl:
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None,
                spare: tuple[int, int] = (0, 0), checksums: Sequence[int] | None = None,
-               give_back: Sequence[int] = ()) -> list[PutResult]:
+               give_back: Sequence[int] = (), namespace: str | None = None) -> list[PutResult]:
         """Commit filled slots (reserved under ``keys``; ``parents`` were given at reserve
         and are not resent; ``checksums``: the writer's, None: the node takes them). No
         spares are granted over gRPC; ``give_back`` ids are aborted."""
         self.abort(give_back)
         if not res_ids:
             return []
-        resp = self._call(self._stub.CommitBlocks, codec.commit_request(res_ids, checksums))
+        resp = self._call(self._stub.CommitBlocks, codec.commit_request(res_ids, checksums, namespace))
         return codec.put_results_of(resp.results, keys)
 
     def commit_pipelined(self, chunks: Iterable[tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None],
-                                                      Sequence[int]]]) -> list[PutResult]:
+                                                      Sequence[int]]],
+                         namespace: str | None = None) -> list[PutResult]:
         """One CommitBlocks call per chunk, in turn (gRPC is not pipelined here)."""
         out: list[PutResult] = []
         for ids, keys, parents, sums in chunks:
-            out += self.commit(ids, keys, parents, (0, 0), sums)
+            out += self.commit(ids, keys, parents, (0, 0), sums, namespace=namespace)
         return out
 
     def take_spares(self, wait: bool = False) -> list[tuple[int, SlotGrant]]:

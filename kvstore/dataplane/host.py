@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, QuotaExceeded
 from kvstore.integrity import checksum_of
 from kvstore.lease import Lease, Reservation
 from kvstore.limits import MAX_KEY_BYTES, check_key, check_ttl
@@ -21,6 +21,7 @@ from kvstore.wire.types import (
     SLOT_EXISTED,
     SLOT_FAILED,
     SLOT_OPEN,
+    SLOT_QUOTA,
     BlockLocation,
     DataPlaneInfo,
     LeaseGrant,
@@ -125,14 +126,21 @@ class DataPlaneHost:
 
     # -- writes ----------------------------------------------------------------------------
     def reserve(self, items: Sequence[tuple[bytes, int]], chain: bool = False,
-                parent: bytes | None = None) -> list[SlotGrant]:
+                parent: bytes | None = None, namespace: str | None = None) -> list[SlotGrant]:
         """A slab slot per (key, size bytes); ``chain``: block i extends block i - 1 (the
-        first extends ``parent``). A key already stored gets SLOT_EXISTED; one that cannot
-        fit (or is malformed) SLOT_FAILED with the reason."""
+        first extends ``parent``); ``namespace``: the tenant the blocks belong to
+        (kvstore/tenants.py). A key already stored gets SLOT_EXISTED; one that cannot fit
+        (or is malformed) SLOT_FAILED with the reason; the block its namespace's quota
+        refuses, and every block after it, SLOT_QUOTA with the reason (the writer commits
+        the ones before and raises QuotaExceeded, as a gRPC Put stream ends there)."""
         out: list[SlotGrant] = []
         made: list[Reservation] = []
         links = chain_parents([k for k, _ in items], chain, parent)
+        refused = ""
         for (key, size), link in zip(items, links):
+            if refused:
+                out.append(SlotGrant(SLOT_QUOTA, error=refused))
+                continue
             if not key or len(key) > MAX_KEY_BYTES:
                 out.append(SlotGrant(SLOT_FAILED, error=f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}"))
                 continue
@@ -140,7 +148,11 @@ class DataPlaneHost:
                 out.append(SlotGrant(SLOT_FAILED, error=f"block of {size} bytes; at most {self.max_block_bytes}"))
                 continue
             try:
-                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link)
+                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link, namespace=namespace)
+            except QuotaExceeded as exc:
+                refused = str(exc)
+                out.append(SlotGrant(SLOT_QUOTA, error=refused))
+                continue
             except (KVStoreError, OSError) as exc:
                 out.append(SlotGrant(SLOT_FAILED, error=str(exc)))
                 continue
@@ -158,7 +170,7 @@ class DataPlaneHost:
 
     def reserve_for(self, req: ReserveRequest) -> list[SlotGrant]:
         """:meth:`reserve` of a decoded request (what the servicers call)."""
-        return self.reserve(req.items, req.chain, req.parent)
+        return self.reserve(req.items, req.chain, req.parent, req.namespace)
 
     def reserve_spares(self, size: int, count: int, lent_bytes: int = 0) -> list[SlotGrant]:
         """Up to ``count`` slots of ``size`` bytes reserved before their keys are known: a
@@ -183,7 +195,7 @@ class DataPlaneHost:
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes] | None = None,
                parents: Sequence[bytes | None] | None = None,
-               checksums: Sequence[int] | None = None) -> list[PutResult]:
+               checksums: Sequence[int] | None = None, namespace: str | None = None) -> list[PutResult]:
         """Commit reservations whose slots the client filled, then make each block visible.
         ``keys`` / ``parents``: the key (and chain parent) each block commits as — required
         for spares, optional otherwise (empty: keep the reserved key). ``checksums``: the
@@ -191,9 +203,11 @@ class DataPlaneHost:
         cache; the node then touches no block byte); None: the node checksums each slot as
         the slab holds it. Either way the checksum covers the bytes the writer left in the
         slot; a writer that sends a wrong one only makes its own block a miss for the
-        readers that verify (mapped, transfer engine, SSD). Per id a
-        PutResult (``ok`` false with the reason: unknown id, timed out, a spare without a
-        key, ...)."""
+        readers that verify (mapped, transfer engine, SSD). ``namespace``: the tenant each
+        block is assigned to here (a spare slot was reserved before its tenant was known;
+        its quota is checked now, evicting its own blocks first). Per id a PutResult
+        (``ok`` false with the reason: unknown id, timed out, a spare without a key, over
+        the namespace's quota, ...)."""
         with self._lock:
             batch = [self._slots.pop(i, None) for i in res_ids]
         out = []
@@ -209,6 +223,8 @@ class DataPlaneHost:
                     res.assign(key, (parents[i] if parents else None) or res.parent)
                 elif res.key.startswith(SPARE_KEY):
                     raise InvalidArgument("a spare slot needs a block key at commit")
+                if namespace:
+                    self.pool.claim(res, namespace)
                 slot = res.slot
                 if slot is not None:
                     self.pool.mark_filled(res, checksums[i] if checksums else

@@ -14,10 +14,11 @@ import numpy as np
 
 from kvstore.dataplane.control import CommitChunk, Control
 from kvstore.dataplane.spares import SpareStock, in_time
+from kvstore.errors import QuotaExceeded
 from kvstore.integrity import checksum_of
 from kvstore.limits import check_key
 from kvstore.tiers.buffers import as_u8, copy_into, nbytes
-from kvstore.wire.types import SLOT_EXISTED, SLOT_OPEN, DataPlaneInfo, PutResult, SlotGrant, chain_parents
+from kvstore.wire.types import SLOT_EXISTED, SLOT_OPEN, SLOT_QUOTA, DataPlaneInfo, PutResult, SlotGrant, chain_parents
 
 PIPELINE_BYTES = 4 << 20  # a put of more is committed in chunks of this, while the next is copied
 # A put of a block this large hashes it on a helper thread beside its copy; smaller ones hash
@@ -40,17 +41,20 @@ class SlabWrites:
         raise NotImplementedError
 
     def put_blocks(self, blocks: Sequence[tuple[bytes, Any]], chain: bool = False,
-                   parent: bytes | None = None) -> list[PutResult]:
+                   parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Store blocks (bytes-like, numpy arrays or tensors on any device): reserve slab
         slots, copy each block into its slot, commit; one result per block, in order (an
         existing key is success). Windows of up to a quarter of the slab go per round trip.
         ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
-        head extends). Raises Unavailable when the node cannot be reached."""
+        head extends). ``namespace``: the tenant the blocks belong to, sent with each
+        RESERVE and COMMIT (a spare slot gets its tenant at commit). Raises Unavailable
+        when the node cannot be reached, QuotaExceeded when the tenant's quota refuses a
+        block (the blocks before it are stored)."""
         for key, _ in blocks:  # as the gRPC service refuses them
             check_key(key)
         if len(blocks) == 1 and self.control.spares:  # the common one-block put
             view = as_u8(blocks[0][1])
-            done = self._put_spared(blocks[0][0], view, nbytes(view), parent)
+            done = self._put_spared(blocks[0][0], view, nbytes(view), parent, namespace)
             if done is not None:
                 return [done]
         keys = [k for k, _ in blocks]
@@ -58,7 +62,7 @@ class SlabWrites:
         sizes = [nbytes(v) for v in views]
         parents = chain_parents(keys, chain, parent)
         if len(blocks) == 1:  # the common one-block put: no windows
-            return self._put_window(keys, views, sizes, parents, chain)
+            return self._put_window(keys, views, sizes, parents, chain, namespace=namespace)
         window = max(1, self.info.slab_bytes // 4)
         out: list[PutResult] = []
         start = 0
@@ -67,11 +71,13 @@ class SlabWrites:
             while end < len(blocks) and total + sizes[end] <= window:
                 total += sizes[end]
                 end += 1
-            out += self._put_window(keys[start:end], views[start:end], sizes[start:end], parents[start:end], chain)
+            out += self._put_window(keys[start:end], views[start:end], sizes[start:end], parents[start:end], chain,
+                                    namespace=namespace)
             start = end
         return out
 
-    def _put_spared(self, key: bytes, view: Any, size: int, parent: bytes | None) -> PutResult | None:
+    def _put_spared(self, key: bytes, view: Any, size: int, parent: bytes | None,
+                    namespace: str | None = None) -> PutResult | None:
         """One block into a spare slot of its size, committed in one round trip: the
         common put, kept lean (what :meth:`_put_window` does for one block, without its
         lists). None when no spare of that size is in stock and in time (the caller then
@@ -91,13 +97,13 @@ class SlabWrites:
             ctl.abort([slot.res_id] + give_back)
             raise
         ask, unused = spares.ask([size])
-        result = ctl.commit([slot.res_id], [key], [parent], ask, [checksum], give_back + unused)[0]
-        if not result.ok:  # the spare timed out before its commit: put it again, reserved afresh
-            result = self._put_window([key], [view], [size], [parent], False, retry=False)[0]
+        result = ctl.commit([slot.res_id], [key], [parent], ask, [checksum], give_back + unused, namespace)[0]
+        if not result.ok:  # timed out (or over the quota) before its commit: put it again, reserved afresh
+            result = self._put_window([key], [view], [size], [parent], False, retry=False, namespace=namespace)[0]
         return result
 
     def _put_window(self, keys: list[bytes], views: list[Any], sizes: list[int], parents: list[bytes | None],
-                    chain: bool, retry: bool = True) -> list[PutResult]:
+                    chain: bool, retry: bool = True, namespace: str | None = None) -> list[PutResult]:
         """One window: fill spare slots where there are some of the right size and still in
         time (no RESERVE round trip), reserve the rest, copy every block into its slot and
         checksum it, and commit each block under its key and chain parent: in one frame
@@ -105,7 +111,9 @@ class SlabWrites:
         chunks of :data:`PIPELINE_BYTES` that the node commits while the next chunk is
         copied. A slot is never written once its write-by time is too near (:func:`in_time`):
         it is given back and its block put again through a fresh reservation, as is a
-        block whose spare slot turned out to have timed out at commit."""
+        block whose spare slot turned out to have timed out (or over ``namespace``'s quota)
+        at commit: its reservation then says QuotaExceeded, raised once the blocks before
+        the refused one are committed."""
         ctl, spares = self.control, self.spares
         n = len(keys)
         slots: list[SlotGrant | None] = [None] * n
@@ -122,7 +130,8 @@ class SlabWrites:
         need = [i for i in range(n) if slots[i] is None]
         if need:
             whole = len(need) == n  # chain links can go with the reservation
-            grants = ctl.reserve([(keys[i], sizes[i]) for i in need], chain and whole, parents[0] if whole else None)
+            grants = ctl.reserve([(keys[i], sizes[i]) for i in need], chain and whole, parents[0] if whole else None,
+                                 namespace)
             for i, g in zip(need, grants):
                 slots[i] = g
         granted: list[SlotGrant] = [g for g in slots if g is not None]  # every block has one now
@@ -132,7 +141,7 @@ class SlabWrites:
         if sum(sizes[i] for i in todo) > PIPELINE_BYTES:
             try:
                 results = ctl.commit_pipelined(self._fill_chunks(todo, granted, views, sizes, keys, parents,
-                                                                 sent, late))
+                                                                 sent, late), namespace)
             except BaseException:  # the control lock is free again here: abort what was not sent
                 done_ids = set(sent)
                 ctl.abort([granted[i].res_id for i in todo if i not in done_ids] + give_back)
@@ -147,19 +156,23 @@ class SlabWrites:
                 raise
             ids, ks, ps, sums = filled[0] if filled else ([], [], [], [])
             ask, unused = spares.ask(sizes)
-            results = ctl.commit(ids, ks, ps, ask, sums, give_back + unused + [granted[i].res_id for i in late])
+            results = ctl.commit(ids, ks, ps, ask, sums, give_back + unused + [granted[i].res_id for i in late],
+                                 namespace)
         done = dict(zip(sent, results))
         out = [done[i] if i in done else PutResult(k, g.state == SLOT_EXISTED, g.state == SLOT_EXISTED, g.error)
                for i, (k, g) in enumerate(zip(keys, granted))]
         redo = sorted(set(late) | {i for i in spared if not out[i].ok})  # put those again, once
         if redo and retry:
             again = self._put_window([keys[i] for i in redo], [views[i] for i in redo], [sizes[i] for i in redo],
-                                     [parents[i] for i in redo], False, retry=False)
+                                     [parents[i] for i in redo], False, retry=False, namespace=namespace)
             for i, r in zip(redo, again):
                 out[i] = r
         if not retry:
             for i in late:
                 out[i] = PutResult(keys[i], False, error="the slot's reservation ran out before the copy")
+        refused = next((g.error for g in granted if g.state == SLOT_QUOTA), None)
+        if refused is not None:   # the blocks before it are committed, as on the gRPC stream
+            raise QuotaExceeded(refused)
         return out
 
     def _fill(self, off: int, view: Any, size: int) -> int:

@@ -11,13 +11,16 @@ reply, except RELEASE, which gets none (a reader releases its lease without wait
 - LEASE: ``<dB`` ttl seconds, flags (1: stop at miss, 2: chain); keys → ``<Qd`` lease id,
   deadline; per key ``<QQQQ`` state, offset, size, checksum.
 - RELEASE: ``<Q`` lease id → no reply.
-- RESERVE: ``<B`` flags (2: chain); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
-  ``<BQQd`` state, reservation id, offset, write-by time (monotonic seconds); then the
-  failed ones' errors.
+- RESERVE: ``<B`` flags (2: chain, 4: a namespace follows); with flag 4 the namespace
+  (``<H`` length + utf-8); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
+  ``<BQQd`` state (0 open, 1 existed, 2 failed, 3 over the namespace's quota), reservation
+  id, offset, write-by time (monotonic seconds); then the errors of the failed and refused ones.
 - COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents (empty:
   keep, none); ``<QI`` size, count of spare slots wanted; ``<B`` sections: 1 = ``<Q`` per
   id, the writer's xxh3_64 of each filled slot (absent: the node checksums the slots);
-  2 = ``<I`` count, ``<Q`` each: spare slots of this connection given back unused → per id
+  2 = ``<I`` count, ``<Q`` each: spare slots of this connection given back unused;
+  4 = the namespace (``<H`` length + utf-8) the blocks belong to, assigned to each at commit
+  (a spare slot was reserved before its tenant was known) → per id
   ``<B`` 0 stored, 1 existed, 2 failed; the failed ones' errors. When the commit succeeded
   and asked for spares, a second frame follows the reply: ``<QI`` size, count granted,
   ``<BQQd`` each (the node reserves them after replying, while the writer copies on).
@@ -38,9 +41,11 @@ from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.limits import check_count, check_key
+from kvstore.quotas import check_namespace
 from kvstore.wire.errors import FRAME_ERRORS, FRAME_OK
 from kvstore.wire.types import (
     SLOT_FAILED,
+    SLOT_QUOTA,
     BlockLocation,
     LeaseGrant,
     LeaseRequest,
@@ -51,8 +56,8 @@ from kvstore.wire.types import (
 
 HEADER = struct.Struct("<BI")
 OP_HELLO, OP_LOOKUP, OP_LEASE, OP_RELEASE, OP_RESERVE, OP_COMMIT, OP_ABORT = range(1, 8)
-FLAG_STOP_AT_MISS, FLAG_CHAIN = 1, 2
-COMMIT_CHECKSUMS, COMMIT_GIVE_BACK = 1, 2  # the COMMIT frame's optional sections
+FLAG_STOP_AT_MISS, FLAG_CHAIN, FLAG_NAMESPACE = 1, 2, 4
+COMMIT_CHECKSUMS, COMMIT_GIVE_BACK, COMMIT_NAMESPACE = 1, 2, 4  # the COMMIT frame's optional sections
 LEASE_HEAD = struct.Struct("<dB")
 LEASE_REPLY = struct.Struct("<Qd")
 LOCATION = struct.Struct("<QQQQ")
@@ -129,6 +134,33 @@ def _ids(ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(ids)}Q", *ids)
 
 
+def encode_namespace(namespace: str) -> bytes:
+    """``<H`` length + utf-8 of a put's tenant."""
+    raw = namespace.encode()
+    if len(raw) > 65535:
+        raise InvalidArgument(f"a namespace of {len(raw)} bytes does not fit a frame")
+    return struct.pack("<H", len(raw)) + raw
+
+
+def decode_namespace(buf: bytes, pos: int) -> tuple[str, int]:
+    """The namespace at ``pos`` of ``buf`` (checked: kvstore/quotas.py ``check_namespace``)
+    and the position after it. Raises InvalidArgument for a truncated or malformed one."""
+    if pos + 2 > len(buf):
+        raise InvalidArgument("truncated namespace")
+    (n,) = struct.unpack_from("<H", buf, pos)
+    if pos + 2 + n > len(buf):
+        raise InvalidArgument("truncated namespace")
+    try:
+        value = bytes(buf[pos + 2:pos + 2 + n]).decode()
+    except UnicodeDecodeError:
+        raise InvalidArgument("a namespace that is not utf-8") from None
+    return check_namespace(value), pos + 2 + n
+
+
+def _failed(state: int) -> bool:
+    return state == SLOT_FAILED or state == SLOT_QUOTA
+
+
 # -- LOOKUP ------------------------------------------------------------------------------------
 def lookup_reply(n: int, tiers: Sequence[str]) -> bytes:
     return U32.pack(n) + ",".join(tiers).encode()
@@ -176,16 +208,22 @@ def decode_release_request(p: bytes) -> int:
 
 # -- RESERVE -----------------------------------------------------------------------------------
 def reserve_request(req: ReserveRequest) -> bytes:
-    return (bytes((FLAG_CHAIN if req.chain else 0,)) + encode_keys([req.parent] if req.parent else [])
+    flags = (FLAG_CHAIN if req.chain else 0) | (FLAG_NAMESPACE if req.namespace else 0)
+    return (bytes((flags,)) + (encode_namespace(req.namespace) if req.namespace else b"")
+            + encode_keys([req.parent] if req.parent else [])
             + encode_keys([k for k, _ in req.items]) + struct.pack(f"<{len(req.items)}Q", *(s for _, s in req.items)))
 
 
 def decode_reserve_request(p: bytes) -> ReserveRequest:
-    flags = p[0]
-    parents, pos = decode_keys(p, 1, allow_empty=True)
+    flags, pos = p[0], 1
+    namespace = None
+    if flags & FLAG_NAMESPACE:
+        namespace, pos = decode_namespace(p, pos)
+    parents, pos = decode_keys(p, pos, allow_empty=True)
     keys, pos = decode_keys(p, pos)
     sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
-    return ReserveRequest(list(zip(keys, sizes)), bool(flags & FLAG_CHAIN), parents[0] if parents else None)
+    return ReserveRequest(list(zip(keys, sizes)), bool(flags & FLAG_CHAIN), parents[0] if parents else None,
+                          namespace)
 
 
 def slots(grants: Sequence[SlotGrant]) -> bytes:
@@ -194,14 +232,14 @@ def slots(grants: Sequence[SlotGrant]) -> bytes:
 
 
 def reserve_reply(grants: Sequence[SlotGrant]) -> bytes:
-    return slots(grants) + encode_errors([g.error for g in grants if g.state == SLOT_FAILED])
+    return slots(grants) + encode_errors([g.error for g in grants if _failed(g.state)])
 
 
 def decode_reserve_reply(reply: bytes, n: int) -> list[SlotGrant]:
     end = n * SLOT.size
     raw = list(SLOT.iter_unpack(memoryview(reply)[:end]))
-    errors = iter(decode_errors(reply, end, sum(s == SLOT_FAILED for s, _, _, _ in raw)))
-    return [SlotGrant(s, rid, off, next(errors) if s == SLOT_FAILED else "", by) for s, rid, off, by in raw]
+    errors = iter(decode_errors(reply, end, sum(_failed(s) for s, _, _, _ in raw)))
+    return [SlotGrant(s, rid, off, next(errors) if _failed(s) else "", by) for s, rid, off, by in raw]
 
 
 def spare_grant(size: int, grants: Sequence[SlotGrant]) -> bytes:
@@ -220,7 +258,8 @@ class CommitRequest(NamedTuple):
     """A COMMIT: filled slots ``res_ids`` named ``keys`` (b"": keep the reserved key) with
     chain ``parents`` (b"" / None: none); ``spare`` = (size, count) slots wanted for the next
     puts; ``checksums``: the writer's xxh3_64 per slot (None: the node takes them);
-    ``give_back``: unused spare slots to abort."""
+    ``give_back``: unused spare slots to abort; ``namespace``: the tenant each block is
+    assigned to at commit (None: as reserved)."""
 
     res_ids: Sequence[int]
     keys: Sequence[bytes]
@@ -228,15 +267,18 @@ class CommitRequest(NamedTuple):
     spare: tuple[int, int] = (0, 0)
     checksums: Sequence[int] | None = None
     give_back: Sequence[int] = ()
+    namespace: str | None = None
 
 
 def commit_request(req: CommitRequest) -> bytes:
-    n, give_back, checksums = len(req.res_ids), req.give_back, req.checksums
-    sections = (COMMIT_CHECKSUMS if checksums else 0) | (COMMIT_GIVE_BACK if give_back else 0)
+    n, give_back, checksums, namespace = len(req.res_ids), req.give_back, req.checksums, req.namespace
+    sections = ((COMMIT_CHECKSUMS if checksums else 0) | (COMMIT_GIVE_BACK if give_back else 0)
+                | (COMMIT_NAMESPACE if namespace else 0))
     return (U32.pack(n) + _ids(req.res_ids) + encode_keys(req.keys)
             + encode_keys([p or b"" for p in req.parents] if req.parents else [b""] * n)
             + SPARE_ASK.pack(*req.spare) + bytes((sections,)) + (_ids(checksums) if checksums else b"")
-            + (U32.pack(len(give_back)) + _ids(give_back) if give_back else b""))
+            + (U32.pack(len(give_back)) + _ids(give_back) if give_back else b"")
+            + (encode_namespace(namespace) if namespace else b""))
 
 
 def decode_commit_request(p: bytes) -> CommitRequest:
@@ -258,9 +300,12 @@ def decode_commit_request(p: bytes) -> CommitRequest:
         check_count(m, "spare ids given back")
         back = struct.unpack_from(f"<{m}Q", p, pos + 4)
         pos += 4 + 8 * m
+    namespace = None
+    if sections & COMMIT_NAMESPACE:
+        namespace, pos = decode_namespace(p, pos)
     if pos != len(p):
         raise InvalidArgument(f"commit frame has {len(p) - pos} bytes past its sections")
-    return CommitRequest(ids, keys, [q or None for q in parents], (spare[0], spare[1]), checksums, back)
+    return CommitRequest(ids, keys, [q or None for q in parents], (spare[0], spare[1]), checksums, back, namespace)
 
 
 def commit_reply(results: Sequence[PutResult]) -> bytes:

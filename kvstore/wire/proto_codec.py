@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvstore.integrity import checksum_of
+from kvstore.quotas import check_namespace
 from kvstore.tenants import NAMESPACE_METADATA
 from kvstore.wire.channel import CHUNK_BYTES
 from kvstore.wire.types import (
@@ -174,14 +175,16 @@ def lease_grant_of(resp: pb.LeaseBlocksResponse) -> LeaseGrant:
 
 def reserve_request(req: ReserveRequest) -> pb.ReserveBlocksRequest:
     return pb.ReserveBlocksRequest(keys=[k for k, _ in req.items], sizes=[s for _, s in req.items],
-                                   chain=req.chain, parent=req.parent or b"")
+                                   chain=req.chain, parent=req.parent or b"", namespace=req.namespace or "")
 
 
 def reserve_request_of(m: pb.ReserveBlocksRequest) -> ReserveRequest:
-    """Raises ValueError when keys and sizes differ in length."""
+    """Raises ValueError when keys and sizes differ in length, InvalidArgument for a
+    malformed namespace."""
     if len(m.keys) != len(m.sizes):
         raise ValueError("keys and sizes differ in length")
-    return ReserveRequest(list(zip(m.keys, m.sizes)), m.chain, m.parent or None)
+    return ReserveRequest(list(zip(m.keys, m.sizes)), m.chain, m.parent or None,
+                          check_namespace(m.namespace) if m.namespace else None)
 
 
 def reserve_response(grants: Sequence[SlotGrant]) -> pb.ReserveBlocksResponse:
@@ -193,8 +196,16 @@ def slots_of(resp: pb.ReserveBlocksResponse) -> list[SlotGrant]:
     return [SlotGrant(s.state, s.reservation_id, s.offset, s.error, s.write_by) for s in resp.slots]
 
 
-def commit_request(res_ids: Sequence[int], checksums: Sequence[int] | None) -> pb.CommitBlocksRequest:
-    return pb.CommitBlocksRequest(reservation_ids=list(res_ids), checksums=list(checksums or ()))
+def commit_request(res_ids: Sequence[int], checksums: Sequence[int] | None,
+                   namespace: str | None = None) -> pb.CommitBlocksRequest:
+    return pb.CommitBlocksRequest(reservation_ids=list(res_ids), checksums=list(checksums or ()),
+                                  namespace=namespace or "")
+
+
+def commit_namespace_of(m: pb.CommitBlocksRequest) -> str | None:
+    """The tenant a CommitBlocks assigns its blocks to (None: as reserved); raises
+    InvalidArgument for a malformed one."""
+    return check_namespace(m.namespace) if m.namespace else None
 
 
 def commit_response(results: Sequence[PutResult]) -> pb.CommitBlocksResponse:

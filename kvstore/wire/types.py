@@ -19,7 +19,7 @@ from typing import NamedTuple
 from kvstore.pool_types import PutResult, TierStats
 
 __all__ = ["BlockLocation", "DataPlaneInfo", "ELSEWHERE", "LeaseGrant", "LeaseRequest", "LookupResult", "MAPPED",
-           "MISS", "PutResult", "ReserveRequest", "SLOT_EXISTED", "SLOT_FAILED", "SLOT_OPEN", "SlotGrant",
+           "MISS", "PutResult", "ReserveRequest", "SLOT_EXISTED", "SLOT_FAILED", "SLOT_OPEN", "SLOT_QUOTA", "SlotGrant",
            "TierStats", "TransferInfo", "chain_parents", "host_id"]
 
 MISS = 0        # the node does not hold the block
@@ -29,6 +29,8 @@ ELSEWHERE = 2   # held in another tier (SSD, HBM): fetch it over the gRPC stream
 SLOT_OPEN = 0     # write the block at the slot's offset, then commit
 SLOT_EXISTED = 1  # the key is stored already: nothing to write (an idempotent put)
 SLOT_FAILED = 2   # no slot (``error`` says why)
+SLOT_QUOTA = 3    # no slot: the put's namespace is at its quota (``error`` says so); a writer raises
+                  # QuotaExceeded after committing the blocks before it, as the gRPC stream does
 
 
 def chain_parents(keys: Sequence[bytes], chain: bool, parent: bytes | None) -> list[bytes | None]:
@@ -58,11 +60,15 @@ as the results: one is made per call on the hot path.)"""
 
 class ReserveRequest(NamedTuple):
     """Slab slots for ``items`` = (key, size bytes); ``chain``: block i extends block i - 1,
-    ``parent``: the key the first block extends (None: none)."""
+    ``parent``: the key the first block extends (None: none); ``namespace``: the tenant the
+    blocks belong to (kvstore/tenants.py: accounting and its byte quota; None: unattributed).
+    A namespace is bookkeeping only: block keys are salted with it already, so it never
+    opens another tenant's blocks to the writer."""
 
     items: Sequence[tuple[bytes, int]]
     chain: bool = False
     parent: bytes | None = None
+    namespace: str | None = None
 
 
 class BlockLocation(NamedTuple):
