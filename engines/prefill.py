@@ -16,11 +16,12 @@ from engines.model import LoadedModel
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.block_store import BlockStore
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, QuotaExceeded
 from kvstore.events.channel import EventChannel
 from kvstore.events.publisher import PublishingIndex
 from kvstore.identity import IdentityCheck, block_tags, seal
 from kvstore.index.keys import block_keys, usable_prefix_tokens
+from kvstore.quotas import accounting_namespace
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,10 @@ class PrefillEngine:
         sealed = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(back, pooled)]
         sealed_new = [(k, seal(b, tags[i])) for i, (k, b) in enumerate(new, loaded)]
         if back and loaded == from_local:   # one chain: the restored blocks, then the new ones
-            fresh, held = self._publish(sealed + sealed_new, keys[pooled - 1] if pooled else None)
+            fresh, held = self._publish(sealed + sealed_new, keys[pooled - 1] if pooled else None, namespace)
         else:
-            fresh, held = self._publish(sealed, keys[pooled - 1] if pooled else None)
-            fresh2, held2 = self._publish(sealed_new, keys[loaded - 1] if loaded else None)
+            fresh, held = self._publish(sealed, keys[pooled - 1] if pooled else None, namespace)
+            fresh2, held2 = self._publish(sealed_new, keys[loaded - 1] if loaded else None, namespace)
             fresh, held = fresh | fresh2, held | held2 | set(keys[from_local:loaded])
         restored = sum(1 for k, _ in back if k in fresh)
         if restored:
@@ -218,15 +219,22 @@ class PrefillEngine:
         tier = max(set(tiers), key=tiers.count) if tiers else ""
         return pooled, read_prefix(self.store, ext, tags[have:have + len(ext)], self.identity), tier
 
-    def _publish(self, blocks: list[tuple[bytes, bytes]],
-                 parent: bytes | None) -> tuple[set[bytes], set[bytes]]:
+    def _publish(self, blocks: list[tuple[bytes, bytes]], parent: bytes | None,
+                 namespace: str) -> tuple[set[bytes], set[bytes]]:
         """Put ``blocks`` as one chain extending ``parent`` (so the pool evicts the chain's
-        tail before its head). Returns the keys newly stored and the keys the pool holds
-        after the put (new or existing); a pool that cannot be reached holds none."""
+        tail before its head), for tenant ``namespace`` (the string the keys are salted
+        with: the pool's per-tenant books and quota; kvstore/tenants.py). Returns the keys
+        newly stored and the keys the pool holds after the put (new or existing); a pool
+        that cannot be reached, or a tenant over its quota, holds none of them as far as
+        this request counts (decode then recomputes from the KV sent with the result)."""
         if not blocks or self.store is None:
             return set(), set()
         try:
-            results = self.store.put_blocks(blocks, chain=True, parent=parent)
+            results = self.store.put_blocks(blocks, chain=True, parent=parent,
+                                            namespace=accounting_namespace(namespace) if namespace else None)
+        except QuotaExceeded as exc:
+            log.info("namespace %r over its pool quota, %d blocks not published: %s", namespace, len(blocks), exc)
+            return set(), set()
         except KVStoreError as exc:
             log.warning("pool unavailable, %d blocks not published: %s", len(blocks), exc)
             return set(), set()

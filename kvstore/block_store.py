@@ -31,10 +31,12 @@ class BlockStore(Protocol):
         ...
 
     def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
-                   parent: bytes | None = None) -> list[PutResult]:
+                   parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Put ``(key, bytes)`` blocks; one result per block, in order. ``chain``: the blocks
         form one prefix chain (head first) extending ``parent``, so the tail is evicted
-        before the head."""
+        before the head. ``namespace``: the tenant the blocks belong to (kvstore/tenants.py:
+        per-tenant accounting and byte quotas; None: unattributed); its quota refusing a
+        block is ``QuotaExceeded`` from one node, ``ok=False`` naming it from a cluster."""
         ...
 
     def close(self) -> None:

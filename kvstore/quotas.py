@@ -32,6 +32,18 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+def accounting_namespace(salt: str) -> str:
+    """The tenant name a put carries for a key salt (``KeyExtras.namespace``: the front
+    door's tenant, a vLLM request's ``cache_salt``): the salt itself when it is a namespace
+    (:func:`check_namespace`), else ``salt-`` + the first 32 hex digits of its SHA-256 (a
+    client-chosen salt may be any string; the tenant books still see one stable name)."""
+    try:
+        return check_namespace(salt)
+    except InvalidArgument:
+        import hashlib
+        return "salt-" + hashlib.sha256(str(salt).encode(errors="surrogatepass")).hexdigest()[:32]
+
+
 class QuotaStore:
     """namespace -> quota bytes, persisted at ``path`` (None: in memory only). Thread-safe.
 

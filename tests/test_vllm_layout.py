@@ -66,3 +66,39 @@ def test_a_pool_that_cannot_be_reached_is_a_miss_and_backs_off() -> None:
     assert link.lookup([b"k" * 32]) == 0 and link.failures == 1
     assert link.lookup([b"k" * 32]) == 0 and link.failures == 1   # backing off: not asked again
     link.close()
+
+
+def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
+    """The connector's saves carry the request's namespace (its ``cache_salt``, as its keys
+    are salted; a salt that is not a namespace under a stable ``salt-`` name) to a real store
+    node over the same-host path: the node's tenant books own the blocks, and a tenant over
+    its quota saves nothing without the link backing off."""
+    from kvstore.node import StoreNode
+    from kvstore.pool import KVPool
+    from kvstore.tenants import attach, namespace_stats
+    lay = PagedLayout("m", "r", KVLayout("float32", 2, 2, 8, 4))
+    assert lay.namespace("key-0123") == "key-0123" and lay.namespace(None) == "default"
+    odd = lay.namespace("caf\u00e9 " * 100)
+    assert odd.startswith("salt-") and odd == lay.namespace("caf\u00e9 " * 100) != lay.namespace("cafe")
+    pool = KVPool([make_dram(16 << 20)])
+    books = attach(pool)
+    node = StoreNode.serve(pool)
+    link = PoolLink(ConnectorConfig(store=node.address, timeout_s=5))
+    try:
+        paged = PagedBlocks({"l": torch.arange(8 * 2 * 4 * 8, dtype=torch.float32).reshape(8, 2, 4, 8)}, num_blocks=8)
+        tokens = list(range(4 * 4))
+        for salt, ids in (("key-0123", [0, 1]), ("caf\u00e9 " * 100, [2, 3])):
+            keys = lay.keys(tokens, salt)[:2]
+            assert link.save([(k, paged.segments(b)) for k, b in zip(keys, ids)], None, lay.namespace(salt)) == 2
+            assert [books.namespace_of(k) for k in keys] == [lay.namespace(salt)] * 2
+        stats = namespace_stats(pool)
+        assert stats["key-0123"].blocks == 2 and stats[odd].blocks == 2 and "" not in stats
+        books.quotas.set("key-q", paged.block_bytes)
+        first, second = lay.keys(tokens, "key-q")[:2]
+        assert link.save([(first, paged.segments(4))], None, "key-q") == 1
+        pool.pin([first], hard=True)
+        assert link.save([(second, paged.segments(5))], first, "key-q") == 0
+        assert link.failures == 0 and pool.get(second) is None
+    finally:
+        link.close()
+        node.stop(grace_s=None)

@@ -64,13 +64,15 @@ log = logging.getLogger(__name__)
 class BlockTransfer:
     """Blocks of one request to load or save: ``keys[i]`` ↔ vLLM block ``block_ids[i]``,
     whose stored bytes end with the identity tag ``tags[i]`` (kvstore/identity.py);
-    ``parent``: the key the first block extends (None for a prompt's head)."""
+    ``parent``: the key the first block extends (None for a prompt's head); ``namespace``:
+    the tenant a save names to the pool (the request's ``cache_salt``, PagedLayout.namespace)."""
 
     request_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None = None
     tags: tuple[bytes, ...] = ()
+    namespace: str | None = None
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Tracked:
     keys: list[bytes]
     tags: list[bytes]
     prompt_len: int
+    namespace: str | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
     local_tokens: int = 0
@@ -155,7 +158,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not prompt:
                 return None  # prompt embeddings: nothing to key
             tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)),
-                          self.paged.tags(prompt, request.cache_salt), len(prompt))
+                          self.paged.tags(prompt, request.cache_salt), len(prompt),
+                          self.paged.namespace(request.cache_salt))
             self._tracked[request.request_id] = tr
         return tr
 
@@ -222,7 +226,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if done > tr.saved:
             a = tr.saved
             meta.saves.append(BlockTransfer(req_id, tuple(tr.keys[a:done]), tuple(tr.block_ids[a:done]),
-                                            tr.keys[a - 1] if a else None, tuple(tr.tags[a:done])))
+                                            tr.keys[a - 1] if a else None, tuple(tr.tags[a:done]), tr.namespace))
             tr.saved = done
             tr.sent_saves = True
 
@@ -295,7 +299,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._blocks is not None
         t0 = time.perf_counter()
         blocks = [(k, seal(self._blocks.segments(b), t)) for k, b, t in zip(save.keys, save.block_ids, save.tags)]
-        saved = self.link.save(blocks, save.parent)
+        saved = self.link.save(blocks, save.parent, save.namespace)
         with self._stats_lock:
             self.stats.saved_blocks += saved
             self.stats.save_s += time.perf_counter() - t0

@@ -24,6 +24,7 @@ from typing import Any
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
+from kvstore.quotas import accounting_namespace
 from kvstore.tiers.buffers import Segments
 
 DEFAULT_NAMESPACE = "default"
@@ -82,6 +83,12 @@ class PagedLayout:
         front door from the caller's identity), ``default`` without one."""
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
                          namespace=cache_salt or DEFAULT_NAMESPACE, other=(BLOCK_FORMAT,))
+
+    def namespace(self, cache_salt: str | None) -> str:
+        """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books
+        and quotas): the namespace its keys are salted with, as kvstore/quotas.py
+        ``accounting_namespace`` names it. Accounting only: the keys carry the salt already."""
+        return accounting_namespace(self.extras(cache_salt).namespace)
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py)."""

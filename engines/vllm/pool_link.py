@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
 from kvstore.tiers.buffers import Segments
 
 log = logging.getLogger(__name__)
@@ -164,17 +164,25 @@ class PoolLink:
             n += 1
         return n
 
-    def save(self, blocks: Sequence[tuple[bytes, Segments]], parent: bytes | None) -> int:
-        """Put ``blocks`` (one prefix chain, head first, extending ``parent``); returns how
-        many the pool now holds (new or already there). Never raises for a pool failure."""
+    def save(self, blocks: Sequence[tuple[bytes, Segments]], parent: bytes | None,
+             namespace: str | None = None) -> int:
+        """Put ``blocks`` (one prefix chain, head first, extending ``parent``) for tenant
+        ``namespace`` (the pool's per-tenant books and quota); returns how many the pool now
+        holds (new or already there). Never raises for a pool failure; a tenant over its
+        quota is logged and holds none of them."""
         client = self._get_client() if blocks else None
         if client is None:
             return 0
         try:
             if self.cfg.redis:  # the cluster client sends bytes
-                results = client.put_blocks([(k, s.tobytes()) for k, s in blocks], chain=True, parent=parent)
+                results = client.put_blocks([(k, s.tobytes()) for k, s in blocks], chain=True, parent=parent,
+                                            namespace=namespace)
             else:
-                results = client.put_blocks(list(blocks), chain=True, parent=parent)
+                results = client.put_blocks(list(blocks), chain=True, parent=parent, namespace=namespace)
+        except QuotaExceeded as exc:   # the tenant is over, not the pool: no back-off
+            log.info("kvstore connector: namespace %r over its pool quota, %d blocks not saved: %s",
+                     namespace, len(blocks), exc)
+            return 0
         except (KVStoreError, OSError) as exc:
             self._failed(f"save of {len(blocks)} blocks to the {self.target}", exc)
             return 0

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.client import StoreClient
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, QuotaExceeded
 from kvstore.pool import PutResult
 from kvstore.tiers.slab import PAGE_BYTES, pages_for
 from kvstore.transfer import BlockTransport, open_transport
@@ -200,9 +200,14 @@ class ClusterClient:
 
     # -- writes ----------------------------------------------------------------------------
     def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
-                   parent: bytes | None = None) -> list[PutResult]:
+                   parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Put blocks across the nodes (see the class docstring); one result per block, in
-        order. A block no live node took is ``ok=False`` with the reason, not an exception."""
+        order. A block no live node took is ``ok=False`` with the reason, not an exception.
+        ``namespace``: the tenant the blocks belong to, sent to each node that takes some
+        (kvstore/tenants.py: its books and quota there). A node whose quota for the tenant
+        refuses a part stays in use (the tenant is over, not the node): that part's blocks
+        are ``ok=False`` naming the quota (the ones before the refused block may be stored;
+        a put again finds them ``existed``)."""
         blocks = list(blocks)
         if not blocks:
             return []
@@ -222,7 +227,9 @@ class ClusterClient:
             link = (blocks[start - 1][0] if start else parent) if chain else None
             part = blocks[start:end]
             try:
-                got = self._client(by_id[node_id]).put_blocks(part, chain=chain, parent=link)
+                got = self._client(by_id[node_id]).put_blocks(part, chain=chain, parent=link, namespace=namespace)
+            except QuotaExceeded as exc:
+                got = [PutResult(k, False, False, f"QuotaExceeded: {exc}") for k, _ in part]
             except (KVStoreError, OSError) as exc:
                 self._fail(by_id[node_id], exc)
                 got = [PutResult(k, False, False, str(exc)) for k, _ in part]
