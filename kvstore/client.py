@@ -16,6 +16,7 @@ from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.quotas import check_namespace
+from kvstore.tenants import NAMESPACE_METADATA
 from kvstore.tiers.buffers import Segments, to_bytes
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.channel import GRPC_OPTIONS
@@ -184,7 +185,10 @@ class StoreClient:
         if not blocks:
             return []
         if namespace:
-            check_namespace(namespace)
+            try:
+                check_namespace(namespace)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"the put's namespace ({NAMESPACE_METADATA}): {exc}") from None
         plane = self._local()
         if plane is not None:
             try:

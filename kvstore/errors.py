@@ -38,6 +38,11 @@ class QuotaExceeded(CapacityError):
     namespace and the quota. Mapped to gRPC RESOURCE_EXHAUSTED."""
 
 
+class FailedPrecondition(KVStoreError):
+    """The node is not in the state the call needs (e.g. draining a node that has no
+    cluster membership); the message says which. Mapped to gRPC FAILED_PRECONDITION."""
+
+
 class Unauthenticated(Unavailable):
     """A store node refused the caller's credentials (a missing or wrong token). A subclass
     of :class:`Unavailable`: to a caller, a node that refuses it cannot be used either."""

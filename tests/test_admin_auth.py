@@ -1,15 +1,15 @@
 """The Admin API is the store token's only: every Admin RPC refuses a missing or wrong token
 (UNAUTHENTICATED, before any method runs), kvctl says so; a malformed tenant name on a
-Put is INVALID_ARGUMENT. And kvctl finds the stack ``kvstore up`` recorded (up.json, its
+Put is INVALID_ARGUMENT; Admin errors go through the wire error table (kvstore/wire/errors.py). And kvctl finds the stack ``kvstore up`` recorded (up.json, its
 auth.env) with no flags, flags still winning."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from kvstore.admin.client import AdminClient, AdminError
+from kvstore.admin.client import AdminClient
 from kvstore.client import StoreClient
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unauthenticated
 from protos import admin_pb2 as apb
 from protos import admin_pb2_grpc as apb_grpc
 from tests.kvctl_helpers import TOKEN, block, kvctl, kvctl_env
@@ -48,9 +48,8 @@ def test_every_admin_rpc_refuses_a_missing_or_wrong_token(node, metadata):
 def test_kvctl_with_a_wrong_token_says_unauthenticated(node, tmp_path):
     rc, _, err = kvctl(kvctl_env(tmp_path, token="wrong"), "--store", node, "ls", json_out=False)
     assert rc == 1 and "UNAUTHENTICATED" in err
-    with AdminClient(node, None) as admin, pytest.raises(AdminError) as info:
+    with AdminClient(node, None) as admin, pytest.raises(Unauthenticated, match="UNAUTHENTICATED"):
         admin.list_blocks()
-    assert info.value.code == "UNAUTHENTICATED"
 
 
 def test_a_bad_namespace_on_a_put_is_refused(node):
@@ -79,3 +78,32 @@ def test_kvctl_finds_the_stack_kvstore_up_recorded(node, tmp_path, monkeypatch):
     forget_stack(path)
     rc, _, err = kvctl(env, "--timeout", "2", "tiers", json_out=False)  # record gone: the default address
     assert rc == 1 and "127.0.0.1:50051" in err
+
+
+def test_admin_errors_go_through_the_wire_error_table(node):
+    """The Admin service answers as the store API does (kvstore/wire/errors.py): the code of
+    the class and the class named in the ``kvstore-error`` trailer, which AdminClient raises."""
+    with grpc.insecure_channel(node) as channel, pytest.raises(grpc.RpcError) as info:
+        apb_grpc.AdminStub(channel).Inspect(apb.InspectRequest(key=b"short"), timeout=10,
+                                            metadata=(("authorization", f"Bearer {TOKEN}"),))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("kvstore-error", "InvalidArgument") in [(m.key, m.value) for m in info.value.trailing_metadata()]
+    with AdminClient(node, TOKEN) as admin:
+        with pytest.raises(InvalidArgument, match="namespace"):
+            admin.quota("SetQuota", "bad\tname", 1)
+
+
+
+def test_draining_a_pool_with_no_membership_is_failed_precondition(make_dram):
+    from kvstore.admin.service import NodeControl, admin_service
+    from kvstore.errors import FailedPrecondition
+    from kvstore.pool import KVPool
+    from kvstore.service import serve_store
+    pool = KVPool([make_dram(1 << 20)])
+    server, port = serve_store(pool, extra_services=(admin_service(pool, NodeControl("lone")),))
+    try:
+        with AdminClient(f"127.0.0.1:{port}", None) as admin:
+            with pytest.raises(FailedPrecondition, match="no cluster membership"):
+                admin.set_draining(True)
+    finally:
+        server.stop(None).wait()

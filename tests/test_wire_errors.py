@@ -15,6 +15,7 @@ import pytest
 from kvstore.dataplane import framing
 from kvstore.errors import (
     CapacityError,
+    FailedPrecondition,
     IntegrityError,
     InvalidArgument,
     KVStoreError,
@@ -27,10 +28,11 @@ from kvstore.errors import (
 from kvstore.wire.errors import GRPC_CODE, frame_error, frame_status, from_rpc_error, refusing
 
 CLASSES = [InvalidArgument, LeaseExpired, CapacityError, IntegrityError, ReservationExpired, Unavailable,
-           Unauthenticated, KVStoreError, QuotaExceeded]
+           Unauthenticated, KVStoreError, QuotaExceeded, FailedPrecondition]
 CODES = {InvalidArgument: "INVALID_ARGUMENT", LeaseExpired: "ABORTED", CapacityError: "RESOURCE_EXHAUSTED",
          IntegrityError: "DATA_LOSS", ReservationExpired: "ABORTED", Unavailable: "UNAVAILABLE",
-         Unauthenticated: "UNAUTHENTICATED", KVStoreError: "INTERNAL", QuotaExceeded: "RESOURCE_EXHAUSTED"}
+         Unauthenticated: "UNAUTHENTICATED", KVStoreError: "INTERNAL", QuotaExceeded: "RESOURCE_EXHAUSTED",
+         FailedPrecondition: "FAILED_PRECONDITION"}
 
 
 class Raiser:
@@ -92,4 +94,4 @@ def test_each_error_crosses_a_control_socket_as_its_class(cls: type[KVStoreError
 
 def test_frame_status_bytes_are_distinct_and_stable() -> None:
     """The status byte is on the wire: these values must not change."""
-    assert [frame_status(c("")) for c in CLASSES] == [1, 2, 3, 4, 5, 6, 8, 7, 9]
+    assert [frame_status(c("")) for c in CLASSES] == [1, 2, 3, 4, 5, 6, 8, 7, 9, 10]

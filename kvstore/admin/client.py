@@ -9,17 +9,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvstore.auth import bearer_metadata
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.wire.errors import from_rpc_error
 from protos import admin_pb2 as apb
 from protos import admin_pb2_grpc as apb_grpc
-
-
-class AdminError(KVStoreError):
-    """The node refused an admin call; ``code`` is the gRPC status name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _hexify(value: Any, key: str = "") -> Any:
@@ -47,8 +39,9 @@ def to_dict(msg: Any) -> dict[str, Any]:
 
 class AdminClient:
     """Admin calls on the node at ``address`` (host:port) with the store token ``token``.
-    Raises Unavailable when the node cannot be reached, InvalidArgument for a refused
-    argument and AdminError for any other refusal (UNAUTHENTICATED: a missing or wrong token)."""
+    Raises the kvstore error the node answered (kvstore/wire/errors.py): InvalidArgument for
+    a refused argument, FailedPrecondition, Unauthenticated for a missing or wrong token (an
+    Unavailable naming UNAUTHENTICATED), Unavailable when the node cannot be reached."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 10.0) -> None:
         self.address = address
@@ -70,14 +63,7 @@ class AdminClient:
         try:
             reply = getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._meta)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            detail = exc.details() if hasattr(exc, "details") else str(exc)
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(detail) from None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(f"store node at {self.address}: {code.name}: {detail}") from None
-            name = code.name if code else "UNKNOWN"
-            raise AdminError(name, f"store node at {self.address}: {name}: {detail}") from None
+            raise from_rpc_error(exc, self.address) from None
         return to_dict(reply)
 
     def list_blocks(self, tier: str | None = None, namespace: str | None = None, key_prefix: str = "",

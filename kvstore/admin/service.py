@@ -6,11 +6,13 @@ the store token (``Bearer <KVSTORE_STORE_TOKEN>``) is refused UNAUTHENTICATED be
 reaches a method. Tenants never hold that token (the front door derives their namespace
 from their own API key), so no tenant can list, inspect or probe another's blocks here.
 
-Errors: a bad key, tier, prefix or namespace is INVALID_ARGUMENT naming it.
+Errors go through kvstore/wire/errors.py, as the store API's do (the gRPC code of the
+class, the class named in the ``kvstore-error`` trailer): a bad key, tier, prefix or namespace
+is INVALID_ARGUMENT naming it; draining a node with no cluster membership is
+FAILED_PRECONDITION.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +20,11 @@ from typing import Any
 import grpc
 
 from kvstore.admin import ops
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.limits import check_count, check_key, check_keys
 from kvstore.quotas import check_namespace
 from kvstore.tenants import TenantBooks, namespace_stats, tenants_of
+from kvstore.wire.errors import refusing
 from protos import admin_pb2 as apb
 from protos import admin_pb2_grpc as apb_grpc
 
@@ -38,16 +41,6 @@ class NodeControl:
     data_dir: str = ""
     set_draining: Callable[[bool], None] | None = None
     draining: bool = False
-
-
-def _refusing(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def call(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except InvalidArgument as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    return call
 
 
 def _block(v: ops.BlockView) -> apb.Block:
@@ -71,14 +64,14 @@ class AdminServicer(apb_grpc.AdminServicer):
     def _tier(self, name: str) -> str | None:
         return name or None
 
-    @_refusing
+    @refusing
     def ListBlocks(self, request: apb.ListBlocksRequest, context: grpc.ServicerContext) -> apb.ListBlocksResponse:
         ns = request.namespace if request.HasField("namespace") else None
         limit = min(request.limit or MAX_LIST, MAX_LIST)
         views, matched = ops.list_blocks(self.pool, self._tier(request.tier), ns, request.key_prefix, limit)
         return apb.ListBlocksResponse(node_id=self.pool.node_id, blocks=[_block(v) for v in views], matched=matched)
 
-    @_refusing
+    @refusing
     def Inspect(self, request: apb.InspectRequest, context: grpc.ServicerContext) -> apb.InspectResponse:
         check_key(request.key)
         view = ops.inspect(self.pool, request.key)
@@ -91,26 +84,26 @@ class AdminServicer(apb_grpc.AdminServicer):
             raise InvalidArgument("name at least one block key or key prefix")
         return ops.resolve(self.pool, list(request.keys), list(request.key_prefixes))
 
-    @_refusing
+    @refusing
     def Remove(self, request: apb.KeysRequest, context: grpc.ServicerContext) -> apb.KeysResponse:
         return _keys_response(ops.remove(self.pool, self._resolve(request)))
 
-    @_refusing
+    @refusing
     def Demote(self, request: apb.KeysRequest, context: grpc.ServicerContext) -> apb.KeysResponse:
         return _keys_response(ops.demote(self.pool, self._resolve(request)))
 
-    @_refusing
+    @refusing
     def Promote(self, request: apb.KeysRequest, context: grpc.ServicerContext) -> apb.KeysResponse:
         return _keys_response(ops.promote(self.pool, self._resolve(request)))
 
-    @_refusing
+    @refusing
     def Flush(self, request: apb.FlushRequest, context: grpc.ServicerContext) -> apb.FlushResponse:
         ns = request.namespace if request.HasField("namespace") else None
         r = ops.flush(self.pool, self._tier(request.tier), ns, request.force)
         return apb.FlushResponse(tiers=r.tiers, dropped_blocks=r.dropped_blocks, freed_bytes=r.freed_bytes,
                                  left=r.left, success=r.success)
 
-    @_refusing
+    @refusing
     def Evict(self, request: apb.EvictRequest, context: grpc.ServicerContext) -> apb.EvictResponse:
         if not request.tier:
             raise InvalidArgument("name the tier to evict from")
@@ -118,16 +111,17 @@ class AdminServicer(apb_grpc.AdminServicer):
         return apb.EvictResponse(tier=r.tier, asked_bytes=r.asked_bytes, freed_bytes=r.freed_bytes,
                                  demoted=r.demoted, dropped=r.dropped, reason=r.reason)
 
+    @refusing
     def SetDraining(self, request: apb.DrainRequest, context: grpc.ServicerContext) -> apb.DrainResponse:
         was = self.control.draining
         if self.control.set_draining is None and request.draining:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"node {self.control.node_id} has no cluster membership to drain from")
+            raise FailedPrecondition(f"node {self.control.node_id} has no cluster membership to drain from")
         self.control.draining = request.draining
         if self.control.set_draining is not None:
             self.control.set_draining(request.draining)
         return apb.DrainResponse(draining=request.draining, was_draining=was)
 
+    @refusing
     def Stats(self, request: apb.StatsRequest, context: grpc.ServicerContext) -> apb.StatsResponse:
         return apb.StatsResponse(node_id=self.pool.node_id, draining=self.control.draining,
                                  data_dir=self.control.data_dir, namespaces=[
@@ -140,25 +134,26 @@ class AdminServicer(apb_grpc.AdminServicer):
         with self.pool._lock:
             return self.tenants.used(namespace)
 
-    @_refusing
+    @refusing
     def SetQuota(self, request: apb.QuotaRequest, context: grpc.ServicerContext) -> apb.QuotaResponse:
         ns = check_namespace(request.namespace)
         old = self.tenants.quotas.set(ns, int(request.bytes))
         return apb.QuotaResponse(namespace=ns, found=old is not None, bytes=request.bytes,
                                  previous_bytes=old or 0, used_bytes=self._used(ns))
 
-    @_refusing
+    @refusing
     def GetQuota(self, request: apb.QuotaRequest, context: grpc.ServicerContext) -> apb.QuotaResponse:
         ns = check_namespace(request.namespace)
         q = self.tenants.quotas.get(ns)
         return apb.QuotaResponse(namespace=ns, found=q is not None, bytes=q or 0, used_bytes=self._used(ns))
 
-    @_refusing
+    @refusing
     def RemoveQuota(self, request: apb.QuotaRequest, context: grpc.ServicerContext) -> apb.QuotaResponse:
         ns = check_namespace(request.namespace)
         old = self.tenants.quotas.remove(ns)
         return apb.QuotaResponse(namespace=ns, found=old is not None, bytes=old or 0, used_bytes=self._used(ns))
 
+    @refusing
     def ListQuotas(self, request: apb.ListQuotasRequest, context: grpc.ServicerContext) -> apb.ListQuotasResponse:
         return apb.ListQuotasResponse(quotas=[
             apb.QuotaResponse(namespace=ns, found=True, bytes=q, used_bytes=self._used(ns))

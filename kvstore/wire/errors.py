@@ -15,7 +15,11 @@ Unavailable               UNAVAILABLE          6
 KVStoreError (any other)  INTERNAL             7
 Unauthenticated           UNAUTHENTICATED      8
 QuotaExceeded             RESOURCE_EXHAUSTED   9
+FailedPrecondition        FAILED_PRECONDITION  10
 ========================  ===================  ============
+
+The store API (kvstore/service.py), the same-host control channel and the Admin service
+(kvstore/admin/) all answer through this table.
 
 A gRPC failure with no kvstore class (the node is down, a deadline passed, an UNKNOWN from a
 bug) reads as :class:`Unavailable` naming the code: a caller treats the node as gone.
@@ -31,6 +35,7 @@ import grpc
 
 from kvstore.errors import (
     CapacityError,
+    FailedPrecondition,
     IntegrityError,
     InvalidArgument,
     KVStoreError,
@@ -44,20 +49,20 @@ from kvstore.errors import (
 ERROR_METADATA_KEY = "kvstore-error"
 _CLASSES: tuple[type[KVStoreError], ...] = (InvalidArgument, LeaseExpired, CapacityError, IntegrityError,
                                             ReservationExpired, Unavailable, KVStoreError, Unauthenticated,
-                                            QuotaExceeded)
+                                            QuotaExceeded, FailedPrecondition)
 BY_NAME: dict[str, type[KVStoreError]] = {cls.__name__: cls for cls in _CLASSES}
 GRPC_CODE: dict[type[KVStoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, LeaseExpired: grpc.StatusCode.ABORTED,
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED, IntegrityError: grpc.StatusCode.DATA_LOSS,
     ReservationExpired: grpc.StatusCode.ABORTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
     KVStoreError: grpc.StatusCode.INTERNAL, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED}
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED, FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION}
 # a code without the metadata (another server, an interceptor, the Admin service): the class it
 # stands for; RESOURCE_EXHAUSTED is a tenant's quota there (a node names CapacityError itself)
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
     grpc.StatusCode.DATA_LOSS: IntegrityError, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated}
+    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated, grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition}
 FRAME_OK = 0
 FRAME_ERRORS: dict[int, type[KVStoreError]] = {i: cls for i, cls in enumerate(_CLASSES, 1)}
 _FRAME_STATUS = {cls: code for code, cls in FRAME_ERRORS.items()}
