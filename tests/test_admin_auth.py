@@ -1,7 +1,8 @@
 """The Admin API is the store token's only: every Admin RPC refuses a missing or wrong token
 (UNAUTHENTICATED, before any method runs), kvctl says so; a malformed tenant name on a
-Put is INVALID_ARGUMENT; Admin errors go through the wire error table (kvstore/wire/errors.py). And kvctl finds the stack ``kvstore up`` recorded (up.json, its
-auth.env) with no flags, flags still winning."""
+Put is INVALID_ARGUMENT; Admin errors go through the wire error table (kvstore/wire/errors.py).
+And kvctl finds the stack ``kvstore up`` recorded (up.json, its auth.env) with no flags,
+flags still winning."""
 from __future__ import annotations
 
 import grpc

@@ -4,7 +4,9 @@ tiny model, over a real store node process (``kvstore serve``, the engines on it
 data path); ``kvctl namespaces --json`` shows each tenant's blocks, bytes and hits, and a quota
 set with ``kvctl quota set`` on one tenant is enforced on its served traffic: its own blocks
 are evicted, the other tenant's are untouched and its requests keep hitting the pool. The
-engines keep no local cache here, so every hit is a read of the pool."""
+engines keep no local cache here, so every hit is a read of the pool, and the front door's
+policy is ``least_loaded``, which fetches every pool hit (the Conductor may rather recompute a
+short prefix of the tiny model than fetch it, which would make a hit a matter of timing)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -43,7 +45,8 @@ class Served:
             addresses.append(f"127.0.0.1:{port}")
         self.loop = LoopThread()
         self.door = self.loop.run(start_frontdoor([addresses[0]], [addresses[1]], self.store,
-                                                  config=FrontdoorConfig(store_auth_token=TOKEN)), timeout=120)
+                                                  config=FrontdoorConfig(store_auth_token=TOKEN,
+                                                                         policy="least_loaded")), timeout=120)
         self.env = kvctl_env(tmp)
         self.client = StoreClient(self.store, auth_token=TOKEN, data_path="grpc")
 
