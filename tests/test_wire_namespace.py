@@ -25,8 +25,8 @@ BS = 4096
 def put_wire(request: pytest.FixtureRequest, make_dram: Any, make_ssd: Any) -> Iterator[Wire]:
     for wire in _in_process(request.param, make_dram, make_ssd):
         if wire.name != "grpc":   # a namespaced put must not fall back to the gRPC stream here
-            def no_stream(*_: Any, **__: Any) -> Any:
-                raise AssertionError(f"a put on the {wire.name} wire went over the gRPC Put stream")
+            def no_stream(*_: Any, name: str = wire.name, **__: Any) -> Any:
+                raise AssertionError(f"a put on the {name} wire went over the gRPC Put stream")
             wire.client._stub.Put = no_stream
         yield wire
 
