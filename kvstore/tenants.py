@@ -4,7 +4,9 @@ holds (bytes, blocks), its hits, misses and quota evictions, and the hard byte q
 
 A block key is a hash that already covers the tenant's namespace (kvstore/index/keys.py),
 so the store cannot read a block's tenant off its key: a writer names it at put (the gRPC
-``Put`` call's ``kvstore-namespace`` metadata, :data:`NAMESPACE_METADATA`). A block put
+``Put`` call's ``kvstore-namespace`` metadata, :data:`NAMESPACE_METADATA`; the same-host
+RESERVE and COMMIT frames; ``ReserveBlocks`` / ``CommitBlocks``). A same-host spare slot is
+reserved unattributed and gets its tenant at commit (:meth:`TenantBooks.claim`). A block put
 without one belongs to the unattributed namespace ``""``, which has no quota.
 
 Accounting rules:
@@ -91,6 +93,13 @@ class TenantBooks:
         if t is None:
             t = self.tenants[namespace] = _Tenant(namespace)
         return t
+
+    def writer_of(self, key: bytes) -> str:
+        """The namespace a block being written to a tier belongs to: its owner, else the
+        tenant of a put in flight of it (``""``: none). What an SSD tier records with the
+        block (``SsdTier.owner_of``); called outside the pool's lock (dict reads only)."""
+        t = self.owner.get(key) or self._claims.get(key)
+        return UNATTRIBUTED if t is None else t.name
 
     def namespace_of(self, key: bytes) -> str:
         """The namespace owning a held block (``""`` for one put without a namespace)."""
@@ -243,14 +252,23 @@ class TenantBooks:
 
 def attach(pool: Any, quotas: QuotaStore | None = None) -> TenantBooks:
     """Give a :class:`kvstore.pool.KVPool` tenant books (quotas from ``quotas``; in memory
-    when None), replacing any it had; the blocks it holds already (an SSD tier's, kept
-    across a restart) belong to ``""``."""
+    when None), replacing any it had. The blocks it holds already (an SSD tier's, kept
+    across a restart) belong to the namespace the tier recorded with them
+    (``recovered_owners``), else to ``""``; a tier that records owners is told where to
+    read them from now on (``owner_of``)."""
     books = TenantBooks(quotas)
     place = pool._place
     with pool._lock:
-        for book in place.books:
+        for tier, book in zip(place.tiers, place.books):
+            recovered: dict[bytes, str] = getattr(tier, "recovered_owners", None) or {}
             for key, meta in book.blocks.items():
+                ns = recovered.get(key)
+                if ns and key not in books.owner:
+                    books._claims[key] = books._tenant(ns)
                 books.held(key, meta.size)
+                books._claims.pop(key, None)
+            if hasattr(tier, "owner_of"):
+                tier.owner_of = books.writer_of
         place.tenants = books
     return books
 

@@ -160,3 +160,41 @@ def test_kvctl_quota_sizes_are_exact_and_bounded(spawn_store_node, tmp_path):
     rc, _, err = kvctl(env, "--store", address, "quota", "set", "--namespace", "key-big", "--bytes",
                        "18446744073709551616")
     assert rc == 1 and "--bytes" in err and "2**64 - 1" in err, err
+
+
+def test_a_tenants_ssd_blocks_stay_its_own_across_a_restart(make_dram, make_ssd, caplog):
+    """The SSD tier records each block's tenant with it (its ``owners`` table), whether put
+    there or demoted there from DRAM; a reopened node's books give them back to it. A damaged
+    record makes its block unattributed, with a log line, never a crash."""
+    import lmdb
+    pool = KVPool([make_dram(4 * BLOCK), make_ssd(64 * BLOCK)], settings=PoolSettings(high_watermark=1.0,
+                                                                                      low_watermark=1.0))
+    attach(pool)
+    direct = [block(i, b"direct") for i in range(3)]
+    for key in direct:
+        assert pool.put(key, os.urandom(BLOCK), tier="ssd", namespace="key-ssd").ok
+    demoted = [block(i, b"demoted") for i in range(8)]   # DRAM holds 4: the oldest go down to SSD
+    for key in demoted:
+        assert pool.put(key, os.urandom(BLOCK), namespace="key-dram").ok
+    plain = block(0, b"plain")
+    assert pool.put(plain, os.urandom(BLOCK), tier="ssd").ok
+    pool.evict("dram", 4 * BLOCK)                        # the rest of DRAM too
+    assert all(pool._place.find(k) is not None for k in demoted)   # on SSD now (read back below)
+    path = pool.tiers[1].path
+    pool.close()
+
+    with lmdb.open(path, max_dbs=3) as env:              # damage two records
+        owners = env.open_db(b"owners")
+        with env.begin(write=True, db=owners) as txn:
+            assert bytes(txn.get(direct[0])) == b"key-ssd" and txn.get(plain) is None
+            txn.put(direct[1], b"\xff\xfe")
+            txn.put(direct[2], b"tab\there")
+    again = KVPool([make_ssd(64 * BLOCK)])
+    with caplog.at_level("WARNING", logger="kvstore.tiers.ssd"):
+        books = attach(again)
+    assert "2 blocks have a damaged tenant record" in caplog.text
+    assert [books.namespace_of(k) for k in direct] == ["key-ssd", "", ""]
+    assert {books.namespace_of(k) for k in demoted} == {"key-dram"} and books.namespace_of(plain) == ""
+    stats = namespace_stats(again)
+    assert (stats["key-dram"].blocks, stats["key-ssd"].blocks, stats[""].blocks) == (8, 1, 3)
+    again.close()

@@ -30,10 +30,12 @@ FSYNC_POLICIES = ("never", "commit")
 class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
     """Blocks in an LMDB environment at ``path``.
 
-    Two named databases: ``blocks`` (key → bytes) and ``meta`` (key → size, checksum, write
-    sequence); both change in one transaction, so a block is on disk completely or not at
-    all. ``fsync``: ``"never"`` (the OS flushes; a machine crash may lose the last puts) or
-    ``"commit"`` (each commit is durable). The map starts at ``initial_map_bytes`` (or twice
+    Three named databases: ``blocks`` (key → bytes), ``meta`` (key → size, checksum, write
+    sequence) and ``owners`` (key → its tenant's namespace, when it has one; ``owner_of``,
+    set by kvstore/tenants.py ``attach``, names it at each write); all change in one
+    transaction, so a block is on disk completely or not at all. ``fsync``: ``"never"`` (the
+    OS flushes; a machine crash may lose the last puts) or ``"commit"`` (each commit is
+    durable). The map starts at ``initial_map_bytes`` (or twice
     what is on disk) and doubles on demand up to ``max_map_bytes`` (default: twice the
     capacity plus 64 MiB, room for LMDB's pages).
 
@@ -70,6 +72,8 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
         self._doomed: list[bytes] = []       # removed blocks whose rows await their delete
         self.quarantines = 0
         self.write_fault: Callable[[bytes], None] | None = None
+        self.owner_of: Callable[[bytes], str] | None = None   # key -> namespace ("": none), at write
+        self.recovered_owners: dict[bytes, str] = {}
         try:
             self._open(load=True)
         except _Damaged as exc:
@@ -154,9 +158,16 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
                     for key in doomed:
                         txn.delete(key, db=self._data)
                         txn.delete(key, db=self._meta)
+                        txn.delete(key, db=self._owners)
+                    owner_of = self.owner_of
                     for _, slot, key, checksum, seq in rows:
                         txn.put(key, b"" if slot.data is None else slot.data, db=self._data)
                         txn.put(key, _META.pack(slot.size, checksum, seq), db=self._meta)
+                        owner = owner_of(key) if owner_of is not None else ""
+                        if owner:
+                            txn.put(key, owner.encode(), db=self._owners)
+                        else:
+                            txn.delete(key, db=self._owners)
                 self._measure()
                 return
             except lmdb.MapFullError:

@@ -9,6 +9,10 @@ corruption errors the same way. A damaged environment is moved aside
 (``ssd.damaged-<unix time>``) and an empty one opened in its place; the blocks it held are
 reported to the pool (``on_lost``) as lost, one log line says what happened and
 ``quarantines`` counts it.
+
+The third database, ``owners`` (key → the tenant's namespace, utf-8; kvstore/tenants.py),
+keeps a block's tenant across a restart: read at open into ``recovered_owners``. A row that
+is not a namespace is left out (the block is then unattributed, ``""``) with one log line.
 """
 from __future__ import annotations
 
@@ -59,6 +63,8 @@ class SsdStorage:
     _env: lmdb.Environment
     _data: Any
     _meta: Any
+    _owners: Any
+    recovered_owners: dict[bytes, str]
     quarantines: int
     on_lost: Callable[[list[bytes]], None] | None
 
@@ -85,7 +91,7 @@ class SsdStorage:
             raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
         try:
             self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
-                                  max_dbs=2, sync=self.fsync == "commit", metasync=self.fsync == "commit",
+                                  max_dbs=3, sync=self.fsync == "commit", metasync=self.fsync == "commit",
                                   readahead=False, lock=True, mode=0o600)
         except _DAMAGE as exc:
             raise _Damaged(f"LMDB cannot open it ({exc})") from None
@@ -97,6 +103,7 @@ class SsdStorage:
             self._check()
             self._data = self._env.open_db(b"blocks")
             self._meta = self._env.open_db(b"meta")
+            self._owners = self._env.open_db(b"owners")
             self._measure()
             if load:
                 with self._env.begin(db=self._meta) as txn:
@@ -105,12 +112,34 @@ class SsdStorage:
                     self._blocks[key] = (size, checksum)
                     self._seq = max(self._seq, seq)
                 self._used = sum(size for size, _ in self._blocks.values())
+                self.recovered_owners = self._load_owners()
         except (*_DAMAGE, struct.error) as exc:
             self._close_env()
             raise _Damaged(f"LMDB reports damage ({exc})") from None
         except _Damaged:
             self._close_env()
             raise
+
+    def _load_owners(self) -> dict[bytes, str]:
+        """The ``owners`` rows of blocks held: key → namespace. Rows that are not a
+        namespace are left out (one log line with their count)."""
+        from kvstore.errors import InvalidArgument
+        from kvstore.quotas import check_namespace
+        out: dict[bytes, str] = {}
+        bad = 0
+        with self._env.begin(db=self._owners) as txn:
+            for key, raw in txn.cursor():
+                key = bytes(key)
+                if key not in self._blocks:
+                    continue
+                try:
+                    out[key] = check_namespace(bytes(raw).decode())
+                except (UnicodeDecodeError, InvalidArgument):
+                    bad += 1
+        if bad:
+            log.warning("ssd tier at %s: %d blocks have a damaged tenant record; they are unattributed",
+                        self.path, bad)
+        return out
 
     def _measure(self) -> None:
         """Record the bytes of data.mdb LMDB's pages use (after opening and every write)."""
