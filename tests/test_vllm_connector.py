@@ -165,9 +165,13 @@ def test_consumer_skips_the_prefill_and_continues_the_producers_tokens(engines, 
 
 
 def test_two_namespaces_never_share_a_block(engines, store, model_dir) -> None:
+    """... and the connector names each save's namespace (the request's cache_salt) to the
+    pool: its tenant books own each tenant's blocks and count its hits."""
+    from kvstore.tenants import attach, namespace_stats
     pool, _ = store
     a, b = engines("both_a"), engines("both_b")
     prompt = prompt_of(5, 4 * BS + 3)
+    attach(pool)
     before = pool.stats()[0].blocks
     a.generate(prompt, salt="tenant-1")
     assert held(pool, model_dir, prompt, "tenant-1", want=4) == 4
@@ -177,6 +181,9 @@ def test_two_namespaces_never_share_a_block(engines, store, model_dir) -> None:
     assert pool.stats()[0].blocks == before + 8       # ... and it stored its own
     assert b.generate(prompt, salt="tenant-1")[1] == 4 * BS
     assert b.generate(prompt, salt=None)[1] == 0       # no salt: the default namespace
+    stats = namespace_stats(pool)
+    assert (stats["tenant-1"].blocks, stats["tenant-2"].blocks, stats["default"].blocks) == (4, 4, 4)
+    assert stats["tenant-1"].hits >= 4
 
 
 def test_a_corrupted_block_is_recomputed_and_counted(engines, store, model_dir) -> None:
