@@ -193,7 +193,7 @@ class Reservations:
                 self.check_open(res, time.monotonic())
                 tenants = self._place.tenants
                 if tenants is not None:
-                    tenants.claim(self._place, res.id, res.key, namespace)
+                    tenants.claim(self._place, res.id, res.key, res.size, namespace)
         finally:
             place = self._place
             if place.moves or place.dirty:

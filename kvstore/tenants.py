@@ -173,18 +173,19 @@ class TenantBooks:
         self._claims.setdefault(key, t)
         self._claim_count[key] += 1
 
-    def claim(self, place: Placement, res_id: int, key: bytes, namespace: str) -> None:
-        """The open reservation ``res_id`` commits as ``key`` for ``namespace`` (a spare
-        slot reserved unattributed, named at commit): its pending bytes move to that
-        tenant, once its quota takes them (:meth:`before_reserve`; raises QuotaExceeded)."""
-        entry = self.pending.get(res_id)
-        if entry is None:
-            return   # reserved before these books were attached
-        old_key, old, size = entry
+    def claim(self, place: Placement, res_id: int, key: bytes, size: int, namespace: str) -> None:
+        """The open reservation ``res_id`` of ``size`` bytes commits as ``key`` for
+        ``namespace`` (a spare slot reserved unattributed, named at commit): its pending
+        bytes move to that tenant, once its quota takes them (:meth:`before_reserve`;
+        raises QuotaExceeded). One reserved before these books were attached is taken in
+        the same way."""
         t = self._tenant(namespace)
-        if old is t and old_key == key:
-            return
-        if old is not t:
+        entry = self.pending.get(res_id)
+        if entry is not None:
+            old_key, old, size = entry
+            if old is t and old_key == key:
+                return
+        if entry is None or entry[1] is not t:
             self.before_reserve(place, key, size, namespace)
         self.settled(res_id)
         self.reserved(res_id, key, namespace, size)

@@ -49,8 +49,10 @@ def test_the_namespace_reaches_the_tenant_books(put_wire: Wire) -> None:
 
 def test_one_block_puts_through_spare_slots_are_the_tenants(put_wire: Wire) -> None:
     """One-block puts of one size go through spare slots on the socket (reserved before
-    their tenant is known): each is assigned its namespace at commit. The RESERVE frames are
-    counted to show the spares were used."""
+    their tenant is known; the first ones even before the node had tenant books): each is
+    assigned its namespace at commit. The RESERVE frames are counted to show the spares were
+    used."""
+    assert put_wire.client.put(key(f"warm-{put_wire.name}"), b"w" * BS).ok   # unattributed: stocks spares
     books = _books(put_wire)
     reserves = 0
     ctl = put_wire.control
@@ -62,17 +64,16 @@ def test_one_block_puts_through_spare_slots_are_the_tenants(put_wire: Wire) -> N
             reserves += 1
             return real(*a, **kw)
         ctl.reserve = counted  # type: ignore[method-assign]
-    assert put_wire.client.put(key(f"warm-{put_wire.name}"), b"w" * BS).ok   # unattributed: stocks spares
     blocks = blocks_of(f"sp-{put_wire.name}", [BS] * 8)
     for k, d in blocks:
         assert put_wire.client.put_blocks([(k, d)], namespace="tenant-s")[0].ok
     assert [books.namespace_of(k) for k, _ in blocks] == ["tenant-s"] * 8
-    assert books.used("tenant-s") == 8 * BS and books.used("") == BS
+    assert books.used("tenant-s") == 8 * BS and books.used("") == BS   # ("": the warm-up block)
     assert books.pending_of("tenant-s") == 0 and books.pending_of("") == sum(
         size for _, t, size in books.pending.values() if t.name == "")   # only spares still in stock
     assert put_wire.client.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
     if put_wire.name == "uds":
-        assert reserves < 8, f"{reserves} RESERVE frames for 9 one-block puts: the spare slots went unused"
+        assert reserves < 8, f"{reserves} RESERVE frames for 8 one-block puts: the spare slots went unused"
 
 
 def test_a_put_over_its_tenants_quota_is_quota_exceeded(put_wire: Wire) -> None:
