@@ -56,7 +56,7 @@ def test_watch_table_refreshes_count_times_and_names_a_node_that_is_down(store_n
 def test_watch_refuses_a_bad_count_and_says_when_no_node_answers():
     proc = kvctl("watch", "--count", "0")
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and "--count: must be >= 1" in err
+    assert proc.returncode == 2 and "--count: must be a whole number >= 1" in err
     proc = kvctl("--store", "127.0.0.1:1", "--timeout", "1", "watch", "--count", "1", "--json")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,15 +135,20 @@ def parse_keys(hexes: list[str]) -> list[bytes]:
     return keys
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: a whole number >= 0 (a negative --limit listed nothing, silently)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
-    return value
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum``, else a usage error naming the rule."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text}")
+        return value
+    return parse
+
+
+non_negative_int = whole_number(0)   # --limit: a negative one listed nothing, silently
 
 
 def positive(text: str) -> float:

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from tabulate import tabulate
 
 from kvstore.errors import KVStoreError
+from kvstore.kvctl.common import whole_number
 from kvstore.pool_types import TierStats
 
 RATES = ("hits", "misses", "evictions", "demotions", "promotions")
@@ -136,7 +137,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("watch", help="a refreshing view of tiers, hit ratio and rates",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--interval", type=_positive, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
-    p.add_argument("--count", type=_count, metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
+    p.add_argument("--count", type=whole_number(1), metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
     p.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
     p.add_argument("--node", action="append", metavar="HOST:PORT",
                    help="watch this node too (repeatable; default: --store)")
@@ -187,14 +188,4 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
