@@ -1,0 +1,116 @@
+"""The design docs stay true as code moves: every relative link in README.md and docs/*.md
+points at a file that exists, and every repository path named in backticks in docs/ (like
+``kvstore/pool.py`` or ``tests/test_keys.py::test_x``) exists, and no code or test cites the
+design files a clone does not have (docs/README.md says why)."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"`([^`\n]+)`")
+# A backticked word is taken as a repository path when it starts at a top-level entry of
+# the repository and has no spaces or placeholders: `kvstore/pool.py`, `docs/grafana/`.
+TOP_LEVEL = sorted(p.name for p in ROOT.iterdir() if not p.name.startswith("."))
+PATHLIKE = re.compile(r"^[A-Za-z0-9_.\-/]+(::[A-Za-z0-9_\[\]\-]+)?$")
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks (diagrams and byte layouts, not links)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in _prose(path.read_text()).splitlines() if line.startswith("#")}
+
+
+def links_missing(doc: Path, text: str) -> list[str]:
+    """Relative links of ``text`` (a page at ``doc``) whose file, or whose #anchor in a
+    Markdown file, does not exist."""
+    missing = []
+    for link in LINK.findall(_prose(text)):
+        if "://" in link or link.startswith("mailto:"):
+            continue
+        file, _, anchor = link.partition("#")
+        target = doc.parent / file if file else doc
+        if not target.exists():
+            missing.append(link)
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            missing.append(link)
+    return missing
+
+
+def paths_in(text: str) -> list[str]:
+    """The words of ``text`` in backticks that name repository paths (outside code blocks)."""
+    out = []
+    for word in CODE.findall(_prose(text)):
+        if PATHLIKE.match(word) and "/" in word.split("::")[0] and word.split("/", 1)[0] in TOP_LEVEL:
+            out.append(word)
+    return out
+
+
+def paths_missing(text: str) -> list[str]:
+    """Paths named in ``text`` that do not exist (for ``file::test``: a file without that test)."""
+    missing = []
+    for word in paths_in(text):
+        file, _, test = word.partition("::")
+        target = ROOT / file
+        if not target.exists() or (test and f"def {test.split('[')[0]}(" not in target.read_text()):
+            missing.append(word)
+    return missing
+
+
+def test_docs_exist_and_are_linked_from_the_readme() -> None:
+    names = {p.name for p in DOCS}
+    assert {"README.md", "architecture.md", "key-spec.md", "wires.md", "extending.md", "benchmarks.md"} <= names
+    readme_links = LINK.findall((ROOT / "README.md").read_text())
+    assert "docs/README.md" in readme_links, "the README links the design docs' index"
+    index_links = LINK.findall((ROOT / "docs" / "README.md").read_text())
+    for page in sorted(names - {"README.md"}):
+        assert page in index_links, f"docs/README.md does not link {page}"
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_points_at_a_file(doc: Path) -> None:
+    missing = links_missing(doc, doc.read_text())
+    assert not missing, f"{doc.relative_to(ROOT)} links to files or anchors that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_in_backticks_exists(doc: Path) -> None:
+    missing = paths_missing(doc.read_text())
+    assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+def test_the_checks_catch_what_moved() -> None:
+    """The checkers are not vacuous: on a page naming a moved module, a missing test, a dead
+    link and a dead anchor they report each, and they see the real paths of the docs."""
+    page = ("See `kvstore/pool.py`, `kvstore/no_such_module.py`, `tests/test_docs.py::test_nothing_here`,\n"
+            "`tests/test_docs.py::test_the_checks_catch_what_moved`, `a phrase/with spaces`, `/dev/shm/x`,\n"
+            "[gone](no-such-page.md), [arch](architecture.md#7-how-a-request-flows), "
+            "[dead](architecture.md#no-such-section).\n```\n`kvstore/in_a_code_block.py`\n```\n")
+    assert paths_in(page) == ["kvstore/pool.py", "kvstore/no_such_module.py", "tests/test_docs.py::test_nothing_here",
+                              "tests/test_docs.py::test_the_checks_catch_what_moved"]
+    assert paths_missing(page) == ["kvstore/no_such_module.py", "tests/test_docs.py::test_nothing_here"]
+    assert links_missing(ROOT / "docs" / "x.md", page) == ["no-such-page.md", "architecture.md#no-such-section"]
+    assert len(paths_in((ROOT / "docs" / "architecture.md").read_text())) > 40
+
+
+def test_no_code_cites_design_files_outside_the_repository() -> None:
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.proto", "*.toml", "Makefile", ".ci/run"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    stale = re.compile(r"DESIGN\.md|BENCHMARKS\.md|issue case")
+    hits = [f"{name}:{n}" for name in tracked if (ROOT / name).is_file()
+            for n, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+            if stale.search(line)]
+    assert not hits, f"cite docs/ instead: {hits}"
