@@ -1,7 +1,7 @@
 """Benchmark of the key spec, the prefix index and KV events; writes benchmarks/results/index.json.
 
 Every figure is measured in this run; ratios are against a baseline measured in the same run
-on the same bytes (BENCHMARKS.md):
+on the same bytes (docs/benchmarks.md, "How to measure"):
 
 - ``keys_vs_raw_sha256``: block keys per second (256-token blocks, chains of 64 blocks, a
   uint32 token array) over raw ``hashlib.sha256`` of the same 1 KiB token blocks, median over 41

@@ -3,7 +3,7 @@
 Put and get of 64 KiB, 1 MiB and 16 MiB blocks in each tier (``dram``, ``hbm`` on its device
 — the CPU on a machine without a GPU — and ``ssd``), one block per call (single) and a batch
 per call (256 blocks; 16 of 16 MiB, to stay within memory), against a baseline measured in
-the same run on the same bytes (BENCHMARKS.md):
+the same run on the same bytes (docs/benchmarks.md, "How to measure"):
 
 - DRAM / HBM: ``np.copyto`` of the same blocks between the same buffers. A put is
   ``KVPool.put`` (reserve, copy into the slab, xxh3 checksum, commit); a get is

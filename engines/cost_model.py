@@ -1,4 +1,4 @@
-"""The cost model that stands in for GPUs in simulation (DESIGN.md §6): seconds of prefill,
+"""The cost model that stands in for GPUs in simulation (docs/architecture.md §4): seconds of prefill,
 decode steps and KV transfers on one instance of a hardware profile serving one model.
 
 * Prefill FLOPs (Mooncake, FAST'25, §2.2): ``flops(n) = l·(a·n²·d + b·n·d²)``. With ``p``

@@ -1,6 +1,6 @@
 """The decode engine: loads the prompt's blocks from the pool, appends the tail KV handed over
 by prefill, and continues generation token by token, greedy or sampled as the request's
-:class:`~engines.types.SamplingParams` say (engines/sampling.py; DESIGN.md §6)."""
+:class:`~engines.types.SamplingParams` say (engines/sampling.py; docs/architecture.md §4)."""
 from __future__ import annotations
 
 import logging

@@ -3,7 +3,7 @@
 A block of ``T`` tokens is one C-contiguous tensor of shape
 ``[num_layers, 2, num_kv_heads, T, head_dim]`` (index 0 = keys, 1 = values) in the model's
 dtype, as raw bytes: ``num_layers * 2 * num_kv_heads * T * head_dim * itemsize`` bytes.
-Restoring blocks gives bit-identical tensors, hence bit-identical logits (DESIGN.md §6).
+Restoring blocks gives bit-identical tensors, hence bit-identical logits (docs/architecture.md §4).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""An engine's own prefix cache in device memory (the ``hbm`` tier of docs/): block key →
-block tensor on the engine's device, least recently used evicted first.
+"""An engine's own prefix cache in device memory (the ``hbm`` tier, docs/architecture.md §3.3):
+block key → block tensor on the engine's device, least recently used evicted first.
 
 With an ``index`` (a :class:`kvstore.events.PublishingIndex` named after the engine) every
 block it takes and every block it evicts is a KV event (``BlockStored``/``BlockRemoved``,

@@ -1,6 +1,6 @@
 """The prefill engine: keys the prompt, loads the longest cached prefix (its own HBM cache
 first, then the pool), computes only the rest, publishes the new full blocks to the pool and
-hands the first token, the block keys and the tail KV to decode (DESIGN.md §6)."""
+hands the first token, the block keys and the tail KV to decode (docs/architecture.md §4)."""
 from __future__ import annotations
 
 import logging

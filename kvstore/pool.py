@@ -1,7 +1,7 @@
 """The KV pool: tiers in order (fastest first), the prefix index, eviction with demotion to
 the next tier, promotion on a lower-tier hit, leases, pins and the two-phase put.
 
-Contracts (DESIGN.md §4):
+Contracts (docs/architecture.md §3.1):
 - a key is in the index for (node, tier) iff the tier holds its complete, committed bytes;
   a failed, aborted or timed-out put leaves no visible key and frees its space;
 - leased and hard-pinned blocks are never evicted or overwritten, soft-pinned ones only as a

@@ -1,5 +1,5 @@
 """Admission control: reject a request before any prefill is spent on it when it cannot meet
-its SLOs or the front door is full (DESIGN.md §7 steps 4–5; Mooncake, FAST'25, §6 and
+its SLOs or the front door is full (docs/architecture.md §5; Mooncake, FAST'25, §6 and
 arXiv 2407.00079 §7, early rejection). Pure and synchronous: the policies of
 :mod:`scheduler.conductor` call it; the HTTP edge turns a :class:`Rejection` into 429 with
 ``Retry-After``.

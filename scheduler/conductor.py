@@ -1,4 +1,4 @@
-"""The Conductor: KV-centric scheduling with prediction-based early rejection (DESIGN.md §7;
+"""The Conductor: KV-centric scheduling with prediction-based early rejection (docs/architecture.md §5;
 Mooncake, FAST'25, §4 Algorithm 1; arXiv 2407.00079 §7).
 
 Decision API (pure and synchronous — the live router and the simulator both call it)::

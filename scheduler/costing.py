@@ -1,4 +1,4 @@
-"""Costs the Conductor weighs (DESIGN.md §7; Mooncake, FAST'25, §5 and Algorithm 1):
+"""Costs the Conductor weighs (docs/architecture.md §5; Mooncake, FAST'25, §5 and Algorithm 1):
 T_prefill(n, prefix) — a regression fitted online from observed prefills, seeded from a
 profile — and T_transfer of a prefix hit, per tier, from bandwidths.
 
@@ -18,7 +18,8 @@ T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw
 from another host (a peer instance, or a store node reached over the network) it costs
 ``block_bytes / min(bw(t), network)``; each fetch adds a fixed latency. A block in the
 reading instance's own ``hbm`` costs nothing. Bandwidth defaults are the figures measured in
-BENCHMARKS.md (shared memory ~6 GB/s, LMDB from the page cache ~7 GB/s, gRPC ~0.5 GB/s);
+docs/benchmarks.md, "Figures for orientation" (shared memory ~6 GB/s, LMDB from the page
+cache ~7 GB/s, gRPC ~0.5 GB/s);
 :meth:`TransferModel.observe` folds in transfers measured at run time.
 """
 from __future__ import annotations

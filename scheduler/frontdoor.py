@@ -1,5 +1,5 @@
 """The HTTP front door: an aiohttp app serving OpenAI-compatible completions over the
-disaggregated engines (DESIGN.md §2).
+disaggregated engines (docs/architecture.md §7).
 
 Per request: validate and tokenize, take the tenant from ``Authorization``, route (the
 :class:`Router` and its scheduling policy, which also admits or rejects: 429), prefill, then

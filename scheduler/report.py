@@ -1,5 +1,5 @@
 """The result of a trace replay: what each request saw, and the summary a person reads
-(goodput beside hit ratio, TTFT/TBT percentiles and rejections, DESIGN.md §7)."""
+(goodput beside hit ratio, TTFT/TBT percentiles and rejections, docs/architecture.md §5)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,7 +1,7 @@
 """A request's KV transfer and its abort: the blocks a request needs, moved from where they
 are cached (a source pool) into the memory that will serve it (a target pool — a decode
 instance's KV memory, or a prefill instance's when the Conductor fetches a prefix), under a
-lease on the source and reservations on the target (DESIGN.md §4 two-phase put and leases).
+lease on the source and reservations on the target (docs/architecture.md §3.1: the two-phase put and leases).
 
 A request can end at any moment (the client disconnects, admission is undone): its
 transfer's :meth:`KVTransfer.abort` releases the source lease and aborts every reservation

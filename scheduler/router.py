@@ -1,6 +1,6 @@
 """The router: builds the decision views (:mod:`scheduler.views`) from live state, asks the
 scheduling policy (:mod:`scheduler.conductor`, :mod:`scheduler.baselines`), and keeps the
-bookkeeping of work in flight that the next decisions need (DESIGN.md §7).
+bookkeeping of work in flight that the next decisions need (docs/architecture.md §5).
 
 For a prompt it computes the block keys (the engines' key spec), looks them up in its
 replica of the store's index (:mod:`scheduler.cache_index`: the KV events of the store nodes

@@ -1,4 +1,4 @@
-"""TBT prediction and the predicted decode load (DESIGN.md §7 steps 3–5; Mooncake, FAST'25,
+"""TBT prediction and the predicted decode load (docs/architecture.md §5; Mooncake, FAST'25,
 §6 and arXiv 2407.00079 §7, prediction-based early rejection).
 
 A decode step serves the whole batch and re-reads every resident KV token (it is

@@ -12,7 +12,7 @@ PUBLIC_NAMESPACE = "public"
 
 
 def namespace_from_authorization(header: str | None) -> str:
-    """The tenant of a request from its ``Authorization`` header (DESIGN.md §3): ``"key-"``
+    """The tenant of a request from its ``Authorization`` header (docs/key-spec.md §3): ``"key-"``
     + the first 16 hex digits of SHA-256 of the bearer token, or ``"public"`` when there is
     no bearer token. Never taken from a field of the request body."""
     if not header:

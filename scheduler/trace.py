@@ -1,4 +1,4 @@
-"""Mooncake's trace format (FAST'25 release, DESIGN.md §8) and its mapping to token ids.
+"""Mooncake's trace format (FAST'25 release, data/traces/README.md) and its mapping to token ids.
 
 A trace line is one request: ``timestamp`` (ms from the start), ``input_length`` and
 ``output_length`` (tokens), ``hash_ids`` (one id per 512-token block of the prompt; equal ids
@@ -114,7 +114,7 @@ def best_possible_hit_blocks(requests: Iterable[TraceRequest],
 
     A block hits when the request's hash ids up to and including it were all the prefix of an
     earlier request (every earlier request caches its whole chain). With ``mapping``, the hit
-    is also capped at what an engine may reuse: never the last prompt token (DESIGN.md §3),
+    is also capped at what an engine may reuse: never the last prompt token (docs/key-spec.md §1),
     so block ``i`` counts only if all its tokens lie before the last one, i.e. at most
     ``(prompt_length − 1) // tokens_per_block`` blocks — the same rule as
     :func:`kvstore.index.keys.usable_prefix_tokens` at trace-block granularity. Without

@@ -41,7 +41,7 @@ class TierHit(NamedTuple):
     ``blocks``: length of the longest cached prefix (blocks, head first). ``by_tier``:
     ``(tier, blocks)`` pairs in chain order — the first ``by_tier[0][1]`` blocks sit in
     ``by_tier[0][0]``, and so on; the counts sum to ``blocks``. Tiers are ``"hbm"``,
-    ``"dram"``, ``"ssd"`` (DESIGN.md §4). Build one with :meth:`from_tiers`.
+    ``"dram"``, ``"ssd"`` (docs/architecture.md §3.3). Build one with :meth:`from_tiers`.
     """
 
     blocks: int = 0

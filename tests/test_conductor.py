@@ -47,7 +47,7 @@ def conductor(**kw) -> Conductor:
     return Conductor(BLOCK_BYTES, ConductorConfig(admission=admission, **kw))
 
 
-# -- case 1: load balance against cache affinity ---------------------------------------------
+# -- load balance against cache affinity ----------------------------------------------------
 def run_shared_prefix(policy: Conductor, n_requests: int = 200) -> dict[str, int]:
     """``n_requests`` requests one after another sharing a 2-block prefix (plus one unique
     block and a tail), arriving faster than one instance prefills them. The caller's side of
@@ -114,7 +114,7 @@ def test_a_miss_goes_to_the_least_loaded_instance():
         assert isinstance(d, Decision) and d.prefill_id == want and d.fetch is None and d.cached_tokens == 0
 
 
-# -- case 2: admission on TTFT ----------------------------------------------------------------
+# -- admission on TTFT -----------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_idle_cluster_without_measurements_admits_a_2k_prompt(name):
     policy = make_policy(name, BLOCK_BYTES, ConductorConfig(admission=AdmissionConfig(ttft_slo_s=2.0)))
@@ -153,7 +153,7 @@ def test_saturated_queues_reject_with_a_reason_and_retry_after():
     assert isinstance(full, Rejection) and full.reason == "max_inflight" and full.retry_after_s >= 1
 
 
-# -- case 4: prediction-based early rejection on decode ---------------------------------------
+# -- prediction-based early rejection on decode ----------------------------------------------
 def decode_full_now(finish_s: float, now: float = 100.0) -> DecodeView:
     return DecodeView("d0", (DecodeWork(500, now - 1, now + finish_s), DecodeWork(500, now - 2, now + finish_s)),
                       max_running=2)

@@ -1,5 +1,5 @@
 """The key spec (kvstore/index/keys.py): chained block keys, the extras encoding, and the
-usable-prefix rule of DESIGN.md §3."""
+usable-prefix rule of docs/key-spec.md §1."""
 from __future__ import annotations
 
 import hashlib

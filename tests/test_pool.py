@@ -82,7 +82,7 @@ def test_reservation_older_than_the_timeout_frees_its_space(make_dram, make_pool
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_case5_chain_tail_evicted_before_head(make_dram, make_pool, policy: str) -> None:
+def test_chain_tail_evicted_before_head(make_dram, make_pool, policy: str) -> None:
     """Case 5: capacity of 3 blocks, chain [1,2,3], one unrelated block: 3 goes; a lookup of
     [1,2,3] hits 2; removing block 1 makes it hit 0."""
     pool = make_pool([make_dram(3 * BS)], settings=PoolSettings(policy, 1.0, 1.0))

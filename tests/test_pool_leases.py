@@ -1,5 +1,5 @@
 """Leases and pins of the KV pool (kvstore/pool.py, kvstore/lease.py): a read that outlives
-its lease fails cleanly (issue case 3), a locked match survives a full tier (case 4), hard
+its lease fails cleanly, a locked match survives a full tier, hard
 and soft pins by key and by prefix."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def make_pool(make_dram):
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["single", "batched"])
-def test_case3_read_outliving_its_lease_raises_and_never_returns_the_new_bytes(make_pool, batched) -> None:
+def test_a_read_outliving_its_lease_raises_and_never_returns_the_new_bytes(make_pool, batched) -> None:
     """Case 3: lease 200 ms, a reader copying slowly; force eviction and put new blocks into
     the freed space during the read: LeaseExpired, never the new bytes; single and batched
     reads agree."""
@@ -107,7 +107,7 @@ def test_a_valid_lease_blocks_eviction_and_reuse(make_pool) -> None:
     assert pool.put(_key(2), _block(2)).ok and pool.get(_key(1)) is None
 
 
-def test_case4_locked_match_survives_a_full_tier(make_pool) -> None:
+def test_a_locked_match_survives_a_full_tier(make_pool) -> None:
     """Case 4: a locked match of 3 blocks survives filling the tier to 100 %; releasing twice
     is an error; lease counts never go below zero; evictable bytes = unlocked, unpinned."""
     pool = make_pool(8)

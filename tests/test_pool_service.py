@@ -1,6 +1,6 @@
 """The pool behind the real gRPC store service (kvstore/service.py, kvstore/client.py,
-kvstore/kvctl.py): concurrent puts of one key from two writer processes, a writer killed in
-the middle of a large put (issue case 2), a stalled put timing out, chain puts, pins, the
+kvstore/kvctl/): concurrent puts of one key from two writer processes, a writer killed in
+the middle of a large put, a stalled put timing out, chain puts, pins, the
 eviction policy switch and the extended tier stats, through the client and kvctl."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _used(pool: KVPool) -> tuple[int, int]:
     return s.used_bytes, s.reserved_bytes
 
 
-def test_case2_two_processes_eight_threads_put_one_key(node) -> None:
+def test_two_processes_eight_threads_put_one_key(node) -> None:
     """Case 2, first half: every caller sees success; whenever the key exists, a get returns
     one writer's whole payload."""
     pool, client = node
@@ -114,7 +114,7 @@ def test_case2_two_processes_eight_threads_put_one_key(node) -> None:
     assert _used(pool) == (MIB, 0) and pool.stats()[0].blocks == 1
 
 
-def test_case2_writer_killed_mid_put_leaves_nothing(node) -> None:
+def test_a_writer_killed_mid_put_leaves_nothing(node) -> None:
     """Case 2, second half: kill a writer in the middle of a large put: within the
     reservation timeout the key is absent and its space free; a new put succeeds."""
     pool, client = node

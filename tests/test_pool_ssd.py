@@ -63,7 +63,7 @@ def test_put_is_idempotent(two_tier_pool: KVPool) -> None:
     assert two_tier_pool.lookup([key_of(1)]) == (1, ["ssd"]) and two_tier_pool.put(key_of(1), block_of(1)).existed
 
 
-def test_case7_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool) -> None:
+def test_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool) -> None:
     """Case 7: the others are stored and readable; the existing one counts as success."""
     pool = make_pool([make_dram(8 * BS), make_ssd(8 * BS)])
     pool.put(key_of(2), block_of(2))
@@ -77,7 +77,7 @@ def test_case7_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool)
         assert all(pool.get(key_of(base + i)) == block_of(base + i) for i in (1, 2, 3, 4))
 
 
-def test_case1_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> None:
+def test_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> None:
     """Case 1: a chain of 3 to the SSD tier, ENOSPC on block 2: per-block results; a lookup
     hits at most 1 block; block 2 is a miss, never zeros or partial bytes."""
     ssd = make_ssd(16 * BS)
@@ -102,7 +102,7 @@ def test_case1_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> Non
     assert pool.lookup([k for k, _ in chain])[0] == 3 and pool.get(key_of(2)) == block_of(2, 3 * BS)
 
 
-def test_case8_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Path, make_dram) -> None:
+def test_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Path, make_dram) -> None:
     """Case 8: flip one byte of a stored SSD block on disk: the next get is a miss, the
     integrity-failure count is 1, and the block is gone."""
     path = str(tmp_path / "ssd")
@@ -130,7 +130,7 @@ def test_case8_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Pa
         pool.close()
 
 
-def test_case6_ssd_capped_at_10mib_survives_40mib_and_a_restart(tmp_path: Path) -> None:
+def test_ssd_capped_at_10mib_survives_40mib_and_a_restart(tmp_path: Path) -> None:
     """Case 6: usage stays <= 10 MiB while 40 MiB go in (puts succeed by eviction); after a
     restart on the same directory the usage equals the bytes stored and the next put evicts."""
     path, cap, size = str(tmp_path / "ssd"), 10 << 20, 1 << 20

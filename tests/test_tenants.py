@@ -1,4 +1,4 @@
-"""Tenant isolation through the real HTTP front door (case 2 of the key-spec issue): the
+"""Tenant isolation through the real HTTP front door: the
 namespace in every block key comes from ``Authorization: Bearer``, so tenant B never hits
 tenant A's blocks, whatever B writes in the request body. A real store node (whose index
 publishes KV events to a replica), real prefill and decode engines (the tiny model) and a

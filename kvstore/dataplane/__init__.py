@@ -1,7 +1,7 @@
 """The same-host data plane: a client on the store node's host maps the DRAM tier's
 shared-memory slab and moves block bytes itself, while a light control channel (a Unix
 domain socket with struct-packed frames; gRPC where there is none) carries only leases,
-reservations and lookups (DESIGN.md §5).
+reservations and lookups (docs/wires.md §3).
 
 - :mod:`kvstore.wire.types`: the small types both sides share;
 - :mod:`kvstore.dataplane.host`: the store side (leases and reservations over a pool);

@@ -1,4 +1,4 @@
-"""KV events (DESIGN.md §5): store nodes publish ``BlockStored``, ``BlockRemoved`` and
+"""KV events (docs/architecture.md §3.5): store nodes publish ``BlockStored``, ``BlockRemoved`` and
 ``NodeCleared`` with per-node sequence numbers (:class:`PublishingIndex`) to a Redis Stream,
 or to an in-process channel when no Redis is configured; scheduler-side replicas of the
 index (:class:`IndexReplica`) consume them, detect gaps and resynchronise from snapshots."""

@@ -1,5 +1,5 @@
 """The scheduler side of KV events: a replica of the store nodes' indexes kept current by
-their events (DESIGN.md §5).
+their events (docs/architecture.md §3.5).
 
 :class:`IndexReplica` reads events from a channel in a background thread and applies them to
 its own :class:`PrefixIndex`. It tracks, per node, the epoch and the last sequence number

@@ -1,4 +1,4 @@
-"""Block keys (the key spec of DESIGN.md §3) and the prefix index."""
+"""Block keys (the key spec: docs/key-spec.md) and the prefix index."""
 from kvstore.index.keys import (
     HASH_FUNCTIONS,
     KeyExtras,

@@ -1,6 +1,6 @@
 """The key spec: the one function that turns a token sequence into a chain of block keys.
 
-Spec (version 1), after DESIGN.md §3::
+Spec (version 1), docs/key-spec.md §1::
 
     root   = H("kvstore.root.v1" ‖ encode_extras(extras))
     key_i  = H("kvstore.block.v1" ‖ key_{i-1} ‖ u32le(n) ‖ u32le(token_0) … u32le(token_{n-1}))
@@ -118,7 +118,7 @@ class KVLayout:
 
 @dataclass(frozen=True, slots=True)
 class KeyExtras:
-    """Everything besides the tokens that changes the KV of a block (DESIGN.md §3).
+    """Everything besides the tokens that changes the KV of a block (docs/key-spec.md §2).
 
     ``namespace`` is the tenant; servers set it from the caller's authenticated identity,
     never from a request body. ``mm_hashes`` are content hashes of multimodal inputs.
@@ -306,5 +306,6 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyE
 
 def usable_prefix_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
     """Prompt tokens whose cached KV an engine may reuse: never the last prompt token, since
-    the engine must compute at least one token to get logits (DESIGN.md §3)."""
+    the engine must compute at least one token to get logits (docs/key-spec.md §1, "What an
+    engine may reuse")."""
     return max(0, min(hit_blocks * block_size, prompt_tokens - 1))

@@ -1,5 +1,5 @@
 """What a simulation run measured: per-request outcomes folded into one row of the table
-(DESIGN.md §7 and the issue's metrics), with the percentile and Mooncake-TBT definitions of
+(docs/architecture.md §5), with the percentile and Mooncake-TBT definitions of
 :mod:`scheduler.stats` that the live replay report shares."""
 from __future__ import annotations
 

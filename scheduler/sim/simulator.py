@@ -10,7 +10,7 @@ policy of :mod:`scheduler.baselines`); it feeds back ``observe_prefill``/``obser
 as the live router does.
 
 Each instance's GPUs are a :class:`engines.cost_model.CostModelEngine` — the real engines'
-interface in virtual time. Engines behave as DESIGN.md §6 says, whatever the policy: at
+interface in virtual time. Engines behave as docs/architecture.md §4 says, whatever the policy: at
 prefill start an instance finds the longest prefix among its own HBM cache, the pool
 (disaggregated) and the peer the decision planned to fetch from; its engine loads it — from
 the pool no further than the decision's ``max_load_blocks`` when the policy chose to

@@ -8,7 +8,7 @@ hash-id chains therefore get equal keys, a different parent gives a different ke
 real :class:`kvstore.index.prefix_index.PrefixIndex` answers every hit. A simulated cache
 block is one trace block (512 tokens, ``512 × kv_bytes_per_token`` bytes); only the
 ``input_length // 512`` full blocks of a prompt are keyed, and at most
-``(input_length − 1) // 512`` can be reused (never the last prompt token, DESIGN.md §3).
+``(input_length − 1) // 512`` can be reused (never the last prompt token, docs/key-spec.md §1).
 """
 from __future__ import annotations
 
