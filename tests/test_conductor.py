@@ -1,6 +1,7 @@
 """The Conductor and the baselines at the policy level: plain frozen views in, a Decision or
-a Rejection out (no processes). Cases 1, 2 and 4 of issue 6, tier-aware costing, the online
-fits and the baselines' shared code path."""
+a Rejection out (no processes): load balance against cache affinity, admission on TTFT,
+prediction-based early rejection on decode, tier-aware costing, the online fits and the
+baselines' shared code path."""
 from __future__ import annotations
 
 import math

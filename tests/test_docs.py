@@ -113,3 +113,12 @@ def test_no_code_cites_design_files_outside_the_repository() -> None:
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in files if p.is_file()
             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if stale.search(line)]
     assert len(files) > 100 and not hits, f"cite docs/ (file and section) instead: {hits}"
+
+
+def test_tests_name_the_behaviour_they_check() -> None:
+    """A test says what it checks, not which numbered case of some issue it was ("Case 3:",
+    "Cases 1, 6 and 8 are marked"): the issue is not in the clone."""
+    numbered = re.compile(r"\b[Cc]ases? [0-9]+\b|\btest_case[0-9]")
+    hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tests").glob("*.py")) if p.name != "test_docs.py"
+            for n, line in enumerate(p.read_text().splitlines(), 1) if numbered.search(line)]
+    assert not hits, f"name the behaviour instead: {hits}"

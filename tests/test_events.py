@@ -105,7 +105,7 @@ def tiers_of(replica: IndexReplica, keys: Sequence[bytes], node: str = NODE) -> 
 
 @pytest.mark.parametrize("kind", ["redis", "local"])
 def test_hbm_and_dram_copies_then_node_cleared(kind, request, nodes) -> None:
-    """Case 5: a block in HBM and DRAM on one node; evicting the HBM copy keeps the node's
+    """A block in HBM and DRAM on one node; evicting the HBM copy keeps the node's
     hit, evicting the DRAM copy removes it; a cleared node's hits drop to 0 at once."""
     channel = channel_of(kind, request)
     node = Node(channel)
@@ -143,7 +143,7 @@ def test_hbm_and_dram_copies_then_node_cleared(kind, request, nodes) -> None:
 
 @pytest.mark.parametrize("kind", ["redis", "local"])
 def test_lost_event_is_detected_and_the_replica_converges(kind, request, nodes) -> None:
-    """Case 6: one event lost on the way (a BlockRemoved, so the replica would keep a
+    """One event lost on the way (a BlockRemoved, so the replica would keep a
     phantom hit); the next event reveals the gap; a snapshot makes the replica exact."""
     inner = channel_of(kind, request)
     dropping = DropOne(inner, drop_seq=6)       # seq 1 NodeCleared, 2-5 stored, 6 removed

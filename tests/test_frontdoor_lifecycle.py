@@ -51,7 +51,7 @@ def test_client_disconnect_cancels_the_decode(cluster, url):
 
 
 def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
-    """Case 3 end to end: 100 times, a streamed request is dropped by its client during its
+    """Aborts end to end: 100 times, a streamed request is dropped by its client during its
     prefill (blocks loading and publishing) or its decode (blocks loading), and another is
     admitted at once; the other is always served right, and afterwards nothing is held:
     no request in flight, no decode running, no lease and no reservation in the pool, and

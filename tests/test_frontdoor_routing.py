@@ -52,7 +52,7 @@ def test_admission_bound_gives_429_with_retry_after_and_reason(cluster):
 
 
 def test_idle_cluster_admits_a_2k_prompt_and_saturated_queues_get_429(cluster):
-    """Case 2 through the front door: nothing measured yet, TTFT SLO 2 s; then the queue is
+    """Admission on TTFT through the front door: nothing measured yet, TTFT SLO 2 s; then the queue is
     filled with admitted work (the router's own bookkeeping) until the SLO cannot be met."""
     door = cluster.start(FrontdoorConfig(admission=AdmissionConfig(ttft_slo_s=2.0)))
     router = door.frontdoor.router

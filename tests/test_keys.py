@@ -66,7 +66,7 @@ def _run(script: str, hashseed: str | None, *args: str) -> list[int]:
 @pytest.mark.parametrize("writer_seed, reader_seed", [(None, "random"), ("random", "1"), ("1", "2"),
                                                       ("2", None)])
 def test_writer_and_reader_processes_agree_over_grpc(store_node, writer_seed, reader_seed) -> None:
-    """Case 4: a writer process puts 3 blocks into a real store node over gRPC; a reader
+    """A writer process puts 3 blocks into a real store node over gRPC; a reader
     process with another PYTHONHASHSEED keys the same tokens and extras (None, (), a tuple):
     3 hits. Each pair has its own namespace, so only its own writer can give those hits."""
     _, address = store_node

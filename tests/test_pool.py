@@ -1,7 +1,6 @@
 """The KV pool (kvstore/pool.py) over real DRAM tiers: puts and gets, the two-phase put,
 chain-aware eviction under every policy, watermarks, lookups that renew nothing, policy
-switches, stats and concurrent puts of one key. Issue case 5 is marked; the SSD side is
-tests/test_pool_ssd.py."""
+switches, stats and concurrent puts of one key. The SSD side is tests/test_pool_ssd.py."""
 from __future__ import annotations
 
 import time
@@ -83,7 +82,7 @@ def test_reservation_older_than_the_timeout_frees_its_space(make_dram, make_pool
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_chain_tail_evicted_before_head(make_dram, make_pool, policy: str) -> None:
-    """Case 5: capacity of 3 blocks, chain [1,2,3], one unrelated block: 3 goes; a lookup of
+    """Capacity of 3 blocks, chain [1,2,3], one unrelated block: 3 goes; a lookup of
     [1,2,3] hits 2; removing block 1 makes it hit 0."""
     pool = make_pool([make_dram(3 * BS)], settings=PoolSettings(policy, 1.0, 1.0))
     chain = [(key_of(i), block_of(i)) for i in (1, 2, 3)]
@@ -119,7 +118,7 @@ def test_get_chain_keeps_head_warm(dram_pool: KVPool) -> None:
 
 
 def test_lookups_and_existence_checks_renew_nothing(dram_pool: KVPool) -> None:
-    """Case 3, second half: a stream of lookups on a block does not keep it from eviction."""
+    """A stream of lookups on a block does not keep it from eviction."""
     for i in (1, 2, 3):
         dram_pool.put(key_of(i), block_of(i))
     for i in range(4, 10):

@@ -46,7 +46,7 @@ def make_pool(make_dram):
 
 @pytest.mark.parametrize("batched", [False, True], ids=["single", "batched"])
 def test_a_read_outliving_its_lease_raises_and_never_returns_the_new_bytes(make_pool, batched) -> None:
-    """Case 3: lease 200 ms, a reader copying slowly; force eviction and put new blocks into
+    """Lease 200 ms, a reader copying slowly; force eviction and put new blocks into
     the freed space during the read: LeaseExpired, never the new bytes; single and batched
     reads agree."""
     pool = make_pool(2, lease_ttl_s=0.2)
@@ -108,7 +108,7 @@ def test_a_valid_lease_blocks_eviction_and_reuse(make_pool) -> None:
 
 
 def test_a_locked_match_survives_a_full_tier(make_pool) -> None:
-    """Case 4: a locked match of 3 blocks survives filling the tier to 100 %; releasing twice
+    """A locked match of 3 blocks survives filling the tier to 100 %; releasing twice
     is an error; lease counts never go below zero; evictable bytes = unlocked, unpinned."""
     pool = make_pool(8)
     chain = [_key(i) for i in (1, 2, 3)]

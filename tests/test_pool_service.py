@@ -89,7 +89,7 @@ def _used(pool: KVPool) -> tuple[int, int]:
 
 
 def test_two_processes_eight_threads_put_one_key(node) -> None:
-    """Case 2, first half: every caller sees success; whenever the key exists, a get returns
+    """Concurrent puts of one key: every caller sees success; whenever the key exists, a get returns
     one writer's whole payload."""
     pool, client = node
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, client.address, str(p)], stdout=subprocess.PIPE,
@@ -115,7 +115,7 @@ def test_two_processes_eight_threads_put_one_key(node) -> None:
 
 
 def test_a_writer_killed_mid_put_leaves_nothing(node) -> None:
-    """Case 2, second half: kill a writer in the middle of a large put: within the
+    """Kill a writer in the middle of a large put: within the
     reservation timeout the key is absent and its space free; a new put succeeds."""
     pool, client = node
     key = _key(7)

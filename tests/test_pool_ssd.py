@@ -1,7 +1,7 @@
 """The KV pool (kvstore/pool.py) over real DRAM and SSD tiers: demotion and promotion, the
 last tier dropping, idempotent and batched puts, an injected SSD write fault, integrity
 failures on disk, SSD capacity across a restart, eviction by tier, concurrent puts, gets and
-evictions. Issue cases 1, 6, 7 and 8 are marked."""
+evictions."""
 from __future__ import annotations
 
 import errno
@@ -64,7 +64,8 @@ def test_put_is_idempotent(two_tier_pool: KVPool) -> None:
 
 
 def test_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool) -> None:
-    """Case 7: the others are stored and readable; the existing one counts as success."""
+    """A batched put with one key already stored: the others are stored and readable; the
+    existing one counts as success."""
     pool = make_pool([make_dram(8 * BS), make_ssd(8 * BS)])
     pool.put(key_of(2), block_of(2))
     for tier in ("dram", "ssd"):
@@ -78,7 +79,7 @@ def test_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool) -> No
 
 
 def test_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> None:
-    """Case 1: a chain of 3 to the SSD tier, ENOSPC on block 2: per-block results; a lookup
+    """A chain of 3 to the SSD tier, ENOSPC on block 2: per-block results; a lookup
     hits at most 1 block; block 2 is a miss, never zeros or partial bytes."""
     ssd = make_ssd(16 * BS)
     pool = make_pool([ssd])
@@ -103,7 +104,7 @@ def test_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> None:
 
 
 def test_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Path, make_dram) -> None:
-    """Case 8: flip one byte of a stored SSD block on disk: the next get is a miss, the
+    """Flip one byte of a stored SSD block on disk: the next get is a miss, the
     integrity-failure count is 1, and the block is gone."""
     path = str(tmp_path / "ssd")
     pool = KVPool([SsdTier(8 * BS, path)])
@@ -131,7 +132,7 @@ def test_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Path, ma
 
 
 def test_ssd_capped_at_10mib_survives_40mib_and_a_restart(tmp_path: Path) -> None:
-    """Case 6: usage stays <= 10 MiB while 40 MiB go in (puts succeed by eviction); after a
+    """Usage stays <= 10 MiB while 40 MiB go in (puts succeed by eviction); after a
     restart on the same directory the usage equals the bytes stored and the next put evicts."""
     path, cap, size = str(tmp_path / "ssd"), 10 << 20, 1 << 20
     pool = KVPool([SsdTier(cap, path)], settings=EXACT)

@@ -1,4 +1,4 @@
-"""Case 3 of issue 6: abort a request while its blocks are being transferred, admit another
+"""Abort a request while its blocks are being transferred, admit another
 at once. Real pools (shared-memory DRAM slabs), real threads; no mocks."""
 from __future__ import annotations
 
