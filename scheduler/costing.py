@@ -17,9 +17,9 @@ for a guess).
 T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw(t)``; read
 from another host (a peer instance, or a store node reached over the network) it costs
 ``block_bytes / min(bw(t), network)``; each fetch adds a fixed latency. A block in the
-reading instance's own ``hbm`` costs nothing. Bandwidth defaults are the figures measured in
-docs/benchmarks.md, "Figures for orientation" (shared memory ~6 GB/s, LMDB from the page
-cache ~7 GB/s, gRPC ~0.5 GB/s);
+reading instance's own ``hbm`` costs nothing. Bandwidth defaults are each tier kind's figure
+in kvstore/tiers/registry.py and 0.5 GB/s between hosts, after the figures measured in
+docs/benchmarks.md, "Figures for orientation" (shared memory ~6 GB/s, gRPC ~0.5 GB/s);
 :meth:`TransferModel.observe` folds in transfers measured at run time.
 """
 from __future__ import annotations
