@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -30,6 +30,26 @@ from scheduler.router import Router
 from scheduler.scheduling_policy import DEFAULT_POLICY
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Frontdoor)   # a front door over the built-in engines or over vLLM
+
+
+async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: str | None, vocab_size: int,
+                    host: str, port: int) -> tuple[F, web.AppRunner, int]:
+    """What both front doors do once their router is connected: load the tokenizer, build the
+    front door (``make(tokenizer)``), serve its aiohttp app on ``host:port`` and start its
+    health checks. Returns the front door, its runner and the bound port; closes ``router``
+    and re-raises when any of it fails (OSError: the port cannot be bound)."""
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, vocab_size)
+        frontdoor = make(tokenizer)
+        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        frontdoor.health_checks.start()
+    except BaseException:
+        await router.close()
+        raise
+    return frontdoor, runner, runner.addresses[0][1]
 
 
 @dataclass
@@ -80,18 +100,9 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
                                   decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                   ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
                                   engine_auth_token=config.engine_auth_token)
-    try:
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir, router.info.vocab_size)
-        frontdoor = Frontdoor(router, tokenizer, config)
-        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        frontdoor.health_checks.start()
-    except BaseException:
-        await router.close()
-        raise
-    bound = runner.addresses[0][1]
+    frontdoor, runner, bound = await serve_app(
+        router, lambda tokenizer: Frontdoor(router, tokenizer, config), config.model_dir,
+        router.info.vocab_size, host, port)
     log.info("front door on http://%s:%d: %d prefill, %d decode engines (model %s)", host, bound,
              len(router.prefill), len(router.decode), router.info.model_id)
     if config.api_keys:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engines.tokenizer import load_tokenizer
 from kvstore.errors import InvalidArgument
+from scheduler.app import serve_app
 from scheduler.config import FrontdoorConfig
 from scheduler.vllm_frontdoor import VLLMFrontdoor
 from scheduler.vllm_instances import VLLMModel
@@ -68,19 +68,9 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
                                 api_key=config.engine_auth_token)
-    try:
-        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, model.vocab_size)
-        frontdoor = VLLMFrontdoor(router, tokenizer, config)
-        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        frontdoor.health_checks.start()
-    except BaseException:
-        await router.close()
-        raise
+    frontdoor, runner, bound = await serve_app(
+        router, lambda tokenizer: VLLMFrontdoor(router, tokenizer, config), model_dir, model.vocab_size, host, port)
     watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))
-    bound = runner.addresses[0][1]
     log.info("front door on http://%s:%d over vLLM (%s): %d prefill, %d decode instances", host, bound,
              topology, len(router.prefill), len(router.decode))
     return RunningVLLMFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}", watcher)
