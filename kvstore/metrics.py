@@ -94,7 +94,8 @@ UNATTRIBUTED = "_unattributed"   # the namespace label of blocks put without a t
 NAMESPACE_SERIES = (   # (name, NamespaceStats field, help, family)
     ("kvstore_namespace_bytes", "bytes", "Bytes the namespace holds (each block once)", GaugeMetricFamily),
     ("kvstore_namespace_blocks", "blocks", "Blocks the namespace holds", GaugeMetricFamily),
-    ("kvstore_namespace_quota_bytes", "quota_bytes", "The namespace's hard byte quota (0: none)", GaugeMetricFamily),
+    ("kvstore_namespace_quota_bytes", "quota_bytes", "The namespace's hard byte quota (no sample: none)",
+     GaugeMetricFamily),
     ("kvstore_namespace_hits", "hits", "Reads that found a block of the namespace", CounterMetricFamily),
     ("kvstore_namespace_misses", "misses", "Reads of a block the namespace no longer holds", CounterMetricFamily),
     ("kvstore_namespace_quota_evictions", "evictions", "The namespace's blocks evicted to keep it under its quota",
@@ -154,7 +155,9 @@ class PoolCollector(Collector):
         for name, field, text, family in NAMESPACE_SERIES:
             f = family(name, text, labels=labels)
             for ns, st in sorted(per.items()):
-                f.add_metric([node, ns or UNATTRIBUTED], getattr(st, field))
+                v = getattr(st, field)
+                if v is not None:        # quota_bytes of a namespace without a quota
+                    f.add_metric([node, ns or UNATTRIBUTED], v)
             yield f
         f = GaugeMetricFamily("kvstore_namespace_tier_bytes", "Bytes of the namespace's copies in the tier",
                               labels=["node", "namespace", "tier"])

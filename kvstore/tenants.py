@@ -47,7 +47,8 @@ class NamespaceStats:
     """One namespace on one node. ``bytes`` / ``blocks``: what it holds (each block once);
     ``tier_bytes``: tier name -> bytes of its copies there; ``hits`` / ``misses`` (see the
     module's rules); ``evictions``: its blocks evicted to keep it under its quota;
-    ``rejected_puts``: puts refused by its quota; ``quota_bytes``: 0 when it has none."""
+    ``rejected_puts``: puts refused by its quota; ``quota_bytes``: None when it has none (0
+    is a quota, one that refuses every put)."""
 
     namespace: str
     bytes: int
@@ -56,7 +57,7 @@ class NamespaceStats:
     misses: int = 0
     evictions: int = 0
     rejected_puts: int = 0
-    quota_bytes: int = 0
+    quota_bytes: int | None = None
     tier_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -247,7 +248,7 @@ class TenantBooks:
                 blocks = book.blocks
                 tier_bytes[tier.name] = sum(blocks[k].size for k in t.keys if k in blocks)
             out[ns] = NamespaceStats(ns, t.stored, len(t.keys), t.hits, t.misses, t.evictions, t.rejected,
-                                     quotas.get(ns, 0), tier_bytes)
+                                     quotas.get(ns), tier_bytes)
         return out
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from kvstore.admin.client import AdminClient
 from kvstore.cluster import LocalRegistry, NodeInfo, RedisRegistry
 from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.membership import Heartbeat
@@ -80,6 +81,13 @@ def test_cluster_reads_and_writes_across_nodes(redis_url, spawn_store_node):
         assert cluster.replicate(keys[:4], copies=2) == 4
         assert cluster.replicate(keys[:4], copies=2) == 0                          # idempotent
         assert cluster.get_blocks(keys[:4]) == [d for _, d in blocks[:4]]
+        # a tenant's hot blocks: the copy is on the tenant's books where it lands
+        assert cluster.replicate(keys[4:6], copies=2, namespace="tenant-hot") == 2
+        held = []
+        for node in cluster.nodes():
+            with AdminClient(node.address, None, 30) as admin:
+                held.append({n["namespace"]: n["blocks"] for n in admin.stats()["namespaces"]}.get("tenant-hot", 0))
+        assert sorted(held) == [0, 2], held
 
 
 # -- a node dies mid-life; generation through real engines still completes ------------------

@@ -240,10 +240,12 @@ class ClusterClient:
                     results[i] = r
         return [r or PutResult(k, False, False, "not placed") for r, (k, _) in zip(results, blocks)]
 
-    def replicate(self, keys: Sequence[bytes], copies: int = 2) -> int:
+    def replicate(self, keys: Sequence[bytes], copies: int = 2, namespace: str | None = None) -> int:
         """Make the held prefix of the chain ``keys`` (hot blocks, as the caller judges) live
         on ``copies`` nodes in all, each new copy on the node with the most free bytes that
-        lacks it, as one chain. Returns blocks copied; a node that fails is skipped."""
+        lacks it, as one chain. ``namespace``: the tenant the blocks belong to, so that each
+        copy is on its books and held to its quota there (None: the copies are unattributed).
+        Returns blocks copied; a node that fails is skipped."""
         keys = list(keys)
         owners = self.locate(keys)
         if not owners:
@@ -262,7 +264,7 @@ class ClusterClient:
         for node_id in sorted(free, key=lambda n: (-free[n], n))[:need]:
             node = next(n for n in self.nodes() if n.node_id == node_id)
             try:
-                got = self._client(node).put_blocks(blocks, chain=True)
+                got = self._client(node).put_blocks(blocks, chain=True, namespace=namespace)
             except (KVStoreError, OSError) as exc:
                 self._fail(node, exc)
                 continue
