@@ -8,6 +8,7 @@ on then pool off, side by side; scheduler/compare.py) or serving until Ctrl-C.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -180,12 +181,20 @@ def run_up(args: argparse.Namespace) -> int:
 def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
                  redis_url: str | None) -> str:
     """Record the running stack where kvctl looks (kvstore/kvctl/common.py ``up_file``:
-    ``$XDG_RUNTIME_DIR/kvstore/up.json``, mode 0600): this process's pid, the store nodes',
-    engines' and front door's addresses, and the path of its ``auth.env`` (which gets the
-    Redis URL too, since a private Redis's holds its password). Returns the file's path."""
+    ``$XDG_RUNTIME_DIR/kvstore/up-<pid>.json``, mode 0600, one per running ``kvstore up``):
+    this process's pid, the store nodes', engines' and front door's addresses, and the path
+    of its ``auth.env`` (which gets the Redis URL too, since a private Redis's holds its
+    password). Records left by a ``kvstore up`` that died without removing its own are
+    removed. Returns the file's path."""
+    import glob
     import json
 
-    from kvstore.kvctl.common import up_file
+    from kvstore.kvctl.common import pid_alive, up_file
+    for stale in glob.glob(os.path.join(os.path.dirname(up_file()), "up-*.json")):
+        pid = os.path.basename(stale)[3:-5]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(stale)
     auth_env = os.path.abspath(os.path.join(data_dir, "auth.env"))
     if redis_url:
         with open(auth_env, "a") as f:
@@ -198,7 +207,8 @@ def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(f"{path}.tmp", path)
-    print(f"kvctl          finds this stack through {path} (kvctl tiers, kvctl nodes, ...)", flush=True)
+    print(f"kvctl          finds this stack through {path} (kvctl tiers, kvctl nodes, ...; "
+          f"kvctl --stack {os.getpid()} ... when several run)", flush=True)
     return path
 
 

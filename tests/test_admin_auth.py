@@ -1,9 +1,11 @@
 """The Admin API is the store token's only: every Admin RPC refuses a missing or wrong token
 (UNAUTHENTICATED, before any method runs), kvctl says so; a malformed tenant name on a
 Put is INVALID_ARGUMENT; Admin errors go through the wire error table (kvstore/wire/errors.py).
-And kvctl finds the stack ``kvstore up`` recorded (up.json, its auth.env) with no flags,
-flags still winning."""
+And kvctl finds the stack ``kvstore up`` recorded (up-<pid>.json, its auth.env) with no flags,
+flags still winning, and asks which when several run."""
 from __future__ import annotations
+
+import os
 
 import grpc
 import pytest
@@ -108,3 +110,49 @@ def test_draining_a_pool_with_no_membership_is_failed_precondition(make_dram):
                 admin.set_draining(True)
     finally:
         server.stop(None).wait()
+
+
+def test_kvctl_with_several_stacks_running_asks_which(spawn_store_node, tmp_path, monkeypatch):
+    """Two ``kvstore up`` of one user each keep their own record (up-<pid>.json): kvctl
+    names both and asks for ``--stack``, or takes the one holding the ``--store`` node; a
+    stack whose ``kvstore up`` exited is passed over."""
+    import json
+    import subprocess
+
+    from launcher.up import record_stack
+    other_token = "other-store-token-0123456789"
+    nodes = {}
+    for name, token in (("stack-a-node", TOKEN), ("stack-b-node", other_token)):
+        _, nodes[name] = spawn_store_node(name, "--dram", "2MiB", "--ssd", "0", "--auth-token", token,
+                                          "--transfer-engine", "off")
+    env = kvctl_env(tmp_path, token=None)
+    del env["KVSTORE_UP_FILE"]
+    env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
+    monkeypatch.delenv("KVSTORE_UP_FILE", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", env["XDG_RUNTIME_DIR"])
+    for name, token in (("a", TOKEN), ("b", other_token)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={token}\n")
+    record_stack([nodes["stack-a-node"]], [], "http://127.0.0.1:1", str(tmp_path / "a"), None)   # this pid's
+    other = subprocess.Popen(["sleep", "300"])            # stands in for a second kvstore up
+    try:
+        doc = {"version": 1, "pid": other.pid, "stores": [nodes["stack-b-node"]], "engines": [],
+               "frontdoor": "http://127.0.0.1:2", "auth_env": str(tmp_path / "b" / "auth.env")}
+        (tmp_path / "run" / "kvstore" / f"up-{other.pid}.json").write_text(json.dumps(doc))
+        rc, _, err = kvctl(env, "ls", json_out=False)
+        assert rc == 1 and "2 kvstore up stacks are running" in err and f"pid {other.pid}" in err, err
+        assert "--stack PID" in err
+        rc, doc, err = kvctl(env, "--stack", str(other.pid), "tiers")
+        assert rc == 0 and doc["node_id"] == "stack-b-node", err
+        assert kvctl(env, "--stack", str(other.pid), "ls")[0] == 0            # stack b's token, from its auth.env
+        rc, _, err = kvctl(env, "--store", nodes["stack-a-node"], "ls")       # the stack holding the node
+        assert rc == 0, err
+        rc, _, err = kvctl(env, "--stack", "999999999", "tiers", json_out=False)
+        assert rc == 1 and "no kvstore up with pid 999999999" in err, err
+    finally:
+        other.kill()
+        other.wait()
+    rc, doc, err = kvctl(env, "tiers")                   # b has exited: a is the only one
+    assert rc == 0 and doc["node_id"] == "stack-a-node", err
+    record_stack([nodes["stack-a-node"]], [], "http://127.0.0.1:1", str(tmp_path / "a"), None)
+    assert sorted(p.name for p in (tmp_path / "run" / "kvstore").iterdir()) == [f"up-{os.getpid()}.json"]

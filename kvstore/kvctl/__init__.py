@@ -28,14 +28,16 @@ import sys
 
 from kvstore.errors import KVStoreError
 from kvstore.kvctl import blocks, cluster, lookup, quota, tiers, watch
-from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_file
+from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--store", help=f"a store node host:port (default: kvstore up's, from {up_file()}, "
-                                        "else 127.0.0.1:50051)")
+    parser.add_argument("--store", help="a store node host:port (default: the running kvstore up's, from "
+                                        f"{up_dir()}/up-PID.json, else 127.0.0.1:50051)")
+    parser.add_argument("--stack", type=int, metavar="PID",
+                        help="which kvstore up to talk to when several are running (the pid each prints)")
     parser.add_argument("--token", help="the store token (admin calls need it; default: KVSTORE_STORE_TOKEN, "
                                         "else kvstore up's auth.env)")
     parser.add_argument("--redis", metavar="URL", help="the membership registry: every node of the cluster "

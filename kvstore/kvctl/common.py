@@ -10,6 +10,7 @@ path of the stack's ``auth.env``, which holds the tokens and a private Redis's U
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -27,34 +28,78 @@ UP_FILE_ENV = "KVSTORE_UP_FILE"
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 3
 
 
-def up_file() -> str:
-    """Where ``kvstore up`` records its stack: ``$KVSTORE_UP_FILE``, else
-    ``$XDG_RUNTIME_DIR/kvstore/up.json``, else ``~/.cache/kvstore/up.json`` (mode 0600)."""
+def up_dir() -> str:
+    """Where ``kvstore up`` records its stacks: ``$XDG_RUNTIME_DIR/kvstore``, else
+    ``~/.cache/kvstore`` (one ``up-<pid>.json`` per running ``kvstore up``, mode 0600)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvstore")
+
+
+def up_file(pid: int | None = None) -> str:
+    """The record of the ``kvstore up`` with process id ``pid`` (default: this process):
+    ``$KVSTORE_UP_FILE`` when set (one record, whoever wrote it), else
+    ``up_dir()/up-<pid>.json``."""
     explicit = os.environ.get(UP_FILE_ENV)
     if explicit:
         return explicit
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvstore", "up.json")
+    return os.path.join(up_dir(), f"up-{os.getpid() if pid is None else pid}.json")
 
 
-def read_up_file() -> dict[str, Any] | None:
-    """The running stack's record, or None when there is none, it does not parse, or the
-    ``kvstore up`` that wrote it (``pid``) has exited."""
-    try:
-        with open(up_file(), encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    pid = doc.get("pid") if isinstance(doc, dict) else None
-    if not isinstance(pid, int):
-        return None
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:
         pass
-    return doc
+    return True
+
+
+def running_stacks() -> list[dict[str, Any]]:
+    """The records of every running ``kvstore up`` (see :func:`up_dir`; only
+    ``$KVSTORE_UP_FILE`` when set), oldest pid first; a record that does not parse or whose
+    ``kvstore up`` has exited is skipped. Each has ``path`` added."""
+    explicit = os.environ.get(UP_FILE_ENV)
+    paths = [explicit] if explicit else sorted(glob.glob(os.path.join(up_dir(), "up-*.json")))
+    out = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        pid = doc.get("pid") if isinstance(doc, dict) else None
+        if isinstance(pid, int) and pid_alive(pid):
+            out.append({**doc, "path": path})
+    return sorted(out, key=lambda d: d["pid"])
+
+
+def read_up_file(stack: int | None = None, store: str | None = None) -> dict[str, Any] | None:
+    """The record of the running stack kvctl talks to: the one whose ``kvstore up`` has pid
+    ``stack`` when given; else the one holding node ``store`` when given (None when none
+    does and several run; the only one running when it is named otherwise, say by another
+    host name); else the only one running (None when none is).
+    Raises ValueError when ``stack`` is not running, or when several are and neither
+    ``stack`` nor ``store`` says which."""
+    stacks = running_stacks()
+    if stack is not None:
+        for doc in stacks:
+            if doc["pid"] == stack:
+                return doc
+        raise ValueError(f"no kvstore up with pid {stack} is running; running: {_listing(stacks) or 'none'}")
+    if store:
+        held = next((doc for doc in stacks if store in doc.get("stores", ())), None)
+        return held or (stacks[0] if len(stacks) == 1 else None)
+    if len(stacks) > 1:
+        raise ValueError(f"{len(stacks)} kvstore up stacks are running ({_listing(stacks)}); "
+                         "pick one with --stack PID, or a node with --store")
+    return stacks[0] if stacks else None
+
+
+def _listing(stacks: list[dict[str, Any]]) -> str:
+    return ", ".join(f"pid {d['pid']}: front door {d.get('frontdoor')}, stores {','.join(d.get('stores', []))}"
+                     for d in stacks)
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -86,11 +131,11 @@ class Target:
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
-    up = read_up_file()
+    up = read_up_file(getattr(args, "stack", None), args.store)
     auth = read_env_file(up["auth_env"]) if up and up.get("auth_env") else {}
     store, source = args.store, "--store"
     if not store and up and up.get("stores"):
-        store, source = up["stores"][0], up_file()
+        store, source = up["stores"][0], up["path"]
     if not store:
         store, source = DEFAULT_STORE, "default"
     token = args.token or os.environ.get(STORE_TOKEN_ENV) or auth.get(STORE_TOKEN_ENV) or None
