@@ -31,9 +31,9 @@ def test_nodes_ls_and_drain_on_three_nodes(spawn_store_node, redis_url, tmp_path
         assert [t["name"] for t in n["tiers"]] == ["dram", "ssd"] and n["draining"] is False
 
     blocks = {node_id: [(block(i, node_id.encode()), os.urandom(BLOCK)) for i in range(5)] for node_id in addresses}
-    for node_id, items in blocks.items():
+    for node_id, items in blocks.items():          # store-0's as one prefix chain
         with StoreClient(addresses[node_id], auth_token=TOKEN, data_path="grpc") as c:
-            assert all(r.ok for r in c.put_blocks(items, namespace="key-t"))
+            assert all(r.ok for r in c.put_blocks(items, chain=node_id == "store-0", namespace="key-t"))
     pinned = blocks["store-0"][0][0]
     with StoreClient(addresses["store-0"], auth_token=TOKEN, data_path="grpc") as c:
         assert c.pin([pinned], hard=True) == 1
@@ -56,6 +56,9 @@ def test_nodes_ls_and_drain_on_three_nodes(spawn_store_node, redis_url, tmp_path
     moved = {b["key"]: b for b in doc["blocks"] if b["key"] in {k.hex() for k, _ in blocks["store-0"]}}
     assert len(moved) == 5 and {b["namespace"] for b in moved.values()} == {"key-t"}
     assert moved[pinned.hex()]["pin"] == "hard"                # the pin moved with the block
+    chain = [k.hex() for k, _ in blocks["store-0"]]         # the chain's links moved with it, on one node
+    assert [moved[k]["parent"] for k in chain] == [""] + chain[:-1]
+    assert len({moved[k]["node"] for k in chain}) == 1
     assert {n["node_id"]: n["draining"] for n in kvctl(env, "nodes")[1]["nodes"]}["store-0"] is True
 
     with ClusterClient(redis_url, auth_token=TOKEN, refresh_s=0.0) as cluster:

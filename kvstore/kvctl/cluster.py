@@ -103,9 +103,11 @@ def _progress(args: argparse.Namespace, text: str) -> None:
 
 
 def _move_batch(t: Target, source: NodeRef, blocks: list[dict[str, Any]], targets: dict[str, list[Any]],
-                failed: dict[str, str]) -> list[bytes]:
-    """Copy ``blocks`` (ListBlocks entries) from ``source`` to the roomiest other nodes
-    (re-pinning pinned ones there); returns the keys now safe to remove from ``source``."""
+                failed: dict[str, str], placed: dict[str, str]) -> list[bytes]:
+    """Copy ``blocks`` (ListBlocks entries) from ``source`` to the other nodes (re-pinning
+    pinned ones there, keeping each block's namespace and chain parent); a block goes where
+    its parent went (``placed``: key hex -> node id, filled in here) while that node has
+    room, else to the roomiest. Returns the keys now safe to remove from ``source``."""
     keys = [bytes.fromhex(b["key"]) for b in blocks]
     with StoreClient(source.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc") as src:
         data = src.get_blocks(keys)
@@ -114,10 +116,13 @@ def _move_batch(t: Target, source: NodeRef, blocks: list[dict[str, Any]], target
         if d is None:
             failed[b["key"]] = "gone or unreadable on the source (evicted, or its checksum failed)"
             continue
-        node_id = max(targets, key=lambda n: targets[n][1])
+        node_id = placed.get(b["parent"], "")
+        if node_id not in targets or targets[node_id][1] < len(d):
+            node_id = max(targets, key=lambda n: targets[n][1])
         client, _ = targets[node_id]
         try:
-            r = client.put_blocks([(key, d)], namespace=b["namespace"] or None)[0]
+            r = client.put_blocks([(key, d)], parent=bytes.fromhex(b["parent"]) if b["parent"] else None,
+                                  namespace=b["namespace"] or None)[0]
         except KVStoreError as exc:
             failed[b["key"]] = f"{node_id} refused it: {exc}"
             continue
@@ -125,6 +130,7 @@ def _move_batch(t: Target, source: NodeRef, blocks: list[dict[str, Any]], target
             failed[b["key"]] = f"{node_id} refused it: {r.error}"
             continue
         targets[node_id][1] -= len(d)
+        placed[b["key"]] = node_id
         if b["pin"]:
             client.pin([key], hard=b["pin"] == "hard", ttl_s=max(1.0, b["pin_ttl_s"]) if b["pin"] == "soft" else None)
         moved.append(key)
@@ -155,6 +161,7 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
             n.node_id: [StoreClient(n.address, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc"),
                         n.info.free_bytes if n.info else 0] for n in others}
         failed: dict[str, str] = {}
+        placed: dict[str, str] = {}
         moved = moved_bytes = 0
         total = admin.list_blocks(limit=1)["matched"]
         t0 = time.monotonic()
@@ -164,7 +171,7 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
                 batch = [b for b in listing if b["key"] not in failed][:DRAIN_BATCH]
                 if not batch:
                     break
-                done = _move_batch(t, source, batch, targets, failed)
+                done = _move_batch(t, source, batch, targets, failed, placed)
                 if done:
                     r = admin.keys_call("Remove", done)
                     for f in r["failed"]:
