@@ -17,6 +17,9 @@ the decode instance loaded); a stream carries it only when the client asked
 
 Errors: as :mod:`scheduler.frontdoor` (400, 429, 503 when an instance fails — it is
 then routed around until its ``/health`` answers again); a 4xx from vLLM is relayed as 400.
+The prefill request carries the sampling fields vLLM checks per value
+(:data:`scheduler.vllm_instances.PREFILL_SAMPLING`), so a bad one is refused there,
+before any prompt token is computed.
 Responses carry ``X-Kvstore-Prefill`` and ``X-Kvstore-Decode``: the instances chosen.
 """
 from __future__ import annotations
@@ -103,10 +106,11 @@ class VLLMFrontdoor(Frontdoor):
         self.router.mark_down(engine_id, str(exc))
         return APIError(503, f"{stage} failed: {exc}", "service_unavailable", "engine_unavailable")
 
-    async def _prefill(self, req: GenerationRequest, plan: RoutePlan) -> None:
+    async def _prefill(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan) -> None:
         result = None
         try:
-            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace)
+            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace,
+                                                                    sampling=body)
         except KVStoreError as exc:
             raise self._failed(plan.prefill_id, "prefill", exc) from None
         finally:
@@ -128,7 +132,7 @@ class VLLMFrontdoor(Frontdoor):
     async def _relay(self, request: web.Request, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan,
                      t0: float, chat: bool) -> tuple[web.StreamResponse, str]:
         if not self.router.colocated:
-            await self._prefill(req, plan)
+            await self._prefill(body, req, plan)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         out = self._decode_body(body, req, plan, chat)
         client = self.router.decode_client(plan)

@@ -92,6 +92,11 @@ class VLLMLoad:
     at_s: float
 
 
+# The sampling fields the prefill request carries (see VLLMInstance.prefill): those vLLM
+# checks per value; not n, min_tokens, stop or logprobs, which would change or refuse a
+# one-token completion (or differ between completions and chat).
+PREFILL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias")
 _SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -184,12 +189,16 @@ class VLLMClient:
             raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
 
     async def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
-                      max_load_blocks: int | None = None) -> PrefillResult:
-        """Prefill ``prompt`` on this instance: a one-token greedy completion with
-        ``cache_salt=namespace``. ``max_load_blocks`` is not honoured (the connector loads any
-        pool hit). Returns the result with ``prefill_s`` the measured seconds of the call and
-        ``cached_tokens`` as vLLM reports them (loaded from the pool)."""
+                      max_load_blocks: int | None = None, sampling: dict[str, Any] | None = None) -> PrefillResult:
+        """Prefill ``prompt`` on this instance: a one-token completion (greedy unless
+        ``sampling`` says otherwise) with ``cache_salt=namespace``. ``sampling``: the request's
+        fields of :data:`PREFILL_SAMPLING`, sent along so that vLLM refuses bad ones (a 400:
+        InvalidArgument) before it computes anything, rather than the decode instance after
+        the prefill was spent; the one token is not used. ``max_load_blocks`` is not honoured
+        (the connector loads any pool hit). Returns the result with ``prefill_s`` the measured
+        seconds of the call and ``cached_tokens`` as vLLM reports them (loaded from the pool)."""
         body = {"model": self.served_model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0,
+                **{k: v for k, v in (sampling or {}).items() if k in PREFILL_SAMPLING},
                 "cache_salt": namespace, "request_id": f"{request_id}-prefill", "return_token_ids": True}
         t0 = time.perf_counter()
         out = await self.complete("/v1/completions", body)

@@ -174,6 +174,31 @@ def test_admission_rejects_before_any_prefill_reaches_vllm(model_dir, store, ser
     assert after == before > 0
 
 
+def test_a_bad_sampling_value_is_refused_before_any_prompt_token_is_computed(model_dir, store, servers) -> None:
+    """vLLM checks repetition_penalty and min_p (the front door passes them through): the
+    prefill request carries them, so vLLM's 400 comes before the prefill, not after it."""
+    prompt = trace_prompts(1)[0][0][:-2] + [11, 12]
+
+    async def run() -> tuple[list[dict], float, float, float]:
+        async with frontdoor(model_dir, store, servers, "decode0") as door:
+            async with aiohttp.ClientSession() as s:
+                before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                decoded = await asyncio.to_thread(vllm_counter, servers["decode0"], "vllm:prompt_tokens_total")
+                out = [await stream(s, door.url, {"prompt": prompt, "max_tokens": 4, **bad})
+                       for bad in ({"repetition_penalty": 0}, {"min_p": 2.0})]
+                after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                assert await asyncio.to_thread(vllm_counter, servers["decode0"], "vllm:prompt_tokens_total") == decoded
+                good = await stream(s, door.url, {"prompt": prompt, "max_tokens": 4, "repetition_penalty": 1.1,
+                                                  "min_p": 0.05, "temperature": 0.8, "seed": 3})
+                return [*out, good], before, after, decoded
+
+    (rp, mp, good), before, after, _ = asyncio.run(run())
+    for r, field in ((rp, "repetition_penalty"), (mp, "min_p")):
+        assert r["status"] == 400 and r["error"]["code"] == "invalid_value" and field in r["error"]["message"], r
+    assert after == before                           # no prompt token computed for either
+    assert good["status"] == 200 and good["error"] is None and len(good["tokens"]) == 4
+
+
 def test_two_tenants_never_share_blocks(model_dir, store, servers) -> None:
     pool, _ = store
     model = VLLMModel.from_dir(model_dir, BS)
