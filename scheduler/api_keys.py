@@ -39,7 +39,9 @@ def load_api_keys(keys: Iterable[str] = (), path: str | None = None) -> frozense
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
+    # aiohttp hands a header's bytes that are not UTF-8 over as surrogates: hash the bytes sent
+    # (such a key matches no configured one) instead of failing the request with a 500.
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 def _unauthorized(message: str) -> web.Response:

@@ -21,7 +21,8 @@ def namespace_from_authorization(header: str | None) -> str:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         return PUBLIC_NAMESPACE
-    return "key-" + hashlib.sha256(token.encode("utf-8")).hexdigest()[:16]
+    # a header that is not UTF-8 reaches us with surrogates (aiohttp): hash the bytes sent
+    return "key-" + hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def request_extras(info: EngineInfo, namespace: str) -> KeyExtras:

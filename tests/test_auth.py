@@ -152,6 +152,21 @@ def test_front_door_serves_each_key_and_keeps_health_open(keyed_url):
     assert status == 200 and json.loads(data)["status"]
 
 
+def test_a_key_that_is_not_utf8_is_a_401_and_without_keys_a_tenant(stack, keyed_url):
+    # urllib sends a header's characters as latin-1 bytes: b"\xff\xfe" and a UTF-8-encoded
+    # surrogate are no UTF-8 text; both were a 500 (UnicodeEncodeError hashing the key)
+    bad = [{"Authorization": "Bearer sk-\xff\xfe"}, {"Authorization": "Bearer \xed\xa0\x80"}]
+    for headers in bad:
+        for path, body in (("/v1/completions", {"prompt": "hello", "max_tokens": 2}), ("/v1/models", None),
+                           ("/metrics", None), ("/status.json", None)):
+            status, _, data = call(keyed_url, path, body, headers)
+            assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", (path, data)
+    open_url = stack.door(FrontdoorConfig(store_auth_token=STORE_TOKEN, engine_auth_token=ENGINE_TOKEN)).url
+    for headers in bad:   # without keys the bytes sent name the tenant, as any other bearer token
+        status, _, data = call(open_url, "/v1/completions", {"prompt": "hello", "max_tokens": 2}, headers)
+        assert status == 200, data
+
+
 def test_api_keys_file_and_flags(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# tenants\n  sk-one \n\nsk-two\n")
