@@ -83,6 +83,47 @@ def test_kvctl_finds_the_stack_kvstore_up_recorded(node, tmp_path, monkeypatch):
     assert rc == 1 and "127.0.0.1:50051" in err
 
 
+class _Listener(grpc.GenericRpcHandler):
+    """Stands in for another local user listening on a port the stack does not hold: keeps
+    the metadata of every call (and answers none)."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    def service(self, handler_call_details):  # type: ignore[no-untyped-def]
+        self.metadata.append(dict(handler_call_details.invocation_metadata))
+        return None
+
+
+def test_kvctl_sends_a_stacks_token_to_its_own_nodes_only(node, tmp_path, monkeypatch):
+    """``kvctl --store ADDR`` with a stack running sent that stack's store token (the admin
+    of every tenant's blocks) to ADDR even when the stack holds no node there."""
+    from concurrent import futures
+
+    from launcher.up import forget_stack, record_stack
+    env = kvctl_env(tmp_path, token=None)
+    monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={TOKEN}\n")
+    path = record_stack([node], [], "http://127.0.0.1:2", str(tmp_path / "up"), None)
+    listener = _Listener()
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[listener])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        rc, _, err = kvctl(env, "--store", f"127.0.0.1:{port}", "tiers", json_out=False)
+        assert rc == 1 and listener.metadata, err
+        assert all("authorization" not in md for md in listener.metadata), listener.metadata
+        rc, _, err = kvctl(env, "--stack", str(os.getpid()), "--store", f"127.0.0.1:{port}", "ls", json_out=False)
+        assert rc == 1 and "its tokens go to its own nodes only" in err, err
+        assert all("authorization" not in md for md in listener.metadata)
+        rc, doc, err = kvctl(env, "--store", node.replace("127.0.0.1", "localhost"), "ls")   # one host, two names
+        assert rc == 0, err
+    finally:
+        server.stop(None).wait()
+        forget_stack(path)
+
+
 def test_admin_errors_go_through_the_wire_error_table(node):
     """The Admin service answers as the store API does (kvstore/wire/errors.py): the code of
     the class and the class named in the ``kvstore-error`` trailer, which AdminClient raises."""

@@ -4,8 +4,8 @@ results are printed (a table, or ``--json``), block-key arguments and exit codes
 Where the store is, first found wins: ``--store`` / ``--token`` / ``--redis``; then the
 environment (``KVSTORE_STORE_TOKEN``, ``KVSTORE_REDIS_URL``); then the file ``kvstore up``
 writes for its stack (:func:`up_file`: the store nodes' addresses, the engines', and the
-path of the stack's ``auth.env``, which holds the tokens and a private Redis's URL); then
-127.0.0.1:50051.
+path of the stack's ``auth.env``, which holds the tokens and a private Redis's URL; not read
+for a ``--store`` that no running stack holds); then 127.0.0.1:50051.
 """
 from __future__ import annotations
 
@@ -77,24 +77,42 @@ def running_stacks() -> list[dict[str, Any]]:
 
 def read_up_file(stack: int | None = None, store: str | None = None) -> dict[str, Any] | None:
     """The record of the running stack kvctl talks to: the one whose ``kvstore up`` has pid
-    ``stack`` when given; else the one holding node ``store`` when given (None when none
-    does and several run; the only one running when it is named otherwise, say by another
-    host name); else the only one running (None when none is).
-    Raises ValueError when ``stack`` is not running, or when several are and neither
-    ``stack`` nor ``store`` says which."""
+    ``stack`` when given; else the one holding node ``store`` when given (``localhost``,
+    ``127.0.0.1`` and ``::1`` name one host), None when no stack holds it: a stack's tokens
+    go to the nodes it started only, never to another address, where anyone on the host may
+    be listening; else the only one running (None when none is).
+    Raises ValueError when ``stack`` is not running or does not hold ``store``, or when
+    several are and neither ``stack`` nor ``store`` says which."""
     stacks = running_stacks()
+
+    def holds(doc: dict[str, Any]) -> bool:
+        return any(same_node(str(store), s) for s in doc.get("stores", ()))
+
     if stack is not None:
-        for doc in stacks:
-            if doc["pid"] == stack:
-                return doc
-        raise ValueError(f"no kvstore up with pid {stack} is running; running: {_listing(stacks) or 'none'}")
+        mine = next((doc for doc in stacks if doc["pid"] == stack), None)
+        if mine is None:
+            raise ValueError(f"no kvstore up with pid {stack} is running; running: {_listing(stacks) or 'none'}")
+        if store and not holds(mine):
+            raise ValueError(f"the kvstore up with pid {stack} has no node {store} (its stores: "
+                             f"{', '.join(mine.get('stores', []))}); its tokens go to its own nodes only")
+        return mine
     if store:
-        held = next((doc for doc in stacks if store in doc.get("stores", ())), None)
-        return held or (stacks[0] if len(stacks) == 1 else None)
+        return next((doc for doc in stacks if holds(doc)), None)
     if len(stacks) > 1:
         raise ValueError(f"{len(stacks)} kvstore up stacks are running ({_listing(stacks)}); "
                          "pick one with --stack PID, or a node with --store")
     return stacks[0] if stacks else None
+
+
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def same_node(a: str, b: str) -> bool:
+    """Whether addresses ``a`` and ``b`` (``host:port``) name one node: the same port, and
+    the same host or two names of the loopback host."""
+    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
+    ha, hb = ha.strip("[]").lower(), hb.strip("[]").lower()
+    return pa == pb and (ha == hb or (ha in LOOPBACK and hb in LOOPBACK))
 
 
 def _listing(stacks: list[dict[str, Any]]) -> str:
