@@ -104,7 +104,7 @@ def test_kvctl_sends_a_stacks_token_to_its_own_nodes_only(node, tmp_path, monkey
     env = kvctl_env(tmp_path, token=None)
     monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
     (tmp_path / "up").mkdir()
-    (tmp_path / "up" / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={TOKEN}\n")
+    (tmp_path / "up" / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={TOKEN}\nKVSTORE_ENGINE_TOKEN=engine-secret\n")
     path = record_stack([node], [], "http://127.0.0.1:2", str(tmp_path / "up"), None)
     listener = _Listener()
     server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[listener])
@@ -119,6 +119,11 @@ def test_kvctl_sends_a_stacks_token_to_its_own_nodes_only(node, tmp_path, monkey
         assert all("authorization" not in md for md in listener.metadata)
         rc, doc, err = kvctl(env, "--store", node.replace("127.0.0.1", "localhost"), "ls")   # one host, two names
         assert rc == 0, err
+        calls = len(listener.metadata)
+        kvctl(env, "lookup", "--engine", f"127.0.0.1:{port}", "--prompt", "hi", json_out=False)
+        kvctl(env, "watch", "--count", "1", "--node", f"127.0.0.1:{port}", json_out=False)
+        assert len(listener.metadata) >= calls + 2
+        assert all("authorization" not in md for md in listener.metadata), listener.metadata
     finally:
         server.stop(None).wait()
         forget_stack(path)

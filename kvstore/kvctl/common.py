@@ -146,6 +146,21 @@ class Target:
     source: str = "flag"
     engines: list[str] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)
+    # tokens read from a stack's auth.env go to that stack's own nodes and engines only
+    token_from_stack: bool = False
+    engine_token_from_stack: bool = False
+
+    def token_for(self, address: str) -> str | None:
+        """The store token to send ``address``: a stack's only to the stack's nodes."""
+        if self.token_from_stack and not any(same_node(address, s) for s in self.stores):
+            return None
+        return self.token
+
+    def engine_token_for(self, address: str) -> str | None:
+        """The engines' token to send ``address``: a stack's only to the stack's engines."""
+        if self.engine_token_from_stack and not any(same_node(address, e) for e in self.engines):
+            return None
+        return self.engine_token
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
@@ -156,12 +171,15 @@ def resolve_target(args: argparse.Namespace) -> Target:
         store, source = up["stores"][0], up["path"]
     if not store:
         store, source = DEFAULT_STORE, "default"
-    token = args.token or os.environ.get(STORE_TOKEN_ENV) or auth.get(STORE_TOKEN_ENV) or None
+    given = args.token or os.environ.get(STORE_TOKEN_ENV)
+    token = given or auth.get(STORE_TOKEN_ENV) or None
     redis_url = getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV) or auth.get(REDIS_URL_ENV) or None
-    engine_token = (getattr(args, "engine_token", None) or os.environ.get(ENGINE_TOKEN_ENV)
-                    or auth.get(ENGINE_TOKEN_ENV) or None)
+    given_engine = getattr(args, "engine_token", None) or os.environ.get(ENGINE_TOKEN_ENV)
+    engine_token = given_engine or auth.get(ENGINE_TOKEN_ENV) or None
     return Target(store, token, redis_url, engine_token, args.timeout, source,
-                  list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [])
+                  list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
+                  token_from_stack=not given and token is not None,
+                  engine_token_from_stack=not given_engine and engine_token is not None)
 
 
 def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:

@@ -63,7 +63,7 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
         with grpc.insecure_channel(engine) as channel:
             try:
                 info = engine_pb2_grpc.EngineStub(channel).Info(
-                    engine_pb2.InfoRequest(), timeout=t.timeout_s, metadata=bearer_metadata(t.engine_token))
+                    engine_pb2.InfoRequest(), timeout=t.timeout_s, metadata=bearer_metadata(t.engine_token_for(engine)))
             except grpc.RpcError as exc:
                 raise Unavailable(f"engine at {engine}: {exc.code().name}: {exc.details()}") from None
         return info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size, f"engine {engine}"

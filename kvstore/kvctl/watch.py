@@ -39,14 +39,16 @@ class NodeReading:
     error: str = ""
 
 
-def read_nodes(addresses: Sequence[str], token: str | None, timeout_s: float) -> list[NodeReading]:
+def read_nodes(addresses: Sequence[str], token: str | None | Callable[[str], str | None],
+               timeout_s: float) -> list[NodeReading]:
     """Each node's tier figures (``Stats``); a node that does not answer is a reading with
-    the error, never an exception."""
+    the error, never an exception. ``token``: the token, or the token to send an address."""
     from kvstore.client import StoreClient
     out = []
     for address in addresses:
         try:
-            with StoreClient(address, auth_token=token, timeout_s=timeout_s, data_path="grpc") as client:
+            with StoreClient(address, auth_token=token(address) if callable(token) else token,
+                             timeout_s=timeout_s, data_path="grpc") as client:
                 node_id, stats = client.stats()
             out.append(NodeReading(address, node_id, tuple(stats)))
         except KVStoreError as exc:
@@ -144,7 +146,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def run(addresses: Sequence[str], token: str | None, timeout_s: float, args: argparse.Namespace,
+def run(addresses: Sequence[str], token: str | None | Callable[[str], str | None], timeout_s: float,
+        args: argparse.Namespace,
         redis_url: str | None = None) -> int:
     """``kvctl watch`` over ``addresses`` and the ``--node``s — with ``redis_url``, over every
     node registered in the cluster at each refresh instead of ``addresses``."""
@@ -173,7 +176,8 @@ def _registered(redis_url: str) -> list[str]:
 def cmd_watch(target: Any, args: argparse.Namespace) -> int:
     """kvctl's ``watch`` on a target with ``store``, ``token``, ``timeout_s`` and
     ``redis_url`` (with a registry: every node in it)."""
-    return run([target.store], target.token, target.timeout_s, args, getattr(target, "redis_url", None))
+    return run([target.store], getattr(target, "token_for", target.token), target.timeout_s, args,
+               getattr(target, "redis_url", None))
 
 
 def add_commands(sub: Any) -> None:
