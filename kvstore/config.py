@@ -55,8 +55,8 @@ class TierSpec:
         if self.kind not in registry.KINDS:
             raise ValueError(f"unknown tier {self.kind!r}; tiers: {registry.names()}")
         if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) \
-                or self.capacity_bytes <= 0:
-            raise ValueError(f"tier {self.kind}: capacity must be a whole number of bytes > 0, "
+                or not 0 < self.capacity_bytes < 2**63:   # above: an OverflowError sizing the file
+            raise ValueError(f"tier {self.kind}: capacity must be a whole number of bytes in (0, 2**63), "
                              f"got {self.capacity_bytes!r}")
 
     @classmethod

@@ -2,6 +2,7 @@
 per-block result and a tier's figures."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,8 +37,8 @@ class PoolSettings:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1, got "
                              f"low={self.low_watermark}, high={self.high_watermark}")
         for name in ("lease_ttl_s", "reservation_timeout_s", "soft_pin_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:   # NaN or inf: a lease that never ends
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
 
 
 class PutResult(NamedTuple):

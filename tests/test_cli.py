@@ -97,6 +97,17 @@ def test_serve_rejects_a_bad_size(tmp_path):
     assert proc.returncode == 2 and "cannot read 'lots' as a size" in proc.stderr
 
 
+@pytest.mark.parametrize("flags,message", [
+    (("--lease-ttl", "nan"), "lease_ttl_s must be a finite number"),          # served, its leases never ending
+    (("--lease-ttl", "inf"), "lease_ttl_s must be a finite number"),
+    (("--reservation-timeout", "nan"), "reservation_timeout_s must be a finite number"),
+    (("--dram", "99999999TiB"), "capacity must be a whole number of bytes in (0, 2**63)"),   # an OverflowError
+])
+def test_serve_rejects_a_setting_it_cannot_run_with(tmp_path, flags, message):
+    proc = run("launcher", "serve", "--port", "0", "--ssd", "0", "--data-dir", str(tmp_path), *flags)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("command", ["serve", "engine", "scheduler", "up", "replay"])
 def test_help_explains_each_command(command):
     proc = run("launcher", command, "--help")
