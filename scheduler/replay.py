@@ -175,13 +175,30 @@ async def server_info(target_url: str, timeout_s: float = 10.0) -> dict[str, Any
         raise Unavailable(f"front door at {target_url} unreachable: {exc}") from None
 
 
+async def check_api_key(target_url: str, api_key: str | None, timeout_s: float = 10.0) -> None:
+    """Raises Unavailable when the front door answers ``GET /v1/models`` with 401: every
+    request of a replay would fail so (it ran to its end, reporting each as failed)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(target_url.rstrip("/") + "/v1/models", headers=headers) as resp:
+                status = resp.status
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise Unavailable(f"front door at {target_url} unreachable: {exc}") from None
+    if status == 401:
+        raise Unavailable(f"front door at {target_url} refuses {'this' if api_key else 'a caller without an'} "
+                          "API key (401): give one it serves with --api-key")
+
+
 async def _prepare(target_url: str, trace_path: str | Path, requests: int | None, start: int,
-                   window_s: float | None, tokens_per_block: int | None,
-                   seed: int | None) -> tuple[TraceMapping, list[TraceRequest], int | None, dict[str, Any]]:
+                   window_s: float | None, tokens_per_block: int | None, seed: int | None,
+                   api_key: str | None) -> tuple[TraceMapping, list[TraceRequest], int | None, dict[str, Any]]:
     """The mapping (vocabulary and by default ``tokens_per_block`` = the engines' block size,
     from ``/health``), the requests to replay (:func:`scheduler.trace.select_window`), the
-    front door's ``max_model_len`` and the settings that say what was replayed."""
+    front door's ``max_model_len`` and the settings that say what was replayed. Raises
+    Unavailable when the front door refuses ``api_key``."""
     info = await server_info(target_url)
+    await check_api_key(target_url, api_key)
     tpb = tokens_per_block or int(info.get("block_size") or 16)
     block = int(info.get("block_size") or tpb)
     if tpb % block:
@@ -216,10 +233,10 @@ async def run_replay(target_url: str, trace_path: str | Path, *, requests: int |
     against the front door at ``target_url``; the vocabulary, the model's limit and (by
     default) ``tokens_per_block`` = the engines' block size come from its ``/health``.
     ``prefix_cache`` False: pool off. Writes the report as JSON to ``json_path`` when given.
-    Raises Unavailable when the front door does not answer, InvalidArgument for a malformed
-    trace or bad settings."""
+    Raises Unavailable when the front door does not answer or refuses ``api_key``,
+    InvalidArgument for a malformed trace or bad settings."""
     mapping, trace, limit, settings = await _prepare(target_url, trace_path, requests, start, window_s,
-                                                     tokens_per_block, seed)
+                                                     tokens_per_block, seed, api_key)
     report = await replay(target_url, trace, speed, max_output_tokens, mapping, ttft_slo_s=ttft_slo_s,
                           tbt_slo_s=tbt_slo_s, api_key=api_key, prefix_cache=prefix_cache, max_model_len=limit)
     report = dataclasses.replace(report, settings={**report.settings, **settings})
@@ -243,7 +260,7 @@ async def run_comparison(target_url: str, trace_path: str | Path, *, requests: i
     malformed trace or bad settings, or when the front door served cached tokens to a
     request sent with the pool off (it does not honour ``prefix_cache``)."""
     mapping, trace, limit, settings = await _prepare(target_url, trace_path, requests, start, window_s,
-                                                     tokens_per_block, seed)
+                                                     tokens_per_block, seed, api_key)
     for prefix_cache in (True, False):
         await replay(target_url, [WARM_UP], 1.0, 2, mapping, api_key=api_key, prefix_cache=prefix_cache,
                      max_model_len=limit)

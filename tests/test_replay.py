@@ -82,3 +82,16 @@ def test_small_replay_against_a_live_front_door(url, tmp_path):  # noqa: F811
     out = tmp_path / "report.json"
     again = asyncio.run(run_replay(url, TRACE, requests=4, speed=1000.0, max_output_tokens=2, json_path=out))
     assert again.completed == 4 and json.loads(out.read_text())["requests_sent"] == 4
+
+
+def test_a_replay_refused_its_api_key_stops_before_sending(cluster):  # noqa: F811
+    """Against a front door with API keys, a replay without one (or with a wrong one) ran
+    the whole trace, every request a 401; it now stops at once and says so."""
+    from kvstore.errors import Unavailable
+    from scheduler.config import FrontdoorConfig
+    keyed = cluster.frontdoor(FrontdoorConfig(api_keys=frozenset({"sk-replay"})))
+    for key in (None, "sk-wrong"):
+        with pytest.raises(Unavailable, match=r"API key \(401\): give one it serves with --api-key"):
+            asyncio.run(run_replay(keyed, TRACE, requests=2, speed=1000.0, max_output_tokens=2, api_key=key))
+    report = asyncio.run(run_replay(keyed, TRACE, requests=2, speed=1000.0, max_output_tokens=2, api_key="sk-replay"))
+    assert report.completed == 2
