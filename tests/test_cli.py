@@ -85,6 +85,7 @@ def test_a_second_node_on_a_used_port_is_refused(store_node, tmp_path):
 def test_kvctl_rejects_a_key_that_is_not_a_block_key(store_node):
     proc = run("kvstore.kvctl", "--store", store_node, "pin", "deadbeef")
     assert proc.returncode == 1 and "not a block key" in proc.stderr
+    assert "--full-keys" in proc.stderr            # ls prints 16 hex digits: where the whole key is
 
 
 def test_kvctl_reports_an_unreachable_node():

@@ -212,7 +212,8 @@ def parse_keys(hexes: list[str]) -> list[bytes]:
         raise ValueError(f"block keys are hex strings: {exc}") from None
     for h, key in zip(hexes, keys):
         if len(key) not in (16, 32):
-            raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128)")
+            raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128); "
+                             "kvctl ls prints their first 16, kvctl ls --full-keys whole keys")
     return keys
 
 
