@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvstore.auth import STORE_TOKEN_ENV
 from kvstore.config import StoreConfig
 from kvstore.dataplane.control_server import NODE_POLL_S, UdsServer
 from kvstore.dataplane.host import DataPlaneHost
@@ -120,6 +121,10 @@ class StoreNode:
         agent.start(node.port)
         node.agent = agent
         node.metrics_server = metrics[1] if metrics else None
+        if not cfg.auth_token:   # as an engine without its token warns (engines/server.py)
+            log.warning("store node %s takes calls without a token: any caller that reaches port %d can read, "
+                        "list and remove every tenant's blocks and set quotas (give --auth-token or %s)",
+                        cfg.node_id, node.port, STORE_TOKEN_ENV)
         return node
 
     @property

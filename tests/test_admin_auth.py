@@ -48,6 +48,20 @@ def test_every_admin_rpc_refuses_a_missing_or_wrong_token(node, metadata):
         assert reply.node_id == "auth-node"
 
 
+def test_a_node_without_a_token_warns_that_any_caller_reaches_every_tenant(spawn_store_node, node, tmp_path):
+    """Engines and the front door warned when they served without a token; a store node, whose
+    Admin API then lists and removes every tenant's blocks for anyone, said nothing."""
+    import time
+    spawn_store_node("open-node", "--dram", "2MiB", "--ssd", "0", "--transfer-engine", "off")
+    logs = {name: tmp_path / f"{name}.log" for name in ("open-node", "auth-node")}
+    deadline = time.monotonic() + 20
+    while "takes calls without a token" not in logs["open-node"].read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "store node open-node takes calls without a token" in logs["open-node"].read_text()
+    assert "KVSTORE_STORE_TOKEN" in logs["open-node"].read_text()
+    assert "without a token" not in logs["auth-node"].read_text()      # `node` has one
+
+
 def test_kvctl_with_a_wrong_token_says_unauthenticated(node, tmp_path):
     rc, _, err = kvctl(kvctl_env(tmp_path, token="wrong"), "--store", node, "ls", json_out=False)
     assert rc == 1 and "UNAUTHENTICATED" in err
