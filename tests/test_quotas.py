@@ -162,12 +162,14 @@ def test_kvctl_quota_sizes_are_exact_and_bounded(spawn_store_node, tmp_path):
     assert rc == 1 and "--bytes" in err and "2**64 - 1" in err, err
     with StoreClient(address, auth_token=TOKEN, data_path="grpc") as c:       # a tenant without a quota
         assert c.put_blocks([(block(0, b"f"), os.urandom(BLOCK))], namespace="key-free")[0].ok
+    assert kvctl(env, "--store", address, "quota", "set", "--namespace", "key-small", "--bytes", "50KiB")[0] == 0
     rc, doc, _ = kvctl(env, "--store", address, "namespaces")        # 0 is a quota, not "none"
     by = {n["namespace"]: n for n in doc["nodes"][0]["namespaces"]}
     assert rc == 0 and by["key-big"]["quota_bytes"] == 0 and "quota_bytes" not in by["key-free"], by
     rc, text, err = kvctl(env, "--store", address, "namespaces", json_out=False)
     rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("qbig")}
     assert rc == 0 and len(rows["key-big"]) == len(rows["key-free"]) + 1, (text, err)   # its quota column
+    assert "51200" in rows["key-small"], text                       # exact bytes: a small quota is not "0"
 
 
 def test_a_tenants_ssd_blocks_stay_its_own_across_a_restart(make_dram, make_ssd, caplog):

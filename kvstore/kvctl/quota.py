@@ -74,10 +74,10 @@ def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
         for n in s["namespaces"]:
             looked = n["hits"] + n["misses"]
             rows.append([node.node_id, n["namespace"] or "-", n["blocks"], mib(n["bytes"]),
-                         mib(n["quota_bytes"]) if n.get("quota_bytes") is not None else "", n["hits"], n["misses"],
+                         n["quota_bytes"] if n.get("quota_bytes") is not None else "", n["hits"], n["misses"],
                          f"{n['hits'] / looked:.3f}" if looked else "-", n["evictions"], n["rejected_puts"]])
     emit(args, {"nodes": docs}, tabulate(rows, headers=[
-        "node", "namespace", "blocks", "MiB", "quota MiB", "hits", "misses", "hit ratio", "quota evictions",
+        "node", "namespace", "blocks", "MiB", "quota bytes", "hits", "misses", "hit ratio", "quota evictions",
         "rejected puts"]))
     return EXIT_OK
 
