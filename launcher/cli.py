@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -263,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
     p.add_argument("--target", required=True, help="front door URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
-    p.add_argument("--api-key", metavar="KEY", help="send 'Authorization: Bearer KEY' (a front door with API keys)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="send 'Authorization: Bearer KEY' (a front door with API keys; default: $OPENAI_API_KEY, "
+                        "as the openai SDK reads it — a key given by flag shows in ps to other local users)")
     add_replay_flags(p)
     p.set_defaults(func=cmd_replay)
 

@@ -98,7 +98,7 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
                    help="serve only callers sending 'Authorization: Bearer KEY' (repeatable; others get "
                         "401); without keys every caller is served")
     p.add_argument("--api-keys-file", metavar="FILE",
-                   help="more API keys, one per line ('#' starts a comment)")
+                   help="more API keys, one per line ('#' starts a comment); unlike --api-key, not shown by ps")
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:

@@ -113,3 +113,14 @@ def test_serve_rejects_a_setting_it_cannot_run_with(tmp_path, flags, message):
 def test_help_explains_each_command(command):
     proc = run("launcher", command, "--help")
     assert proc.returncode == 0 and "usage: kvstore " + command in proc.stdout
+
+
+def test_replay_takes_its_api_key_from_openai_api_key(monkeypatch):
+    """As the openai SDK does: a key in the environment, not in argv where ps shows it."""
+    from launcher.cli import build_parser
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    assert build_parser().parse_args(["replay", "--target", "http://127.0.0.1:1"]).api_key == "sk-from-env"
+    args = build_parser().parse_args(["replay", "--target", "http://127.0.0.1:1", "--api-key", "sk-flag"])
+    assert args.api_key == "sk-flag"
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert build_parser().parse_args(["replay", "--target", "http://127.0.0.1:1"]).api_key is None

@@ -112,7 +112,9 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--prompt", help="prompt text (tokenized as the front door does)")
     g.add_argument("--tokens", help="token ids, comma- or space-separated")
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--tenant", metavar="API_KEY", help="the tenant's API key (default: the public namespace)")
+    who.add_argument("--tenant", metavar="API_KEY",
+                     help="the tenant's API key (default: the public namespace; --namespace key-<16 hex> "
+                          "names it without the key showing in ps)")
     who.add_argument("--namespace", help="the namespace itself (key-<16 hex>, public, ...)")
     p.add_argument("--engine", metavar="ADDR", help="an engine whose Info gives the key spec (default: kvstore up's)")
     p.add_argument("--engine-token", help="the engines' token (default: KVSTORE_ENGINE_TOKEN)")
