@@ -93,6 +93,12 @@ def test_kvctl_reports_an_unreachable_node():
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
 
 
+def test_kvctl_refuses_an_address_that_is_not_host_port():
+    for bad in ("127.0.0.1:99999", "127.0.0.1:0", "localhost"):
+        proc = run("kvstore.kvctl", "--store", bad, "--timeout", "2", "tiers")
+        assert proc.returncode == 1 and f"--store {bad!r} is not host:port" in proc.stderr, proc.stderr
+
+
 def test_serve_rejects_a_bad_size(tmp_path):
     proc = run("launcher", "serve", "--dram", "lots", "--data-dir", str(tmp_path))
     assert proc.returncode == 2 and "cannot read 'lots' as a size" in proc.stderr

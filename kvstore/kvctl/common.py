@@ -163,7 +163,18 @@ class Target:
         return self.engine_token
 
 
+def check_address(address: str, flag: str) -> str:
+    """``address`` if it is ``host:port`` with a port in 1..65535 (gRPC would wrap 99999 to
+    34463 and connect there), else ValueError naming ``flag``."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{flag} {address!r} is not host:port with a port in 1..65535")
+    return address
+
+
 def resolve_target(args: argparse.Namespace) -> Target:
+    if args.store:
+        check_address(args.store, "--store")
     up = read_up_file(getattr(args, "stack", None), args.store)
     auth = read_env_file(up["auth_env"]) if up and up.get("auth_env") else {}
     store, source = args.store, "--store"
