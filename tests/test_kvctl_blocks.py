@@ -42,7 +42,9 @@ def test_ls_inspect_demote_promote(node):
     assert rc == 0 and doc["matched"] == 4 and doc["listed"] == 2
     assert kvctl(env, "--store", address, "ls", "--tier", "ssd")[1]["matched"] == 0
     rc, _, err = kvctl(env, "--store", address, "ls", "--limit", "-1")   # listed nothing, silently
-    assert rc == 2 and "--limit" in err and ">= 0" in err, err
+    assert rc == 2 and "--limit" in err and "in 0..4294967295" in err, err
+    rc, _, err = kvctl(env, "--store", address, "ls", "--limit", "99999999999999999999")   # over ListBlocks' uint32
+    assert rc == 2 and "--limit" in err and "in 0..4294967295" in err, err
 
     key = a[1][0].hex()
     rc, doc, err = kvctl(env, "--store", address, "inspect", key)

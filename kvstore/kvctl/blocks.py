@@ -16,7 +16,7 @@ from kvstore.kvctl.common import (
     Target,
     add_json,
     emit,
-    non_negative_int,
+    list_limit,
     parse_keys,
     size_text,
 )
@@ -149,7 +149,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--tier", help="only blocks with a copy in this tier")
     p.add_argument("--namespace", help="only this tenant's blocks ('' : those put without a namespace)")
     p.add_argument("--key-prefix", metavar="HEX", help="only keys starting with these hex digits")
-    p.add_argument("--limit", type=non_negative_int, default=100, help="list at most N blocks (0: up to 10000 a node)")
+    p.add_argument("--limit", type=list_limit, default=100, help="list at most N blocks (0: up to 10000 a node)")
     p.add_argument("--full-keys", action="store_true", help="print whole keys (JSON always has them)")
     add_json(p)
     p.set_defaults(func=cmd_ls)

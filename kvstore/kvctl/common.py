@@ -228,20 +228,23 @@ def parse_keys(hexes: list[str]) -> list[bytes]:
     return keys
 
 
-def whole_number(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``minimum``, else a usage error naming the rule."""
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (and <= ``maximum`` when given), else
+    a usage error naming the rule."""
+    rule = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a whole number {rule}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be a whole number {rule}, got {text}")
         return value
     return parse
 
 
-non_negative_int = whole_number(0)   # --limit: a negative one listed nothing, silently
+list_limit = whole_number(0, 2**32 - 1)   # ListBlocks' uint32: a larger one was protobuf's "Value out of range"
 
 
 def positive(text: str) -> float:
