@@ -45,6 +45,9 @@ def test_ls_inspect_demote_promote(node):
     assert rc == 2 and "--limit" in err and "in 0..4294967295" in err, err
     rc, _, err = kvctl(env, "--store", address, "ls", "--limit", "99999999999999999999")   # over ListBlocks' uint32
     assert rc == 2 and "--limit" in err and "in 0..4294967295" in err, err
+    for command in ("ls", "flush"):          # a name no wire carries matched nothing, silently
+        rc, _, err = kvctl(env, "--store", address, command, "--namespace", "ünï")
+        assert rc == 2 and "printable ASCII" in err, err
 
     key = a[1][0].hex()
     rc, doc, err = kvctl(env, "--store", address, "inspect", key)

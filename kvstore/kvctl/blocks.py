@@ -17,6 +17,7 @@ from kvstore.kvctl.common import (
     add_json,
     emit,
     list_limit,
+    namespace_arg,
     parse_keys,
     size_text,
 )
@@ -147,7 +148,8 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("ls", help="list blocks: key, node, tiers, size, namespace, pin, lease")
     p.add_argument("--node", help=node_help)
     p.add_argument("--tier", help="only blocks with a copy in this tier")
-    p.add_argument("--namespace", help="only this tenant's blocks ('' : those put without a namespace)")
+    p.add_argument("--namespace", type=namespace_arg,
+                   help="only this tenant's blocks ('' : those put without a namespace)")
     p.add_argument("--key-prefix", metavar="HEX", help="only keys starting with these hex digits")
     p.add_argument("--limit", type=list_limit, default=100, help="list at most N blocks (0: up to 10000 a node)")
     p.add_argument("--full-keys", action="store_true", help="print whole keys (JSON always has them)")
@@ -170,7 +172,7 @@ def add_commands(sub: Any) -> None:
         p.set_defaults(func=func)
     p = sub.add_parser("flush", help="drop every block of a tier / namespace (exit 3 when pinned ones stay)")
     p.add_argument("--tier", help="only this tier (default: every tier)")
-    p.add_argument("--namespace", help="only this tenant's blocks")
+    p.add_argument("--namespace", type=namespace_arg, help="only this tenant's blocks ('' : those put without one)")
     p.add_argument("--force", action="store_true", help="drop pinned blocks too (leased ones always stay)")
     p.add_argument("--node", help=node_help)
     add_json(p)

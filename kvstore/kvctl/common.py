@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+from kvstore.errors import InvalidArgument
+from kvstore.quotas import check_namespace
 
 DEFAULT_STORE = "127.0.0.1:50051"
 UP_FILE_ENV = "KVSTORE_UP_FILE"
@@ -245,6 +247,18 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
 
 
 list_limit = whole_number(0, 2**32 - 1)   # ListBlocks' uint32: a larger one was protobuf's "Value out of range"
+
+
+def namespace_arg(text: str) -> str:
+    """An argparse type: a namespace as every wire takes it (kvstore/quotas.py
+    ``check_namespace``: 1-256 printable ASCII characters) or ``''`` (the blocks put without
+    one), else a usage error — a name no node can hold would match nothing, silently."""
+    if text == "":
+        return text
+    try:
+        return check_namespace(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive(text: str) -> float:

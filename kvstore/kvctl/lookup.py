@@ -26,7 +26,7 @@ from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
 from kvstore.kvctl.cluster import cluster_nodes
-from kvstore.kvctl.common import EXIT_OK, Target, add_json, emit
+from kvstore.kvctl.common import EXIT_OK, Target, add_json, emit, namespace_arg
 
 PUBLIC_NAMESPACE = "public"
 BYTE_TOKEN_OFFSET = 3       # the byte tokenizer: id = byte + 3 (0 pad, 1 bos, 2 eos)
@@ -115,7 +115,7 @@ def add_commands(sub: Any) -> None:
     who.add_argument("--tenant", metavar="API_KEY",
                      help="the tenant's API key (default: the public namespace; --namespace key-<16 hex> "
                           "names it without the key showing in ps)")
-    who.add_argument("--namespace", help="the namespace itself (key-<16 hex>, public, ...)")
+    who.add_argument("--namespace", type=namespace_arg, help="the namespace itself (key-<16 hex>, public, ...)")
     p.add_argument("--engine", metavar="ADDR", help="an engine whose Info gives the key spec (default: kvstore up's)")
     p.add_argument("--engine-token", help="the engines' token (default: KVSTORE_ENGINE_TOKEN)")
     p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt")

@@ -19,6 +19,7 @@ from kvstore.kvctl.common import (
     add_json,
     emit,
     mib,
+    namespace_arg,
     size_text,
 )
 
@@ -85,7 +86,8 @@ def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("quota", help="per-tenant byte quotas: set, get, list, rm")
     p.add_argument("action", choices=["set", "get", "list", "rm"])
-    p.add_argument("--namespace", help="the tenant's namespace (key-<16 hex> for an API key; see kvctl lookup)")
+    p.add_argument("--namespace", type=namespace_arg,
+                   help="the tenant's namespace (key-<16 hex> for an API key; see kvctl lookup)")
     p.add_argument("--bytes", help="quota set: the limit, e.g. 2GiB or 1073741824")
     p.add_argument("--node", help="a node id or address (default: every node; a quota is per node)")
     add_json(p)
