@@ -10,6 +10,10 @@ process's owner):
 - ``KVSTORE_ENGINE_TOKEN``: the engines' token (``kvstore engine --auth-token``; only the
   front door holds it, as ``kvstore scheduler --engine-token``), so only the front door sets
   a request's namespace.
+
+A third, ``KVSTORE_METRICS_TOKEN``, is read-only: the metrics ports of store nodes and
+engines take it beside their service's token, so a Prometheus scraper needs neither the
+store token (every tenant's blocks) nor the engines' (requests in any namespace).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import grpc
 
 STORE_TOKEN_ENV = "KVSTORE_STORE_TOKEN"
 ENGINE_TOKEN_ENV = "KVSTORE_ENGINE_TOKEN"
+METRICS_TOKEN_ENV = "KVSTORE_METRICS_TOKEN"
 # A Redis URL may hold a password (redis://:PASSWORD@host:port/db): services also read it from
 # the environment, so kvstore up never puts it on a command line.
 REDIS_URL_ENV = "KVSTORE_REDIS_URL"

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
 
-from kvstore.auth import bearer_matches
+from kvstore.auth import METRICS_TOKEN_ENV, bearer_matches, token_from
 
 log = logging.getLogger(__name__)
 METRICS_PATH = "/metrics"
@@ -30,14 +30,18 @@ class _TokenMetricsHandler(MetricsHandler):
     """prometheus-client's handler behind a bearer-token check, on ``/metrics`` only."""
 
     token: str | None = None
+    scrape_token: str | None = None
 
     def do_GET(self) -> None:
         if urlparse(self.path).path != METRICS_PATH:
             self._refuse(404, f"not found: this port serves only GET {METRICS_PATH}\n")
             return
-        if self.token and not bearer_matches(self.headers.get("Authorization"), self.token):
+        sent = self.headers.get("Authorization")
+        if self.token and not (bearer_matches(sent, self.token)
+                               or (self.scrape_token and bearer_matches(sent, self.scrape_token))):
             self._refuse(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
-                              "(the service's token)\n", {"WWW-Authenticate": 'Bearer realm="kvstore"'})
+                              f"(the service's token, or ${METRICS_TOKEN_ENV})\n",
+                         {"WWW-Authenticate": 'Bearer realm="kvstore"'})
             return
         super().do_GET()
 
@@ -63,12 +67,15 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     """``GET /metrics`` of ``registry`` on ``host:port`` (port 0 picks a free one; :attr:`port`
     is the bound one), served by a daemon thread until :meth:`close`. ``token``: the bearer
-    token a scrape must carry (None: any caller on ``host``). Raises OSError when the port
-    cannot be bound."""
+    token a scrape must carry (None: any caller on ``host``); ``scrape_token``: a read-only
+    one taken beside it (default: ``$KVSTORE_METRICS_TOKEN``, kvstore/auth.py; ignored
+    without ``token``). Raises OSError when the port cannot be bound."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, name: str = "metrics") -> None:
-        handler = type("MetricsHandler", (_TokenMetricsHandler,), {"registry": registry, "token": token or None})
+                 token: str | None = None, name: str = "metrics", scrape_token: str | None = None) -> None:
+        scrape = token_from(scrape_token, METRICS_TOKEN_ENV)
+        handler = type("MetricsHandler", (_TokenMetricsHandler,),
+                       {"registry": registry, "token": token or None, "scrape_token": scrape})
         try:
             self._server = _Server((host, port), handler)
         except OSError as exc:

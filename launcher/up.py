@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 
-from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
+from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 from kvstore.events.channel import EVENTS_URL_ENV
 from launcher.supervisor import (
@@ -227,17 +227,20 @@ def forget_stack(path: str | None) -> None:
 
 
 def stack_tokens(data_dir: str) -> dict[str, str]:
-    """The store and engine tokens of the services ``kvstore up`` starts (kvstore/auth.py):
-    those in the environment, else fresh ones, so nothing it starts serves a caller without
-    one. Written to ``<data_dir>/auth.env`` (mode 0600, shell syntax) for kvctl and clients."""
-    tokens = {env: token_from(None, env) or new_token() for env in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV)}
+    """The store, engine and metrics tokens of the services ``kvstore up`` starts
+    (kvstore/auth.py): those in the environment, else fresh ones, so nothing it starts serves
+    a caller without one. Written to ``<data_dir>/auth.env`` (mode 0600, shell syntax) for
+    kvctl, clients and scrapers."""
+    tokens = {env: token_from(None, env) or new_token()
+              for env in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV)}
     os.makedirs(data_dir, exist_ok=True)
     path = os.path.join(data_dir, "auth.env")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.writelines(f"{k}={v}\n" for k, v in tokens.items())
-    print(f"auth           store and engine ports take bearer tokens only ({', '.join(tokens)} in {path})",
-          flush=True)
+    print(f"auth           store and engine ports take bearer tokens only ({', '.join(tokens)} in {path}; "
+          f"the metrics ports and the front door's /metrics also take {METRICS_TOKEN_ENV}, which reads "
+          "nothing else)", flush=True)
     return tokens
 
 

@@ -12,9 +12,12 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from kvstore.auth import METRICS_TOKEN_ENV, token_from
+
 # Liveness probes and supervisors carry no key; the status page's HTML and script hold no
 # data (its feed, /status.json, takes a key: scheduler/status_page.py).
 OPEN_PATHS = frozenset({"/health", "/status", "/status.js"})
+METRICS_PATH = "/metrics"
 
 
 def read_keys_file(path: str) -> list[str]:
@@ -51,10 +54,14 @@ def _unauthorized(message: str) -> web.Response:
                         headers={"WWW-Authenticate": 'Bearer realm="kvstore"'})
 
 
-def api_key_middleware(keys: frozenset[str]) -> Callable[..., Awaitable[web.StreamResponse]]:
+def api_key_middleware(keys: frozenset[str], scrape_token: str | None = None
+                       ) -> Callable[..., Awaitable[web.StreamResponse]]:
     """An aiohttp middleware serving only requests that carry one of ``keys``. Keys are
-    compared by their SHA-256 (a set lookup whose timing tells nothing about a key)."""
+    compared by their SHA-256 (a set lookup whose timing tells nothing about a key).
+    ``scrape_token`` (default ``$KVSTORE_METRICS_TOKEN``, kvstore/auth.py) is taken on
+    ``/metrics`` alone, so a Prometheus scraper holds no tenant's key."""
     digests = frozenset(_digest(k) for k in keys)
+    scrape = _digest(t) if (t := token_from(scrape_token, METRICS_TOKEN_ENV)) else None
 
     @web.middleware
     async def require_api_key(request: web.Request,
@@ -65,7 +72,8 @@ def api_key_middleware(keys: frozenset[str]) -> Callable[..., Awaitable[web.Stre
         scheme, _, key = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return _unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'.")
-        if _digest(key.strip()) not in digests:
+        digest = _digest(key.strip())
+        if digest not in digests and not (request.path == METRICS_PATH and digest == scrape):
             return _unauthorized("Incorrect API key provided.")
         return await handler(request)
 

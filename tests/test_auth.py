@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import grpc
 import pytest
 
 from engines.server import start_engine
-from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, bearer_metadata
+from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, STORE_TOKEN_ENV, bearer_metadata
 from kvstore.errors import Unavailable
 from kvstore.pool import KVPool
 from kvstore.service import serve_store
@@ -184,7 +185,7 @@ def test_kvstore_up_ports_refuse_a_tokenless_caller(tmp_path):
     """``kvstore up`` makes tokens when none is given: its store and engine ports refuse a
     caller without them and serve one holding those of ``auth.env``; its front door, given
     an API key, answers 401 without it and 200 with it."""
-    env = {k: v for k, v in os.environ.items() if k not in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV)}
     env["PYTHONPATH"] = str(ROOT)
     data = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir", str(data),
@@ -230,6 +231,19 @@ def test_kvstore_up_ports_refuse_a_tokenless_caller(tmp_path):
         assert call(url, "/v1/completions", body)[0] == 401
         status, _, data_ = call(url, "/v1/completions", body, {"Authorization": "Bearer sk-up"})
         assert status == 200, data_
+        # the scrape-only token: every metrics port and the front door's /metrics, nothing else
+        scrape = {"Authorization": f"Bearer {tokens[METRICS_TOKEN_ENV]}"}
+        metrics_urls = re.findall(r"metrics (http://\S+/metrics)", out)
+        assert len(metrics_urls) == 3, out                       # the store node and both engines
+        for metrics_url in metrics_urls:
+            with urllib.request.urlopen(urllib.request.Request(metrics_url, headers=scrape), timeout=10) as r:
+                assert r.status == 200 and b"kvstore_" in r.read()
+        assert call(url, "/metrics", None, scrape)[0] == 200
+        assert call(url, "/v1/completions", body, scrape)[0] == 401
+        with grpc.insecure_channel(store) as channel, pytest.raises(grpc.RpcError) as info:
+            kpb_grpc.KVStoreStub(channel).Stats(kpb.StatsRequest(), timeout=10,
+                                                metadata=bearer_metadata(tokens[METRICS_TOKEN_ENV]))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # no token on any child's command line
         for pid in _children(proc.pid):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

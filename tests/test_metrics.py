@@ -236,3 +236,53 @@ def test_store_metrics_count_the_transfer_engine_plane(tmp_path, redis_url):
         assert value(got, "kvstore_leases", plane="remote") == 0      # released after the read
     finally:
         served.stop(grace_s=0)
+
+
+def test_a_metrics_token_reads_metrics_and_nothing_else(tmp_path, monkeypatch):
+    """``$KVSTORE_METRICS_TOKEN`` (kvstore/auth.py): a scraper's token, taken by a node's
+    metrics port beside the store token and by the front door on /metrics alone; it reads
+    no block and runs no request."""
+    from aiohttp import ClientSession, web
+
+    from kvstore.errors import Unauthenticated
+    from launcher.supervisor import free_port
+    from scheduler.api_keys import api_key_middleware
+
+    monkeypatch.setenv("KVSTORE_METRICS_TOKEN", "scrape-only")
+    cfg = StoreConfig(node_id="scraped", port=0, metrics_port=0, dram_bytes=4 << 20, ssd_bytes=0,
+                      data_dir=str(tmp_path), auth_token=TOKEN, dram_prefault=False)
+    served = StoreNode.start(cfg)
+    try:
+        assert value(scrape(served.metrics_url, "scrape-only"), "kvstore_node_info", node="scraped") == 1
+        assert status_of(served.metrics_url, {"Authorization": f"Bearer {TOKEN}"}) == 200     # still
+        assert status_of(served.metrics_url, {"Authorization": "Bearer other"}) == 401
+        with StoreClient(served.address, auth_token="scrape-only", data_path="grpc") as c, \
+                pytest.raises(Unauthenticated, match="UNAUTHENTICATED"):
+            c.lookup([os.urandom(32)])
+    finally:
+        served.stop(grace_s=0)
+
+    async def front_door() -> dict[tuple[str, str], int]:
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+        app = web.Application(middlewares=[api_key_middleware(frozenset({"sk-tenant"}))])
+        app.router.add_get("/metrics", ok)
+        app.router.add_get("/v1/models", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        out = {}
+        try:
+            async with ClientSession() as s:
+                for path in ("/metrics", "/v1/models"):
+                    for key in ("scrape-only", "sk-tenant"):
+                        async with s.get(f"http://127.0.0.1:{port}{path}",
+                                         headers={"Authorization": f"Bearer {key}"}) as r:
+                            out[path, key] = r.status
+        finally:
+            await runner.cleanup()
+        return out
+
+    assert asyncio.run(front_door()) == {("/metrics", "scrape-only"): 200, ("/metrics", "sk-tenant"): 200,
+                                         ("/v1/models", "scrape-only"): 401, ("/v1/models", "sk-tenant"): 200}
