@@ -58,6 +58,8 @@ def preflight(args: argparse.Namespace) -> int | None:
         problem: str | None = "need at least one prefill and one decode instance"
     elif getattr(args, "store_nodes", 1) < 1:
         problem = "need at least one store node"
+    elif (problem := _size_problem(args)) is not None:
+        pass
     else:
         http_port = args.port or free_port(host)
         problem = None if port_is_free(host, http_port) else (
@@ -68,6 +70,23 @@ def preflight(args: argparse.Namespace) -> int | None:
         print(f"kvstore up: {problem}", file=sys.stderr)
         return None
     return http_port
+
+
+def _size_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--dram`` / ``--ssd`` (checked here, before Redis or anything
+    else starts, rather than by the store node's own start), or None."""
+    from kvstore.config import parse_bytes
+    for flag, least in (("dram", 1), ("ssd", 0)):
+        text = getattr(args, flag, None)
+        if text is None:
+            continue
+        try:
+            n = parse_bytes(text)
+        except ValueError as exc:
+            return f"--{flag}: {exc}"
+        if not least <= n < 2**63:
+            return f"--{flag}: a tier of {n} bytes; give {'more than 0' if least else '0 or more'} and under 2**63"
+    return None
 
 
 def run_up(args: argparse.Namespace) -> int:

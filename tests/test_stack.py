@@ -63,3 +63,19 @@ def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     assert problem and "not made by kvstore up" in problem and "--keep-data" in problem
     assert (theirs / "important.txt").read_text() == "keep me"
     assert fresh_data_dir(str(theirs), keep=True) is None and (theirs / "important.txt").exists()
+
+
+def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -> None:
+    """``kvstore up --dram nan`` started the private Redis before the store node refused the
+    size; the sizes are checked first now, exit 2 naming the flag, nothing started."""
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    for flags, said in ((["--dram", "nan"], "--dram: cannot read 'nan' as a size"),
+                        (["--dram", "0"], "--dram: a tier of 0 bytes"),
+                        (["--ssd", "9999999999TiB"], "--ssd: a tier of")):
+        proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir",
+                               str(tmp_path / "up"), *flags], cwd=root, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert "redis" not in proc.stdout.lower() and not (tmp_path / "up").exists(), proc.stdout
