@@ -7,9 +7,14 @@ arXiv 2407.00079 §7, early rejection). Pure and synchronous: the policies of
 Rules, in order:
 
 * ``max_inflight``: requests admitted and not finished reach the bound;
-* ``ttft_slo``: the predicted TTFT exceeds the TTFT SLO *and* the chosen prefill instance has
-  work queued — an idle instance is the best the cluster can do, so an idle cluster never
-  rejects, whatever a still-unmeasured predictor guesses;
+* ``ttft_slo``: the predicted TTFT exceeds the TTFT SLO *and* either the chosen prefill
+  instance has work queued, or even the optimistic TTFT — the predictor's, less
+  ``unattainable_k`` downside deviations of its measured error
+  (:meth:`scheduler.costing.PrefillModel.optimistic`) — exceeds it: the request cannot meet
+  its SLO on any instance, so its prefill would be spent for nothing (Mooncake rejects on
+  the predicted TTFT, arXiv 2407.00079 §7). An idle instance whose predictor has not
+  measured enough, or whose optimistic TTFT is within the SLO, never rejects — it is the
+  best the cluster can do;
 * ``decode_capacity``: the decode instance will be full (batch or KV tokens) when the
   request reaches it — the load *predicted* for that instant, not the load now;
 * ``tbt_slo``: the predicted TBT there exceeds the TBT SLO, unless the request would decode
@@ -37,7 +42,9 @@ class AdmissionConfig:
     seconds, >= 1). ``early_rejection``: reject on the SLOs and decode capacity at all
     (False: only ``max_inflight``). ``predicted_decode_load``: judge decode by the load
     predicted for the moment the request reaches it (True) or by the load now (False,
-    the reject-on-current-load baseline)."""
+    the reject-on-current-load baseline). ``unattainable_k``: on an idle instance, reject
+    when the prediction less this many downside deviations of its measured error still
+    exceeds the TTFT SLO (>= 0; ``math.inf``: never — an idle instance admits anything)."""
 
     ttft_slo_s: float = 30.0
     max_inflight: int = 64
@@ -45,6 +52,7 @@ class AdmissionConfig:
     tbt_slo_s: float = math.inf
     early_rejection: bool = True
     predicted_decode_load: bool = True
+    unattainable_k: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_s", "tbt_slo_s"):
@@ -53,6 +61,8 @@ class AdmissionConfig:
                 raise InvalidArgument(f"{name} must be a number of seconds > 0, got {v!r}")
         if not (isinstance(self.max_inflight, int) and self.max_inflight >= 0):
             raise InvalidArgument(f"max_inflight must be an integer >= 0, got {self.max_inflight!r}")
+        if not self.unattainable_k >= 0:
+            raise InvalidArgument(f"unattainable_k must be >= 0 (inf: never), got {self.unattainable_k!r}")
         if not (isinstance(self.min_retry_after_s, int) and self.min_retry_after_s >= 1):
             raise InvalidArgument(f"min_retry_after_s must be an integer >= 1, got {self.min_retry_after_s!r}")
 
@@ -87,18 +97,27 @@ class Admission:
                              cfg.min_retry_after_s)
         return None
 
-    def check(self, predicted_ttft_s: float, queue_s: float, inflight: int) -> Rejection | None:
+    def check(self, predicted_ttft_s: float, queue_s: float, inflight: int,
+              optimistic_ttft_s: float | None = None) -> Rejection | None:
         """None to admit, else the bound that is exceeded (``max_inflight``, ``ttft_slo``).
 
         Args:
             predicted_ttft_s: predicted TTFT of this request on its chosen instance (seconds).
             queue_s: the predicted queueing part of it (seconds); 0 means the instance is idle.
             inflight: requests already admitted and not finished.
+            optimistic_ttft_s: a TTFT the request will rarely beat there (seconds, with
+                ``unattainable_k`` deviations; None: the predictor is not trusted yet).
         """
         rejection = self.check_inflight(inflight)
         if rejection is not None or not self.config.early_rejection:
             return rejection
         slo = self.config.ttft_slo_s
+        if predicted_ttft_s > slo and queue_s <= 0 and optimistic_ttft_s is not None and optimistic_ttft_s > slo:
+            return Rejection(REASON_TTFT_SLO,
+                             f"predicted time to first token {predicted_ttft_s:.3f} s (at best "
+                             f"{optimistic_ttft_s:.3f} s) exceeds the TTFT SLO of {slo:g} s on an idle "
+                             f"instance; the request cannot meet it", max(self.config.min_retry_after_s, 60),
+                             predicted_ttft_s)
         if predicted_ttft_s > slo and queue_s > 0:
             # Once the queue ahead has drained by the excess, the request would fit.
             return Rejection(REASON_TTFT_SLO,

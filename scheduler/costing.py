@@ -9,7 +9,15 @@ c·(n+p)/2`` (Mooncake's ``flops(n) = l·(a·n²·d + b·n·d²)`` restricted to
 
     T_prefill(n, p) = k0 + k1·c + k2·c·(n+p)/2      (k0, k1, k2 >= 0)
 
-fitted by :class:`scheduler.fit.OnlineFit`. Until ``min_samples`` prefills were observed
+fitted by :class:`scheduler.fit.OnlineFit`. Its error is measured too: each observation's
+relative residual against the prediction made before it, ``r = seconds / predicted − 1``;
+an EWMA of ``min(0, r)²`` (how much faster than predicted prefills ran) gives the downside
+deviation ``σ↓ = sqrt(2·E[min(0, r)²])`` (a symmetric error's σ), kept per octave of the
+predicted seconds (``floor(log2 predicted)``: the fit's relative error differs with the
+size of the prefill — short ones carry the fixed costs the fit smooths over), so that
+:meth:`PrefillModel.optimistic` — ``predicted · max(0, 1 − k·σ↓)`` — is a prediction the
+engine rarely beats (a residual above the prediction, a straggler's, does not widen it by
+itself). Until ``min_samples`` prefills were observed
 the profile's coefficients are used; a profile never implies a speed below
 ``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject
 for a guess).
@@ -24,6 +32,7 @@ docs/benchmarks.md, "Figures for orientation" (shared memory ~6 GB/s, gRPC ~0.5 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,8 +51,9 @@ class PrefillProfile:
     forgetting factor per observation, in (0, 1]; ``floor_tokens_per_s``: the seed's
     prediction never implies fewer computed tokens per second than this (> 0);
     ``min_prefill_s``: the least any prediction returns (>= 0); ``learn``: False freezes
-    the seed (no online fit — the simulator's oracle runs). The defaults fit the tiny CPU
-    model of ``engines/model.py`` loosely."""
+    the seed (no online fit — the simulator's oracle runs; the error is still measured).
+    ``residual_alpha``: EWMA weight of each residual in the measured error, in (0, 1]. The
+    defaults fit the tiny CPU model of ``engines/model.py`` loosely."""
 
     fixed_s: float = 5e-3
     s_per_token: float = 3e-5
@@ -53,6 +63,7 @@ class PrefillProfile:
     floor_tokens_per_s: float = 2000.0
     min_prefill_s: float = 1e-4
     learn: bool = True
+    residual_alpha: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
@@ -63,6 +74,8 @@ class PrefillProfile:
         if self.min_samples < 1 or not 0 < self.decay <= 1:
             raise InvalidArgument(f"need min_samples >= 1 and decay in (0, 1], got "
                                   f"{self.min_samples!r} and {self.decay!r}")
+        if not 0 < self.residual_alpha <= 1:
+            raise InvalidArgument(f"residual_alpha must be in (0, 1], got {self.residual_alpha!r}")
 
 
 class PrefillModel:
@@ -74,6 +87,8 @@ class PrefillModel:
         self.profile = p = profile or PrefillProfile()
         self.learn = p.learn
         self.fit = OnlineFit((p.fixed_s, p.s_per_token, p.s_per_token_context), p.min_samples, p.decay)
+        self._fast_sq: dict[int, list[float]] = {}   # octave → [EWMA of min(0, r)², residuals]
+        self.residuals = 0       # residuals measured
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -93,16 +108,47 @@ class PrefillModel:
         return max(self.profile.min_prefill_s, s)
 
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Fold in one finished prefill (engine-side seconds); ignores nonsense. A frozen
-        model (``learn=False``: the simulator's ``--oracle``) ignores everything."""
-        if not self.learn or prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 \
-                or cached_tokens >= prompt_tokens:
+        """Fold in one finished prefill (engine-side seconds); ignores nonsense. Its residual
+        against the current prediction updates the measured error; a frozen model
+        (``learn=False``: the simulator's ``--oracle``) keeps its coefficients."""
+        if prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
             return
-        self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
+        predicted = self.predict(prompt_tokens, cached_tokens)
+        r = seconds / predicted - 1.0
+        a = self.profile.residual_alpha
+        octave = self._fast_sq.setdefault(_octave(predicted), [0.0, 0])
+        octave[1] += 1
+        octave[0] = (1 - a) * octave[0] + a * min(0.0, r) ** 2 if octave[1] > 1 else min(0.0, r) ** 2
+        self.residuals += 1
+        if self.learn:
+            self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
+
+    def fast_sigma(self, predicted_s: float) -> float | None:
+        """The measured downside deviation σ↓ (relative, >= 0; module docstring) of
+        predictions in the octave of ``predicted_s`` (seconds, > 0); None before
+        ``min_samples`` residuals there."""
+        octave = self._fast_sq.get(_octave(predicted_s))
+        if octave is None or octave[1] < self.profile.min_samples:
+            return None
+        return math.sqrt(2.0 * octave[0])
+
+    def optimistic(self, predicted_s: float, k: float) -> float | None:
+        """A prefill predicted at ``predicted_s`` seconds will rarely take less than this:
+        ``predicted_s · max(0, 1 − k·σ↓)`` (seconds). None until the predictor is trusted
+        there: fewer than ``min_samples`` residuals in that octave, or (learning) the fit
+        not in use."""
+        sigma = self.fast_sigma(predicted_s) if predicted_s > 0 else None
+        if sigma is None or self.learn and not self.fit.fitted:
+            return None
+        return predicted_s * max(0.0, 1.0 - k * sigma)
 
     @property
     def samples(self) -> int:
         return self.fit.samples
+
+
+def _octave(seconds: float) -> int:
+    return math.floor(math.log2(max(seconds, 1e-9)))
 
 
 @dataclass(frozen=True)
