@@ -68,6 +68,12 @@ class PrefillBacklog:
         self.start(request_id, now_s)
         return request_id
 
+    def predicted_end(self, request_id: str) -> float | None:
+        """When the running prefill ``request_id`` is predicted to end (the caller's clock;
+        None when it is not running)."""
+        run = self._running.get(request_id)
+        return None if run is None else run[0]
+
     def remove(self, request_id: str) -> float | None:
         """It finished, failed or moved elsewhere: forget it. Returns its predicted seconds
         (None when unknown)."""

@@ -64,6 +64,7 @@ class PrefillProfile:
     min_prefill_s: float = 1e-4
     learn: bool = True
     residual_alpha: float = 0.05
+    outlier_k: float = 3.0
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
@@ -89,6 +90,7 @@ class PrefillModel:
         self.fit = OnlineFit((p.fixed_s, p.s_per_token, p.s_per_token_context), p.min_samples, p.decay)
         self._fast_sq: dict[int, list[float]] = {}   # octave → [EWMA of min(0, r)², residuals]
         self.residuals = 0       # residuals measured
+        self.outliers = 0        # observations above the outlier cap (stragglers), folded in capped
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -120,8 +122,22 @@ class PrefillModel:
         octave[1] += 1
         octave[0] = (1 - a) * octave[0] + a * min(0.0, r) ** 2 if octave[1] > 1 else min(0.0, r) ** 2
         self.residuals += 1
+        if self.fit.fitted:
+            cap = self.outlier_cap(predicted)
+            if seconds > cap:
+                self.outliers += 1
+                seconds = cap
         if self.learn:
             self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds)
+
+    def outlier_cap(self, predicted_s: float) -> float:
+        """Seconds above which a prefill predicted at ``predicted_s`` counts as an outlier
+        (a straggler): ``predicted · (1 + outlier_k · max(σ↓, 0.05))``; infinity before σ↓
+        is measured there."""
+        sigma = self.fast_sigma(predicted_s) if predicted_s > 0 else None
+        if sigma is None:
+            return math.inf
+        return predicted_s * (1.0 + self.profile.outlier_k * max(sigma, 0.05))
 
     def fast_sigma(self, predicted_s: float) -> float | None:
         """The measured downside deviation σ↓ (relative, >= 0; module docstring) of

@@ -39,6 +39,7 @@ from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.events.replica import IndexReplica
 from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.backlog import PrefillBacklog
 from scheduler.cache_index import split_hits, start_replica, store_address_of
 from scheduler.conductor import Conductor, ConductorConfig
 from scheduler.engine_link import C
@@ -255,10 +256,10 @@ class Router(Generic[C]):
             new_id = min(ids, key=lambda e: self.prefill[e].queue_s(now))
             old_backlog = self.prefill[plan.prefill_id].backlog
             old = old_backlog.remove(plan.request_id)
-            old_backlog.advance(now)
+            self._advance(old_backlog, now)
             new_backlog = self.prefill[new_id].backlog
             new_backlog.add(plan.request_id, plan.decision.prefill_s if old is None else old)
-            new_backlog.advance(now)
+            self._advance(new_backlog, now)
             return dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, prefill_id=new_id))
         ids = [e for e in self.serving("decode") if e not in tried]
         if not ids:
@@ -275,10 +276,26 @@ class Router(Generic[C]):
         d = plan.decision
         backlog = self.prefill[d.prefill_id].backlog
         backlog.add(plan.request_id, d.ttft_s - d.queue_s)
-        backlog.advance(time.monotonic())      # FIFO: it starts now when nothing runs there
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
             plan.prompt_tokens + plan.max_tokens, d.decode_start_s, d.decode_finish_s)
+        self._advance(backlog, time.monotonic())      # FIFO: it starts now when nothing runs there
         self.inflight += 1
+
+    def _advance(self, backlog: PrefillBacklog, now: float) -> None:
+        """FIFO: start the oldest request queued on ``backlog`` when nothing runs there
+        (:meth:`PrefillBacklog.advance`); its decode work is re-timed to join at the
+        predicted end of that prefill, for the span predicted (the simulator does the same
+        when its engine starts a prefill; :meth:`prefill_finished` re-times it again from
+        the real end)."""
+        started = backlog.advance(now)
+        end = None if started is None else backlog.predicted_end(started)
+        if started is None or end is None:
+            return
+        for inst in self.decode.values():
+            w = inst.work.get(started)
+            if w is not None:
+                inst.work[started] = DecodeWork(w.kv_tokens, end, end + (w.finish_s - w.start_s))
+                return
 
     def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
         """The prefill is over (``result`` None: it failed or was cancelled). On success the
@@ -286,7 +303,7 @@ class Router(Generic[C]):
         events) and the request's decode work is re-timed from now."""
         backlog = self.prefill[plan.prefill_id].backlog
         backlog.remove(plan.request_id)
-        backlog.advance(time.monotonic())      # the next one queued there starts
+        self._advance(backlog, time.monotonic())      # the next one queued there starts
         if result is None:
             return
         self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, result.prefill_s)
@@ -317,7 +334,7 @@ class Router(Generic[C]):
         now = time.monotonic()
         for inst in self.prefill.values():   # wherever a reroute moved it
             if inst.backlog.remove(plan.request_id) is not None:
-                inst.backlog.advance(now)
+                self._advance(inst.backlog, now)
         for dec in self.decode.values():
             dec.work.pop(plan.request_id, None)
         self.inflight -= 1

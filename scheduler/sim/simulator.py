@@ -205,6 +205,7 @@ class Simulator:
         """Pop the next queued request, find its prefix (the engines' rule) and cost it."""
         req = inst.queue.popleft()
         inst.backlog.start(str(req.rid), now)
+        self._retime(req, now + req.pred_prefill_s)
         keys = req.keys
         nodes = [inst.name]
         if self.pool is not None:
@@ -253,6 +254,7 @@ class Simulator:
 
     def _on_prefill_end(self, inst: Instance, req: SimRequest, now: float) -> None:
         self._complete_prefill(inst, req, now)
+        self._retime(req, now)
         if self.colocated:
             inst.joiners.append(req)
             if inst.queue:
@@ -265,6 +267,18 @@ class Simulator:
         self._push(max(now, req.prefill_start_s + xfer), DECODE_READY, req)
         if inst.queue:
             self._run_next_prefill(inst, now)
+
+    def _retime(self, req: SimRequest, start_s: float) -> None:
+        """Its decode work, still incoming, is re-timed to join from ``start_s`` for the span
+        the decision predicted: when its prefill starts (from the predicted end of it) and
+        when it ends (from then) — as the live router does (``Router._advance``,
+        ``Router.prefill_finished``)."""
+        d = self.by_name[req.decode_id]
+        work = d.incoming.get(req.rid)
+        if work is not None:
+            kv, s0, f0 = work
+            d.incoming[req.rid] = (kv, start_s, start_s + (f0 - s0))
+            d.view_dirty = True
 
     # -- decode -------------------------------------------------------------------------------
     def _decode_ready(self, req: SimRequest, now: float) -> None:

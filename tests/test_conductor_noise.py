@@ -1,0 +1,119 @@
+"""The Conductor under noisy engines: T_prefill's measured error (the optimistic TTFT that
+rejects a request no instance can serve within its SLO, stragglers kept out of the fit),
+decode stays reserved at the TBT of the load joined, and decode work re-timed as prefills
+start and end (router and simulator alike)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.backlog import PrefillBacklog
+from scheduler.conductor import Conductor, ConductorConfig
+from scheduler.costing import PrefillModel, PrefillProfile
+from scheduler.router import Router
+from scheduler.sim import SimConfig, Simulator
+from scheduler.sim.workload import SimRequest
+from scheduler.views import ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView
+
+BS = 16
+BLOCK_BYTES = 4096
+
+
+def request(n_tokens: int, max_tokens: int = 8) -> RequestView:
+    return RequestView("r", n_tokens, (), max_tokens, BS)
+
+
+def cluster(prefill: tuple[PrefillView, ...], decode: tuple[DecodeView, ...] | None = None,
+            now: float = 0.0) -> ClusterView:
+    return ClusterView(now, prefill, decode or (DecodeView("d0"),))
+
+
+def conductor(**kw) -> Conductor:
+    admission = kw.pop("admission", AdmissionConfig())
+    return Conductor(BLOCK_BYTES, ConductorConfig(admission=admission, **kw))
+
+
+# -- unattainable TTFT: the measured error of T_prefill -------------------------------------
+def test_an_idle_instance_rejects_a_prompt_whose_optimistic_ttft_misses_the_slo():
+    policy = conductor(admission=AdmissionConfig(ttft_slo_s=2.0))
+    for i in range(60):   # a measured engine: 1 ms per token, within +-5%
+        n = (1200, 2400, 4800)[i % 3]
+        policy.observe_prefill(n, 0, n / 1000 * (1.05 if i % 2 else 0.95))
+    assert policy.prefill_model.optimistic(4.0, 2.0) == pytest.approx(4.0 * (1 - 2 * 0.05), rel=0.1)
+    r = policy.decide(request(4800), cluster((PrefillView("p0"), PrefillView("p1"))))
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo" and "cannot meet" in r.message
+    # within its error of the SLO it is admitted; and k = inf keeps the old rule
+    assert isinstance(policy.decide(request(2100), cluster((PrefillView("p0"),))), Decision)
+    never = conductor(admission=AdmissionConfig(ttft_slo_s=2.0, unattainable_k=math.inf))
+    for i in range(60):
+        never.observe_prefill((1200, 2400, 4800)[i % 3], 0, (1.2, 2.4, 4.8)[i % 3])
+    assert isinstance(never.decide(request(4800), cluster((PrefillView("p0"),))), Decision)
+
+
+def test_the_optimistic_prefill_needs_residuals_in_its_octave():
+    model = PrefillModel(PrefillProfile(min_samples=8))
+    for _ in range(20):
+        model.observe(1500, 0, 1.5)
+    assert model.optimistic(1.5, 2.0) == pytest.approx(1.5, rel=0.01)   # measured exact: no margin
+    assert model.optimistic(16.0, 2.0) is None       # nothing measured near 16 s
+    noisy = PrefillModel(PrefillProfile(min_samples=8))
+    for i in range(60):                              # +-10%: the margin is about 2 x 10%
+        noisy.observe(1500, 0, 1.5 * (1.1 if i % 2 else 0.9))
+    assert noisy.optimistic(1.5, 2.0) == pytest.approx(1.5 * 0.8, rel=0.05)
+
+
+def test_a_straggler_is_kept_out_of_the_fit():
+    model = PrefillModel(PrefillProfile(min_samples=8))
+    for i in range(60):
+        n = (1000, 2000, 4000)[i % 3]
+        model.observe(n, 0, n / 1000 * (1.02 if i % 2 else 0.98))
+    before = model.predict(4000)
+    model.observe(4000, 0, 3 * 4.0)                       # a 3x straggler on the largest prefill
+    assert model.outliers == 1
+    assert model.predict(4000) < before * 1.02            # folded in at its cap, not at 3x
+    assert model.outlier_cap(4.0) == pytest.approx(4.0 * (1 + 3 * 0.05), rel=0.05)
+    unfit = PrefillModel()
+    assert unfit.outlier_cap(1.0) == math.inf             # nothing measured: nothing is an outlier
+
+
+def test_a_decode_stay_is_reserved_at_the_tbt_of_the_load_it_joins():
+    # 1 running now until t=100; 30 more join at t=0.3 (predicted), within its ~0.5-s stay
+    now = 0.0
+    work = (DecodeWork(100, -1.0, 100.0),) + tuple(DecodeWork(100, 0.3, 200.0) for _ in range(30))
+    policy = conductor(admission=AdmissionConfig(ttft_slo_s=100.0, tbt_slo_s=10.0))
+    d = policy.decide(request(64, max_tokens=101), cluster((PrefillView("p0"),), (DecodeView("d0", work, 64),), now))
+    assert isinstance(d, Decision)
+    tbt = policy.tbt_model.predict
+    joined = tbt(2, 100 + 64 + 101)                       # the load at arrival: 1 running + it
+    assert d.tbt_s == pytest.approx(tbt(32, 3100 + 165))  # judged at the peak: 31 + it
+    assert d.decode_finish_s - d.decode_start_s == pytest.approx(100 * joined)
+
+
+def test_the_router_retimes_decode_work_when_a_prefill_starts():
+    backlog = PrefillBacklog()
+    backlog.add("a", 2.0)
+    backlog.add("b", 3.0)
+    decode = {"d0": SimpleNamespace(work={"a": DecodeWork(10, 2.0, 12.0), "b": DecodeWork(10, 5.0, 15.0)})}
+    fake = SimpleNamespace(decode=decode)
+    Router._advance(fake, backlog, 0.0)                   # a starts at 0: ends at 2 as predicted
+    assert decode["d0"].work["a"] == DecodeWork(10, 2.0, 12.0)
+    backlog.remove("a")
+    Router._advance(fake, backlog, 4.0)                   # a ended late, at 4: b starts then
+    assert backlog.predicted_end("b") == 7.0
+    assert decode["d0"].work["b"] == DecodeWork(10, 7.0, 17.0)   # joins at 7, same 10-s stay
+
+
+def test_the_simulator_retimes_incoming_decode_work_as_the_router_does():
+    sim = Simulator(SimConfig(instances=2, prefill_instances=1), [])
+    d = sim.decode[0]
+    req = SimpleNamespace(rid=7, decode_id=d.name)
+    d.incoming[7] = (100, 10.0, 20.0)
+    sim._retime(req, 12.5)        # type: ignore[arg-type]
+    assert d.incoming[7] == (100, 12.5, 22.5) and d.view_dirty
+    d.incoming.pop(7)
+    sim._retime(req, 30.0)        # type: ignore[arg-type]   # joined already: nothing to re-time
+    assert 7 not in d.incoming
+    assert SimRequest  # the type the simulator re-times
