@@ -24,8 +24,11 @@ For one request (Algorithm 1):
    will have joined minus those that will have finished, and (predictive) at its peak while
    the request would decode: those admitted that join later reserve their room
    (:func:`scheduler.tbt.load_at`); the least predicted TBT among those with room wins
-   (colocated: the chosen prefill instance itself);
-4. :class:`scheduler.admission.Admission` rejects on TTFT SLO, decode capacity or TBT SLO
+   (colocated: the chosen prefill instance itself); its predicted stay there (what reserves
+   its room for later requests) is its steps × the TBT at the load it joins;
+4. :class:`scheduler.admission.Admission` rejects on TTFT SLO (on an idle instance too when
+   the optimistic TTFT, :meth:`scheduler.costing.PrefillModel.optimistic`, misses it),
+   decode capacity or TBT SLO
    before any prefill is spent.
 
 The baselines (:mod:`scheduler.baselines`) subclass :class:`Conductor` and override only the

@@ -7,7 +7,8 @@ decode, and decode-batch boundaries (a request joins or leaves; see
 hit and the pool's hit from the real :class:`~kvstore.index.prefix_index.PrefixIndex`, each
 decode instance's running and incoming work — and calls the real policy's ``decide`` (any
 policy of :mod:`scheduler.baselines`); it feeds back ``observe_prefill``/``observe_decode``
-as the live router does.
+as the live router does, and re-times a request's incoming decode work when its prefill
+starts (it joins at that prefill's predicted end) and ends, as the router does.
 
 Each instance's GPUs are a :class:`engines.cost_model.CostModelEngine` — the real engines'
 interface in virtual time. Engines behave as docs/architecture.md §4 says, whatever the policy: at
