@@ -119,7 +119,7 @@ class VLLMRouter(Router[VLLMClient]):
         """Colocated: the instance's prefill is over (its first token arrived)."""
         backlog = self.prefill[plan.prefill_id].backlog
         backlog.remove(plan.request_id)
-        backlog.advance(time.monotonic())
+        self._advance(backlog, time.monotonic())
 
     def colocated_prefilled(self, plan: RoutePlan, cached_tokens: int, ttft_s: float) -> None:
         """Colocated: feed the T_prefill fit once the request's usage says what was cached."""
