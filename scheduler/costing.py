@@ -52,7 +52,9 @@ class PrefillProfile:
     prediction never implies fewer computed tokens per second than this (> 0);
     ``min_prefill_s``: the least any prediction returns (>= 0); ``learn``: False freezes
     the seed (no online fit — the simulator's oracle runs; the error is still measured).
-    ``residual_alpha``: EWMA weight of each residual in the measured error, in (0, 1]. The
+    ``residual_alpha``: EWMA weight of each residual in the measured error, in (0, 1].
+    ``outlier_k``: an observation above ``predicted · (1 + outlier_k · max(σ↓, 0.05))`` is a
+    straggler, folded into the fit at that cap (> 0; ``math.inf``: never). The
     defaults fit the tiny CPU model of ``engines/model.py`` loosely."""
 
     fixed_s: float = 5e-3
@@ -75,6 +77,8 @@ class PrefillProfile:
         if self.min_samples < 1 or not 0 < self.decay <= 1:
             raise InvalidArgument(f"need min_samples >= 1 and decay in (0, 1], got "
                                   f"{self.min_samples!r} and {self.decay!r}")
+        if not self.outlier_k > 0:
+            raise InvalidArgument(f"outlier_k must be > 0 (inf: never), got {self.outlier_k!r}")
         if not 0 < self.residual_alpha <= 1:
             raise InvalidArgument(f"residual_alpha must be in (0, 1], got {self.residual_alpha!r}")
 
