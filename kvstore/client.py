@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from kvstore.auth import bearer_metadata
-from kvstore.errors import InvalidArgument, LeaseExpired, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.quotas import check_namespace
@@ -103,7 +103,7 @@ class StoreClient:
                 return None
             try:
                 self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks,
-                                             prefault=self._prefault)
+                                             prefault=self._prefault, report=self._report_bad)
             except Unavailable as exc:
                 log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc)
                 return None
@@ -262,11 +262,27 @@ class StoreClient:
         """:meth:`get_blocks` over the gRPC stream."""
         if not keys:
             return []
+        bad: list[bytes] = []
         try:
-            return codec.blocks_of(self._stub.Get(pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss),
-                                                  timeout=self.timeout_s, metadata=self._meta))
+            out = codec.blocks_of(self._stub.Get(pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss),
+                                                 timeout=self.timeout_s, metadata=self._meta), bad)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
+        if bad:
+            self._report_bad(bad)
+        return out
+
+    def _report_bad(self, keys: list[bytes]) -> None:
+        """Blocks that failed their checksum here, told to the node (:meth:`scrub`); a read
+        already counts them as misses, so a failure to report is only logged."""
+        log.warning("store client -> %s: %d blocks failed their checksum; the node is asked to verify them",
+                    self.address, len(keys))
+        try:
+            checked, dropped = self.scrub(keys)
+        except KVStoreError as exc:
+            log.warning("store client -> %s: could not report them: %s", self.address, exc)
+            return
+        log.info("store client -> %s: the node verified %d copies and dropped %d", self.address, checked, dropped)
 
     def get(self, key: bytes) -> bytes | None:
         return self.get_blocks([key])[0]
@@ -278,6 +294,14 @@ class StoreClient:
     def evict(self, tier: str, nbytes: int) -> tuple[int, int]:
         resp = self._call(self._stub.Evict, pb.EvictRequest(tier=tier, bytes=nbytes))
         return resp.evicted_bytes, resp.evicted_blocks
+
+    def scrub(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Report blocks that failed their checksum here: the node verifies every copy it
+        holds of ``keys`` and drops those that fail (kvstore/pool_reads.py ``scrub``), so the
+        next reader misses at once instead of copying damaged bytes again. Returns (copies
+        checked, copies dropped). Raises as every call (InvalidArgument for bad keys)."""
+        resp = self._call(self._stub.Scrub, pb.ScrubRequest(keys=list(keys)))
+        return resp.checked, resp.dropped
 
     def pin(self, keys: Sequence[bytes], hard: bool = False, ttl_s: float | None = None,
             prefix: bool = False) -> int:

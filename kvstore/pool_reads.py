@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from kvstore.pool_types import PoolSettings
 from kvstore.tiers.base import Tier
 from kvstore.tiers.buffers import copy_into, to_bytes
 
+log = logging.getLogger(__name__)
 Sink = Callable[[Any], Any]
 Found = tuple[int, int, BlockMeta]   # (index among the keys, level, the copy's books)
 
@@ -175,6 +177,41 @@ class PoolReads:
     def get_chain(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """Get a prefix chain (None for misses); recency is set tail-first, so heads stay."""
         return self.read_many(keys, to_bytes, stop_at_miss=stop_at_miss, chain=True)
+
+    def scrub(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Verify every copy this node holds of ``keys`` against the checksum taken at put —
+        what a reader asks for when a block failed its checksum after crossing to it (the node
+        trusts only its own check) — and drop each copy that fails, counted and logged as a
+        read that finds one is. The copies are held meanwhile and hashed outside the lock.
+        Returns (copies checked, copies dropped)."""
+        held: list[Found] = []
+        with self._lock:
+            deadline = time.monotonic() + self.settings.lease_ttl_s
+            for i, key in enumerate(keys):
+                for level, book in enumerate(self._place.books):
+                    meta = book.blocks.get(key)
+                    if meta is not None:
+                        meta.hold(deadline)
+                        held.append((i, level, meta))
+        bad: list[Found] = []
+        try:
+            for found in held:
+                i, level, _ = found
+                try:
+                    ok = self.tiers[level].verify(keys[i])
+                except KeyError:         # booked, its tier write not landed yet: nothing to check
+                    ok = True
+                if not ok:
+                    bad.append(found)
+        finally:
+            with self._lock:
+                for _, _, meta in held:
+                    meta.unhold()
+                for i, level, meta in bad:
+                    log.warning("block %s failed its checksum in tier %s on a reader's report; dropped",
+                                keys[i].hex()[:16], self.tiers[level].name)
+                    self._place.corrupt(level, keys[i], meta)
+        return len(held), len(bad)
 
     # -- lookups and locked matches ----------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:

@@ -156,6 +156,12 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.EvictResponse(evicted_bytes=freed, evicted_blocks=blocks)
 
     @refusing
+    def Scrub(self, request: pb.ScrubRequest, context: grpc.ServicerContext) -> pb.ScrubResponse:
+        check_keys(request.keys)
+        checked, dropped = self.pool.scrub(list(request.keys))
+        return pb.ScrubResponse(checked=checked, dropped=dropped)
+
+    @refusing
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         check_keys(request.keys)
         keys, ttl = list(request.keys), check_ttl(request.ttl_s)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore.errors import InvalidArgument
 from kvstore.integrity import checksum_of
 from tests.dataplane_helpers import MIB, block_of, key_of
 
@@ -31,7 +32,7 @@ def test_large_puts_and_gets_hash_beside_the_copy_and_catch_a_flipped_byte(slab_
     """Blocks of 1 MiB and 5 MiB: the put hashes them on a helper thread and commits in
     pipelined chunks; the get of the 5 MiB block verifies chunk by chunk beside its copy.
     The checksums the writer sent are those of the bytes; one flipped byte in the slab
-    makes the block a miss."""
+    makes the block a miss, and the reader's report (Scrub) has the node drop it."""
     pool, address, _ = slab_node(dram_bytes=64 * MIB)
     client, remote = client_of(address), client_of(address, data_path="grpc")
     blocks = [(key_of(i), block_of(i, size)) for i, size in enumerate([MIB, 5 * MIB + 3, MIB, 3 * MIB])]
@@ -46,6 +47,18 @@ def test_large_puts_and_gets_hash_beside_the_copy_and_catch_a_flipped_byte(slab_
     offset, size, _ = tier.locate(blocks[1][0])
     tier._slab[offset + size // 2] ^= 0xFF  # corrupt the middle of the 5 MiB block in place
     assert client.get_into([blocks[1][0], blocks[2][0]], outs[1:3]) == [None, MIB]
+    # the client reported it, the node verified it and dropped it: the next read misses at once
+    assert not pool.contains(blocks[1][0]) and pool.contains(blocks[2][0])
+    assert {s.name: s.integrity_failures for s in pool.stats()}["dram"] == 1
+    assert remote.scrub([blocks[0][0], blocks[2][0]]) == (2, 0)        # a healthy block stays on a report
+    with pytest.raises(InvalidArgument, match="key"):
+        remote.scrub([b"short"])
+    offset, size, _ = tier.locate(blocks[3][0])
+    tier._slab[offset] ^= 0x01                 # the gRPC stream's reader verifies and reports too
+    assert remote.get_blocks([blocks[3][0], blocks[0][0]]) == [None, blocks[0][1]]
+    assert not pool.contains(blocks[3][0])
+    assert {s.name: s.integrity_failures for s in pool.stats()}["dram"] == 2
+    pool.check_integrity()
 
 
 def test_repeated_puts_of_one_size_use_spare_slots_and_survive_their_timeout(slab_node, client_of) -> None:

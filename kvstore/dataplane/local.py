@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvstore.dataplane.control import Control
-from kvstore.dataplane.slab_reads import Fetch, SlabReads
+from kvstore.dataplane.slab_reads import Fetch, Report, SlabReads
 from kvstore.dataplane.slab_writes import SlabWrites
 from kvstore.dataplane.spares import SpareStock
 from kvstore.errors import Unavailable
@@ -52,16 +52,19 @@ class LocalDataPlane(SlabReads, SlabWrites):
     miss — never another block's bytes. Thread-safe as far as its control is (both are).
     ``fetch``: reads blocks held in another tier (SSD, HBM) over the gRPC stream (None: they
     are misses). ``prefault``: build this process's page tables for the mapping in the
-    background.
+    background. ``report``: told the keys of blocks that failed their checksum after the
+    copy (StoreClient reports them to the node, which verifies and drops a damaged one).
     """
 
     def __init__(self, info: DataPlaneInfo, control: Control, verify: bool = True,
-                 lease_ttl_s: float | None = None, fetch: Fetch | None = None, prefault: bool = True) -> None:
+                 lease_ttl_s: float | None = None, fetch: Fetch | None = None, prefault: bool = True,
+                 report: Report | None = None) -> None:
         self.info = info
         self.control = control
         self.verify = verify
         self.lease_ttl_s = lease_ttl_s
         self.fetch = fetch
+        self.report = report
         self._mm, self._slab = map_slab(info)
         # This process's page tables for the slab, built in the background: a first touch of
         # each 4 KiB page of the mapping is a fault (1 MiB: ~0.5 ms on a VM, vs ~0.07 once mapped).

@@ -27,6 +27,7 @@ PIPELINED_VERIFY_BYTES = 4 << 20  # a get of a block this large verifies chunks 
 VERIFY_CHUNK_BYTES = 1 << 20
 _U8 = np.dtype(np.uint8)
 Fetch = Callable[[list[bytes]], list[bytes | None]]  # keys -> bytes over the gRPC stream
+Report = Callable[[list[bytes]], None]  # keys that failed their checksum here -> the node (never raises)
 
 
 class SlabReads:
@@ -37,6 +38,7 @@ class SlabReads:
     verify: bool
     lease_ttl_s: float | None
     fetch: Fetch | None
+    report: Report | None
     _slab: np.ndarray
 
     def _hasher(self) -> ThreadPoolExecutor:
@@ -178,12 +180,12 @@ class SlabReads:
             out[i] = fetched
         return _cut(out) if stop_at_miss else out
 
-    @staticmethod
-    def _settle(grant: LeaseGrant, keys: Sequence[bytes], out: list[Any], bad: list[int],
+    def _settle(self, grant: LeaseGrant, keys: Sequence[bytes], out: list[Any], bad: list[int],
                 copied_at: float) -> None:
         """Judge the copies of one lease: raise LeaseExpired when they ended (``copied_at``,
         monotonic seconds) after its deadline (the bytes may have been reused); otherwise
-        make each block of ``bad`` (failed its checksum) a miss in ``out``."""
+        make each block of ``bad`` (failed its checksum) a miss in ``out`` and report them
+        (``report``: the node verifies them itself and drops a damaged one)."""
         late = copied_at - grant.deadline
         if late > 0:
             raise LeaseExpired(f"copy of {len(grant.blocks)} blocks outlived its lease by {late:.3f} s; "
@@ -191,6 +193,8 @@ class SlabReads:
         for i in bad:  # corrupt in the slab, or reused under a lease that lied: never returned
             log.warning("block %s failed its checksum after the slab copy; a miss", keys[i].hex()[:16])
             out[i] = None
+        if bad and self.report is not None:
+            self.report([keys[i] for i in bad])
 
     def _fetch_elsewhere(self, keys: Sequence[bytes], later: list[int]) -> list[tuple[int, bytes | None]]:
         """(index, bytes or None) of the blocks held in another tier, read over the gRPC

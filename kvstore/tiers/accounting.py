@@ -51,6 +51,12 @@ class AccountingTier(TableTier[tuple[int, int]]):
     def read(self, key: bytes, sink: Sink[T]) -> T | None:
         return None if key not in self._blocks else sink(_EMPTY)
 
+    def verify(self, key: bytes) -> bool:
+        """No bytes, nothing to damage (raises KeyError for an absent key, as every tier)."""
+        if key not in self._blocks:
+            raise KeyError(key)
+        return True
+
     def read_many(self, keys: Sequence[bytes], sinks: Sequence[Sink[T]]) -> list[T | None | Exception]:
         blocks = self._blocks
         return [None if k not in blocks else s(_EMPTY) for k, s in zip(keys, sinks)]

@@ -14,9 +14,10 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, IntegrityError
+from kvstore.integrity import checksum_of
 from kvstore.registry import registrar
-from kvstore.tiers.buffers import copy_into, to_bytes
+from kvstore.tiers.buffers import copy_into, host_u8, to_bytes
 
 T = TypeVar("T")
 Sink = Callable[[Any], T]  # receives a read-only uint8 view of a block (numpy, or torch on a device)
@@ -115,6 +116,19 @@ class Tier(ABC):
 
     @abstractmethod
     def usage(self) -> TierUsage: ...
+
+    def verify(self, key: bytes) -> bool:
+        """Whether the committed block still matches the checksum taken at put (a scrub:
+        :meth:`kvstore.pool.KVPool.scrub`). This default reads it; a tier that verifies its
+        reads and raises IntegrityError says False. Raises KeyError for an absent key."""
+        info = self.info(key)
+        if info is None:
+            raise KeyError(key)
+        try:
+            got = self.read(key, lambda view: checksum_of(host_u8(view)))
+        except IntegrityError:
+            return False
+        return got == info[1]
 
     # -- conveniences and batched variants -------------------------------------------------
     @property

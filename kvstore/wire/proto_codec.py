@@ -97,10 +97,12 @@ def missing_chunk(key: bytes) -> pb.GetChunk:
     return pb.GetChunk(key=key, missing=True)
 
 
-def blocks_of(chunks: Iterable[pb.GetChunk]) -> list[bytes | None]:
+def blocks_of(chunks: Iterable[pb.GetChunk], bad: list[bytes] | None = None) -> list[bytes | None]:
     """The blocks of a Get stream, in order: bytes, or None for a miss and for a block whose
-    bytes do not match the checksum sent with it (verified after crossing the wire)."""
+    bytes do not match the checksum sent with it (verified after crossing the wire; its key
+    is appended to ``bad`` when given)."""
     out: list[bytes | None] = []
+    key = b""
     buf = bytearray()
     size = checksum = 0
     started = False
@@ -109,6 +111,8 @@ def blocks_of(chunks: Iterable[pb.GetChunk]) -> list[bytes | None]:
         if started:
             ok = len(buf) == size and checksum_of(buf) == checksum
             out.append(bytes(buf) if ok else None)
+            if not ok and bad is not None:
+                bad.append(key)
 
     for chunk in chunks:
         if chunk.missing:
@@ -117,7 +121,7 @@ def blocks_of(chunks: Iterable[pb.GetChunk]) -> list[bytes | None]:
             out.append(None)
         elif chunk.key:
             finish()
-            started, size, checksum = True, chunk.size, chunk.checksum
+            started, key, size, checksum = True, chunk.key, chunk.size, chunk.checksum
             buf = bytearray(chunk.data)
         else:
             buf += chunk.data
