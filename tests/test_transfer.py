@@ -101,7 +101,8 @@ def test_transfer_engine_get_into_registered_and_plain_buffers(te_node):
     """A 9 MiB block (three pieces, three waves hashed while the next moves) lands straight
     in a registered arena; others go through the transport's buffer into a plain array and
     a tensor. A byte flipped in the node's slab makes that block a miss on the engine path
-    and on the gRPC stream too (both check the checksum taken at put)."""
+    and on the gRPC stream too (both check the checksum taken at put), and the node drops
+    it on the reader's report."""
     torch = pytest.importorskip("torch")
     address, client = te_node
     sizes = [9 << 20, 100_000, 4096]
@@ -121,6 +122,9 @@ def test_transfer_engine_get_into_registered_and_plain_buffers(te_node):
         plane._slab[grant.blocks[0].offset + (5 << 20)] ^= 0xFF
         plane.control.release(grant.lease_id)
         assert t.get_into(keys[:2], outs[:2]) == [None, sizes[1]]
+        # the engine's miss was read again over gRPC, whose reader reported it (Scrub): the
+        # node verified the copy, dropped it, and now holds the healthy blocks only
+        assert client.lookup(keys[:1]).blocks == 0 and client.lookup(keys[1:2]).blocks == 1
         assert GrpcStreamTransport(address).get_blocks(keys[:1]) == [None]
     finally:
         t.close()
