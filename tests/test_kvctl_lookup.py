@@ -58,6 +58,9 @@ def test_lookup_gives_the_engines_keys_and_finds_the_blocks(engine, tmp_path):
     rc, doc, _ = kvctl(env, "--store", store, "lookup", "--prompt", PROMPT, "--tenant", "sk-bob",
                        "--engine", address, "--engine-token", ENGINE_TOKEN)
     assert rc == 0 and doc["held_prefix_blocks"] == 0             # another tenant's keys differ
+    rc, text, _ = kvctl(env, "--store", store, "lookup", "--prompt", PROMPT, "--engine", address,
+                        "--engine-token", ENGINE_TOKEN, json_out=False)
+    assert rc == 0 and "prefix of 0 blocks" in text and "give --tenant KEY" in text   # no key: a hint
     rc, _, err = kvctl(env, "--store", store, "lookup", "--prompt", PROMPT, "--engine", address,
                        "--engine-token", "wrong", json_out=False)
     assert rc == 1 and "UNAUTHENTICATED" in err

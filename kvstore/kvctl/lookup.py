@@ -101,6 +101,9 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     text = (f"{len(tokens)} tokens, {len(keys)} full blocks of {block_size} (key spec from {source}; "
             f"model {model!r}, namespace {namespace!r}); the pool holds a prefix of {held} blocks\n"
             + tabulate(rows, headers=["block", "key", "node", "tier", "bytes", "pin"]))
+    if held == 0 and args.namespace is None and not args.tenant:
+        text += (f"\n(namespace {PUBLIC_NAMESPACE!r}: the front door's tenant for a caller without a key; one "
+                 "with API keys keys each caller by its key: give --tenant KEY or --namespace key-<16 hex>)")
     emit(args, {"namespace": namespace, "model": model, "revision": revision, "block_size": block_size,
                 "tokens": len(tokens), "key_spec_from": source, "held_prefix_blocks": held, "blocks": blocks}, text)
     return EXIT_OK
