@@ -48,15 +48,18 @@ class PoolReads:
     _lease_ids: itertools.count[int]
 
     # -- the shared rule -------------------------------------------------------------------
-    def _end_read(self, keys: Sequence[bytes], found: list[Found], corrupt: list[Found]) -> None:
-        """Release the holds of a read; drop the copies that failed their checksum."""
+    def _end_read(self, keys: Sequence[bytes], found: list[Found], corrupt: list[Found],
+                  counted: bool = True) -> None:
+        """Release the holds of a read; drop the copies that failed their checksum (with
+        ``counted``, the read had counted them as hits: they become misses)."""
         with self._lock:
             for _, _, meta in found:
                 meta.unhold()
             for i, level, meta in corrupt:
                 book = self._place.books[level]
-                book.counters.hits -= 1
-                book.counters.misses += 1
+                if counted:
+                    book.counters.hits -= 1
+                    book.counters.misses += 1
                 self._place.corrupt(level, keys[i], meta)
 
     def _after_read(self, keys: Sequence[bytes], found: list[Found], out: list[Any], deadline: float) -> None:
@@ -204,13 +207,10 @@ class PoolReads:
                 if not ok:
                     bad.append(found)
         finally:
-            with self._lock:
-                for _, _, meta in held:
-                    meta.unhold()
-                for i, level, meta in bad:
-                    log.warning("block %s failed its checksum in tier %s on a reader's report; dropped",
-                                keys[i].hex()[:16], self.tiers[level].name)
-                    self._place.corrupt(level, keys[i], meta)
+            for i, level, _ in bad:
+                log.warning("block %s failed its checksum in tier %s on a reader's report; dropped",
+                            keys[i].hex()[:16], self.tiers[level].name)
+            self._end_read(keys, held, bad, counted=False)   # a scrub counted no hit
         return len(held), len(bad)
 
     # -- lookups and locked matches ----------------------------------------------------------

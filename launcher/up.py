@@ -75,8 +75,8 @@ def preflight(args: argparse.Namespace) -> int | None:
 def _size_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--dram`` / ``--ssd`` (checked here, before Redis or anything
     else starts, rather than by the store node's own start), or None."""
-    from kvstore.config import parse_bytes
-    for flag, least in (("dram", 1), ("ssd", 0)):
+    from kvstore.config import TierSpec, parse_bytes
+    for flag in ("dram", "ssd"):
         text = getattr(args, flag, None)
         if text is None:
             continue
@@ -84,8 +84,11 @@ def _size_problem(args: argparse.Namespace) -> str | None:
             n = parse_bytes(text)
         except ValueError as exc:
             return f"--{flag}: {exc}"
-        if not least <= n < 2**63:
-            return f"--{flag}: a tier of {n} bytes; give {'more than 0' if least else '0 or more'} and under 2**63"
+        if n or flag == "dram":              # --ssd 0: no SSD tier; any other size is a tier's
+            try:
+                TierSpec(flag, n)            # the one rule of a tier's capacity
+            except ValueError as exc:
+                return f"--{flag}: a tier of {n} bytes: {exc}"
     return None
 
 

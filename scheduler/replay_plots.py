@@ -8,6 +8,7 @@ from typing import Any
 
 from scheduler.compare import Comparison
 from scheduler.report import Report
+from scheduler.sim.plots import save_figure
 
 
 def _pyplot() -> Any:
@@ -40,7 +41,7 @@ def ttft_cdf(c: Comparison, path: str | Path) -> Path:
     ax.set_title(f"TTFT CDF, pool on against off\n{_title(c)}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def _cumulative_hit(rep: Report) -> list[float]:
@@ -72,19 +73,10 @@ def hit_ratio_over_replay(c: Comparison, path: str | Path) -> Path:
     ax.set_title(f"Hit ratio over the replay\n{_title(c)}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def write_plots(c: Comparison, out_dir: str | Path, prefix: str = "demo") -> list[Path]:
     """Both plots as ``<out_dir>/<prefix>_ttft_cdf.png`` and ``<prefix>_hit_ratio.png``."""
     out = Path(out_dir)
     return [ttft_cdf(c, out / f"{prefix}_ttft_cdf.png"), hit_ratio_over_replay(c, out / f"{prefix}_hit_ratio.png")]
-
-
-def _save(fig: Any, plt: Any, path: str | Path) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def ttft_cdf(results: Sequence[SimResult], path: str | Path) -> Path:
     ax.set_title("TTFT CDF per policy")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def goodput_vs_rate(sweep: dict[str, list[tuple[float, float]]], path: str | Path) -> Path:
@@ -51,7 +52,7 @@ def goodput_vs_rate(sweep: dict[str, list[tuple[float, float]]], path: str | Pat
     ax.set_title("Goodput against request rate")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def hit_vs_capacity(points: list[tuple[float | None, float]], best: float, path: str | Path) -> Path:
@@ -71,13 +72,15 @@ def hit_vs_capacity(points: list[tuple[float | None, float]], best: float, path:
     ax.set_title("Hit ratio against pool capacity")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
-def _save(fig, plt, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_figure(fig: Any, plt: Any, path: str | Path) -> Path:
+    """Write a matplotlib figure to ``path`` as PNG (110 dpi; parents made) and close it;
+    the simulator's and the replay's plots (scheduler/replay_plots.py) both go through it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
-    return path
+    return out
