@@ -69,6 +69,20 @@ def test_small_pool_hits_less() -> None:
     assert small.hit_ratio < big.hit_ratio <= big.best_possible_hit_ratio + 1e-12
 
 
+def test_local_dram_cache_holds_what_hbm_evicts_and_is_read_over_pcie() -> None:
+    # No pool, and least-loaded never fetches from a peer: every load is from the
+    # instance's own DRAM, where blocks its small HBM cache evicted were demoted.
+    base = SimConfig(policy="least_loaded", instances=4, prefill_instances=2, pool_dram_tokens=0,
+                     hbm_cache_tokens=20 * 512)
+    _, hbm_only = _run(base, 800)
+    reqs, with_dram = _run(dataclasses.replace(base, local_dram_tokens=None), 800)
+    assert hbm_only.hit_ratio < with_dram.hit_ratio <= with_dram.best_possible_hit_ratio + 1e-12
+    loaded = [r for r in reqs if r.prefill_s - r.compute_s > 0]
+    assert loaded and all(r.hit_blocks > 0 for r in loaded)
+    with pytest.raises(InvalidArgument, match="local_dram_tokens"):
+        SimConfig(local_dram_tokens=-1)
+
+
 def test_disaggregated_keeps_tbt_colocated_does_not() -> None:
     base = SimConfig(policy="conductor", instances=8, speed=1.0, tbt_slo_s=0.1)
     _, dis = _run(base, 1000)

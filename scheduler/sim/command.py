@@ -67,8 +67,11 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--hbm-cache-tokens", type=_tokens,
                    help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; "
                         "half of it colocated)")
+    p.add_argument("--local-dram-tokens", type=_tokens, default=0,
+                   help="per-prefill-instance DRAM cache below its HBM cache, in tokens (Mooncake's local "
+                        "cache: 1 TiB = 3355443 LLaMA3-70B tokens; inf; 0: none)")
     p.add_argument("--max-running", type=int, default=256, help="decode batch limit per instance")
-    p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' HBM")
+    p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' caches")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
     p.add_argument("--eviction", default=SimConfig.eviction, choices=EVICTION_POLICIES,
                    help="cache eviction strategy")
@@ -94,7 +97,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
                      model=args.model, speed=args.speed, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
                      pool_dram_tokens=pool, pool_ssd_tokens=args.pool_ssd_tokens,
-                     hbm_cache_tokens=args.hbm_cache_tokens, max_running=args.max_running,
+                     hbm_cache_tokens=args.hbm_cache_tokens, local_dram_tokens=args.local_dram_tokens,
+                     max_running=args.max_running,
                      peer_fetch=not args.no_peer_fetch, chunked_prefill_tokens=args.chunked_prefill_tokens,
                      eviction=args.eviction, seed=args.seed, prefill_cv=args.prefill_cv,
                      decode_cv=args.decode_cv, straggler_prob=args.straggler_prob,

@@ -23,8 +23,13 @@ class SimConfig:
     ``pool_dram_tokens``/``pool_ssd_tokens``: pool capacity (tokens; None = unbounded,
     0 = none). ``hbm_cache_tokens``: an instance's prefix cache (None: all the KV room of a
     prefill instance; half of it when colocated, the other half holds the decode batch).
+    ``local_dram_tokens``: each prefill instance's own DRAM cache below its HBM cache
+    (tokens; None = unbounded, 0 = none, the default): blocks evicted from HBM demote there,
+    its engine loads them back over PCIe, and only that instance (and, with ``peer_fetch``,
+    the Conductor's fetches) reads it — Mooncake's local cache, about 1 TB of a node's DRAM
+    holding ~3M LLaMA3-70B tokens (FAST'25 §4.2, §5.3.1).
     ``max_running``: decode batch limit. ``peer_fetch``: the Conductor may fetch a prefix from
-    another prefill instance's HBM. ``chunked_prefill_tokens``: colocated only, prefill in
+    another prefill instance's cache. ``chunked_prefill_tokens``: colocated only, prefill in
     chunks of this many tokens fused with decode steps (None: a prefill pauses the batch).
     ``eviction``: the caches' eviction strategy (:mod:`kvstore.eviction`). ``seed``: of the
     random policy and of the engines' noise. ``prefill_cv``/``decode_cv``/``straggler_prob``/
@@ -45,6 +50,7 @@ class SimConfig:
     admission: str = "none"
     pool_dram_tokens: int | None = None
     pool_ssd_tokens: int | None = 0
+    local_dram_tokens: int | None = 0
     hbm_cache_tokens: int | None = None
     max_running: int = 256
     peer_fetch: bool = True
@@ -80,7 +86,7 @@ class SimConfig:
             raise InvalidArgument(f"max_running must be >= 1, got {self.max_running}")
         from engines.cost_model import Variance
         Variance(self.prefill_cv, self.decode_cv, self.straggler_prob, self.straggler_factor)  # validates
-        for name in ("pool_dram_tokens", "pool_ssd_tokens", "hbm_cache_tokens"):
+        for name in ("pool_dram_tokens", "pool_ssd_tokens", "hbm_cache_tokens", "local_dram_tokens"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise InvalidArgument(f"{name} must be >= 0 tokens or None (unbounded), got {v}")

@@ -12,7 +12,8 @@ starts (it joins at that prefill's predicted end) and ends, as the router does.
 
 Each instance's GPUs are a :class:`engines.cost_model.CostModelEngine` — the real engines'
 interface in virtual time. Engines behave as docs/architecture.md §4 says, whatever the policy: at
-prefill start an instance finds the longest prefix among its own HBM cache, the pool
+prefill start an instance finds the longest prefix among its own cache (HBM, then its
+local DRAM read over PCIe, with ``local_dram_tokens``), the pool
 (disaggregated) and the peer the decision planned to fetch from; its engine loads it — from
 the pool no further than the decision's ``max_load_blocks`` when the policy chose to
 recompute (:func:`scheduler.views.load_limit`, as the live router tells the live engines) —
@@ -94,7 +95,8 @@ class Simulator:
                            for i in range(cfg.instances - n_p)]
         self.by_name = {i.name: i for i in self.prefill + self.decode}
         # The caches are real KVPools over accounting tiers (sizes, no payloads).
-        self.hbm = {i.name: accounting_pool(self.index, i.name, [("hbm", cache_tokens // BLOCK)],
+        dram = None if cfg.local_dram_tokens is None else cfg.local_dram_tokens // BLOCK
+        self.hbm = {i.name: accounting_pool(self.index, i.name, [("hbm", cache_tokens // BLOCK), ("dram", dram)],
                                             self.block_bytes, cfg.eviction)
                     for i in self.prefill}
         self.pool = None
@@ -183,16 +185,22 @@ class Simulator:
         return inst.view
 
     # -- prefill ------------------------------------------------------------------------------
-    def _fetch(self, blocks: int, tiers: tuple[str, ...], local: int) -> LoadedPrefix:
-        """The prefix of ``blocks`` blocks whose first ``local`` are in the instance's HBM and
-        the rest held in ``tiers`` (one per block) on another node: seconds to bring those
-        (network, or the holder's SSD when slower), bytes, and their usual tier."""
+    def _fetch(self, blocks: int, tiers: tuple[str, ...], local: int, own: tuple[str, ...] = ()) -> LoadedPrefix:
+        """The prefix of ``blocks`` blocks whose first ``local`` are in the instance's HBM,
+        the next ``len(own)`` in its own DRAM (tiers ``own``, read over PCIe) and the rest
+        held in ``tiers`` (one per block) on another node: seconds to bring those (network,
+        or the holder's SSD when slower; PCIe for its own DRAM's), bytes, and their usual
+        tier."""
+        mine = sum(1 for t in own if t != "hbm")
+        own_s = self.cost.transfer_s(self.block_bytes * mine, "pcie") if mine else 0.0
         if not tiers:
-            return LoadedPrefix(blocks, local)
+            if not mine:
+                return LoadedPrefix(blocks, local)
+            return LoadedPrefix(blocks, local, own_s, self.block_bytes * mine, "dram")
         ssd = sum(1 for t in tiers if t == "ssd")
         net = self.cost.transfer_s(self.block_bytes * len(tiers), "network")
-        seconds = max(net, self.cost.transfer_s(self.block_bytes * ssd, "ssd"))
-        return LoadedPrefix(blocks, local, seconds, self.block_bytes * len(tiers),
+        seconds = max(net, self.cost.transfer_s(self.block_bytes * ssd, "ssd")) + own_s
+        return LoadedPrefix(blocks, local, seconds, self.block_bytes * (len(tiers) + mine),
                             "ssd" if 2 * ssd > len(tiers) else tiers[0] if ssd == 0 else "dram")
 
     def _run_next_prefill(self, inst: Instance, now: float) -> None:
@@ -216,16 +224,19 @@ class Simulator:
         if fetch is not None and fetch.source != POOL:
             nodes.append(fetch.source)
         per = self.index.match(keys, nodes).per_node if keys else {}
-        local = len(per.get(inst.name, ()))
-        prefix, source = LoadedPrefix(local, local), None
+        mine = per.get(inst.name, ())
+        local = len(mine)
+        in_hbm = next((i for i, t in enumerate(mine) if t != "hbm"), local)
+        own = mine[in_hbm:]
+        prefix, source = self._fetch(local, (), in_hbm, own), None
         if self.pool is not None:
             pool_tiers = per.get(POOL, ())
             if len(pool_tiers) > local:
-                prefix, source = self._fetch(len(pool_tiers), pool_tiers[local:], local), self.pool
+                prefix, source = self._fetch(len(pool_tiers), pool_tiers[local:], in_hbm, own), self.pool
         if fetch is not None and fetch.source != POOL:
             peer = per.get(fetch.source, ())[:fetch.first_block + fetch.blocks]
             if len(peer) > prefix.blocks:
-                prefix, source = self._fetch(len(peer), peer[local:], local), self.hbm[fetch.source]
+                prefix, source = self._fetch(len(peer), peer[local:], in_hbm, own), self.hbm[fetch.source]
         # The cost-model engine loads the prefix (up to the decision's limit) and computes the rest.
         result = inst.engine.prefill(str(req.rid), range(req.prompt), "", req.max_load_blocks,
                                      block_keys=keys, prefix=prefix)
