@@ -18,7 +18,7 @@ profiling pass, fitted online). ``fig5`` and ``overload`` also run with ``oracle
 The simulation is chaotic: a change of 1e-12 in one fitted coefficient moves one decision,
 and every later one with it, so a single run's ratio depends on the seed and even on the
 numpy build (seed 0's Conductor / least-loaded ratio moved from 0.556 to 0.608 between two
-machines with the same code). ``seeds`` therefore also runs the ratios' experiments over
+installs of the same code). ``seeds`` therefore also runs the ratios' experiments over
 seeds 0-4 (two processes at a time) and reports each ratio's mean, min and max, the
 figure to compare; ``ratios`` stays seed 0's, the issue's keys. ``local_dram`` repeats
 fig5's three cache-aware policies over the same seeds with each prefill node's ~1 TB local
