@@ -132,20 +132,11 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
         f5 = {p: got[("fig5", seed, p)] for p in cache_aware}
         ld = {p: got[("local_dram", seed, p)] for p in cache_aware}
         cur, pre = got[("overload", seed, "current")], got[("overload", seed, "predictive")]
-        per_seed[str(seed)] = {
-            "conductor_vs_least_loaded_avg_ttft": f5["conductor"]["ttft_mean_s"] / f5["least_loaded"]["ttft_mean_s"],
-            "conductor_vs_local_cache_aware_avg_ttft":
-                f5["conductor"]["ttft_mean_s"] / f5["local_cache_aware"]["ttft_mean_s"],
-            "rejected_predictive_vs_current": pre["rejected"] / max(1, cur["rejected"]),
-            "wasted_prefill_predictive_vs_current":
-                pre["wasted_prefill_gpu_s"] / max(1e-9, cur["wasted_prefill_gpu_s"]),
-        }
+        per_seed[str(seed)] = {**cache_ratios({p: f5[p]["ttft_mean_s"] for p in cache_aware}),
+                               **rejection_ratios(cur, pre)}
         dram[str(seed)] = {f"{p}_avg_ttft_s": ld[p]["ttft_mean_s"] for p in cache_aware}
-        dram[str(seed)].update({
-            "conductor_hit_ratio": ld["conductor"]["hit_ratio"],
-            "conductor_vs_least_loaded_avg_ttft": ld["conductor"]["ttft_mean_s"] / ld["least_loaded"]["ttft_mean_s"],
-            "conductor_vs_local_cache_aware_avg_ttft":
-                ld["conductor"]["ttft_mean_s"] / ld["local_cache_aware"]["ttft_mean_s"]})
+        dram[str(seed)]["conductor_hit_ratio"] = ld["conductor"]["hit_ratio"]
+        dram[str(seed)].update(cache_ratios({p: ld[p]["ttft_mean_s"] for p in cache_aware}))
     return {
         "seeds": list(SEEDS),
         "per_seed": per_seed,
@@ -155,16 +146,26 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
     }
 
 
+def cache_ratios(avg_ttft: dict[str, float]) -> dict[str, float]:
+    """The Conductor's average TTFT against least-loaded's and local cache-aware's."""
+    return {"conductor_vs_least_loaded_avg_ttft": avg_ttft["conductor"] / avg_ttft["least_loaded"],
+            "conductor_vs_local_cache_aware_avg_ttft": avg_ttft["conductor"] / avg_ttft["local_cache_aware"]}
+
+
+def rejection_ratios(cur: dict, pre: dict) -> dict[str, float]:
+    """Predictive against current-load early rejection: rejected requests, wasted prefill."""
+    return {"rejected_predictive_vs_current": pre["rejected"] / max(1, cur["rejected"]),
+            "wasted_prefill_predictive_vs_current":
+                pre["wasted_prefill_gpu_s"] / max(1e-9, cur["wasted_prefill_gpu_s"])}
+
+
 def ratios_of(f5: dict, ovl: dict, oracle: bool) -> dict[str, float]:
-    avg = {p: r.ttft_mean_s for p, r in f5.items()}
     cur, pre = ovl["current"], ovl["predictive"]
     return {
         "oracle": 1 if oracle else 0,
         "wall_s_full_trace_conductor": f5["conductor"].wall_s,
-        "conductor_vs_least_loaded_avg_ttft": avg["conductor"] / avg["least_loaded"],
-        "conductor_vs_local_cache_aware_avg_ttft": avg["conductor"] / avg["local_cache_aware"],
-        "rejected_predictive_vs_current": pre["rejected"] / max(1, cur["rejected"]),
-        "wasted_prefill_predictive_vs_current": pre["wasted_prefill_gpu_s"] / max(1e-9, cur["wasted_prefill_gpu_s"]),
+        **cache_ratios({p: r.ttft_mean_s for p, r in f5.items()}),
+        **rejection_ratios(cur, pre),
         "late_rejected_prefill_predictive_vs_current": pre["late_rejected_prefill_gpu_s"]
         / max(1e-9, cur["late_rejected_prefill_gpu_s"]),
     }
