@@ -93,10 +93,7 @@ SEED_RATIOS = ("conductor_vs_least_loaded_avg_ttft", "conductor_vs_local_cache_a
 
 def _one(args: tuple[SimConfig, int | None]) -> dict[str, float]:
     """One run's figures the seed sweep needs (a worker process: plain numbers back)."""
-    cfg, limit = args
-    trace, keys = load_workload(TRACE, limit)
-    sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
-    r = summarize(cfg, sim.run(), 0.0, sim.cost.profile.gpus)
+    r, _ = run(*args)
     return {"ttft_mean_s": r.ttft_mean_s, "rejected": r.rejected_early + r.rejected_late,
             "wasted_prefill_gpu_s": r.wasted_prefill_gpu_s, "hit_ratio": r.hit_ratio}
 

@@ -92,14 +92,13 @@ class DecodeEstimate(NamedTuple):
     """One decode instance at the moment the request would reach it: ``load`` (without the
     request; predictive: the peak while it decodes), ``tbt_s`` (with it, at that load: what
     the TBT SLO is judged by), ``fits`` (batch and KV within the limits); ``decode_s``: its
-    predicted seconds of decode there (steps × the TBT at the load it joins; NaN:
-    ``tbt_s`` per step)."""
+    predicted seconds of decode there (steps × the TBT at the load it joins)."""
 
     view: DecodeView
     load: DecodeLoad
     tbt_s: float
     fits: bool
-    decode_s: float = math.nan
+    decode_s: float
 
 
 class Conductor:
@@ -160,8 +159,7 @@ class Conductor:
             return rejection
         return Decision(self.name, request.request_id, p.view.instance_id, d.view.instance_id,
                         p.cached_tokens, p.fetch, p.queue_s, p.read_s + p.transfer_s, p.prefill_s,
-                        p.ttft_s, d.tbt_s, arrive, arrive + (max(0, request.max_tokens - 1) * d.tbt_s
-                                                             if math.isnan(d.decode_s) else d.decode_s),
+                        p.ttft_s, d.tbt_s, arrive, arrive + d.decode_s,
                         d.load.running + 1, request.prompt_tokens)
 
     # -- choices (the baselines override these) ---------------------------------------------

@@ -185,13 +185,13 @@ class Simulator:
         return inst.view
 
     # -- prefill ------------------------------------------------------------------------------
-    def _fetch(self, blocks: int, tiers: tuple[str, ...], local: int, own: tuple[str, ...] = ()) -> LoadedPrefix:
-        """The prefix of ``blocks`` blocks whose first ``local`` are in the instance's HBM,
-        the next ``len(own)`` in its own DRAM (tiers ``own``, read over PCIe) and the rest
-        held in ``tiers`` (one per block) on another node: seconds to bring those (network,
-        or the holder's SSD when slower; PCIe for its own DRAM's), bytes, and their usual
-        tier."""
-        mine = sum(1 for t in own if t != "hbm")
+    def _fetch(self, blocks: int, tiers: tuple[str, ...], own: tuple[str, ...]) -> LoadedPrefix:
+        """The prefix of ``blocks`` blocks whose first ``len(own)`` the instance holds itself
+        (``own``: their tiers, head first; its HBM's are free, its DRAM's are read over PCIe)
+        and the rest held in ``tiers`` (one per block) on another node (network, or the
+        holder's SSD when slower): seconds to bring them, bytes, and their usual tier."""
+        local = next((i for i, t in enumerate(own) if t != "hbm"), len(own))   # the HBM head
+        mine = sum(1 for t in own[local:] if t != "hbm")
         own_s = self.cost.transfer_s(self.block_bytes * mine, "pcie") if mine else 0.0
         if not tiers:
             if not mine:
@@ -224,19 +224,17 @@ class Simulator:
         if fetch is not None and fetch.source != POOL:
             nodes.append(fetch.source)
         per = self.index.match(keys, nodes).per_node if keys else {}
-        mine = per.get(inst.name, ())
-        local = len(mine)
-        in_hbm = next((i for i, t in enumerate(mine) if t != "hbm"), local)
-        own = mine[in_hbm:]
-        prefix, source = self._fetch(local, (), in_hbm, own), None
+        own = per.get(inst.name, ())
+        local = len(own)
+        prefix, source = self._fetch(local, (), own), None
         if self.pool is not None:
             pool_tiers = per.get(POOL, ())
             if len(pool_tiers) > local:
-                prefix, source = self._fetch(len(pool_tiers), pool_tiers[local:], in_hbm, own), self.pool
+                prefix, source = self._fetch(len(pool_tiers), pool_tiers[local:], own), self.pool
         if fetch is not None and fetch.source != POOL:
             peer = per.get(fetch.source, ())[:fetch.first_block + fetch.blocks]
             if len(peer) > prefix.blocks:
-                prefix, source = self._fetch(len(peer), peer[local:], in_hbm, own), self.hbm[fetch.source]
+                prefix, source = self._fetch(len(peer), peer[local:], own), self.hbm[fetch.source]
         # The cost-model engine loads the prefix (up to the decision's limit) and computes the rest.
         result = inst.engine.prefill(str(req.rid), range(req.prompt), "", req.max_load_blocks,
                                      block_keys=keys, prefix=prefix)
