@@ -152,6 +152,22 @@ def test_overload_rejects_early_and_late(admission: str) -> None:
             assert r.first_token_s >= 0
 
 
+def test_late_admission_rejects_only_after_prefill_and_early_rejection_saves_that_prefill() -> None:
+    """"late" is Table 3's baseline (arXiv 2407.00079 §7.3): nothing is turned away before
+    its prefill, so every rejection spent its prefill; early rejection on the same slice turns
+    some of them away before any prefill is spent."""
+    cfg = SimConfig(policy="conductor", instances=6, prefill_instances=5, max_running=8, speed=3.0,
+                    admission="late", pool_dram_tokens=0)
+    reqs, res = _run(cfg, 600)
+    assert res.rejected_early == 0 and res.rejected_late > 0
+    assert res.requests == res.completed + res.rejected_late
+    assert all(r.first_token_s >= 0 for r in reqs if r.status == "rejected_late")
+    assert res.late_rejected_prefill_gpu_s > 0
+    _, early = _run(dataclasses.replace(cfg, admission="current"), 600)
+    assert early.rejected_early > 0
+    assert early.late_rejected_prefill_gpu_s < res.late_rejected_prefill_gpu_s
+
+
 def test_config_errors_list_valid_values(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(InvalidArgument, match="valid"):
         SimConfig(topology="mesh")

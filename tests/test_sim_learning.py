@@ -99,7 +99,7 @@ def test_presets_are_the_readme_experiments():
     assert [c.policy for c in fig5] == ["random", "round_robin", "least_loaded", "local_cache_aware", "conductor"]
     assert all(c.pool_dram_tokens == 0 and c.n_prefill == 8 and c.instances == 16 for c in fig5)
     ovl = preset_runs("overload", SimConfig(oracle=True, seed=3))
-    assert [c.admission for c in ovl] == ["none", "current", "predictive"]
+    assert [c.admission for c in ovl] == ["none", "late", "current", "predictive"]
     assert all(c.oracle and c.seed == 3 and c.speed == 2.0 and c.n_prefill == 14 and c.max_running == 32
                for c in ovl)
     col = preset_runs("colocated")
@@ -118,7 +118,7 @@ def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
     assert out.stdout.startswith("preset overload — the trace 2× faster")
     assert "predictors: learned" in out.stdout and "prefill CV 0.1" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| conductor")]
-    assert [row.split("|")[3].strip() for row in rows] == ["none", "current", "predictive"]
+    assert [row.split("|")[3].strip() for row in rows] == ["none", "late", "current", "predictive"]
     bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "fig7"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "fig7" in bad.stderr

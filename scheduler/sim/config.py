@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgument
 
 TOPOLOGIES = ("disaggregated", "colocated")
-ADMISSIONS = ("none", "current", "predictive")
+ADMISSIONS = ("none", "late", "current", "predictive")
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,12 @@ class SimConfig:
     ``instances``: all instances (each one node of ``profile``). ``prefill_instances``:
     None = half (disaggregated only). ``speed``: replay speed (arrivals divided by it).
     ``ttft_slo_s``/``tbt_slo_s``: SLOs (seconds; TBT as Mooncake defines it).
-    ``admission``: "none" (admit everything; decode queues when full), "current" (reject
-    early on the TTFT SLO and on the decode load *now*; late, after prefill, when decode is
-    full on arrival) or "predictive" (the same, judging decode by the load predicted for the
-    moment the request reaches it — Mooncake's prediction-based early rejection).
+    ``admission``: "none" (admit everything; decode queues when full), "late" (no early
+    rejection: reject only after prefill, when decode is full or too slow on arrival — the
+    baseline of Mooncake's Table 3, arXiv 2407.00079 §7.3), "current" (reject early on the
+    TTFT SLO and on the decode load *now*; late as "late" does) or "predictive" (the same,
+    judging decode by the load predicted for the moment the request reaches it — Mooncake's
+    prediction-based early rejection).
     ``pool_dram_tokens``/``pool_ssd_tokens``: pool capacity (tokens; None = unbounded,
     0 = none). ``hbm_cache_tokens``: an instance's prefix cache (None: all the KV room of a
     prefill instance; half of it when colocated, the other half holds the decode batch).

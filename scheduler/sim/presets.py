@@ -12,9 +12,10 @@ defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the pred
   colocated (16 instances each prefilling and decoding, a prefill pausing decode), and
   colocated with 512-token chunked prefill; the Conductor; TBT SLO 100 ms.
 * ``overload`` — the trace 2× faster, decode the bottleneck (14 prefill + 2 decode, a decode
-  batch of at most 32, no pool): no early rejection, rejection on the decode load now
-  ("current"), and on the load predicted for when the request reaches decode
-  ("predictive", arXiv 2407.00079 §7.3).
+  batch of at most 32, no pool): no rejection at all, rejection only after prefill when
+  decode is full or too slow ("late": Table 3's baseline, arXiv 2407.00079 §7.3), early
+  rejection on the decode load now ("current"), and on the load predicted for when the
+  request reaches decode ("predictive", §7.3).
 * ``capacity`` — hit ratio against pool capacity: the Conductor on ``colocated``'s
   disaggregated cluster with no HBM prefix cache (the pool is the only cache), pool DRAM of
   1e5 … 1e8 tokens and unbounded.
@@ -48,7 +49,7 @@ def colocated(base: SimConfig) -> list[SimConfig]:
 def overload(base: SimConfig) -> list[SimConfig]:
     cfg = dataclasses.replace(base, policy="conductor", topology="disaggregated", instances=16, prefill_instances=14,
                               max_running=32, speed=2.0, pool_dram_tokens=0)
-    return [dataclasses.replace(cfg, admission=a) for a in ("none", "current", "predictive")]
+    return [dataclasses.replace(cfg, admission=a) for a in ("none", "late", "current", "predictive")]
 
 
 def capacity(base: SimConfig) -> list[SimConfig]:

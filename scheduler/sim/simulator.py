@@ -29,7 +29,7 @@ With ``chunked_prefill_tokens`` a colocated instance does not pause: each decode
 computes one chunk of the prefill at the head of its queue (step time = decode step + the
 prefill's seconds / its chunks), as Sarathi-style chunked prefill does.
 
-Admission "current"/"predictive" also rejects late, after its prefill was spent: a request
+Admission "late", "current" and "predictive" reject late, after its prefill was spent: a request
 whose step time at its decode instance would exceed the TBT SLO, or which finds the instance
 full (batch, KV) and cannot wait for room without breaking the TBT SLO (one long interval
 counts in Mooncake's TBT; :meth:`Simulator._max_wait_s`). Admission "none" queues it at
