@@ -187,6 +187,7 @@ def test_cli_simulate_table_json_and_plots(tmp_path: Path, capsys: pytest.Captur
     assert rc == 0
     printed = capsys.readouterr().out
     assert "conductor" in printed and "colocated" in printed and "goodput" in printed
+    assert "predictors: learned" in printed and "seed 0" in printed     # its set-up, as a preset prints it
     data = json.loads(out.read_text())
     assert len(data["results"]) == 4
     for name in ("ttft_cdf", "goodput_vs_rate", "hit_vs_capacity"):

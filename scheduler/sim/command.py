@@ -53,7 +53,11 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
     p.add_argument("--topology", default=TOPOLOGIES[0], help=f"comma list: {', '.join(TOPOLOGIES)}")
-    p.add_argument("--admission", default=ADMISSIONS[0], help=f"comma list: {', '.join(ADMISSIONS)}")
+    p.add_argument("--admission", default=ADMISSIONS[0],
+                   help=f"comma list of {', '.join(ADMISSIONS)}. none: admit everything, queue at decode; "
+                        "late: reject only after prefill, when decode is full or too slow (Mooncake's Table 3 "
+                        "baseline); current: also reject before prefill on the TTFT SLO and the decode load now; "
+                        "predictive: as current, on the decode load predicted for when the request gets there")
     p.add_argument("--instances", type=int, default=16, help="instances in all (each one node of --profile)")
     p.add_argument("--prefill-instances", type=int, help="disaggregated: prefill instances (None: half)")
     p.add_argument("--profile", default="8xA800", help="hardware profile (configs/hardware/NAME.toml or a path)")
@@ -75,7 +79,8 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
     p.add_argument("--eviction", default=SimConfig.eviction, choices=EVICTION_POLICIES,
                    help="cache eviction strategy")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random baseline policy")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the engines' noise, the predictors' profiling pass and the random policy")
     p.add_argument("--json", metavar="PATH", help="also write every result as JSON here")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (runs a speed and a pool-capacity sweep)")
     p.add_argument("--sweep-speeds", default="0.5,1,2,3,4", help="replay speeds of the goodput plot")
@@ -191,12 +196,12 @@ def simulate_command(args: argparse.Namespace) -> int:
             runs = preset_runs(args.preset, base)
             results = run_all(runs, args.trace, args.requests)
             print(describe(args.preset, runs))
-            predictors = "oracle (exact, frozen)" if base.oracle else "learned (profiled, online)"
-            print(f"  predictors: {predictors}; noise: prefill CV {base.prefill_cv}, decode CV {base.decode_cv}, "
-                  f"stragglers {base.straggler_prob} x{base.straggler_factor}; seed {base.seed}")
         else:
             results = run_matrix(base, args.trace, args.requests, _split(args.policies), _split(args.topology),
                                  _split(args.admission))
+        predictors = "oracle (exact, frozen)" if base.oracle else "learned (profiled, online)"
+        print(f"  predictors: {predictors}; noise: prefill CV {base.prefill_cv}, decode CV {base.decode_cv}, "
+              f"stragglers {base.straggler_prob} x{base.straggler_factor}; seed {base.seed}")
     except InvalidArgument as exc:
         print(f"kvstore simulate: error: {exc}", file=sys.stderr)
         return 2
