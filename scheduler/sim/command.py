@@ -53,11 +53,8 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
     p.add_argument("--topology", default=TOPOLOGIES[0], help=f"comma list: {', '.join(TOPOLOGIES)}")
-    p.add_argument("--admission", default=ADMISSIONS[0],
-                   help=f"comma list of {', '.join(ADMISSIONS)}. none: admit everything, queue at decode; "
-                        "late: reject only after prefill, when decode is full or too slow (Mooncake's Table 3 "
-                        "baseline); current: also reject before prefill on the TTFT SLO and the decode load now; "
-                        "predictive: as current, on the decode load predicted for when the request gets there")
+    p.add_argument("--admission", default="none",
+                   help="comma list of admission modes: " + "; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
     p.add_argument("--instances", type=int, default=16, help="instances in all (each one node of --profile)")
     p.add_argument("--prefill-instances", type=int, help="disaggregated: prefill instances (None: half)")
     p.add_argument("--profile", default="8xA800", help="hardware profile (configs/hardware/NAME.toml or a path)")

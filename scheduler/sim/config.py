@@ -6,7 +6,16 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgument
 
 TOPOLOGIES = ("disaggregated", "colocated")
-ADMISSIONS = ("none", "late", "current", "predictive")
+# The simulator's admission modes, in the order the overload preset runs them: what each
+# rejects (the one description, also ``kvstore simulate --admission``'s help).
+ADMISSIONS = {
+    "none": "admit everything, queue at decode for as long as it takes",
+    "late": "reject only after prefill, when decode is full or too slow as the request reaches it "
+            "(the baseline of Mooncake's Table 3, arXiv 2407.00079 §7.3)",
+    "current": "also reject before prefill, on the TTFT SLO and on the decode load now",
+    "predictive": "as current, on the decode load predicted for the moment the request reaches decode "
+                  "(Mooncake's prediction-based early rejection)",
+}
 
 
 @dataclass(frozen=True)
@@ -16,12 +25,8 @@ class SimConfig:
     ``instances``: all instances (each one node of ``profile``). ``prefill_instances``:
     None = half (disaggregated only). ``speed``: replay speed (arrivals divided by it).
     ``ttft_slo_s``/``tbt_slo_s``: SLOs (seconds; TBT as Mooncake defines it).
-    ``admission``: "none" (admit everything; decode queues when full), "late" (no early
-    rejection: reject only after prefill, when decode is full or too slow on arrival — the
-    baseline of Mooncake's Table 3, arXiv 2407.00079 §7.3), "current" (reject early on the
-    TTFT SLO and on the decode load *now*; late as "late" does) or "predictive" (the same,
-    judging decode by the load predicted for the moment the request reaches it — Mooncake's
-    prediction-based early rejection).
+    ``admission``: a mode of :data:`ADMISSIONS` (each described there; what it implies:
+    :attr:`rejects_early`, :attr:`rejects_late`, :attr:`predicts_decode_load`).
     ``pool_dram_tokens``/``pool_ssd_tokens``: pool capacity (tokens; None = unbounded,
     0 = none). ``hbm_cache_tokens``: an instance's prefix cache (None: all the KV room of a
     prefill instance; half of it when colocated, the other half holds the decode batch).
@@ -92,6 +97,22 @@ class SimConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise InvalidArgument(f"{name} must be >= 0 tokens or None (unbounded), got {v}")
+
+    @property
+    def rejects_early(self) -> bool:
+        """Admission may turn a request away before its prefill (the scheduler's early rejection)."""
+        return self.admission in ("current", "predictive")
+
+    @property
+    def rejects_late(self) -> bool:
+        """A request whose decode instance is full or too slow as it arrives is rejected after
+        its prefill (else it queues there)."""
+        return self.admission != "none"
+
+    @property
+    def predicts_decode_load(self) -> bool:
+        """Early rejection judges the decode load predicted for the request's arrival there."""
+        return self.admission == "predictive"
 
     @property
     def n_prefill(self) -> int:

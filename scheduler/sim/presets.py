@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Callable
 
 from kvstore.errors import InvalidArgument
-from scheduler.sim.config import SimConfig
+from scheduler.sim.config import ADMISSIONS, SimConfig
 
 TIB_TOKENS = 2**40 // 327_680          # 1 TiB of DRAM in LLaMA3-70B KV tokens (configs/models)
 FIG5_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -49,7 +49,7 @@ def colocated(base: SimConfig) -> list[SimConfig]:
 def overload(base: SimConfig) -> list[SimConfig]:
     cfg = dataclasses.replace(base, policy="conductor", topology="disaggregated", instances=16, prefill_instances=14,
                               max_running=32, speed=2.0, pool_dram_tokens=0)
-    return [dataclasses.replace(cfg, admission=a) for a in ("none", "late", "current", "predictive")]
+    return [dataclasses.replace(cfg, admission=a) for a in ADMISSIONS]
 
 
 def capacity(base: SimConfig) -> list[SimConfig]:

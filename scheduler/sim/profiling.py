@@ -71,8 +71,7 @@ def conductor_config(cfg: SimConfig, cost: CostModel) -> ConductorConfig:
     bandwidths of the hardware profile."""
     hw = cost.profile
     adm = AdmissionConfig(ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s, max_inflight=1 << 30,
-                          early_rejection=cfg.admission in ("current", "predictive"),
-                          predicted_decode_load=cfg.admission == "predictive")
+                          early_rejection=cfg.rejects_early, predicted_decode_load=cfg.predicts_decode_load)
     prefill, decode = exact_profiles(cost) if cfg.oracle else profiled(cost, variance_of(cfg))
     bw = Bandwidths(hbm=hw.gpus * hw.hbm_bw_per_gpu, dram=hw.gpus * hw.pcie_bw_per_gpu, ssd=hw.ssd_bw,
                     network=hw.network_bw, fetch_latency_s=0.0)

@@ -107,7 +107,7 @@ class Simulator:
                                                            ("ssd", blocks(cfg.pool_ssd_tokens))],
                                         self.block_bytes, cfg.eviction)
         self.policy = make_policy(cfg.policy, self.block_bytes, conductor_config(cfg, cost))
-        self.late_reject = cfg.admission != "none"
+        self.late_reject = cfg.rejects_late
         self.chunk = cfg.chunked_prefill_tokens if self.colocated else None
         self.events: list[tuple] = []
         self.seq = 0
