@@ -20,8 +20,10 @@ The simulation is chaotic: a change of 1e-12 in one fitted coefficient moves one
 and every later one with it, so a single run's ratio depends on the seed and even on the
 numpy build (seed 0's Conductor / least-loaded ratio moved from 0.556 to 0.608 between two
 installs of the same code). ``seeds`` therefore also runs the ratios' experiments over
-seeds 0-4 (two processes at a time) and reports each ratio's mean, min and max, the
-figure to compare; ``ratios`` stays seed 0's, the issue's keys. ``local_dram`` repeats
+seeds 0-4 (two processes at a time), with learned and with oracle predictors, and reports
+each ratio's mean, min and max (``seeds.ratios``, ``seeds.ratios_oracle``), the figures to
+compare, and each cache-aware policy's average TTFT over the seeds
+(``seeds.fig5_avg_ttft_s``); ``ratios`` stays seed 0's, the issue's keys. ``local_dram`` repeats
 fig5's three cache-aware policies over the same seeds with each prefill node's ~1 TB local
 DRAM cache (``--local-dram-tokens 3355443``, Mooncake FAST'25 §4.2 and §5.3.1).
 
@@ -109,41 +111,53 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def seed_sweep(limit: int | None) -> dict[str, Any]:
-    """The ratios' experiments over :data:`SEEDS` (learned predictors), and fig5 with each
-    prefill node's 1 TiB local DRAM cache: per seed and their mean, min and max."""
+    """The ratios' experiments over :data:`SEEDS`, with learned and with oracle predictors,
+    and fig5 with each prefill node's 1 TiB local DRAM cache (learned): per seed and their
+    mean, min and max; and per cache-aware policy its average TTFT over the seeds (learned
+    and oracle), which shows whose TTFT the predictors move."""
     cache_aware = ("least_loaded", "local_cache_aware", "conductor")
     jobs: list[tuple[str, int, str]] = []
     cfgs: list[SimConfig] = []
     for seed in SEEDS:
         base = SimConfig(seed=seed)
-        for setup, b in (("fig5", base), ("local_dram", dataclasses.replace(base, local_dram_tokens=TIB_TOKENS))):
+        oracle = dataclasses.replace(base, oracle=True)
+        for setup, b in (("fig5", base), ("fig5_oracle", oracle),
+                         ("local_dram", dataclasses.replace(base, local_dram_tokens=TIB_TOKENS))):
             for cfg in preset_runs("fig5", b):
                 if cfg.policy in cache_aware:
                     jobs.append((setup, seed, cfg.policy))
                     cfgs.append(cfg)
-        for cfg in preset_runs("overload", base):
-            if cfg.admission != "none":
-                jobs.append(("overload", seed, cfg.admission))
-                cfgs.append(cfg)
+        for setup, b in (("overload", base), ("overload_oracle", oracle)):
+            for cfg in preset_runs("overload", b):
+                if cfg.admission != "none":
+                    jobs.append((setup, seed, cfg.admission))
+                    cfgs.append(cfg)
     workers = max(1, min(2, os.cpu_count() or 1))
     print(f"== 5. seeds {SEEDS[0]}-{SEEDS[-1]}: {len(cfgs)} runs, {workers} at a time", flush=True)
     with ProcessPoolExecutor(workers) as pool:
         got = dict(zip(jobs, pool.map(_one, [(c, limit) for c in cfgs])))
-    per_seed: dict[str, dict[str, float]] = {}
+
+    def ratios_of_seed(seed: int, suffix: str) -> dict[str, float]:
+        f5 = {p: got[("fig5" + suffix, seed, p)]["ttft_mean_s"] for p in cache_aware}
+        late, cur, pre = (got[("overload" + suffix, seed, a)] for a in ("late", "current", "predictive"))
+        return {**cache_ratios(f5), **rejection_ratios(late, cur, pre)}
+
+    per_seed = {str(s): ratios_of_seed(s, "") for s in SEEDS}
+    per_seed_oracle = {str(s): ratios_of_seed(s, "_oracle") for s in SEEDS}
     dram: dict[str, dict[str, float]] = {}
     for seed in SEEDS:
-        f5 = {p: got[("fig5", seed, p)] for p in cache_aware}
         ld = {p: got[("local_dram", seed, p)] for p in cache_aware}
-        late, cur, pre = (got[("overload", seed, a)] for a in ("late", "current", "predictive"))
-        per_seed[str(seed)] = {**cache_ratios({p: f5[p]["ttft_mean_s"] for p in cache_aware}),
-                               **rejection_ratios(late, cur, pre)}
         dram[str(seed)] = {f"{p}_avg_ttft_s": ld[p]["ttft_mean_s"] for p in cache_aware}
         dram[str(seed)]["conductor_hit_ratio"] = ld["conductor"]["hit_ratio"]
         dram[str(seed)].update(cache_ratios({p: ld[p]["ttft_mean_s"] for p in cache_aware}))
     return {
         "seeds": list(SEEDS),
         "per_seed": per_seed,
+        "per_seed_oracle": per_seed_oracle,
         "ratios": {k: _spread([per_seed[str(s)][k] for s in SEEDS]) for k in SEED_RATIOS},
+        "ratios_oracle": {k: _spread([per_seed_oracle[str(s)][k] for s in SEEDS]) for k in SEED_RATIOS},
+        "fig5_avg_ttft_s": {f"{p}{suffix}": _spread([got[(setup, s, p)]["ttft_mean_s"] for s in SEEDS])
+                            for setup, suffix in (("fig5", ""), ("fig5_oracle", "_oracle")) for p in cache_aware},
         "local_dram": {"local_dram_tokens": TIB_TOKENS, "per_seed": dram,
                        "ratios": {k: _spread([dram[str(s)][k] for s in SEEDS]) for k in dram["0"]}},
     }
@@ -288,9 +302,16 @@ def main() -> int:
     for k, v in ratios.items():
         o = out["ratios_oracle"].get(k)  # type: ignore[union-attr]
         print(f"  {k}: {v:.3f}" + ("" if o is None else f" | {o:.3f}"))
-    print(f"\nover seeds {SEEDS[0]}-{SEEDS[-1]} (learned): mean [min, max]")
+    print(f"\nover seeds {SEEDS[0]}-{SEEDS[-1]}: mean [min, max], learned | oracle")
     for k, v in sweep["ratios"].items():
-        print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
+        o = sweep["ratios_oracle"][k]
+        print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+              f" | {o['mean']:.3f} [{o['min']:.3f}, {o['max']:.3f}]")
+    print("fig5 average TTFT (s) over the seeds, learned | oracle:")
+    for p in ("least_loaded", "local_cache_aware", "conductor"):
+        v, o = sweep["fig5_avg_ttft_s"][p], sweep["fig5_avg_ttft_s"][p + "_oracle"]
+        print(f"  {p:>18}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+              f" | {o['mean']:.3f} [{o['min']:.3f}, {o['max']:.3f}]")
     print("fig5 with a 1 TiB local DRAM cache per prefill node:")
     for k, v in sweep["local_dram"]["ratios"].items():
         print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
