@@ -70,8 +70,9 @@ def run(cfg: SimConfig, limit: int | None, tbt_slos: tuple[float, ...] = ()):
     reqs = sim.run()
     wall = time.perf_counter() - start
     gpus = sim.cost.profile.gpus
-    res = summarize(cfg, reqs, wall, gpus)
-    rescored = {slo: summarize(dataclasses.replace(cfg, tbt_slo_s=slo), reqs, wall, gpus) for slo in tbt_slos}
+    err = sim.policy.prefill_model.log_error
+    res = summarize(cfg, reqs, wall, gpus, err)
+    rescored = {slo: summarize(dataclasses.replace(cfg, tbt_slo_s=slo), reqs, wall, gpus, err) for slo in tbt_slos}
     print(f"  {cfg.policy:>18} {cfg.topology:>13} {cfg.admission:>10} speed {cfg.speed:g}"
           f"{' oracle' if cfg.oracle else ''}: {res.requests} requests, {wall:.1f} s wall", flush=True)
     return res, rescored

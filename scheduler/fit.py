@@ -55,13 +55,14 @@ class OnlineFit:
         c = self.coefficients
         return sum(a * b for a, b in zip(c, x))
 
-    def observe(self, x: Sequence[float], y: float) -> None:
-        """Fold in one observation (``x`` of the seed's length; ``y`` the measured value)."""
+    def observe(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
+        """Fold in one observation (``x`` of the seed's length; ``y`` the measured value;
+        ``weight`` > 0 its weight in the squared error)."""
         v = np.asarray(x, dtype=float)
         d = self.decay
-        self._xtx = d * self._xtx + np.outer(v, v)
-        self._xty = d * self._xty + v * y
-        self._yy = d * self._yy + y * y
+        self._xtx = d * self._xtx + weight * np.outer(v, v)
+        self._xty = d * self._xty + weight * v * y
+        self._yy = d * self._yy + weight * y * y
         self.samples += 1
         self._dirty = self.fitted
 

@@ -117,3 +117,28 @@ def test_the_simulator_retimes_incoming_decode_work_as_the_router_does():
     sim._retime(req, 30.0)        # type: ignore[arg-type]   # joined already: nothing to re-time
     assert 7 not in d.incoming
     assert SimRequest  # the type the simulator re-times
+
+
+# -- T_prefill fitted by relative error ------------------------------------------------------
+def test_t_prefill_is_fitted_by_relative_error_so_short_prefills_are_predicted_as_well_as_long():
+    """Multiplicative noise (a prefill varies by a share of itself): an unweighted fit in
+    seconds lets the long prefills set the coefficients and over-predicts short ones; the
+    fit weighted by 1 / predicted² keeps both within a few percent, and the measured error
+    is the engine's own noise."""
+    import random
+    rng = random.Random(0)
+    k1, k2 = 1e-4, 4e-9                    # seconds per computed token, per token·context token
+
+    def truth(n: int, p: int) -> float:
+        return k1 * (n - p) + k2 * (n * n - p * p) / 2
+
+    model = PrefillModel(PrefillProfile(fixed_s=0.05, s_per_token=5e-5, s_per_token_context=8e-9,
+                                        floor_tokens_per_s=1.0, min_prefill_s=0.0))
+    for _ in range(3000):
+        n = int(math.exp(rng.uniform(math.log(512), math.log(120_000))))
+        p = int(n * rng.choice((0.0, 0.5, 0.9, 0.98)))
+        model.observe(n, p, truth(n, p) * math.exp(rng.gauss(-0.005, 0.1)))
+    for n, p in ((1024, 768), (4096, 3584), (20_000, 0), (110_000, 0), (110_000, 100_000)):
+        assert model.predict(n, p) == pytest.approx(truth(n, p), rel=0.04), (n, p)
+    mean, sd = model.log_error
+    assert abs(mean) < 0.02 and 0.08 < sd < 0.13

@@ -24,4 +24,5 @@ def simulate(cfg: SimConfig, trace_path: str | Path, limit: int | None = None, p
     start = time.perf_counter()
     sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
     reqs = sim.run(progress)
-    return summarize(cfg, reqs, time.perf_counter() - start, sim.cost.profile.gpus)
+    return summarize(cfg, reqs, time.perf_counter() - start, sim.cost.profile.gpus,
+                     sim.policy.prefill_model.log_error)

@@ -132,8 +132,16 @@ def _f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _log_error(r: SimResult) -> str:
+    if r.prefill_log_error_mean is None or r.prefill_log_error_sd is None:
+        return "-"
+    return f"{r.prefill_log_error_mean:+.3f}±{r.prefill_log_error_sd:.3f}"
+
+
 def format_table(results: Sequence[SimResult]) -> str:
-    """One row per run (times in seconds; TBT in ms)."""
+    """One row per run (times in seconds; TBT in ms; ``T_prefill ln err``: mean ±
+    standard deviation of ln(observed / predicted) prefill seconds, the scheduler's
+    predictor against the engines)."""
     rows = []
     for r in results:
         cfg = SimConfig(**r.settings) if r.settings else None
@@ -148,10 +156,10 @@ def format_table(results: Sequence[SimResult]) -> str:
                      _f(r.ttft_p99_s), _f(r.tbt_p90_s and r.tbt_p90_s * 1e3, 1),
                      _f(r.tbt_p99_s and r.tbt_p99_s * 1e3, 1),
                      f"{r.hit_ratio:.3f}/{r.best_possible_hit_ratio:.3f}", f"{r.wasted_prefill_gpu_s:.0f}",
-                     f"{r.wall_s:.1f}"])
+                     _log_error(r), f"{r.wall_s:.1f}"])
     head = ["policy", "topology", "admission", "speed", "reqs", "done", "rej early/late", "goodput r/s",
             "eff. capacity", "tok/s", "TTFT mean", "p50", "p90", "p99", "TBT p90 ms", "p99 ms",
-            "hit/best", "wasted GPU-s", "wall s"]
+            "hit/best", "wasted GPU-s", "T_prefill ln err", "wall s"]
     return tabulate(rows, headers=head, tablefmt="github")
 
 

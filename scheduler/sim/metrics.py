@@ -25,7 +25,9 @@ class SimResult:
     same requests, same rule (never the last prompt token). ``wasted_prefill_gpu_s``:
     prefill GPU-seconds (instance-seconds × GPUs) spent on requests that did not meet both
     SLOs (late rejections included); ``late_rejected_prefill_gpu_s``: the part of it spent on
-    requests rejected after their prefill."""
+    requests rejected after their prefill. ``prefill_log_error_mean``/``_sd``: mean and
+    standard deviation of ``ln(observed / predicted)`` prefill seconds, the scheduler's
+    T_prefill predictor against the engines (None when not measured)."""
 
     policy: str
     topology: str
@@ -54,6 +56,8 @@ class SimResult:
     prefill_gpu_s: float
     makespan_s: float
     wall_s: float
+    prefill_log_error_mean: float | None = None
+    prefill_log_error_sd: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     ttfts: tuple[float, ...] = field(default=(), repr=False)
 
@@ -64,8 +68,11 @@ class SimResult:
         return d
 
 
-def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: int) -> SimResult:
-    """Fold a finished run's requests into a :class:`SimResult`."""
+def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: int,
+              prefill_log_error: tuple[float, float] | None = None) -> SimResult:
+    """Fold a finished run's requests into a :class:`SimResult`; ``prefill_log_error``: the
+    policy's T_prefill predictor's error over the run
+    (:attr:`scheduler.costing.PrefillModel.log_error`)."""
     ok = [r for r in reqs if r.status == "ok"]
     prefilled = [r for r in reqs if r.first_token_s >= 0]
     ttfts = [r.first_token_s - r.arrival_s for r in ok]
@@ -106,4 +113,7 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
         wasted_prefill_gpu_s=wasted * gpus,
         late_rejected_prefill_gpu_s=sum(r.prefill_s for r in reqs if r.status == "rejected_late") * gpus,
         prefill_gpu_s=sum(r.prefill_s for r in prefilled) * gpus,
-        makespan_s=makespan, wall_s=wall_s, settings=asdict(cfg), ttfts=tuple(ttfts))
+        makespan_s=makespan, wall_s=wall_s,
+        prefill_log_error_mean=None if prefill_log_error is None else prefill_log_error[0],
+        prefill_log_error_sd=None if prefill_log_error is None else prefill_log_error[1],
+        settings=asdict(cfg), ttfts=tuple(ttfts))

@@ -8,7 +8,8 @@ does the same, so that the Conductor is measured as it would run:
 * learned (default): a *profiling pass* measures a few prefills and decode steps on a
   cost-model engine of the run's hardware and model, with the run's variance
   (:class:`engines.cost_model.Variance`) — what a deployment does before it serves — and a
-  least-squares fit of those measurements seeds the profiles; the online fits then refine
+  least-squares fit of those measurements (the prefills' weighted by relative error, as the
+  online fit is: :mod:`scheduler.costing`) seeds the profiles; the online fits then refine
   them from every prefill and decode segment the run observes (noisy, stragglers included);
 * ``oracle``: the cost model's exact mean coefficients, frozen (no learning) — the perfect
   predictors the simulator used to hand the Conductor, kept for comparison.
@@ -53,7 +54,7 @@ def profiled(cost: CostModel, variance: Variance) -> tuple[PrefillProfile, Decod
         for _ in range(PROFILE_REPEATS):
             r = engine.prefill("profile", range(n))
             engine.prefill_done()
-            pre.observe(PrefillModel.features(n, 0), r.prefill_s)
+            pre.observe(PrefillModel.features(n, 0), r.prefill_s, 1.0 / r.prefill_s ** 2)   # relative error
     dec = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
     for batch, context in PROFILE_DECODE:
         kv = batch * context
