@@ -122,19 +122,26 @@ class PrefillModel:
         return max(self.profile.min_prefill_s, s)
 
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Fold in one finished prefill (engine-side seconds); ignores nonsense. Its residual
-        against the current prediction updates the measured error; a frozen model
-        (``learn=False``: the simulator's ``--oracle``) keeps its coefficients."""
-        if prompt_tokens <= 0 or seconds <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
+        """Fold in one finished prefill (engine-side seconds); ignores nonsense (no tokens
+        computed, seconds not a finite number > 0, or so far from the prediction that their
+        ratio is not a finite number > 0). Its residual against the current prediction
+        updates the measured error; a frozen model (``learn=False``: the simulator's
+        ``--oracle``) keeps its coefficients."""
+        if prompt_tokens <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
+            return
+        if not (math.isfinite(seconds) and seconds > 0):
             return
         predicted = max(self.predict(prompt_tokens, cached_tokens), 1e-9)
-        r = seconds / predicted - 1.0
+        ratio = seconds / predicted
+        if not (math.isfinite(ratio) and ratio > 0):
+            return
+        r = ratio - 1.0
         a = self.profile.residual_alpha
         octave = self._fast_sq.setdefault(_octave(predicted), [0.0, 0])
         octave[1] += 1
         octave[0] = (1 - a) * octave[0] + a * min(0.0, r) ** 2 if octave[1] > 1 else min(0.0, r) ** 2
         self.residuals += 1
-        log_err = math.log(seconds / predicted)
+        log_err = math.log(ratio)
         self._log_err[0] += log_err
         self._log_err[1] += log_err * log_err
         if self.fit.fitted:
@@ -143,7 +150,8 @@ class PrefillModel:
                 self.outliers += 1
                 seconds = cap
         if self.learn:
-            self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds, 1.0 / predicted ** 2)
+            weight = 1.0 / predicted ** 2 if predicted < 1e150 else 0.0     # no overflow
+            self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds, weight)
 
     @property
     def log_error(self) -> tuple[float, float] | None:

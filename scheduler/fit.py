@@ -10,6 +10,7 @@ Pure and synchronous; O(k³ · 2ᵏ) per refit, refitted lazily on the next pred
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import combinations
 
@@ -57,7 +58,10 @@ class OnlineFit:
 
     def observe(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
         """Fold in one observation (``x`` of the seed's length; ``y`` the measured value;
-        ``weight`` > 0 its weight in the squared error)."""
+        ``weight``: its weight in the squared error, a finite number >= 0). Raises
+        InvalidArgument for another weight."""
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise InvalidArgument(f"weight must be a finite number >= 0, got {weight!r}")
         v = np.asarray(x, dtype=float)
         d = self.decay
         self._xtx = d * self._xtx + weight * np.outer(v, v)

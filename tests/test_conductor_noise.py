@@ -142,3 +142,25 @@ def test_t_prefill_is_fitted_by_relative_error_so_short_prefills_are_predicted_a
         assert model.predict(n, p) == pytest.approx(truth(n, p), rel=0.04), (n, p)
     mean, sd = model.log_error
     assert abs(mean) < 0.02 and 0.08 < sd < 0.13
+
+
+def test_t_prefill_ignores_reports_that_are_not_a_usable_number_of_seconds():
+    """An engine's report is not trusted blindly: infinite, NaN, negative, or so far from the
+    prediction that the ratio is not a finite number > 0 — ignored, not a crash or a poisoned
+    fit; the error statistic stays finite."""
+    from kvstore.errors import InvalidArgument
+    from scheduler.fit import OnlineFit
+    model = PrefillModel(PrefillProfile(fixed_s=0.0, s_per_token=1e-4, s_per_token_context=0.0))
+    for i in range(20):
+        model.observe(1000 + i, 0, (1000 + i) * 1e-4)
+    before = model.fit.coefficients
+    for bad in (math.inf, math.nan, -1.0, 0.0, 5e-324):
+        model.observe(100_000, 0, bad)
+    assert model.fit.coefficients == before and model.residuals == 20
+    mean, sd = model.log_error
+    assert math.isfinite(mean) and math.isfinite(sd)
+    model.observe(1000, 0, 1e300)           # finite and huge: capped as a straggler, no overflow
+    assert all(math.isfinite(c) for c in model.fit.coefficients)
+    assert model.predict(1010) == pytest.approx(0.101, rel=0.05)
+    with pytest.raises(InvalidArgument, match="weight"):
+        OnlineFit((1.0,)).observe((1.0,), 1.0, math.nan)

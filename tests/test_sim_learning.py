@@ -81,10 +81,10 @@ def test_the_conductor_learns_online_from_noisy_observations_and_the_oracle_does
     assert model.samples > 100 and model.fit.fitted
     assert model.fit.coefficients != model.fit.seed                       # the online fit took over
     # Fitted by relative error, short prompts are predicted as well as the long ones that
-    # make TTFT (each within ~1% here; 5% allows for a straggler in the fit's ~200-observation
-    # memory, decay 0.995).
+    # make TTFT (each within ~1% here, up to 4% unweighted; 2.5% allows for a straggler in
+    # the fit's ~200-observation memory, decay 0.995).
     for n, p in ((2048, 1024), (8192, 0), (8192, 6144), (60_000, 20_000), (100_000, 0)):
-        assert model.predict(n, p) == pytest.approx(COST.prefill_s(n, p), rel=0.05), (n, p)
+        assert model.predict(n, p) == pytest.approx(COST.prefill_s(n, p), rel=0.025), (n, p)
     assert learned.policy.tbt_model.samples > 0 and learned.policy.tbt_model.fit.fitted
     oracle = run_sim(dataclasses.replace(cfg, oracle=True), 1500)
     assert oracle.policy.prefill_model.samples == 0 and oracle.policy.tbt_model.samples == 0
