@@ -134,7 +134,8 @@ class Frontdoor:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
-                                   self.router.inflight, self.router.replica)
+                                   self.router.inflight, self.router.replica,
+                                   self.router.policy.prefill_model.log_error)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

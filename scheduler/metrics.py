@@ -50,6 +50,10 @@ class FrontdoorMetrics:
                                "their engine failed", ["role"], registry=r)
         self.hit_ratio = Gauge(p + "prefix_hit_ratio",
                                "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
+        self.prefill_error = Gauge(p + "prefill_prediction_log_error",
+                                   "The Conductor's T_prefill predictor against the engines: mean and sd "
+                                   "of ln(observed / predicted) prefill seconds over every observed prefill",
+                                   ["stat"], registry=r)
         self.kv_index = Gauge(p + "kv_index_replica", "The router's replica of the store's index over KV "
                               "events (scheduler/cache_index.py): events applied, gaps, snapshots applied",
                               ["what"], registry=r)
@@ -63,9 +67,15 @@ class FrontdoorMetrics:
         self.cached_tokens.inc(tokens)
 
     def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int,
-               replica: IndexReplica | None = None) -> bytes:
+               replica: IndexReplica | None = None,
+               prefill_log_error: tuple[float, float] | None = None) -> bytes:
         """The text exposition format, with the gauges set from the router's current state
-        (``replica``: its index replica, when it keeps one)."""
+        (``replica``: its index replica, when it keeps one; ``prefill_log_error``: its
+        T_prefill predictor's (mean, sd) of ln(observed / predicted), once measured —
+        :attr:`scheduler.costing.PrefillModel.log_error`)."""
+        if prefill_log_error is not None:
+            self.prefill_error.labels(stat="mean").set(prefill_log_error[0])
+            self.prefill_error.labels(stat="sd").set(prefill_log_error[1])
         if replica is not None:
             stats = replica.stats()
             for what in ("events", "gaps", "resyncs", "resync_failures"):

@@ -6,6 +6,8 @@ test_frontdoor_lifecycle.py; the OpenAI surface through the SDK: test_openai_sdk
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 
 import pytest
@@ -165,6 +167,7 @@ def test_health_and_metrics(door, url):
     assert status == 200 and health["status"] == "ok" and health["prefill"] == 1 and health["decode"] == 1
     assert health["policy"] == "conductor"
     complete(url, {"prompt": "metrics please", "max_tokens": 2})
+    complete(url, {"prompt": "and a second prefill for the predictor's error", "max_tokens": 2})
     status, headers, data = call(url, "/metrics")
     text = data.decode()
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
@@ -177,6 +180,11 @@ def test_health_and_metrics(door, url):
         assert series in text, series
     router = door.frontdoor.router   # the router's fits learn from what it served
     assert router.policy.prefill_model.samples > 0 and router.policy.tbt_model.samples > 0
+    # ... and /metrics says how far its T_prefill predictions were from the engine's prefills
+    sd = re.search(r'^kvstore_scheduler_prefill_prediction_log_error\{stat="sd"\} (\S+)$', text, re.MULTILINE)
+    mean = re.search(r'^kvstore_scheduler_prefill_prediction_log_error\{stat="mean"\} (\S+)$', text, re.MULTILINE)
+    assert sd and mean and float(sd.group(1)) >= 0 and math.isfinite(float(mean.group(1)))
+    assert (float(mean.group(1)), float(sd.group(1))) == pytest.approx(router.policy.prefill_model.log_error)
 
 
 
