@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT))
 
 from scheduler.sim import SimConfig, Simulator, plots  # noqa: E402
 from scheduler.sim.command import format_table  # noqa: E402
-from scheduler.sim.metrics import summarize  # noqa: E402
 from scheduler.sim.presets import TIB_TOKENS, describe, preset_runs  # noqa: E402
 from scheduler.sim.workload import load_workload, make_requests  # noqa: E402
 
@@ -69,10 +68,8 @@ def run(cfg: SimConfig, limit: int | None, tbt_slos: tuple[float, ...] = ()):
     sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
     reqs = sim.run()
     wall = time.perf_counter() - start
-    gpus = sim.cost.profile.gpus
-    err = sim.policy.prefill_model.log_error
-    res = summarize(cfg, reqs, wall, gpus, err)
-    rescored = {slo: summarize(dataclasses.replace(cfg, tbt_slo_s=slo), reqs, wall, gpus, err) for slo in tbt_slos}
+    res = sim.summarize(reqs, wall)
+    rescored = {slo: sim.summarize(reqs, wall, slo) for slo in tbt_slos}
     print(f"  {cfg.policy:>18} {cfg.topology:>13} {cfg.admission:>10} speed {cfg.speed:g}"
           f"{' oracle' if cfg.oracle else ''}: {res.requests} requests, {wall:.1f} s wall", flush=True)
     return res, rescored

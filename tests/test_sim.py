@@ -14,7 +14,6 @@ from kvstore.errors import InvalidArgument
 from launcher.cli import main
 from scheduler.baselines import POLICIES
 from scheduler.sim import SimConfig, Simulator, simulate
-from scheduler.sim.metrics import summarize
 from scheduler.sim.workload import load_workload, make_requests
 from scheduler.stats import mooncake_tbt, mooncake_tbt_runs
 from scheduler.trace import TraceMapping, best_possible_hit_ratio, load_trace
@@ -26,7 +25,7 @@ def _run(cfg: SimConfig, limit: int):
     trace, keys = load_workload(TRACE, limit)
     sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
     reqs = sim.run()
-    return reqs, summarize(cfg, reqs, 0.0, sim.cost.profile.gpus)
+    return reqs, sim.summarize(reqs, 0.0)
 
 
 def _strip(d: dict) -> dict:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from scheduler.sim.config import ADMISSIONS, TOPOLOGIES, SimConfig
-from scheduler.sim.metrics import SimResult, summarize
+from scheduler.sim.metrics import SimResult
 from scheduler.sim.simulator import Simulator
 from scheduler.sim.workload import load_workload, make_requests
 
@@ -24,5 +24,4 @@ def simulate(cfg: SimConfig, trace_path: str | Path, limit: int | None = None, p
     start = time.perf_counter()
     sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
     reqs = sim.run(progress)
-    return summarize(cfg, reqs, time.perf_counter() - start, sim.cost.profile.gpus,
-                     sim.policy.prefill_model.log_error)
+    return sim.summarize(reqs, time.perf_counter() - start)

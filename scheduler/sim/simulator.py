@@ -37,6 +37,7 @@ decode for as long as it takes.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 
@@ -47,6 +48,7 @@ from scheduler.baselines import make_policy
 from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
 from scheduler.sim.config import SimConfig
 from scheduler.sim.instance import Instance
+from scheduler.sim.metrics import SimResult, summarize
 from scheduler.sim.profiling import conductor_config, variance_of
 from scheduler.sim.workload import SimRequest
 from scheduler.trace import TRACE_BLOCK_TOKENS
@@ -118,6 +120,13 @@ class Simulator:
     def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def summarize(self, reqs: list[SimRequest], wall_s: float, tbt_slo_s: float | None = None) -> SimResult:
+        """The finished run's row: its requests (:meth:`run`'s list) folded with this
+        cluster's GPUs per instance and its policy's T_prefill error; ``tbt_slo_s``: score
+        against another TBT SLO than the run's (the same requests, re-scored)."""
+        cfg = self.cfg if tbt_slo_s is None else dataclasses.replace(self.cfg, tbt_slo_s=tbt_slo_s)
+        return summarize(cfg, reqs, wall_s, self.cost.profile.gpus, self.policy.prefill_model.log_error)
 
     def run(self, progress=None) -> list[SimRequest]:
         """Process every event; ``progress(done, total)`` is called every 1,000 arrivals."""
