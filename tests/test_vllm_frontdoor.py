@@ -158,12 +158,20 @@ def test_admission_rejects_before_any_prefill_reaches_vllm(model_dir, store, ser
     async def run() -> tuple[dict, dict, float, float]:
         async with frontdoor(model_dir, store, servers, "decode0", max_inflight=1) as door:
             async with aiohttp.ClientSession() as s:
+                counted = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
                 long = asyncio.ensure_future(stream(s, door.url, {"prompt": prompt, "max_tokens": 400,
                                                                   "ignore_eos": True}))
                 while not door.frontdoor.router.inflight:
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.5)
-                before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                # The long request's prefill is done (vLLM counted its prompt; earlier tests' prompts
+                # are in the counter already) and its 400 tokens are decoding: a fixed sleep raced
+                # the prefill on a loaded machine or the decode on a fast one.
+                before = counted
+                for _ in range(600):
+                    before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                    if before > counted or long.done():
+                        break
+                    await asyncio.sleep(0.05)
                 rejected = await stream(s, door.url, {"prompt": prompt[:-3] + [7, 8, 9], "max_tokens": 4})
                 after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
                 return await long, rejected, before, after
