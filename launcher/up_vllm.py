@@ -28,6 +28,10 @@ def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: prefill and decode instances apart, or each instance doing both")
     p.add_argument("--vllm-kv-cache", default="256MiB", help="with --engine vllm: each instance's own paged KV cache")
     p.add_argument("--vllm-max-model-len", type=int, default=8192, help="with --engine vllm: context length (tokens)")
+    p.add_argument("--vllm-prefix-caching", action="store_true",
+                   help="with --engine vllm: turn on each instance's own prefix cache (off by default: every hit "
+                        "comes from the pool) and its KV events, on a private ipc:// socket, so that the "
+                        "router sees what each prefill instance holds")
 
 
 def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -37,10 +41,14 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-colocated", nargs="+", metavar="URL",
                    help="vLLM instances that prefill and decode (kv_both): the colocated topology")
     p.add_argument("--vllm-block-size", type=int, default=32, help="the vLLM instances' --block-size")
+    p.add_argument("--vllm-kv-events", nargs="+", metavar="PUB[,REPLAY]",
+                   help="the prefill (or colocated) instances' KV-event endpoints, one each in their order: "
+                        "vLLM's --kv-events-config endpoint and replay_endpoint (ipc://PATH or tcp://HOST:PORT); "
+                        "the router then sees each instance's own prefix cache, not only the pool's hits")
 
 
 def run_up_vllm(args: argparse.Namespace) -> int:
-    from engines.vllm.launch import VLLMServerSpec, start_servers
+    from engines.vllm.launch import VLLMServerSpec, ipc_endpoints, start_servers
     from kvstore.config import parse_bytes
     host = args.host
     http_port = preflight(args)
@@ -64,11 +72,18 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         roles = [("colocated", "kv_both")] * (n_prefill + n_decode)
     else:
         roles = [("prefill", "kv_producer")] * n_prefill + [("decode", "kv_consumer")] * n_decode
+    names = [f"vllm-{kind}-{sum(k == kind for k, _ in roles[:i])}" for i, (kind, _) in enumerate(roles)]
+    events_dir = os.path.join(args.data_dir, "kv-events")     # the events carry prompt tokens: 0700
+    if args.vllm_prefix_caching:
+        os.makedirs(events_dir, mode=0o700, exist_ok=True)
+        os.chmod(events_dir, 0o700)
     specs = [VLLMServerSpec(model, free_port(host), role, store, host=host,
                             kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len,
-                            store_token=stack.env[STORE_TOKEN_ENV], api_key=stack.env[ENGINE_TOKEN_ENV])
-             for _, role in roles]
-    names = [f"vllm-{kind}-{sum(k == kind for k, _ in roles[:i])}" for i, (kind, _) in enumerate(roles)]
+                            store_token=stack.env[STORE_TOKEN_ENV], api_key=stack.env[ENGINE_TOKEN_ENV],
+                            prefix_caching=args.vllm_prefix_caching,
+                            kv_events=ipc_endpoints(events_dir, name) if args.vllm_prefix_caching and
+                            kind != "decode" else None)
+             for name, (kind, role) in zip(names, roles)]
     servers = []
     t0 = time.monotonic()
     try:
@@ -86,6 +101,9 @@ def run_up_vllm(args: argparse.Namespace) -> int:
                 for kind in ("prefill", "decode", "colocated")}
         flags = (["--vllm-colocated", *urls["colocated"]] if args.topology == "colocated"
                  else ["--vllm-prefill", *urls["prefill"], "--vllm-decode", *urls["decode"]])
+        events = [",".join(s.kv_events) for s in specs if s.kv_events]
+        if events:
+            flags += ["--vllm-kv-events", *events]
         stack.start("scheduler", "scheduler", *flags, "--store", store, "--host", host, "--port", str(http_port),
                     "--model", model, "--max-inflight", str(args.max_inflight),
                     "--admit-ttft-s", str(args.admit_ttft_s),

@@ -90,6 +90,7 @@ class Router(Generic[C]):
         config = dataclasses.replace(config or ConductorConfig(), peer_fetch=False)
         self.policy: Conductor = make_policy(policy, nbytes, config)
         self.replica = replica     # the store's index over KV events (None: pool hits by Lookup)
+        self.pool_in_replica = True    # False: the replica holds the instances only; pool hits by Lookup
         self.transfers = TransferTable()
         self.decode_max_running = decode_max_running
         self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
@@ -175,7 +176,7 @@ class Router(Generic[C]):
         if not reuse:                      # pool off: planned as a full prefill, whatever is cached
             pool_hit = NO_HIT
             view = self.cluster_view((), NO_HIT)
-        elif self.replica is not None:     # every hit from the replica: no await, no RPC
+        elif self.replica is not None and self.pool_in_replica:   # every hit from the replica: no await, no RPC
             view = self.cluster_view(keys)
             pool_hit = view.pool_hit
         else:

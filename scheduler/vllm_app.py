@@ -46,10 +46,12 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                store_address: str | None = None, host: str = "127.0.0.1", port: int = 0,
                                config: FrontdoorConfig | None = None, *, topology: str = "disaggregated",
                                colocated_urls: Sequence[str] = (), block_size: int = 32,
-                               store_redis: str | None = None, watch_interval_s: float = 0.5) -> RunningVLLMFrontdoor:
+                               store_redis: str | None = None, watch_interval_s: float = 0.5,
+                               kv_events: Sequence[str] = ()) -> RunningVLLMFrontdoor:
     """Connect to running vLLM instances (``http://host:port``) and the store node, serve HTTP
     on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
-    tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``.
+    tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``;
+    ``kv_events``: the prefill instances' KV-event endpoints (:func:`connect_vllm`).
 
     Raises:
         Unavailable: an instance did not answer within ``config.ready_timeout_s``.
@@ -67,7 +69,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_max_running=config.decode_max_running,
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
-                                api_key=config.engine_auth_token)
+                                api_key=config.engine_auth_token, kv_events=kv_events)
     frontdoor, runner, bound = await serve_app(
         router, lambda tokenizer: VLLMFrontdoor(router, tokenizer, config), model_dir, model.vocab_size, host, port)
     watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))
@@ -84,5 +86,6 @@ def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
     return serve_until_signal(lambda: start_vllm_frontdoor(
         args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
         args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
-        colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None)),
+        colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None),
+        kv_events=_split(getattr(args, "vllm_kv_events", None) or "")),
         " over vLLM")

@@ -29,11 +29,14 @@ from collections.abc import Sequence
 from engines.types import PrefillResult
 from kvstore.block_store import BlockStore
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.events.channel import LocalEventChannel
+from kvstore.events.replica import IndexReplica
 from scheduler.admission import Rejection
 from scheduler.conductor import ConductorConfig
 from scheduler.router import DecodeInstance, PrefillInstance, RoutePlan, Router
 from scheduler.scheduling_policy import DEFAULT_POLICY
 from scheduler.views import ClusterView, TierHit
+from scheduler.vllm_events import VLLMEventBridge, start_bridges, stop_bridges
 from scheduler.vllm_instances import VLLMClient, VLLMModel
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class VLLMRouter(Router[VLLMClient]):
         self.topology = topology
         self.down: dict[str, str] = {}     # instance id -> why it is out of routing
         self.mean_prefill_s = 0.0
+        self.bridges: list[VLLMEventBridge] = []   # vLLM KV events into self.replica (watch_kv_events)
 
     @property
     def colocated(self) -> bool:
@@ -126,6 +130,18 @@ class VLLMRouter(Router[VLLMClient]):
         self.prefill_finished(plan, PrefillResult(plan.request_id, 0, plan.keys, cached_tokens,
                                                   plan.prompt_tokens - cached_tokens, b"", 0, ttft_s, 0, 0))
 
+    def watch_kv_events(self, endpoints: dict[str, tuple[str, str | None]]) -> None:
+        """Keep a replica of the instances' own prefix caches from their vLLM KV events
+        (engine id → (PUB endpoint, replay endpoint or None)); the pool's hits still come
+        from the store's ``Lookup``."""
+        self.replica = IndexReplica(LocalEventChannel())   # fed by the bridges, never polled
+        self.pool_in_replica = False
+        self.bridges = start_bridges(endpoints, self.model.paged, self.replica)
+
+    async def close(self) -> None:
+        stop_bridges(self.bridges)
+        await super().close()
+
     def mark_down(self, engine_id: str, why: str) -> None:
         if engine_id not in self.down:
             log.warning("vLLM instance %s is down, routing around it: %s", engine_id, why)
@@ -152,11 +168,14 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                        config: ConductorConfig | None = None, store_auth_token: str | None = None,
                        decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
                        ready_timeout_s: float = 60.0, store_redis: str | None = None,
-                       api_key: str | None = None) -> VLLMRouter:
+                       api_key: str | None = None, kv_events: Sequence[str] = ()) -> VLLMRouter:
     """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
     ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
-    Waits until each answers. vLLM's own prefix cache publishes no KV events to kvstore, so
-    the router sees the pool's hits only (it no longer guesses an instance's cache);
+    Waits until each answers. ``kv_events``: none, or one per prefill (colocated) instance,
+    in their order — its vLLM KV-event endpoint, ``PUB`` or ``PUB,REPLAY``
+    (``--kv-events-config``'s ``endpoint`` and ``replay_endpoint``): the router then sees
+    each instance's own prefix cache (:mod:`scheduler.vllm_events`) beside the pool's hits;
+    without them it sees the pool's only (it never guesses an instance's cache).
     ``api_key``: the instances' vLLM API key (the engines' token: only the front door may call them). Raises
     Unavailable (an instance not up in ``ready_timeout_s``) or InvalidArgument."""
     from kvstore.client import StoreClient
@@ -169,6 +188,11 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
             raise InvalidArgument("the disaggregated topology needs --vllm-prefill and --vllm-decode URLs")
         named = [(f"vllm-prefill-{i}", u, "prefill") for i, u in enumerate(prefill_urls)]
         named += [(f"vllm-decode-{i}", u, "decode") for i, u in enumerate(decode_urls)]
+    prefill_ids = [engine_id for engine_id, _, role in named if role in ("prefill", "colocated")]
+    if kv_events and len(kv_events) != len(prefill_ids):
+        raise InvalidArgument(f"give one KV-event endpoint per prefill instance ({len(prefill_ids)}, in their "
+                              f"order), got {len(kv_events)}")
+    endpoints = {engine_id: _endpoints(spec) for engine_id, spec in zip(prefill_ids, kv_events)}
     clients = [VLLMClient(u, role, model, engine_id, api_key=api_key) for engine_id, u, role in named]
     try:
         await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
@@ -182,10 +206,22 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
             store = ClusterClient(store_redis, auth_token=store_auth_token)
         elif store_address:
             store = StoreClient(store_address, auth_token=store_auth_token)
-        return VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
-                          decode_max_running=decode_max_running,
-                          decode_kv_capacity_tokens=decode_kv_capacity_tokens)
+        router = VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
+                            decode_max_running=decode_max_running,
+                            decode_kv_capacity_tokens=decode_kv_capacity_tokens)
+        if endpoints:
+            router.watch_kv_events(endpoints)
+        return router
     except BaseException:
         for c in clients:
             await c.close()
         raise
+
+
+def _endpoints(spec: str) -> tuple[str, str | None]:
+    """``PUB`` or ``PUB,REPLAY`` (ZeroMQ endpoints) → (pub, replay or None)."""
+    parts = [p.strip() for p in spec.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(p.startswith(("ipc://", "tcp://")) for p in parts):
+        raise InvalidArgument(f"a KV-event endpoint is PUB or PUB,REPLAY, each ipc://PATH or tcp://HOST:PORT, "
+                              f"got {spec!r}")
+    return parts[0], parts[1] if len(parts) == 2 else None

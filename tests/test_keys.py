@@ -167,6 +167,20 @@ def test_keys_are_chained(block_size: int) -> None:
     assert kc[:2] == ka[:2] and kc[2] != ka[2]
 
 
+@pytest.mark.parametrize("hash_name", ["sha256", "xxh3_128"])
+def test_a_chain_goes_on_from_its_parent_key(hash_name: str) -> None:
+    """What a reader that saw only the tail of a prompt (vLLM's KV events) computes from the
+    key of the block before it is the whole prompt's tail."""
+    x = KeyExtras(namespace="t", hash_name=hash_name)
+    a, b = _tokens(2 * 16, seed=3), _tokens(3 * 16 + 5, seed=4)
+    whole = block_keys(a + b, 16, x)
+    assert block_keys(b, 16, x, parent=whole[1]) == whole[2:]
+    assert block_keys(b, 16, x, parent=whole[0]) != whole[2:]
+    for bad in (whole[1][:-1], bytearray(whole[1]), "k" * len(whole[1])):
+        with pytest.raises(InvalidArgument, match="parent"):
+            block_keys(b, 16, x, parent=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("left, right", [
     (KeyExtras(adapter="X"), KeyExtras(salt="X")),
     (KeyExtras(other=("ab", "c")), KeyExtras(other=("a", "bc"))),

@@ -36,7 +36,9 @@ class VLLMServerSpec:
     (one of :data:`ROLES`), ``store`` (the store node, host:port) or ``redis`` (a cluster's
     Redis URL); ``block_size`` (tokens; a multiple of 32 on the CPU); ``kv_cache_bytes``
     (vLLM's own paged cache; without it vLLM reserves most of the RAM); ``max_model_len``
-    (tokens); ``prefix_caching`` (vLLM's own prefix cache); ``cpus``: cores to pin the
+    (tokens); ``prefix_caching`` (vLLM's own prefix cache); ``kv_events``: (PUB, replay)
+    ZeroMQ endpoints where vLLM publishes its prefix cache's KV events (None: none;
+    :func:`ipc_endpoints`; read by :mod:`scheduler.vllm_events`); ``cpus``: cores to pin the
     server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype."""
 
     model_dir: str
@@ -49,6 +51,7 @@ class VLLMServerSpec:
     kv_cache_bytes: int = 256 << 20
     max_model_len: int = 4096
     prefix_caching: bool = False
+    kv_events: tuple[str, str] | None = None
     cpus: tuple[int, ...] = ()
     dtype: str = "float32"
     store_token: str | None = None
@@ -82,6 +85,10 @@ class VLLMServerSpec:
                "--disable-uvicorn-access-log"]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if self.kv_events:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": self.kv_events[0],
+                                                      "replay_endpoint": self.kv_events[1]})]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -94,6 +101,16 @@ class VLLMServerSpec:
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
         return env
+
+
+def ipc_endpoints(directory: str | Path, name: str) -> tuple[str, str]:
+    """(PUB, replay) ``ipc://`` endpoints for instance ``name``'s KV events in ``directory``
+    (which should be the user's alone, mode 0700: the events carry prompt tokens). Raises
+    InvalidArgument when the path is longer than a Unix socket's (107 bytes)."""
+    base = os.path.join(os.path.abspath(directory), name)
+    if len(base) + len("-replay.sock") > 107:
+        raise InvalidArgument(f"KV-event socket path {base!r} is too long for a Unix socket; use a shorter --data-dir")
+    return f"ipc://{base}.sock", f"ipc://{base}-replay.sock"
 
 
 class VLLMServer:

@@ -90,9 +90,10 @@ class PagedLayout:
         ``accounting_namespace`` names it. Accounting only: the keys carry the salt already."""
         return accounting_namespace(self.extras(cache_salt).namespace)
 
-    def keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py)."""
-        return block_keys(tokens, self.block_size, self.extras(cache_salt))
+    def keys(self, tokens: Sequence[int], cache_salt: str | None, parent: bytes | None = None) -> list[bytes]:
+        """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py);
+        ``parent``: the key of the block before them, when they do not start the prompt."""
+        return block_keys(tokens, self.block_size, self.extras(cache_salt), parent)
 
     def tags(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """Identity tags of the full blocks of ``tokens`` (kvstore/identity.py): each stored

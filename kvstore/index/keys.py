@@ -76,6 +76,7 @@ def _chain_xxh3_128(parent: bytes, count: bytes, raw: memoryview, step: int) -> 
     return keys
 
 
+_KEY_BYTES = {"sha256": 32, "xxh3_128": 16}
 _CHAINS: dict[str, Callable[[bytes, bytes, memoryview, int], list[bytes]]] = {
     "sha256": _chain_sha256, "xxh3_128": _chain_xxh3_128}
 
@@ -282,7 +283,8 @@ def _tokens_u32le(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
 
 
-def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras) -> list[bytes]:
+def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyExtras,
+               parent: bytes | None = None) -> list[bytes]:
     """The chain of block keys for the full blocks of ``tokens``.
 
     Args:
@@ -290,18 +292,26 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyE
             array of any integer dtype; ``uint32`` is the fastest).
         block_size: tokens per block (> 0). A partial tail block gets no key.
         extras: model, layout, adapter, namespace, … (see :class:`KeyExtras`).
+        parent: the key of the block before ``tokens`` (same ``block_size`` and extras):
+            the chain goes on from it, so ``block_keys(b, bs, x, parent=block_keys(a, bs,
+            x)[-1])`` equals the tail of ``block_keys(a + b, bs, x)`` when ``a`` is whole
+            blocks. None: ``tokens`` start the prompt.
 
     Returns:
         ``n // block_size`` keys, head first; key ``i`` depends on every token up to the end
         of block ``i`` and on the extras. 32 bytes each with SHA-256, 16 with XXH3-128.
 
     Raises:
-        InvalidArgument: bad block size, tokens or extras.
+        InvalidArgument: bad block size, tokens, extras or parent.
     """
     if type(block_size) is not int or block_size <= 0:
         raise InvalidArgument(f"block_size must be an int > 0, got {block_size!r}")
+    if parent is not None and (type(parent) is not bytes or len(parent) != _KEY_BYTES[extras.hash_name]):
+        raise InvalidArgument(f"parent must be a {_KEY_BYTES[extras.hash_name]}-byte {extras.hash_name} block key, "
+                              f"got {parent!r:.80}")
     raw = _tokens_u32le(tokens)
-    return _CHAINS[extras.hash_name](_root(extras), _U32(block_size), raw, block_size * 4)
+    return _CHAINS[extras.hash_name](_root(extras) if parent is None else parent, _U32(block_size), raw,
+                                     block_size * 4)
 
 
 def usable_prefix_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
