@@ -16,7 +16,7 @@ from scheduler.costing import PrefillModel, PrefillProfile
 from scheduler.router import Router
 from scheduler.sim import SimConfig, Simulator
 from scheduler.sim.workload import SimRequest
-from scheduler.views import ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView
+from scheduler.views import NO_HIT, ClusterView, Decision, DecodeView, DecodeWork, PrefillView, RequestView
 
 BS = 16
 BLOCK_BYTES = 4096
@@ -164,3 +164,28 @@ def test_t_prefill_ignores_reports_that_are_not_a_usable_number_of_seconds():
     assert model.predict(1010) == pytest.approx(0.101, rel=0.05)
     with pytest.raises(InvalidArgument, match="weight"):
         OnlineFit((1.0,)).observe((1.0,), 1.0, math.nan)
+
+
+def test_t_prefill_beyond_the_prompts_it_has_measured_is_bounded_by_the_floor_speed():
+    """Fitted on short prompts only, the attention coefficient is noise; squared up to a long
+    prompt it predicted minutes for a prefill of half a second, and a busy instance answered
+    429. Beyond the prompts measured the prediction is at most the profile's floor speed's;
+    within them, and once long prompts were measured, it is the fit's."""
+    import random
+    rng = random.Random(1)
+    profile = PrefillProfile()             # the tiny CPU model's: 2,000 tokens/s at worst
+    model = PrefillModel(profile)
+    for _ in range(40):
+        model.observe(rng.randint(1, 20), 0, 0.006 * rng.uniform(0.8, 1.25))
+    k0, k1, k2 = model.fit.coefficients
+    unbounded = k0 + k1 * 4000 + k2 * 4000 * 4000 / 2
+    assert unbounded > 5.0                 # what the fit alone says: the defect
+    assert model.predict(4000) == pytest.approx(profile.fixed_s + 4000 / profile.floor_tokens_per_s)
+    assert model.predict(20) == pytest.approx(k0 + k1 * 20 + k2 * 200)   # measured sizes: the fit
+    c = conductor(prefill=profile, admission=AdmissionConfig(ttft_slo_s=30.0))
+    c.prefill_model = model
+    busy = (PrefillView("p0", 0.3, 2, NO_HIT),)
+    assert not isinstance(c.decide(request(4000), cluster(busy)), Rejection)
+    for _ in range(10):                    # long prompts measured: the fit takes over there
+        model.observe(4000, 0, 0.5 * rng.uniform(0.9, 1.1))
+    assert model.predict(4000) == pytest.approx(0.5, rel=0.1)
