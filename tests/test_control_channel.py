@@ -249,3 +249,26 @@ def test_the_accept_loop_survives_accept_errors(slab_node) -> None:
     ctl = UdsControl(path)             # served after the failures
     assert ctl.lookup([key_of(1)]) == (0, [])
     ctl.close()
+
+
+def test_the_socket_path_replaces_only_a_dead_nodes_socket(make_dram, tmp_path) -> None:
+    """A stale socket (its node died) is replaced; a regular file at the path is left as it
+    was and the node refuses to start, saying why."""
+    import socket as sockets
+    pool = KVPool([make_dram(8 * MIB)], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    with pytest.raises(OSError, match="not a Unix socket"):
+        StoreNode.serve(pool, dataplane_socket=str(precious))
+    assert precious.read_text() == "keep me"
+    stale = socket_path()
+    dead = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    dead.bind(stale)
+    dead.close()                       # bound, never listening: what a killed node leaves
+    served = StoreNode.serve(pool, dataplane_socket=stale)
+    try:
+        with StoreClient(served.address) as client:
+            assert client.put(key_of(1), block_of(1, 4096)).ok
+            assert client._local() is not None
+    finally:
+        served.stop(grace_s=None)

@@ -10,6 +10,7 @@ import hmac
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -216,7 +217,9 @@ class UdsServer(ControlServer):
     def __init__(self, host: DataPlaneHost, path: str, auth_token: str | None = None,
                  poll_s: float = NODE_POLL_S) -> None:
         self.path = path
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):   # never remove what is not a socket
+                raise OSError(f"{path} exists and is not a Unix socket; give --dataplane-socket a free path")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(path)
