@@ -57,7 +57,7 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.request_parts import TokenClock, json_errors, sampling_of
+from scheduler.request_parts import TokenClock, json_errors, read_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -147,7 +147,7 @@ class Frontdoor:
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            body = read_json(await request.read())
+            body = read_json(await read_body(request))
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             refuse_fields(body, NOT_BUILT_IN, "the built-in engines")
             plan = await self._admit(request, req)

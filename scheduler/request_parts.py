@@ -1,6 +1,7 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
-request: the HTTP middleware that answers aiohttp's 404/405 in OpenAI's error shape, the
-engines' sampling parameters of a request, and the clock that observes TTFT and TBT as tokens
+request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
+OpenAI's error shape, reading a request's body (:func:`read_body`), the engines' sampling
+parameters of a request, and the clock that observes TTFT and TBT as tokens
 are sent."""
 from __future__ import annotations
 
@@ -20,19 +21,40 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own 404 (no such path) and 405 (a path that takes another method) answered in
-    OpenAI's error shape, as JSON, instead of plain text."""
+    """aiohttp's own errors — 404 (no such path), 405 (a path that takes another method), 413
+    (a body over the limit) and any other 4xx/5xx it raises — answered in OpenAI's error
+    shape, as JSON, instead of plain text."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if exc.status not in (404, 405):
+        if exc.status < 400:
             raise
-        what = (f"no route {request.method} {request.path}" if exc.status == 404 else
-                f"{request.path} does not take {request.method}")
-        code = "not_found" if exc.status == 404 else "method_not_allowed"
-        err = APIError(exc.status, what, code=code)
+        code: str | None = None
+        if exc.status == 404:
+            what, code = f"no route {request.method} {request.path}", "not_found"
+        elif exc.status == 405:
+            what, code = f"{request.path} does not take {request.method}", "method_not_allowed"
+        else:
+            what = exc.text or exc.reason
+            code = "request_too_large" if exc.status == 413 else None
+        err = APIError(exc.status, what, "server_error" if exc.status >= 500 else "invalid_request_error", code)
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
         return web.json_response(err.body(), status=exc.status, headers=headers)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, decoded as its ``Content-Encoding`` says. Raises APIError: 400
+    when it cannot be read (a body that is not the encoding it claims, a connection cut
+    mid-body), 413 over the server's size limit."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, exc.text or "the request body is too large", code="request_too_large") from None
+    except web.RequestPayloadError as exc:
+        encoding = request.headers.get("Content-Encoding")
+        raise APIError(400, "the request body could not be read" +
+                       (f" as Content-Encoding {encoding!r}" if encoding else "") + f": {exc}",
+                       code="invalid_body") from None
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:

@@ -40,7 +40,7 @@ from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
 from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
-from scheduler.request_parts import TokenClock
+from scheduler.request_parts import TokenClock, read_body
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -68,7 +68,7 @@ class VLLMFrontdoor(Frontdoor):
         t0 = time.perf_counter()
         chat = parse is parse_chat
         try:
-            body = read_json(await request.read())
+            body = read_json(await read_body(request))
             if isinstance(body, dict):
                 n = body.get("n", 1)
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):

@@ -113,3 +113,18 @@ def test_a_temperature_too_small_for_float32_is_greedy_and_the_engine_stays_up(u
         assert got["choices"][0]["token_ids"] == greedy, temperature
     status, _, data = call(url, "/health")
     assert status == 200 and json.loads(data)["status"] == "ok", data
+
+
+def test_a_body_that_cannot_be_read_is_a_json_400_and_one_too_large_a_json_413(url):
+    """aiohttp's own refusals in OpenAI's shape too: a body that is not the Content-Encoding
+    it claims (it was a 500 with a traceback), and one over the size limit (a plain-text 413)."""
+    for encoding in ("gzip", "deflate"):
+        status, headers, data = call(url, "/v1/completions", raw=b"not compressed at all",
+                                     headers={"Content-Encoding": encoding})
+        err = error_of(status, data, 400)
+        assert err["code"] == "invalid_body" and encoding in err["message"]
+        assert headers["Content-Type"].startswith("application/json")
+    status, _, data = call(url, "/v1/completions", raw=b" " * (33 << 20))
+    err = error_of(status, data, 413)
+    assert err["code"] == "request_too_large" and "33554432" in err["message"]
+    assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]   # and it serves on
