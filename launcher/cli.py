@@ -25,8 +25,10 @@ from launcher.flags import (
     add_replay_flags,
     add_scheduler_flags,
     add_serve_flags,
+    addresses,
     env_events,
     env_redis,
+    port_number,
     tier_size_flags,
 )
 from launcher.up_vllm import add_vllm_scheduler_flags, add_vllm_up_flags
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(the tiny seeded Llama unless --model is given).")
     p.add_argument("--role", choices=ROLES, required=True,
                    help="prefill computes prompts and publishes blocks; decode loads them and generates")
-    p.add_argument("--store", default="127.0.0.1:50051", help="store node address host:port")
+    p.add_argument("--store", type=addresses, default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--store-token", help="bearer token for the store node (default: KVSTORE_STORE_TOKEN)")
     p.add_argument("--auth-token", help="require this bearer token from callers (the front door's "
                    "--engine-token; default: KVSTORE_ENGINE_TOKEN; none: any caller may run requests "
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL", default=env_redis(), help="use every store node registered "
                    "in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=0, help="gRPC port (0 picks a free one)")
     p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model and KV dtype (part of every block key)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
     p.add_argument("--local-cache-blocks", type=int, default=4096, help="blocks in the engine's own prefix cache")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
+    p.add_argument("--metrics-port", type=port_number, metavar="PORT",
                    help="serve Prometheus metrics on GET /metrics at this port of --host (0 picks a free one); "
                         "it takes the engine's --auth-token when one is set (default: no metrics port)")
     p.add_argument("--kv-events", metavar="URL", default=env_events(),
@@ -204,13 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
                        description="Run the scheduler's HTTP front door (OpenAI-compatible "
                                    "/v1/completions, /health, /metrics) over running engines.")
-    p.add_argument("--prefill", help="prefill engine addresses, comma-separated")
-    p.add_argument("--decode", help="decode engine addresses, comma-separated")
-    p.add_argument("--store", default="127.0.0.1:50051", help="store node address")
+    p.add_argument("--prefill", type=addresses, help="prefill engine addresses host:port, comma-separated")
+    p.add_argument("--decode", type=addresses, help="decode engine addresses host:port, comma-separated")
+    p.add_argument("--store", type=addresses, default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--redis", metavar="URL", default=env_redis(), help="look up blocks across every store "
                    "node registered in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (0 picks a free one)")
     p.add_argument("--store-token", help="bearer token for the store node (if it requires one; "
                    "default: KVSTORE_STORE_TOKEN)")
     p.add_argument("--engine-token", help="bearer token for the engines (their --auth-token; default: "
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_flags(p)
     add_scheduler_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    p.add_argument("--port", type=int, default=8000, help="front door port (0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8000, help="front door port (0 picks a free one)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--max-model-len", type=positive_int, default=UP_MAX_MODEL_LEN, metavar="TOKENS",
                    help="the engines' and the front door's limit on prompt + generation (tokens); a longer "

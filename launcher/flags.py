@@ -13,6 +13,27 @@ from scheduler.scheduling_policy import DEFAULT_POLICY
 from scheduler.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0–65535 (0: the system picks a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
+def addresses(text: str) -> str:
+    """argparse type: one or more ``host:port`` addresses, comma-separated (returned as
+    given), each port 1–65535 — refused at once rather than waited for."""
+    for address in (a.strip() for a in text.split(",")):
+        host, sep, port = address.rpartition(":")
+        if not address or not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"not a host:port address (port 1-65535): {address!r}")
+    return text
+
+
 def env_redis() -> str | None:
     """The Redis URL of the environment (kvstore.auth.REDIS_URL_ENV), which may hold a password."""
     import os
@@ -106,7 +127,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="settings file (keys: the StoreConfig fields); flags win")
     p.add_argument("--node-id", help="node id (default node-0)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--port", type=port_number, help="gRPC port (default 50051; 0 picks a free one)")
     add_tier_flags(p)
     p.add_argument("--data-dir", help="where the SSD tier keeps its LMDB (default var/store)")
     p.add_argument("--ssd-fsync", choices=FSYNC_POLICIES, help="SSD durability (default never)")
@@ -149,10 +170,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="after a request on the data plane's control channel, poll this many microseconds "
                         "for the next one before sleeping: faster back-to-back puts and gets for that much "
                         "CPU per request (default 200; 0 never polls)")
-    p.add_argument("--control-port", type=int, metavar="PORT",
+    p.add_argument("--control-port", type=port_number, metavar="PORT",
                    help="TCP port (on --host) where transfer-engine readers lease blocks: compact frames, "
                         "about 0.3 ms a lease instead of about 1.1 ms over gRPC (default 0: a free port, "
                         "announced to readers)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
+    p.add_argument("--metrics-port", type=port_number, metavar="PORT",
                    help="serve Prometheus metrics on GET /metrics at this port of --host (0 picks a free one); "
                         "it takes the node's --auth-token when one is set (default: no metrics port)")

@@ -130,3 +130,26 @@ def test_replay_takes_its_api_key_from_openai_api_key(monkeypatch):
     assert args.api_key == "sk-flag"
     monkeypatch.delenv("OPENAI_API_KEY")
     assert build_parser().parse_args(["replay", "--target", "http://127.0.0.1:1"]).api_key is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["engine", "--role", "prefill", "--port", "99999"], "argument --port: a port is 0-65535, got 99999"),
+    (["engine", "--role", "decode", "--metrics-port", "70000"], "argument --metrics-port: a port is 0-65535"),
+    (["scheduler", "--port", "-1"], "argument --port: a port is 0-65535, got -1"),
+    (["up", "--port", "http"], "argument --port: not a port number: 'http'"),
+    (["serve", "--control-port", "65536"], "argument --control-port: a port is 0-65535"),
+    (["scheduler", "--prefill", "nonsense", "--decode", "127.0.0.1:5"], "not a host:port address"),
+    (["scheduler", "--prefill", "127.0.0.1:1,h:0", "--decode", "127.0.0.1:5"], "'h:0'"),
+    (["engine", "--role", "prefill", "--store", "127.0.0.1"], "argument --store: not a host:port address"),
+])
+def test_ports_and_addresses_are_checked_before_anything_starts(argv, message, capsys):
+    """Every command refuses a port out of range or an address without one at once, naming
+    the flag (an engine served on a random port instead, a scheduler died with a traceback
+    after waiting for its engines, or waited 60 s for 'nonsense')."""
+    from launcher.cli import build_parser
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    args = build_parser().parse_args(["scheduler", "--prefill", "127.0.0.1:1,localhost:2", "--decode", "[::1]:5",
+                                      "--port", "0"])
+    assert args.port == 0 and args.prefill == "127.0.0.1:1,localhost:2"
