@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import grpc
@@ -91,6 +92,13 @@ class StoreNode:
         InvalidArgument when the node's quota file cannot be read."""
         from kvstore.admin.service import admin_service, attach_tenants, node_control
         from kvstore.cluster.agent import ClusterAgent
+        node_dir = os.path.join(cfg.data_dir, cfg.node_id)
+        try:   # the node's own files (quotas, the data-plane socket) live there, SSD tier or not
+            os.makedirs(node_dir, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"the data directory {cfg.data_dir!r} cannot hold the node's files ({node_dir}: "
+                          f"{exc.strerror or exc}); the node keeps its quotas and data-plane socket there "
+                          f"even without an SSD tier: give --data-dir a directory it can write") from None
         pool = build_pool(cfg)
         try:
             attach_tenants(cfg, pool)   # per-tenant books and quotas, before anything reads the pool

@@ -143,6 +143,17 @@ def test_serve_on_an_unusable_directory_exits_with_one_line(tmp_path: Path) -> N
     assert "Traceback" not in out.stderr
 
 
+def test_a_data_directory_that_cannot_hold_the_node_is_one_line_even_without_ssd(tmp_path: Path) -> None:
+    """--ssd-on-error disable drops the SSD tier, not the node's own files (quotas, the
+    data-plane socket): a --data-dir that is a file says so in one line (it logged 'serving
+    without an SSD tier' and then died on 'Not a directory')."""
+    (tmp_path / "data").write_text("a file, not a directory")
+    out = _serve(tmp_path, "--ssd-on-error", "disable")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot hold the node's files" in lines[0] and "--data-dir" in lines[0], out.stderr
+
+
 def test_serve_with_ssd_on_error_disable_serves_dram_only(tmp_path: Path, spawn_store_node) -> None:
     (tmp_path / "data" / "n1").mkdir(parents=True)
     (tmp_path / "data" / "n1" / "ssd").write_text("not a directory")
