@@ -34,14 +34,17 @@ def positive_int(text: str) -> int:
 
 def parse_bytes(text: str | int) -> int:
     """``"512MiB"``, ``"2GB"``, ``"1048576"`` → bytes. Raises ValueError naming the units."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; use a number with an optional unit "
-                         f"({', '.join(u for u in _UNITS if u)})")
+        raise ValueError(f"cannot read {text!r} as a size; use a whole number of bytes or a string with a unit "
+                         f"({', '.join(u for u in _UNITS if u)}), e.g. \"1.5GiB\"")
     # exact (Fraction, not float): "18446744073709551615" is that many bytes, not 2**64
-    return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    if size.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +203,13 @@ class StoreConfig:
         values: dict[str, Any] = {}
         if path:
             with open(path, "rb") as f:
-                values.update(tomllib.load(f))
+                try:
+                    values.update(tomllib.load(f))
+                except tomllib.TOMLDecodeError as exc:
+                    raise ValueError(f"{path} is not valid TOML: {exc}") from None
+            if values.get("tiers", None) == []:
+                raise ValueError(f"{path}: tiers = [] names no tier; list at least one (fastest first), "
+                                 f"e.g. tiers = [\"dram=1GiB\"], or leave it out for the defaults")
         given = {k: v for k, v in overrides.items() if v is not None}
         if given.get("tiers") is not None:   # a list on the command line replaces the file's
             values.pop("tiers", None)

@@ -63,6 +63,8 @@ def test_kvctl_tiers_and_evict(store_node):
             assert client.put((b"block-%d" % i).ljust(32, b"."), os.urandom(1 << 20)).ok
     tiers = run("kvstore.kvctl", "--store", store_node, "tiers", "--json")
     assert tiers.returncode == 0, tiers.stderr
+    first = run("kvstore.kvctl", "--json", "--store", store_node, "tiers")     # --json before the command too
+    assert first.returncode == 0 and json.loads(first.stdout)["tiers"], first.stderr
     stats = {t["name"]: t for t in json.loads(tiers.stdout)["tiers"]}
     assert stats["dram"]["capacity_bytes"] == 4 << 20
     assert stats["dram"]["blocks"] + stats["ssd"]["blocks"] >= 6
@@ -86,6 +88,9 @@ def test_kvctl_rejects_a_key_that_is_not_a_block_key(store_node):
     proc = run("kvstore.kvctl", "--store", store_node, "pin", "deadbeef")
     assert proc.returncode == 1 and "not a block key" in proc.stderr
     assert "--full-keys" in proc.stderr            # ls prints 16 hex digits: where the whole key is
+    proc = run("kvstore.kvctl", "--store", store_node, "inspect", "zz")
+    assert proc.returncode == 1 and "'zz' is not a block key: a key is hex digits" in proc.stderr
+    assert "fromhex" not in proc.stderr
 
 
 def test_kvctl_reports_an_unreachable_node():

@@ -74,6 +74,23 @@ def test_toml_takes_a_tier_list_and_flags_replace_it(tmp_path: Path) -> None:
         StoreConfig.load(str(toml))
 
 
+
+@pytest.mark.parametrize("text, match", [
+    ("dram_bytes = 1.5\n", "whole number of bytes or a string with a unit"),    # was a 1-byte tier
+    ('dram_bytes = "1.5"\n', "not a whole number of bytes"),
+    ("dram_bytes = true\n", "cannot read True as a size"),
+    ("tiers = []\n", "names no tier"),                                          # was the defaults
+    ("dram_bytes = = 3\n", "node.toml is not valid TOML"),
+])
+def test_a_settings_file_that_says_something_impossible_is_refused_naming_it(tmp_path: Path, text: str,
+                                                                             match: str) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        StoreConfig.load(str(toml))
+    toml.write_text('dram_bytes = "1.5KiB"\n')
+    assert StoreConfig.load(str(toml)).tier_capacity("dram") == 1536
+
 def test_build_tiers_builds_the_list_in_order(tmp_path: Path) -> None:
     cfg = StoreConfig(data_dir=str(tmp_path), dram_prefault=False,
                       tiers=(TierSpec("dram", MIB), TierSpec("ssd", 4 * MIB)))

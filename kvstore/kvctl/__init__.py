@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(default: KVSTORE_REDIS_URL, else kvstore up's)")
     parser.add_argument("--timeout", type=positive, default=10.0,
                         help="seconds to wait for a node (default %(default)s)")
+    parser.add_argument("--json", dest="json_first", action="store_true",
+                        help="print JSON instead of text (also taken after the command)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (tiers, cluster, lookup, blocks, quota, watch):
         group.add_commands(sub)
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.json_first:          # `kvctl --json inspect KEY` as `kvctl inspect KEY --json`
+        args.json = True
     try:
         target = resolve_target(args)
         return int(args.func(target, args))

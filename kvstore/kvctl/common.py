@@ -219,10 +219,13 @@ def size_text(n: int) -> str:
 def parse_keys(hexes: list[str]) -> list[bytes]:
     """Hex block keys → bytes; a key is 32 bytes (SHA-256) or 16 (XXH3-128). Raises
     ValueError naming the one that is not."""
-    try:
-        keys = [bytes.fromhex(h) for h in hexes]
-    except ValueError as exc:
-        raise ValueError(f"block keys are hex strings: {exc}") from None
+    keys = []
+    for h in hexes:
+        try:
+            keys.append(bytes.fromhex(h))
+        except ValueError:
+            raise ValueError(f"{h!r} is not a block key: a key is hex digits (0-9, a-f), 64 of them (SHA-256) "
+                             "or 32 (XXH3-128)") from None
     for h, key in zip(hexes, keys):
         if len(key) not in (16, 32):
             raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128); "

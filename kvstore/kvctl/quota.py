@@ -44,7 +44,8 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
                 docs.append({"node": node.node_id, "quotas": quotas})
                 lines.append(f"{node.node_id}:")
                 lines.append(tabulate([[q["namespace"], q["bytes"], mib(q["bytes"]), mib(q["used_bytes"])]
-                                       for q in quotas], headers=["namespace", "quota bytes", "quota MiB", "used MiB"]))
+                                       for q in quotas], headers=["namespace", "quota bytes", "quota MiB", "used MiB"],
+                                       disable_numparse=True))
                 found_any = True
                 continue
             method = {"set": "SetQuota", "get": "GetQuota", "rm": "RemoveQuota"}[args.action]
