@@ -117,13 +117,22 @@ def test_presets_are_the_readme_experiments():
 
 
 def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
-    out = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "300"],
+    out = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "300",
+                          "--speed", "1", "--admission", "late"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("preset overload — the trace 2× faster")
+    # what the preset fixes is said to be unused, not silently dropped
+    assert "--preset overload sets --admission, --speed itself; the values given are not used" in out.stderr
+    assert "run: policy=conductor," in out.stdout
     assert "predictors: learned" in out.stdout and "prefill CV 0.1" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| conductor")]
     assert [row.split("|")[3].strip() for row in rows] == ["none", "late", "current", "predictive"]
     bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "fig7"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "fig7" in bad.stderr
+    sweep = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--requests", "50", "--plots", "plots-x",
+                            "--sweep-speeds", "a,b"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           check=False)   # refused before anything runs, naming the flag
+    assert sweep.returncode == 2 and "--sweep-speeds is a comma list of numbers" in sweep.stderr
+    assert "arrivals" not in sweep.stderr and not (ROOT / "plots-x").exists()

@@ -55,13 +55,13 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--topology", default=TOPOLOGIES[0], help=f"comma list: {', '.join(TOPOLOGIES)}")
     p.add_argument("--admission", default="none",
                    help="comma list of admission modes: " + "; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
-    p.add_argument("--instances", type=int, default=16, help="instances in all (each one node of --profile)")
+    p.add_argument("--instances", type=int, help="instances in all (each one node of --profile; default 16)")
     p.add_argument("--prefill-instances", type=int, help="disaggregated: prefill instances (None: half)")
     p.add_argument("--profile", default="8xA800", help="hardware profile (configs/hardware/NAME.toml or a path)")
     p.add_argument("--model", default="llama3-70b", help="model config (configs/models/NAME.toml or a path)")
     p.add_argument("--ttft-slo-s", type=float, default=30.0, help="TTFT SLO (seconds)")
     p.add_argument("--tbt-slo-s", type=float, default=0.1, help="TBT SLO on Mooncake's TBT (mean of the longest 10%%)")
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed (arrival times are divided by it)")
+    p.add_argument("--speed", type=float, help="replay speed (arrival times are divided by it; default 1)")
     p.add_argument("--pool-dram-tokens", default="auto",
                    help="pool DRAM capacity in tokens (auto: 1 TiB per prefill node; inf; 0: no pool)")
     p.add_argument("--pool-ssd-tokens", type=_tokens, default=0, help="pool SSD capacity in tokens (inf, or 0: none)")
@@ -71,7 +71,7 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--local-dram-tokens", type=_tokens, default=0,
                    help="per-prefill-instance DRAM cache below its HBM cache, in tokens (Mooncake's local "
                         "cache: 1 TiB = 3355443 LLaMA3-70B tokens; inf; 0: none)")
-    p.add_argument("--max-running", type=int, default=256, help="decode batch limit per instance")
+    p.add_argument("--max-running", type=int, help="decode batch limit per instance (default 256)")
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' caches")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
     p.add_argument("--eviction", default=SimConfig.eviction, choices=EVICTION_POLICIES,
@@ -88,19 +88,28 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# Flags left unset (None) take SimConfig's default, so that a preset can tell which were given.
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("instances", "speed", "max_running") if getattr(args, k) is not None}
+
+
 def base_config(args: argparse.Namespace) -> SimConfig:
-    cfg = SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
+    d = SimConfig()
+    instances = args.instances if args.instances is not None else d.instances
+    cfg = SimConfig(instances=instances, prefill_instances=args.prefill_instances, profile=args.profile,
                     model=args.model)
     pool: int | None
     if args.pool_dram_tokens == "auto":
         pool = cfg.n_prefill * (2**40 // load_model(args.model).kv_bytes_per_token)
     else:
         pool = _tokens(args.pool_dram_tokens)
-    return SimConfig(instances=args.instances, prefill_instances=args.prefill_instances, profile=args.profile,
-                     model=args.model, speed=args.speed, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
+    given = _given(args)
+    return SimConfig(instances=instances, prefill_instances=args.prefill_instances, profile=args.profile,
+                     model=args.model, speed=given.get("speed", d.speed), ttft_slo_s=args.ttft_slo_s,
+                     tbt_slo_s=args.tbt_slo_s,
                      pool_dram_tokens=pool, pool_ssd_tokens=args.pool_ssd_tokens,
                      hbm_cache_tokens=args.hbm_cache_tokens, local_dram_tokens=args.local_dram_tokens,
-                     max_running=args.max_running,
+                     max_running=given.get("max_running", d.max_running),
                      peer_fetch=not args.no_peer_fetch, chunked_prefill_tokens=args.chunked_prefill_tokens,
                      eviction=args.eviction, seed=args.seed, prefill_cv=args.prefill_cv,
                      decode_cv=args.decode_cv, straggler_prob=args.straggler_prob,
@@ -149,6 +158,8 @@ def format_table(results: Sequence[SimResult]) -> str:
                                         else f" {cfg.n_prefill}P+{cfg.instances - cfg.n_prefill}D")
         if cfg is not None and cfg.chunked_prefill_tokens:
             shape += f" chunk {cfg.chunked_prefill_tokens}"
+        if cfg is not None and cfg.pool_dram_tokens != 0:
+            shape += " pool " + ("inf" if cfg.pool_dram_tokens is None else f"{cfg.pool_dram_tokens:.0e}")
         rows.append([r.policy + (" (oracle)" if cfg is not None and cfg.oracle else ""), r.topology + shape,
                      r.admission, f"{r.speed:g}", r.requests, r.completed,
                      f"{r.rejected_early}/{r.rejected_late}", f"{r.goodput_rps:.3f}", f"{r.effective_capacity:.3f}",
@@ -193,12 +204,50 @@ def make_plots(results: Sequence[SimResult], base: SimConfig, args: argparse.Nam
     return {"files": files, "goodput_sweep": sweep, "hit_sweep": points}
 
 
+def _check_sweeps(args: argparse.Namespace) -> None:
+    """The sweeps' lists are read before anything runs. Raises InvalidArgument naming the flag."""
+    for flag, text, parse in (("--sweep-speeds", args.sweep_speeds, float),
+                              ("--sweep-pool-tokens", args.sweep_pool_tokens, _tokens)):
+        try:
+            values = [parse(x) for x in _split(text)]
+        except ValueError:
+            raise InvalidArgument(f"{flag} is a comma list of numbers, got {text!r}") from None
+        if not values or any(v is not None and not v > 0 for v in values):
+            raise InvalidArgument(f"{flag} needs numbers > 0, got {text!r}")
+
+
+def preset_overrides(args: argparse.Namespace, base: SimConfig, runs: Sequence[SimConfig]) -> list[str]:
+    """The flags given on the command line that the preset's runs set otherwise (they are
+    not used: a preset is one experiment)."""
+    given = [flag for flag, value, default in (("--policies", args.policies, ",".join(ALL_POLICIES)),
+                                               ("--topology", args.topology, TOPOLOGIES[0]),
+                                               ("--admission", args.admission, "none"))
+             if value != default]
+    if args.pool_dram_tokens != "auto" and any(r.pool_dram_tokens != base.pool_dram_tokens for r in runs):
+        given.append("--pool-dram-tokens")
+    default = SimConfig()
+    explicit = _given(args)
+    for f in dataclasses.fields(SimConfig):
+        if f.name in ("pool_dram_tokens", "policy", "topology", "admission"):
+            continue
+        if (f.name in explicit or getattr(base, f.name) != getattr(default, f.name)) and any(
+                getattr(r, f.name) != getattr(base, f.name) for r in runs):
+            given.append("--" + f.name.replace("_", "-"))
+    return given
+
+
 def simulate_command(args: argparse.Namespace) -> int:
     """The ``kvstore simulate`` subcommand (see :func:`add_simulate_flags`)."""
     try:
         base = base_config(args)
+        if args.plots:
+            _check_sweeps(args)
         if args.preset:
             runs = preset_runs(args.preset, base)
+            ignored = preset_overrides(args, base, runs)
+            if ignored:
+                print(f"kvstore simulate: --preset {args.preset} sets {', '.join(ignored)} itself; the values "
+                      f"given are not used (drop --preset to set them)", file=sys.stderr, flush=True)
             results = run_all(runs, args.trace, args.requests)
             print(describe(args.preset, runs))
         else:

@@ -75,12 +75,12 @@ def describe(name: str, runs: list[SimConfig]) -> str:
     """The set-up of a preset, printed with its results: its summary line and, per run, the
     settings that differ from :class:`SimConfig`'s defaults."""
     doc = __doc__ or ""
-    line = next((x.strip().replace("``", "", 1) for x in doc.split("* ``")[1:] if x.startswith(name + "``")), name)
+    line = next((x.strip().replace("``", "") for x in doc.split("* ``")[1:] if x.startswith(name + "``")), name)
     line = " ".join(line.split())
     default = SimConfig()
     out = [f"preset {line}"]
     for cfg in runs:
         diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                if getattr(cfg, f.name) != getattr(default, f.name)}
+                if f.name == "policy" or getattr(cfg, f.name) != getattr(default, f.name)}
         out.append("  run: " + ", ".join(f"{k}={v}" for k, v in diff.items()) if diff else "  run: defaults")
     return "\n".join(out)
