@@ -328,6 +328,15 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
     turns = []
     for i, m in enumerate(messages):
         text = message_text(m.get("content")) if isinstance(m, dict) else None
+        parts = m.get("content") if isinstance(m, dict) else None
+        if text is None and isinstance(parts, list):    # name the part the model cannot take
+            for j, part in enumerate(parts):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    what = (f"a {kind!r} part" if isinstance(kind, str) and kind != "text" else
+                            "a text part without a string 'text'" if kind == "text" else "not a content part")
+                    raise _bad(f"messages[{i}].content[{j}] is {what}; this model takes text parts only "
+                               "({\"type\": \"text\", \"text\": ...})", "unsupported_content", "messages")
         if text is None or m.get("role") not in CHAT_ROLES:
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} and 'content' "
                        "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",

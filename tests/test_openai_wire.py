@@ -95,6 +95,16 @@ def test_what_is_not_applied_is_a_400_naming_the_field(url, body, param):
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_a_chat_content_part_the_model_cannot_take_is_named(url):
+    for part, said in (({"type": "image_url", "image_url": {"url": "x"}}, "is a 'image_url' part"),
+                       ({"type": "text"}, "is a text part without a string 'text'"),
+                       ("hello", "is not a content part")):
+        body = {"messages": [{"role": "user", "content": "hi"},
+                             {"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+        err = error_of(*call(url, "/v1/chat/completions", body)[::2], 400)
+        assert f"messages[1].content[1] {said}" in err["message"] and err["code"] == "unsupported_content"
+
+
 def test_neutral_values_of_unapplied_fields_are_served(url):
     got = complete(url, {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "presence_penalty": 0,
                          "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "seed": -5,
