@@ -154,6 +154,10 @@ def test_admin_errors_go_through_the_wire_error_table(node):
     with AdminClient(node, TOKEN) as admin:
         with pytest.raises(InvalidArgument, match="namespace"):
             admin.quota("SetQuota", "bad\tname", 1)
+        for call in (admin.list_blocks, admin.flush):   # a filter no tenant can have: refused, not "no match"
+            with pytest.raises(InvalidArgument, match="namespace is 1-"):
+                call(namespace="\x01")
+        assert admin.list_blocks(namespace="")["matched"] == 0 and "blocks" in admin.list_blocks(namespace="t")
 
 
 

@@ -66,7 +66,7 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     @refusing
     def ListBlocks(self, request: apb.ListBlocksRequest, context: grpc.ServicerContext) -> apb.ListBlocksResponse:
-        ns = request.namespace if request.HasField("namespace") else None
+        ns = _namespace_filter(request)
         limit = min(request.limit or MAX_LIST, MAX_LIST)
         views, matched = ops.list_blocks(self.pool, self._tier(request.tier), ns, request.key_prefix, limit)
         return apb.ListBlocksResponse(node_id=self.pool.node_id, blocks=[_block(v) for v in views], matched=matched)
@@ -98,7 +98,7 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     @refusing
     def Flush(self, request: apb.FlushRequest, context: grpc.ServicerContext) -> apb.FlushResponse:
-        ns = request.namespace if request.HasField("namespace") else None
+        ns = _namespace_filter(request)
         r = ops.flush(self.pool, self._tier(request.tier), ns, request.force)
         return apb.FlushResponse(tiers=r.tiers, dropped_blocks=r.dropped_blocks, freed_bytes=r.freed_bytes,
                                  left=r.left, success=r.success)
@@ -191,3 +191,12 @@ def admin_service(pool: Any, control: NodeControl,
     def add(server: grpc.Server) -> None:
         apb_grpc.add_AdminServicer_to_server(AdminServicer(pool, control, tenants), server)
     return add
+
+
+def _namespace_filter(request: apb.ListBlocksRequest | apb.FlushRequest) -> str | None:
+    """A call's namespace filter: None (every block), "" (blocks no tenant owns) or a
+    namespace as every other call takes it. Raises InvalidArgument for a name no tenant can
+    have (it used to match nothing, quietly)."""
+    if not request.HasField("namespace"):
+        return None
+    return check_namespace(request.namespace) if request.namespace else ""
