@@ -46,7 +46,7 @@ protos/%_pb2.py: protos/%.proto $(STAMP)
 
 protos: $(PROTO_OUT)
 
-# Pool on, then pool off, on the same stack (about 3 minutes on 2 cores); report, JSON and PNGs.
+# Pool on, then pool off, on the same stack (about 2 minutes on 2 cores, 3 with set-up); report, JSON and PNGs.
 demo: setup
 	$(VENV)/bin/kvstore up --replay data/traces/conversation_trace.jsonl \
 	  --requests $(REQUESTS) --json benchmarks/results/demo.json --plots benchmarks/results

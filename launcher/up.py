@@ -42,9 +42,12 @@ def fresh_data_dir(path: str, keep: bool) -> str | None:
             return (f"--data-dir {path} is not empty and was not made by kvstore up (no {STACK_MARK} in it); "
                     f"it is wiped at start, so give an empty or new directory, or --keep-data to use it as it is")
         shutil.rmtree(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)   # tokens, logs and SSD blocks of every tenant live below it
-    open(os.path.join(path, STACK_MARK), "a").close()
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)   # tokens, logs and SSD blocks of every tenant live below it
+        open(os.path.join(path, STACK_MARK), "a").close()
+    except OSError as exc:
+        return f"--data-dir {path} cannot be used as a directory ({exc.strerror or exc}); give a directory it can write"
     return None
 
 

@@ -63,6 +63,10 @@ def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     assert problem and "not made by kvstore up" in problem and "--keep-data" in problem
     assert (theirs / "important.txt").read_text() == "keep me"
     assert fresh_data_dir(str(theirs), keep=True) is None and (theirs / "important.txt").exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    problem = fresh_data_dir(str(a_file), keep=False)      # was a raw "[Errno 17] File exists"
+    assert problem and "cannot be used as a directory" in problem and a_file.read_text() == "not a directory"
 
 
 def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -> None:
