@@ -44,7 +44,9 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kv-events", nargs="+", metavar="PUB[,REPLAY]",
                    help="the prefill (or colocated) instances' KV-event endpoints, one each in their order: "
                         "vLLM's --kv-events-config endpoint and replay_endpoint (ipc://PATH or tcp://HOST:PORT); "
-                        "the router then sees each instance's own prefix cache, not only the pool's hits")
+                        "the router then sees each instance's own prefix cache, not only the pool's hits. The "
+                        "events carry prompt tokens and vLLM's sockets take no credentials: use ipc:// in a "
+                        "directory only this user can open, not TCP")
 
 
 def run_up_vllm(args: argparse.Namespace) -> int:

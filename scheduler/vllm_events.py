@@ -21,18 +21,25 @@ as the connector does are skipped, never guessed: a LoRA adapter, multimodal or 
 embedding extras, a block size other than the layout's, a partial block, a parent it never
 saw (stored before it subscribed, or forgotten after a gap).
 
+vLLM's offloading events (medium ``CPU``) carry no extras, hence no salt: they only add the
+``dram`` tier to a block the GPU events keyed, never key one.
+
 Lost batches. A gap in ``seq`` is asked of the replay socket; what the replay cannot cover
 (the batches left vLLM's buffer, or no replay endpoint) clears the instance's hits (one
-``NodeCleared``): a missed ``BlockRemoved`` would leave a hit vLLM no longer has, so the
-bridge drops them all rather than route by a stale one. A ``seq`` that goes back is a
-restarted instance: the same. Hits then come back as vLLM stores blocks and re-announces
-the prefixes it reuses (``BlockStored`` with no parent). A wrong hit costs a slower prefill
-(the instance recomputes or loads from the pool), never wrong KV: the engine checks what it
-loads.
+``NodeCleared``; then the part of the gap the replay did return, up to the batch at hand,
+is applied): a missed ``BlockRemoved`` would leave a hit vLLM no longer has, so the bridge
+drops them all rather than route by a stale one. So do a ``seq`` that goes back, the
+publisher's socket disconnecting (a stopped or restarted instance: what it publishes
+before the subscriber reconnects is lost, and its numbers may run past ours), a batch that
+cannot be read or applied whole, and more than ``max_blocks`` blocks held. Hits then come
+back as vLLM stores blocks and re-announces the prefixes it reuses (``BlockStored`` with no
+parent). A wrong hit costs a slower prefill (the instance recomputes or loads from the
+pool), never wrong KV: the engine checks what it loads.
 
 The events carry prompt tokens: the instance should publish on an ``ipc://`` endpoint in a
 directory only its user can open (``kvstore up --engine vllm --vllm-prefix-caching`` does),
-not on a TCP port.
+not on a TCP port (vLLM binds it on every interface, without authentication; the bridge
+logs a warning for one).
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ log = logging.getLogger(__name__)
 
 TIER_OF_MEDIUM = {None: "hbm", "GPU": "hbm", "CPU": "dram"}
 END_SEQ = -1
+MAX_MESSAGE_BYTES = 64 << 20       # one batch on the wire, at most (ZeroMQ drops a larger one)
 
 
 @dataclass(slots=True)
@@ -81,21 +89,28 @@ class VLLMEventBridge:
         engine_id: the instance's engine id in the router (``vllm-prefill-0``, ...).
         endpoint: its PUB endpoint (``ipc:///...`` or ``tcp://host:port``).
         layout: the connector's key layout (:attr:`scheduler.vllm_instances.VLLMModel.paged`).
-        replica: the router's replica; the bridge numbers its own events (an epoch per
-            bridge start and per instance restart, seq 1 = ``NodeCleared``).
+        replica: the router's replica; the bridge numbers its own events (a new epoch, opened
+            by ``NodeCleared`` at seq 1, when the bridge is made and whenever it drops the
+            instance's hits).
         replay_endpoint: its replay (ROUTER) endpoint, None: gaps are never replayed.
         replay_timeout_s: how long one replay may take before the gap counts as unhealed.
+        max_blocks: more blocks than this held at once is not a vLLM instance's cache (a
+            hostile publisher): the hits are dropped.
 
-    :meth:`receive` is the whole translation (thread-safe with the replica's readers);
-    :meth:`start` runs a thread that subscribes and feeds it until :meth:`stop`.
+    :meth:`receive` is the whole translation (safe beside the replica's readers);
+    :meth:`start` runs a thread that subscribes and feeds it until :meth:`stop`, and drops
+    the instance's hits whenever the publisher disconnects (a restarted instance's first
+    batches are lost before the socket reconnects, and its numbers may run past ours).
     """
 
     def __init__(self, engine_id: str, endpoint: str, layout: PagedLayout, replica: IndexReplica, *,
-                 replay_endpoint: str | None = None, replay_timeout_s: float = 2.0) -> None:
+                 replay_endpoint: str | None = None, replay_timeout_s: float = 2.0,
+                 max_blocks: int = 1 << 22) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
+        self.max_blocks = max_blocks
         self.layout = layout
         self.replica = replica
         self.stats = BridgeStats()
@@ -135,57 +150,86 @@ class VLLMEventBridge:
 
     # -- vLLM's side ----------------------------------------------------------------------
     def receive(self, seq: int, payload: bytes) -> None:
-        """One published batch (``seq``: vLLM's batch number). A gap is replayed or clears
-        the instance's hits; a seq that goes back (a restarted instance) clears them."""
+        """One published batch (``seq``: vLLM's batch number). Not thread-safe: the
+        subscriber thread calls it (call it yourself only while the bridge is stopped). A gap
+        is replayed, else the instance's hits are dropped and what the replay kept of the gap
+        is applied from there; a seq that goes back (a restarted instance) drops them too."""
         if self._last is not None and seq <= self._last:
             self._clear(f"its event seq went back from {self._last} to {seq}: restarted")
             self._last = None
-        if self._last is None:
-            if seq > 0:   # started after the instance: take what its buffer still holds
-                self._replay(0, seq)
-        elif seq > self._last + 1:
-            self.stats.gaps += 1
-            if not self._replay(self._last + 1, seq):
-                self._clear(f"batches {self._last + 1}..{seq - 1} lost and not replayed")
+        start = 0 if self._last is None else self._last + 1
+        if seq > start:
+            if self._last is not None:
+                self.stats.gaps += 1
+            got = self._replay(start, seq)
+            whole = [s for s, _ in got] == list(range(start, seq))
+            if not whole:
+                if self._last is not None:
+                    self._clear(f"batches {start}..{seq - 1} lost and not replayed")
+                got = _contiguous_tail(got, seq)   # safe on an empty state: nothing removed is missed
+            for _, body in got:
+                self._apply(body)
+            self.stats.replayed += len(got)
         self._apply(payload)
         self._last = seq
 
     def _apply(self, payload: bytes) -> None:
+        """Apply one batch. A batch that cannot be read or applied whole (it may have held a
+        removal) drops the instance's hits: never a stale one."""
         import msgspec
         try:
             batch = msgspec.msgpack.decode(payload)
-            events = batch[1]
+            events = batch[1] if isinstance(batch, list) and len(batch) >= 2 else None
             if not isinstance(events, list):
-                raise ValueError("events is not a list")
-        except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
+                raise ValueError("not a batch [ts, events, ...]")
+            for event in events:
+                kind = event.get("type") if isinstance(event, dict) else None
+                if kind == "BlockStored":
+                    self._stored(event)
+                elif kind == "BlockRemoved":
+                    self._removed(event)
+                elif kind == "AllBlocksCleared":
+                    self._clear("AllBlocksCleared")
+                else:                       # a kind this bridge does not know: not a removal
+                    self.stats.bad += 1
+        except Exception as exc:   # noqa: BLE001 - anything a publisher sends: hits dropped, bridge goes on
             self.stats.bad += 1
-            log.warning("vLLM KV events of %s: an unreadable batch (%s); its hits may be stale until "
-                        "the next gap or restart", self.engine_id, exc)
+            log.warning("vLLM KV events of %s: a batch that cannot be applied (%s: %.200s)",
+                        self.engine_id, type(exc).__name__, exc)
+            self._clear("a batch that cannot be applied")
             return
-        for event in events:
-            kind = event.get("type") if isinstance(event, dict) else None
-            if kind == "BlockStored":
-                self._stored(event)
-            elif kind == "BlockRemoved":
-                self._removed(event)
-            elif kind == "AllBlocksCleared":
-                self._clear("AllBlocksCleared")
-            else:
-                self.stats.bad += 1
         self.stats.batches += 1
+        if len(self._blocks) > self.max_blocks:
+            self._clear(f"more than {self.max_blocks} blocks held: not a vLLM instance's cache")
 
     def _stored(self, ev: dict) -> None:
-        hashes = ev.get("block_hashes") or []
-        tokens = ev.get("token_ids") or []
-        bs = self.layout.block_size
-        tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
-        extras = ev.get("extra_keys") or [None] * len(hashes)
-        parent = ev.get("parent_block_hash")
+        hashes = _hash_list(ev.get("block_hashes"))
         if not hashes:
             return
-        if (tier is None or ev.get("lora_name") or ev.get("lora_id") or ev.get("group_idx") not in (None, 0)
-                or ev.get("block_size") != bs or len(tokens) != len(hashes) * bs or len(extras) != len(hashes)):
+        tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
+        if (tier is None or ev.get("lora_name") or ev.get("lora_id") is not None
+                or ev.get("group_idx") not in (None, 0)):
             self.stats.skipped += len(hashes)
+            return
+        if tier != "hbm":
+            # vLLM's offloading (CPU) events carry no extras, so no salt: they never key a
+            # block, they only add a tier to one the GPU events keyed.
+            for h in hashes:
+                entry = self._blocks.get(h)
+                if entry is None:
+                    self.stats.skipped += 1
+                elif tier not in entry[2]:
+                    entry[2].add(tier)
+                    self._emit(EventKind.BLOCK_STORED, entry[0], tier)
+                    self.stats.stored += 1
+            return
+        tokens = ev.get("token_ids")
+        bs = self.layout.block_size
+        extras = ev.get("extra_keys") or [None] * len(hashes)
+        parent = ev.get("parent_block_hash")
+        if (ev.get("block_size") != bs or not isinstance(tokens, list) or len(tokens) != len(hashes) * bs
+                or not isinstance(extras, list) or len(extras) != len(hashes)):
+            self.stats.skipped += len(hashes)   # another block size, a masked or partial block
             return
         salt: str | None
         prev: bytes | None
@@ -212,7 +256,6 @@ class VLLMEventBridge:
             self.stats.skipped += len(hashes)
             return
         for h, key in zip(hashes, keys):
-            h = _hashable(h)
             entry = self._blocks.get(h)
             if entry is not None and entry[0] != key:   # the hash now names other tokens
                 for old in entry[2]:
@@ -229,26 +272,28 @@ class VLLMEventBridge:
 
     def _removed(self, ev: dict) -> None:
         tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
-        if tier is None:
+        if tier is None or ev.get("group_idx") not in (None, 0):
             return
-        for h in ev.get("block_hashes") or []:
-            entry = self._blocks.get(_hashable(h))
+        for h in _hash_list(ev.get("block_hashes")):
+            entry = self._blocks.get(h)
             if entry is None or tier not in entry[2]:
                 continue
             entry[2].discard(tier)
             if not entry[2]:
-                del self._blocks[_hashable(h)]
+                del self._blocks[h]
             self._emit(EventKind.BLOCK_REMOVED, entry[0], tier)
             self.stats.removed += 1
 
-    def _replay(self, start: int, upto: int) -> bool:
-        """Apply batches ``start .. upto - 1`` from the replay socket. True when every one
-        came back (in order); False (nothing applied) otherwise."""
+    def _replay(self, start: int, upto: int) -> list[tuple[int, bytes]]:
+        """Batches ``start .. upto - 1`` as the replay socket returns them, in its order
+        (possibly fewer: vLLM's buffer keeps the last 10,000, and its socket drops replies
+        beyond its high-water mark); none without a replay endpoint or on a timeout."""
         if self.replay_endpoint is None:
-            return False
+            return []
         import zmq
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         got: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
@@ -258,66 +303,101 @@ class VLLMEventBridge:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not sock.poll(left_ms):
                     log.warning("vLLM KV events of %s: replay from %d timed out", self.engine_id, start)
-                    return False
+                    return []
                 frames = sock.recv_multipart()
-                if len(frames) != 4:
-                    return False
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    return []
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
-                    break
-                if start <= seq < upto:
+                    return got
+                if start <= seq < upto and (not got or seq > got[-1][0]):
                     got.append((seq, frames[3]))
         finally:
             sock.close()
-        if [s for s, _ in got] != list(range(start, upto)):
-            return False
-        for _, payload in got:
-            self._apply(payload)
-        self.stats.replayed += len(got)
-        return True
 
     # -- the subscriber thread ------------------------------------------------------------
     def start(self) -> VLLMEventBridge:
-        """Subscribe to the endpoint in a background thread until :meth:`stop`."""
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name=f"vllm-kv-events-{self.engine_id}", daemon=True)
-            self._thread.start()
+        """Subscribe to the endpoint in a background thread until :meth:`stop`. Raises
+        RuntimeError while a previous thread has not stopped."""
+        if self._thread is not None and self._thread.is_alive():
+            if not self._stop.is_set():
+                return self
+            raise RuntimeError(f"the KV-event bridge of {self.engine_id} is still stopping")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"vllm-kv-events-{self.engine_id}", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
     def _run(self) -> None:
         import zmq
+        import zmq.utils.monitor
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # a publisher that went away
         sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         log.info("vLLM KV events of %s: subscribed to %s (replay: %s)", self.engine_id, self.endpoint,
                  self.replay_endpoint or "none")
+        if self.endpoint.startswith("tcp://"):
+            log.warning("vLLM KV events of %s come over TCP (%s): they carry prompt tokens in clear, to anyone "
+                        "who can reach the port; an ipc:// socket in a 0700 directory keeps them on this host",
+                        self.engine_id, self.endpoint)
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    zmq.utils.monitor.recv_monitor_message(monitor)
+                    # what a restarted instance publishes before we reconnect is lost, and its
+                    # numbers may run past ours: nothing the old one held can be trusted
+                    self._clear("the publisher disconnected (the instance stopped or restarted)")
+                    self._last = None
+                if sock not in ready:
                     continue
                 frames = sock.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.bad += 1
                     continue
-                try:
-                    self.receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
-                except Exception:   # noqa: BLE001 - one bad batch must not end the subscription
-                    self.stats.bad += 1
-                    log.exception("vLLM KV events of %s: applying a batch failed", self.engine_id)
+                self.receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
 
 def _hashable(h: Any) -> Any:
     return bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h
+
+
+def _hash_list(hashes: Any) -> list[int | bytes]:
+    """vLLM's block hashes (ints or bytes). Raises ValueError for anything else."""
+    if hashes is None:
+        return []
+    if not isinstance(hashes, list) or not all(type(h) in (int, bytes) for h in hashes):
+        raise ValueError("block_hashes must be a list of ints or bytes")
+    return hashes
+
+
+def _contiguous_tail(got: list[tuple[int, bytes]], upto: int) -> list[tuple[int, bytes]]:
+    """The batches of ``got`` (ascending seqs) that run without a hole up to ``upto - 1``."""
+    tail: list[tuple[int, bytes]] = []
+    expect = upto - 1
+    for seq, body in reversed(got):
+        if seq != expect:
+            break
+        tail.append((seq, body))
+        expect -= 1
+    return tail[::-1]
 
 
 def _salt(extra: Any) -> tuple[bool, str | None]:

@@ -42,9 +42,10 @@ def wait_until(check, timeout_s: float = 10.0, poke=None) -> None:
 def wire(tmp_path):
     """(publish(events), bridge, replica, layout, publisher) over ipc sockets in a private
     directory: a vLLM publisher whose replay buffer holds 20 batches, and a started bridge."""
+    import tempfile
+
     from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
-    short = os.path.join("/tmp", f"kvev-{os.getpid()}-{tmp_path.name[-8:]}")
-    os.makedirs(short, mode=0o700, exist_ok=True)
+    short = tempfile.mkdtemp(prefix="kvev-", dir="/tmp")      # ours alone (0700), short enough for ipc
     pub_ep, replay_ep = ipc_endpoints(short, "p")
     publisher = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep, buffer_steps=20)
     layout = PagedLayout("tiny", "r1", KVLayout(dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -110,8 +111,13 @@ def test_vllm_events_become_the_connectors_keys_per_tenant_and_removals_and_clea
     assert bridge.stats.clears == 1 and bridge.stats.bad == 0
 
 
+def sent(publisher) -> None:
+    """Until vLLM's publisher thread has sent (and buffered) every batch handed to it."""
+    wait_until(lambda: publisher._event_queue.unfinished_tasks == 0)
+
+
 def test_a_lost_batch_is_replayed_and_one_the_replay_lost_drops_the_instances_hits(wire) -> None:
-    publish, bridge, replica, layout, _ = wire
+    publish, bridge, replica, layout, publisher = wire
     prompt = list(range(7, 19))
     keep = [b"k1" * 16, b"k2" * 16, b"k3" * 16]
     publish(stored(keep, prompt, extra=[("t",), None, None]))
@@ -120,6 +126,7 @@ def test_a_lost_batch_is_replayed_and_one_the_replay_lost_drops_the_instances_hi
     bridge.stop()                         # two batches are published while nobody listens
     publish(removed([keep[2]]))
     publish()
+    sent(publisher)
     bridge.start()
     wait_until(lambda: bridge.stats.replayed >= 2, poke=publish)
     assert held(replica, layout, prompt, "t") == ("hbm", "hbm")    # the lost removal was replayed
@@ -129,6 +136,7 @@ def test_a_lost_batch_is_replayed_and_one_the_replay_lost_drops_the_instances_hi
     publish(removed([keep[1]]))
     for _ in range(24):
         publish()
+    sent(publisher)
     bridge.start()
     wait_until(lambda: bridge.stats.clears == 1, poke=publish)
     assert held(replica, layout, prompt, "t") == ()      # no stale hit: every one dropped
@@ -136,20 +144,91 @@ def test_a_lost_batch_is_replayed_and_one_the_replay_lost_drops_the_instances_hi
     wait_until(lambda: held(replica, layout, prompt, "t") == ("hbm",))
 
 
-def test_the_bridge_survives_garbage_and_a_restarted_publisher(wire) -> None:
+def test_a_restarted_instance_leaves_no_hit_of_the_old_one(tmp_path, wire) -> None:
+    """The new instance's first batches are lost before the subscriber reconnects and its
+    numbers can run past the old one's: the disconnect itself drops the old hits."""
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    publish, bridge, replica, layout, publisher = wire
+    prompt = list(range(30, 38))
+    for _ in range(8):
+        publish()
+    publish(stored([b"r1" * 16, b"r2" * 16], prompt, extra=[("t",), None]))
+    wait_until(lambda: held(replica, layout, prompt, "t") == ("hbm", "hbm"))
+    publisher.shutdown()
+    publisher._pub.close(linger=0)   # what a stopped process does to its socket
+    publisher._replay.close(linger=0)
+    wait_until(lambda: bridge.stats.clears == 1)
+    assert held(replica, layout, prompt, "t") == ()
+    again = ZmqEventPublisher(0, endpoint=bridge.endpoint, replay_endpoint=bridge.replay_endpoint, buffer_steps=20)
+    try:
+        for _ in range(20):
+            again.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: bridge.stats.batches > 0 and bridge.last_seq is not None and bridge.last_seq >= 19,
+                   poke=lambda: again.publish(KVEventBatch(ts=time.time(), events=[])))
+        assert held(replica, layout, prompt, "t") == ()
+    finally:
+        again.shutdown()
+
+
+def test_only_what_the_connector_keys_alike_is_kept(wire) -> None:
+    """Exactly the blocks the connector would key the same: extras after the first block
+    (multimodal) end the run, another KV group, a token list that does not match its
+    hashes (masked blocks), and a hash vLLM reuses for other tokens drops its old key;
+    vLLM's offloading (CPU) events carry no salt, so they only add a tier to a known block."""
+    publish, bridge, replica, layout, _ = wire
+    a = list(range(200, 212))
+    publish(stored([b"a1" * 16, b"a2" * 16, b"a3" * 16], a, extra=[("t",), None, ("mm", 0)]))
+    wait_until(lambda: bridge.stats.skipped >= 1)
+    assert held(replica, layout, a, "t") == ("hbm", "hbm")     # the third block had an image in it
+    b = list(range(300, 308))
+    publish(stored([b"b1" * 16, b"b2" * 16], b, extra=[("t",), None], group_idx=1),     # a sliding-window group
+            stored([b"c1" * 16, b"c2" * 16], b[:4], extra=[("t",), None]))             # 2 hashes, 1 block of tokens
+    wait_until(lambda: bridge.stats.skipped >= 5)
+    assert held(replica, layout, b, "t") == ()
+    publish(stored([b"a1" * 16], list(range(900, 904)), extra=[("t",)]))   # hash a1 now names other tokens
+    wait_until(lambda: held(replica, layout, a, "t") == ())
+    assert held(replica, layout, list(range(900, 904)), "t") == ("hbm",)
+    publish(stored([b"a1" * 16], list(range(900, 904)), medium="CPU"),     # no extras: never keyed as "default"
+            stored([b"zz" * 16], list(range(700, 704)), medium="CPU"))
+    wait_until(lambda: bridge.stats.stored >= 4)
+    publish(removed([b"a1" * 16]))
+    wait_until(lambda: held(replica, layout, list(range(900, 904)), "t") == ("dram",))
+    assert held(replica, layout, list(range(900, 904)), None) == ()
+    assert held(replica, layout, list(range(700, 704)), None) == ()
+    publish(removed([b"a1" * 16], medium="CPU"))
+    wait_until(lambda: held(replica, layout, list(range(900, 904)), "t") == ())
+
+
+def test_a_batch_that_cannot_be_applied_drops_the_hits_and_the_bridge_goes_on(wire) -> None:
     publish, bridge, replica, layout, _ = wire
     prompt = list(range(4))
-    publish(stored([b"g1" * 16], prompt, extra=[("t",)]))
-    wait_until(lambda: held(replica, layout, prompt, "t") == ("hbm",))
+
+    def hit() -> None:   # (empty batches after it: one sent before a restarted bridge joined is replayed)
+        publish(stored([b"g1" * 16], prompt, extra=[("t",)]))
+        wait_until(lambda: held(replica, layout, prompt, "t") == ("hbm",), poke=publish)
+
+    hit()
     bridge.stop()                         # fed by hand from here
-    bad, seq = bridge.stats.bad, bridge.last_seq
+    deep = b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\x90"
+    for garbage in (b"\xc1 not msgpack", b"\x93\x00\x01\xc0", b"\x81\x00\x00", deep):
+        seq = bridge.last_seq
+        assert seq is not None
+        clears = bridge.stats.clears
+        bridge.receive(seq + 1, garbage)
+        assert bridge.last_seq == seq + 1 and bridge.stats.clears == clears + 1   # never wedged
+        assert held(replica, layout, prompt, "t") == ()
+        bridge.start()
+        hit()
+        bridge.stop()
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+    odd = KVEventBatch(ts=0.0, events=[stored([[1, 2]], prompt, extra=[("t",)])])   # a hash that is a list
+    seq = bridge.last_seq
     assert seq is not None
-    bridge.receive(seq + 1, b"\xc1 not msgpack")        # an unreadable batch: counted, nothing applied
-    bridge.receive(seq + 2, b"\x93\x00\x01\xc0")      # events that are not a list
-    assert bridge.stats.bad == bad + 2
-    assert held(replica, layout, prompt, "t") == ("hbm",)
+    bridge.receive(seq + 1, msgspec.msgpack.encode(odd))
+    assert held(replica, layout, prompt, "t") == () and bridge.stats.bad >= 5
     bridge.receive(0, b"\x92\xcb" + b"\x00" * 8 + b"\x90")   # seq back to 0: the instance restarted
-    assert held(replica, layout, prompt, "t") == () and bridge.stats.clears == 1
+    assert bridge.last_seq == 0
 
 
 def test_endpoints_and_paths_are_checked() -> None:
@@ -172,8 +251,8 @@ def test_a_vllm_server_with_prefix_caching_shows_its_own_blocks_to_the_router(tm
     from scheduler.vllm_router import connect_vllm
     _, address = same_host_store
     model_dir = write_checkpoint(str(tmp_path / "tiny-llama"), "tiny", max_model_len=2048)
-    events_dir = os.path.join("/tmp", f"kvev-{os.getpid()}-srv")
-    os.makedirs(events_dir, mode=0o700, exist_ok=True)
+    import tempfile
+    events_dir = tempfile.mkdtemp(prefix="kvev-", dir="/tmp")
     endpoints = ipc_endpoints(events_dir, "c0")
     spec = VLLMServerSpec(model_dir, free_port(), "kv_both", address, kv_cache_bytes=32 << 20, max_model_len=2048,
                           prefix_caching=True, kv_events=endpoints)
