@@ -154,32 +154,43 @@ def test_twenty_trace_requests_disaggregated_load_every_block_and_match_colocate
 
 def test_admission_rejects_before_any_prefill_reaches_vllm(model_dir, store, servers) -> None:
     prompt = trace_prompts(1)[0][0]
+    done = "vllm:request_success_total"        # requests vLLM finished, per instance
 
     async def run() -> tuple[dict, dict, float, float]:
         async with frontdoor(model_dir, store, servers, "decode0", max_inflight=1) as door:
             async with aiohttp.ClientSession() as s:
-                counted = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
+                router = door.frontdoor.router
+                (backlog,) = [p.backlog for p in router.prefill.values()]
+                served = await asyncio.to_thread(vllm_counter, servers["prefill"], done)
                 long = asyncio.ensure_future(stream(s, door.url, {"prompt": prompt, "max_tokens": 400,
                                                                   "ignore_eos": True}))
-                while not door.frontdoor.router.inflight:
-                    await asyncio.sleep(0.01)
-                # The long request's prefill is done (vLLM counted its prompt; earlier tests' prompts
-                # are in the counter already) and its 400 tokens are decoding: a fixed sleep raced
-                # the prefill on a loaded machine or the decode on a fast one.
-                before = counted
-                for _ in range(600):
-                    before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
-                    if before > counted or long.done():
+                while not router.inflight:
+                    await asyncio.sleep(0.005)
+                # The long request's prefill call has returned (the router's books: its backlog
+                # is empty, the request still in flight) and its 400 tokens are decoding, so the
+                # front door is full. (Polling vLLM's prompt counter instead raced the request:
+                # the counter could move only once it was over, and the second got a 200.)
+                while len(backlog) and not long.done():
+                    await asyncio.sleep(0.005)
+                assert router.inflight == 1 and not long.done()
+                rejected = await stream(s, door.url, {"prompt": prompt[:-3] + [7, 8, 9], "max_tokens": 4})
+                first = await long
+                # Every request vLLM's prefill instance finished is counted: the long one's
+                # prefill, and the rejected one's were it sent there.
+                after = served
+                for _ in range(200):
+                    after = await asyncio.to_thread(vllm_counter, servers["prefill"], done)
+                    if after > served:
                         break
                     await asyncio.sleep(0.05)
-                rejected = await stream(s, door.url, {"prompt": prompt[:-3] + [7, 8, 9], "max_tokens": 4})
-                after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
-                return await long, rejected, before, after
+                await asyncio.sleep(0.5)
+                after = await asyncio.to_thread(vllm_counter, servers["prefill"], done)
+                return first, rejected, served, after
 
-    first, rejected, before, after = asyncio.run(run())
+    first, rejected, served, after = asyncio.run(run())
     assert first["status"] == 200 and len(first["tokens"]) == 400
     assert rejected["status"] == 429 and rejected["error"]["code"] == "max_inflight"
-    assert after == before > 0
+    assert after == served + 1
 
 
 def test_a_bad_sampling_value_is_refused_before_any_prompt_token_is_computed(model_dir, store, servers) -> None:
