@@ -218,10 +218,8 @@ class VLLMEventBridge:
                 entry = self._blocks.get(h)
                 if entry is None:
                     self.stats.skipped += 1
-                elif tier not in entry[2]:
-                    entry[2].add(tier)
-                    self._emit(EventKind.BLOCK_STORED, entry[0], tier)
-                    self.stats.stored += 1
+                else:
+                    self._hold(entry, tier)
             return
         tokens = ev.get("token_ids")
         bs = self.layout.block_size
@@ -240,7 +238,7 @@ class VLLMEventBridge:
                 self.stats.skipped += len(hashes)
                 return
         else:
-            known = self._blocks.get(_hashable(parent))
+            known = self._blocks.get(parent)   # an unhashable parent raises: the batch is dropped
             if known is None:           # its parent was stored before we listened, or forgotten
                 self.stats.skipped += len(hashes)
                 return
@@ -264,11 +262,15 @@ class VLLMEventBridge:
             if entry is None:
                 entry = (key, salt, set())
                 self._blocks[h] = entry
-            if tier not in entry[2]:
-                entry[2].add(tier)
-                self._emit(EventKind.BLOCK_STORED, key, tier)
-                self.stats.stored += 1
+            self._hold(entry, tier)
         self.stats.skipped += len(hashes) - n
+
+    def _hold(self, entry: tuple[bytes, str | None, set[str]], tier: str) -> None:
+        """The instance holds ``entry``'s block in ``tier`` (news to the replica once)."""
+        if tier not in entry[2]:
+            entry[2].add(tier)
+            self._emit(EventKind.BLOCK_STORED, entry[0], tier)
+            self.stats.stored += 1
 
     def _removed(self, ev: dict) -> None:
         tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
@@ -373,10 +375,6 @@ class VLLMEventBridge:
             sock.disable_monitor()
             monitor.close()
             sock.close()
-
-
-def _hashable(h: Any) -> Any:
-    return bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h
 
 
 def _hash_list(hashes: Any) -> list[int | bytes]:
