@@ -61,8 +61,9 @@ class Child:
     """One supervised process: how to start it again, and its crashes so far."""
 
     name: str
-    argv: tuple[str, ...] | None      # None: not restartable (e.g. the private Redis)
+    argv: tuple[str, ...] | None      # None: not a `kvstore` command (see respawn)
     proc: subprocess.Popen
+    respawn: Callable[[], subprocess.Popen] | None = None   # starts it again when argv is None
     crashes: list[float] = field(default_factory=list)   # monotonic instants of recent crashes
     restart_at: float | None = None
 
@@ -88,9 +89,12 @@ class Stack:
         self.children[name] = Child(name, tuple(argv), self._spawn(name, argv, "wb"))
         self.procs.append((name, self.children[name].proc))
 
-    def adopt(self, name: str, proc: subprocess.Popen) -> None:
-        """A process started elsewhere; stopped with the stack, never restarted."""
-        self.children[name] = Child(name, None, proc)
+    def adopt(self, name: str, proc: subprocess.Popen,
+              respawn: Callable[[], subprocess.Popen] | None = None) -> None:
+        """A process started elsewhere; stopped with the stack, and restarted as the others
+        are by calling ``respawn`` (which returns the new process; None: never restarted,
+        its exit stops the stack)."""
+        self.children[name] = Child(name, None, proc, respawn=respawn)
         self.procs.append((name, proc))
 
     def _spawn(self, name: str, argv: tuple[str, ...], mode: str) -> subprocess.Popen:
@@ -117,7 +121,8 @@ class Stack:
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restart_at = None
-                    child.proc = self._spawn(child.name, child.argv or (), "ab")
+                    child.proc = child.respawn() if child.respawn is not None else \
+                        self._spawn(child.name, child.argv or (), "ab")
                     self.procs = [(n, child.proc if n == child.name else p) for n, p in self.procs]
                     self.restarts += 1
                     print(f"kvstore up: {child.name} restarted (pid {child.proc.pid})", flush=True)
@@ -128,8 +133,9 @@ class Stack:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             self.sweep([child.proc.pid], sockets=False)
             child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
-            if child.argv is None or len(child.crashes) > self.max_restarts:
-                why = "it cannot be restarted" if child.argv is None else \
+            restartable = child.argv is not None or child.respawn is not None
+            if not restartable or len(child.crashes) > self.max_restarts:
+                why = "it cannot be restarted" if not restartable else \
                     f"{self.max_restarts} restarts within {RESTART_WINDOW_S:.0f} s already"
                 raise RuntimeError(f"{child.name} exited ({how}); {why}; its log ends:\n"
                                    f"{self.log_tail(child.name)}")

@@ -1,7 +1,8 @@
 """``kvstore up --engine vllm``: the stack with vLLM instances instead of the built-in engines —
 a store node, ``vllm serve`` processes with the kvstore connector and the front door over
 them (``kvstore scheduler --vllm-prefill ... --vllm-decode ...``), then a replay or serving
-until Ctrl-C.
+until Ctrl-C. Every process is supervised (:class:`launcher.supervisor.Stack`): one that
+crashes is restarted with back-off, a vLLM instance on its own port with its own spec.
 
 Topologies (``--topology``): ``disaggregated`` — ``--prefill-instances`` kv_producer and
 ``--decode-instances`` kv_consumer instances; ``colocated`` — as many instances in all, each
@@ -97,8 +98,11 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         print(f"store node     {store}  (DRAM {args.dram}, SSD {args.ssd}; metrics "
               f"http://{host}:{metrics_port}/metrics)", flush=True)
         servers = start_servers(specs, stack.log_dir, names, timeout_s=600)
-        for name, spec in zip(names, specs):
-            print(f"vLLM {spec.role:<11} {name} {spec.url}", flush=True)
+        for name, server in zip(names, servers):
+            # supervised as the other children: a crashed instance is restarted on its port
+            # (the front door routes around it meanwhile and takes it back once it answers)
+            stack.adopt(name, server.proc, respawn=server.restart)
+            print(f"vLLM {server.spec.role:<11} {name} {server.url} (pid {server.proc.pid})", flush=True)
         urls = {kind: [s.url for (k, _), s in zip(roles, specs) if k == kind]
                 for kind in ("prefill", "decode", "colocated")}
         flags = (["--vllm-colocated", *urls["colocated"]] if args.topology == "colocated"

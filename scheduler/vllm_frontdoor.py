@@ -15,8 +15,10 @@ the decode instance loaded); a stream carries it only when the client asked
 (``model``, chat content parts, ids, fields never applied) are checked here the same way.
 ``/health`` is 503 with the reasons when an instance or the store is down.
 
-Errors: as :mod:`scheduler.frontdoor` (400, 429, 503 when an instance fails — it is
-then routed around until its ``/health`` answers again); a 4xx from vLLM is relayed as 400.
+Errors: as :mod:`scheduler.frontdoor` (400, 429; an instance that fails — gone, or a 5xx —
+is routed around until it answers again, and a request it failed before anything was sent
+moves to another instance of its role; 503 when there is none, or when a decode fails
+mid-stream: an error event ends the stream); a 4xx from vLLM is relayed as 400.
 The prefill request carries the sampling fields vLLM checks per value
 (:data:`scheduler.vllm_instances.PREFILL_SAMPLING`), so a bad one is refused there,
 before any prompt token is computed.
@@ -106,15 +108,31 @@ class VLLMFrontdoor(Frontdoor):
         self.router.mark_down(engine_id, str(exc))
         return APIError(503, f"{stage} failed: {exc}", "service_unavailable", "engine_unavailable")
 
-    async def _prefill(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan) -> None:
-        result = None
-        try:
-            result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt, plan.namespace,
-                                                                    sampling=body)
-        except KVStoreError as exc:
-            raise self._failed(plan.prefill_id, "prefill", exc) from None
-        finally:
+    async def _prefill(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan) -> RoutePlan:
+        """The one-token prefill on the plan's prefill instance; one that fails (gone, or a
+        5xx) is marked down and the prefill moves to another (:meth:`Frontdoor._failover`).
+        Returns the plan as it ended; raises APIError 400 (vLLM refused the request) or 503
+        (no other prefill instance is up)."""
+        tried: set[str] = set()
+        while True:
+            try:
+                result = await self.router.prefill_client(plan).prefill(plan.request_id, req.prompt,
+                                                                        plan.namespace, sampling=body)
+            except InvalidArgument as exc:
+                self.router.prefill_finished(plan, None)
+                raise APIError(400, str(exc), code="invalid_value") from None
+            except KVStoreError as exc:
+                try:
+                    plan = self._failover(plan, "prefill", tried, exc, 0)   # moves its queue entry
+                except APIError:
+                    self.router.prefill_finished(plan, None)
+                    raise
+                continue
+            except BaseException:
+                self.router.prefill_finished(plan, None)
+                raise
             self.router.prefill_finished(plan, result)
+            return plan
 
     def _decode_body(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan, chat: bool) -> dict[str, Any]:
         out = {k: body[k] for k in PASSTHROUGH if k in body}
@@ -131,21 +149,34 @@ class VLLMFrontdoor(Frontdoor):
 
     async def _relay(self, request: web.Request, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan,
                      t0: float, chat: bool) -> tuple[web.StreamResponse, str]:
+        """Prefill (disaggregated), then the request on the decode instance, relayed. An
+        instance that fails before anything reached the client is marked down (when gone or
+        5xx) and the request moves to another of its role (colocated: another instance), as
+        the built-in front door does; a decode that fails mid-stream ends the stream with an
+        error event (vLLM cannot resume it from a token)."""
         if not self.router.colocated:
-            await self._prefill(body, req, plan)
+            plan = await self._prefill(body, req, plan)
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        out = self._decode_body(body, req, plan, chat)
-        client = self.router.decode_client(plan)
-        if not req.stream:
+        tried: set[str] = set()
+        while True:
+            out = self._decode_body(body, req, plan, chat)
+            client = self.router.decode_client(plan)
             try:
-                answer = await client.complete(path, out)
-            except KVStoreError as exc:
-                raise self._failed(plan.decode_id, "decode", exc) from None
+                if req.stream:
+                    return await self._stream_relay(request, client.stream(path, out), plan, t0, req.include_usage)
+                try:
+                    answer = await client.complete(path, out)
+                except KVStoreError as exc:
+                    raise _NothingSent(exc) from None
+            except _NothingSent as failed:
+                if isinstance(failed.cause, InvalidArgument):
+                    raise APIError(400, str(failed.cause), code="invalid_value") from None
+                plan = self._failover(plan, "decode", tried, failed.cause, 0)
+                continue
             answer["id"] = plan.request_id
             self._account(plan, answer.get("usage"), time.perf_counter() - t0)
             self.metrics.generated_tokens.inc(int((answer.get("usage") or {}).get("completion_tokens") or 0))
             return web.json_response(answer, headers=_route(plan)), "ok"
-        return await self._stream_relay(request, client.stream(path, out), plan, t0, req.include_usage)
 
     def _account(self, plan: RoutePlan, usage: dict[str, Any] | None, ttft_s: float) -> None:
         cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -157,7 +188,8 @@ class VLLMFrontdoor(Frontdoor):
     async def _stream_relay(self, request: web.Request, events, plan: RoutePlan,
                             t0: float, include_usage: bool) -> tuple[web.StreamResponse, str]:
         """vLLM's server-sent events as they come, with our request id; headers go out with
-        the first event, so a decode that fails before it is still a 503. vLLM is always
+        the first event, so a decode that fails before it raises :class:`_NothingSent` (the
+        caller moves the request elsewhere or answers 503). vLLM is always
         asked for usage (it feeds the books); it reaches the client only when asked."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_route(plan)})
@@ -190,9 +222,9 @@ class VLLMFrontdoor(Frontdoor):
                                 continue      # the usage chunk itself
                     await send(event)
         except KVStoreError as exc:
-            err = self._failed(plan.decode_id, "decode", exc)
             if not resp.prepared:
-                raise err from None
+                raise _NothingSent(exc) from None
+            err = self._failed(plan.decode_id, "decode", exc)
             with contextlib.suppress(ConnectionResetError):
                 await send(err.body())
                 await send("[DONE]")
@@ -216,6 +248,14 @@ class VLLMFrontdoor(Frontdoor):
         self.metrics.count_cached(cached)
         if self.router.colocated:
             self.router.colocated_prefilled(plan, cached, ttft_s)
+
+
+class _NothingSent(Exception):
+    """An instance failed before any byte of the response reached the client (``cause``)."""
+
+    def __init__(self, cause: KVStoreError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _has_text(choice: dict[str, Any]) -> bool:

@@ -130,6 +130,20 @@ class VLLMRouter(Router[VLLMClient]):
         self.prefill_finished(plan, PrefillResult(plan.request_id, 0, plan.keys, cached_tokens,
                                                   plan.prompt_tokens - cached_tokens, b"", 0, ttft_s, 0, 0))
 
+    def reroute(self, plan: RoutePlan, role: str, tried: set[str]) -> RoutePlan | None:
+        """As :meth:`Router.reroute`; colocated, the request moves whole (its prefill queue
+        entry and its decode work) to the least loaded other instance, whatever ``role``."""
+        if not self.colocated:
+            return super().reroute(plan, role, tried)
+        moved = super().reroute(plan, "prefill", tried)
+        if moved is None:
+            return None
+        new_id = moved.prefill_id
+        work = self.decode[plan.decode_id].work.pop(plan.request_id, None)
+        if work is not None:
+            self.decode[new_id].work[plan.request_id] = work
+        return dataclasses.replace(moved, decision=dataclasses.replace(moved.decision, decode_id=new_id))
+
     def watch_kv_events(self, endpoints: dict[str, tuple[str, str | None]]) -> None:
         """Keep a replica of the instances' own prefix caches from their vLLM KV events
         (engine id → (PUB endpoint, replay endpoint or None)); the pool's hits still come

@@ -46,6 +46,35 @@ def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
     stack.stop()
 
 
+def test_an_adopted_child_with_a_respawn_is_restarted_through_it(tmp_path, capsys):
+    """A process started elsewhere (a vLLM server) is restarted by its own respawn callable,
+    with the same back-off, and the stack stops the new process."""
+    started: list[subprocess.Popen] = []
+
+    def respawn() -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    stack.adopt("vllm-prefill-0", first, respawn=respawn)
+    first.wait(30)
+    try:
+        stack.supervise(0.0)
+        assert stack.children["vllm-prefill-0"].restart_at == BACKOFF_S[0] and not started
+        stack.supervise(BACKOFF_S[0])
+        assert len(started) == 1 and stack.children["vllm-prefill-0"].proc is started[0]
+        assert started[0].poll() is None
+        stack.supervise(BACKOFF_S[0] + 1)            # alive: nothing more
+        assert len(started) == 1
+    finally:
+        stack.stop()
+    assert started[0].returncode is not None         # the restarted process was stopped too
+    out = capsys.readouterr().out
+    assert "vllm-prefill-0 exited (exit status 3); restart 1 of 5" in out
+    assert f"vllm-prefill-0 restarted (pid {started[0].pid})" in out
+
+
 def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     """--data-dir is wiped at start: an empty or new directory, or one kvstore up made, is
     (re)made 0700; a directory holding anything else is refused with the reason, untouched."""

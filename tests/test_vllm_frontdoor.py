@@ -245,6 +245,74 @@ def test_two_tenants_never_share_blocks(model_dir, store, servers) -> None:
     assert held(ns_a) == held(ns_b) == 4
 
 
+def test_requests_move_off_dead_instances_before_anything_is_sent_and_restarted_ones_serve_again(
+        model_dir, store, servers) -> None:
+    """Prefill and decode0 are killed while the router still routes to them (its watcher
+    polls once at start, then sleeps): a request routed to both moves to the colocated
+    instance (kv_both, a second prefill instance here) for its prefill and to decode1 for its
+    decode, whole and streamed; both dead instances are restarted on their ports
+    (VLLMServer.restart, as ``kvstore up --engine vllm`` does) and serve again."""
+    _, address = store
+    prompt = trace_prompts(3)[2][0]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    config = FrontdoorConfig(model_dir=model_dir, ready_timeout_s=60)
+
+    async def post(s: aiohttp.ClientSession, url: str) -> tuple[int, dict, dict]:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    def moved(door) -> dict[str, float]:
+        get = door.frontdoor.metrics.registry.get_sample_value     # what /metrics serves
+        return {role: get("kvstore_scheduler_requests_moved_total", {"role": role}) for role in ("prefill", "decode")}
+
+    async def run() -> tuple:
+        door = await start_vllm_frontdoor(model_dir, [servers["prefill"].url, servers["colocated"].url],
+                                          [servers["decode0"].url, servers["decode1"].url], address,
+                                          config=config, watch_interval_s=3600)
+        try:
+            router = door.frontdoor.router
+            async with aiohttp.ClientSession() as s:
+                before = await post(s, door.url)                   # all up: the first listed serve it
+                servers["prefill"].kill()
+                servers["decode0"].kill()
+                whole = await post(s, door.url)
+                down_whole, moved_whole = dict(router.down), moved(door)
+                router.down.clear()                                # as if not noticed yet, again
+                streamed = await stream(s, door.url, body)
+                down_streamed, moved_streamed = dict(router.down), moved(door)
+                for name in ("prefill", "decode0"):
+                    servers[name].restart()
+                for name in ("prefill", "decode0"):
+                    await asyncio.to_thread(servers[name].wait_ready, 300)
+                router.down.clear()                                # the watcher would see them up
+                after = await post(s, door.url)
+                return before, whole, down_whole, moved_whole, streamed, down_streamed, moved_streamed, after
+        finally:
+            await door.stop()
+
+    before, whole, down_whole, moved_whole, streamed, down_streamed, moved_streamed, after = asyncio.run(run())
+    status, headers, answer = before
+    assert status == 200 and (headers["X-Kvstore-Prefill"], headers["X-Kvstore-Decode"]) == (
+        "vllm-prefill-0", "vllm-decode-0")
+    tokens = answer["choices"][0]["token_ids"]
+    assert len(tokens) == 6
+    status, headers, answer = whole
+    assert status == 200, answer
+    assert (headers["X-Kvstore-Prefill"], headers["X-Kvstore-Decode"]) == ("vllm-prefill-1", "vllm-decode-1")
+    assert answer["choices"][0]["token_ids"] == tokens                  # greedy: the same tokens
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(prompt) - 1) // BS * BS
+    assert set(down_whole) == {"vllm-prefill-0", "vllm-decode-0"}       # each tried once, marked down
+    assert moved_whole == {"prefill": 1, "decode": 1}
+    assert streamed["status"] == 200 and streamed["error"] is None and streamed["tokens"] == tokens
+    assert streamed["decode"] == "vllm-decode-1"
+    assert set(down_streamed) == {"vllm-prefill-0", "vllm-decode-0"}
+    assert moved_streamed == {"prefill": 2, "decode": 2}
+    status, headers, answer = after                                     # the restarted ones serve
+    assert status == 200 and (headers["X-Kvstore-Prefill"], headers["X-Kvstore-Decode"]) == (
+        "vllm-prefill-0", "vllm-decode-0")
+    assert answer["choices"][0]["token_ids"] == tokens
+
+
 def test_a_killed_decode_instance_fails_its_requests_and_new_ones_go_to_the_other(model_dir, store, servers) -> None:
     """Runs last: it kills decode1. Two long requests spread over the two decode instances;
     decode1 is killed from the client's own stream, once 20 of its tokens have arrived (a

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from engines.vllm.checkpoint import write_checkpoint
 from launcher.supervisor import free_port
+from scheduler.admission import Rejection
 from scheduler.health import HealthChecker
 from scheduler.router import DecodeInstance, PrefillInstance
 from scheduler.vllm_instances import VLLMClient, VLLMModel
@@ -62,3 +63,35 @@ async def _down_and_back(model: VLLMModel) -> None:
 def test_a_vllm_instance_that_does_not_answer_is_reported_down_and_comes_back(tmp_path: Path) -> None:
     model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
     asyncio.run(_down_and_back(model))
+
+
+async def _colocated_reroute(model: VLLMModel) -> None:
+    ports = [free_port(), free_port()]
+    runners = [await _serve(port) for port in ports]
+    clients = [VLLMClient(f"http://127.0.0.1:{port}", "colocated", model, f"vllm-{i}") for i, port in enumerate(ports)]
+    infos = [await c.info() for c in clients]
+    router = VLLMRouter([PrefillInstance(c, i) for c, i in zip(clients, infos)],
+                        [DecodeInstance(c, i) for c, i in zip(clients, infos)], None, model, "colocated")
+    try:
+        plan = await router.plan("r1", list(range(100)), "alice", max_tokens=8)
+        assert not isinstance(plan, Rejection)
+        assert plan.prefill_id == plan.decode_id == "vllm-0"
+        router.begin(plan)
+        moved = router.reroute(plan, "decode", {"vllm-0"})        # the instance failed, nothing sent
+        assert moved is not None and moved.prefill_id == moved.decode_id == "vllm-1"
+        assert "r1" not in router.prefill["vllm-0"].backlog and "r1" in router.prefill["vllm-1"].backlog
+        assert "r1" not in router.decode["vllm-0"].work and "r1" in router.decode["vllm-1"].work
+        assert router.reroute(moved, "decode", {"vllm-0", "vllm-1"}) is None   # nowhere else to go
+        router.finished(moved)
+        assert not router.prefill["vllm-1"].backlog and not router.decode["vllm-1"].work
+    finally:
+        await router.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_a_colocated_request_moves_whole_to_another_instance(tmp_path: Path) -> None:
+    """Colocated, a request whose instance failed before anything was sent moves with its
+    prefill queue entry and its decode work to the other instance (VLLMRouter.reroute)."""
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    asyncio.run(_colocated_reroute(model))

@@ -13,6 +13,7 @@ that every hit comes from the pool, and ``--enable-prompt-tokens-details`` so th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -115,7 +116,8 @@ def ipc_endpoints(directory: str | Path, name: str) -> tuple[str, str]:
 
 class VLLMServer:
     """A started vLLM server process; :meth:`wait_ready` until its ``/health`` answers,
-    :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL). The server
+    :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL), :meth:`restart`
+    (after it died: ``kvstore up --engine vllm`` restarts a crashed instance). The server
     runs in a process group of its own and both signal the whole group: the API server
     spawns an engine-core process that would outlive a killed parent (1.3 GB each)."""
 
@@ -124,10 +126,27 @@ class VLLMServer:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
-        preexec = (lambda: os.sched_setaffinity(0, spec.cpus)) if spec.cpus else None
-        self.proc = subprocess.Popen(spec.argv(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=spec.env(), cwd=str(ROOT),
-                                     preexec_fn=preexec, start_new_session=True)
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        cpus = self.spec.cpus
+        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        return subprocess.Popen(self.spec.argv(), stdout=self._log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=self.spec.env(), cwd=str(ROOT),
+                                preexec_fn=preexec, start_new_session=True)
+
+    def restart(self) -> subprocess.Popen:
+        """Start the server again from its spec (same port, same role), its log appended to:
+        what is left of the old process group is killed first (a server that crashed can
+        leave a child behind). Returns the new process (also :attr:`proc`); call
+        :meth:`wait_ready` to wait for it."""
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._log.close()
+        self._log = open(self.log_path, "ab")
+        self.proc = self._spawn()
+        return self.proc
 
     @property
     def url(self) -> str:
