@@ -14,8 +14,12 @@ unclean = anything else).
    back in routing), and the requests that failed meanwhile, each of them a clean error.
    Run on a stack of 2 prefill + 2 decode engines (requests on the dead engine move to the
    other) and on 1 + 1 (nothing to move to: clean 503s until it is back).
+3. ``vllm``: the same kill cycle on ``kvstore up --engine vllm`` with 2 prefill + 2 decode
+   vLLM instances: ``kill -9`` of ``vllm-decode-0``, then of ``vllm-prefill-0`` (requests
+   the dead one failed before anything was sent move to the other; ``kvstore up`` restarts
+   it on its port). ``--no-vllm`` skips it.
 
-Run: ``.venv/bin/python benchmarks/bench_faults.py`` (about 4 minutes; ``make bench``).
+Run: ``.venv/bin/python benchmarks/bench_faults.py`` (about 8 minutes; ``make bench``).
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def overload(stack: UpStack, seconds: float) -> dict:
             f"steady_256_clients_{seconds:.0f}s": dict(steady), "non_429_failures": five}
 
 
-def kill_cycle(stack: UpStack, victim: str, settle_s: float = 3.0) -> dict:
+def kill_cycle(stack: UpStack, victim: str, settle_s: float = 3.0, wait_s: float = 90.0) -> dict:
     log: list[tuple[float, float, str]] = []
     stop = threading.Event()
     load = threading.Thread(target=lambda: asyncio.run(clients(stack.url, 8, 600, 8, log, stop)), daemon=True)
@@ -65,7 +69,7 @@ def kill_cycle(stack: UpStack, victim: str, settle_s: float = 3.0) -> dict:
     old = stack.kill9(victim)
     killed_at = time.monotonic()
     back_in_routing = float("inf")
-    while time.monotonic() - killed_at < 90:
+    while time.monotonic() - killed_at < wait_s:
         pid = stack.children().get(victim)
         if pid not in (None, old) and health_status(stack.url) == "ok":
             back_in_routing = time.monotonic() - killed_at
@@ -85,9 +89,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0, help="steady overload phase")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM stack's kill cycle")
+    ap.add_argument("--no-builtin", dest="builtin", action="store_false",
+                    help="skip the built-in engines' stacks (overload and kill cycles)")
     args = ap.parse_args()
     results: dict = {}
-    for shape in ((2, 2), (1, 1)):
+    for shape in ((2, 2), (1, 1)) if args.builtin else ():
         name = f"{shape[0]}p{shape[1]}d"
         with tempfile.TemporaryDirectory(prefix="kvstore-faults-") as tmp:
             stack = UpStack(f"{tmp}/up", ("--prefill-instances", str(shape[0]), "--decode-instances",
@@ -102,12 +109,23 @@ def main() -> int:
                     print(f"{name} kill -9 {victim}:", json.dumps(r), flush=True)
             finally:
                 results[f"stop_s_{name}"] = round(stack.stop(), 2)
+    if args.vllm:
+        with tempfile.TemporaryDirectory(prefix="kvstore-faults-") as tmp:
+            stack = UpStack(f"{tmp}/up", ("--engine", "vllm", "--prefill-instances", "2", "--decode-instances",
+                                          "2", "--max-inflight", "64")).start(timeout_s=900)
+            try:
+                for victim in ("vllm-decode-0", "vllm-prefill-0"):
+                    r = kill_cycle(stack, victim, settle_s=10.0, wait_s=300.0)
+                    results[f"kill9_{victim}_vllm_2p2d"] = r
+                    print(f"vllm 2p2d kill -9 {victim}:", json.dumps(r), flush=True)
+            finally:
+                results["stop_s_vllm_2p2d"] = round(stack.stop(), 2)
     results["unclean_details"] = dict(UNCLEAN)
     bad = Counter()
     for key, r in results.items():
         if key.startswith("kill9_"):
             bad.update({k: v for k, v in r["failed_after_kill"].items() if k not in ("clean", "rejected")})
-    results["unclean_total"] = sum(bad.values()) + results["overload"]["non_429_failures"]
+    results["unclean_total"] = sum(bad.values()) + results.get("overload", {}).get("non_429_failures", 0)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"written to {args.json}; unclean or 5xx answers: {results['unclean_total']}")

@@ -33,7 +33,7 @@ UNCLEAN: Counter = Counter()   # what each ``unclean`` answer was, for the repor
 
 def children(pid: int) -> dict[str, int]:
     """The child processes of ``pid`` by service name (``store``, ``prefill-0``,
-    ``decode-0``, ``scheduler``, ...), read from /proc."""
+    ``decode-0``, ``scheduler``, ...; a vLLM instance as ``port:N``), read from /proc."""
     out: dict[str, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,6 +48,9 @@ def children(pid: int) -> dict[str, int]:
         except (OSError, IndexError, ValueError):
             continue
         args = [a.decode() for a in argv if a]
+        if "engines.vllm.api_server" in args:      # a vLLM instance: by its port (UpStack names it)
+            out["port:" + args[args.index("--port") + 1]] = int(entry)
+            continue
         if "launcher" not in args:
             continue
         if "--engine-id" in args:
@@ -68,6 +71,7 @@ class UpStack:
     proc: subprocess.Popen | None = None
     url: str = ""
     output: list[str] = field(default_factory=list)
+    vllm_ports: dict[str, str] = field(default_factory=dict)   # vLLM instance name -> "port:N"
 
     def start(self, timeout_s: float = 240.0) -> UpStack:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -85,6 +89,9 @@ class UpStack:
             m = re.search(r"front door\s+(http://\S+)", line)
             if m:
                 self.url = m.group(1)
+            m = re.search(r"^vLLM \S+\s+(\S+) http://\S+:(\d+)", line)
+            if m:
+                self.vllm_ports[m.group(1)] = "port:" + m.group(2)
             if "serving; Ctrl-C" in line:
                 os.set_blocking(self.proc.stdout.fileno(), False)
                 return self
@@ -102,7 +109,11 @@ class UpStack:
 
     def children(self) -> dict[str, int]:
         assert self.proc is not None
-        return children(self.proc.pid)
+        out = children(self.proc.pid)
+        for name, port in self.vllm_ports.items():
+            if port in out:
+                out[name] = out.pop(port)
+        return out
 
     def kill9(self, name: str) -> int:
         pid = self.children()[name]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -57,16 +57,20 @@ def bearer_matches(header: str | bytes | None, token: str) -> bool:
 
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses, with ``UNAUTHENTICATED``, every call whose ``authorization`` metadata is not
-    ``Bearer <token>``; the servicer is never reached."""
+    ``Bearer <token>``; the servicer is never reached. The refusal is a streaming-request
+    handler that never reads: a unary one would hold a server worker until the caller sent
+    its request message, so a few tokenless calls that never send one froze a server (8
+    on a store node, 16 on an engine)."""
 
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("an auth token must not be empty")
         self._token = token
 
-        def deny(request: object, context: grpc.ServicerContext) -> None:
+        def deny(requests: object, context: grpc.ServicerContext) -> Iterator[None]:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
-        self._deny: grpc.RpcMethodHandler[Any, None] = grpc.unary_unary_rpc_method_handler(deny)
+            yield None   # never reached: abort raises
+        self._deny: grpc.RpcMethodHandler[Any, None] = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:

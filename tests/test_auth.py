@@ -93,6 +93,39 @@ def _prefill(address: str, token: str | None) -> epb.PrefillResponse:
             timeout=30, metadata=bearer_metadata(token))
 
 
+def test_tokenless_calls_that_never_send_a_message_hold_no_worker(stack):
+    """Calls without a token that send their headers and then nothing (a stream whose
+    request iterator never yields) are refused at once: more of them than the store's 8
+    and the engine's 16 workers leave both answering their token holders."""
+    import threading
+    stop = threading.Event()
+
+    def never():
+        stop.wait()
+        yield b""
+
+    channels = [grpc.insecure_channel(address) for address in [stack.store] * 12 + [stack.addresses["decode"]] * 20]
+    try:
+        calls = []
+        for i, channel in enumerate(channels):
+            method = "/kvstore.v1.KVStore/Put" if i < 12 else "/kvstore.engine.v1.Engine/Info"
+            call_ = channel.stream_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            calls.append(call_.future(never(), timeout=60))
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                c.result(timeout=20)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(stack.store) as channel:
+            kpb_grpc.KVStoreStub(channel).Health(kpb.HealthRequest(), timeout=5,
+                                                 metadata=bearer_metadata(STORE_TOKEN))
+        with grpc.insecure_channel(stack.addresses["decode"]) as channel:
+            epb_grpc.EngineStub(channel).Info(epb.InfoRequest(), timeout=5, metadata=bearer_metadata(ENGINE_TOKEN))
+    finally:
+        stop.set()
+        for channel in channels:
+            channel.close()
+
+
 @pytest.mark.parametrize("token", [None, "wrong", ENGINE_TOKEN + "x"])
 def test_engine_refuses_a_caller_without_its_token(stack, token):
     for role in ("prefill", "decode"):
