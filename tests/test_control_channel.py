@@ -75,6 +75,28 @@ def test_auth_token_is_required_on_the_socket(slab_node, client_of) -> None:
     assert client.put(key_of(1), b"abc").ok and client.get(key_of(1)) == b"abc"
 
 
+def test_a_connection_that_never_sends_its_token_is_closed(slab_node, client_of, monkeypatch) -> None:
+    """Before its HELLO a connection holds a slot and a thread: one that sends nothing is
+    closed after HELLO_TIMEOUT_S, so tokenless callers cannot fill the node's
+    MAX_CONNECTIONS; a client with the token is unaffected (it is checked after that time)."""
+    import socket as socket_mod
+
+    from kvstore.dataplane import control_server
+    monkeypatch.setattr(control_server, "HELLO_TIMEOUT_S", 0.5)
+    _, address, path = slab_node(token="s3cret")
+    client = client_of(address, auth_token="s3cret")
+    idle = socket_mod.socket(socket_mod.AF_UNIX)
+    idle.connect(path)
+    idle.settimeout(10)
+    t0 = time.monotonic()
+    assert idle.recv(1) == b""                      # closed by the node
+    assert 0.4 < time.monotonic() - t0 < 5
+    idle.close()
+    time.sleep(0.6)                                 # an authenticated connection has no deadline
+    assert client.data_path_in_use == "same-host/uds"
+    assert client.put(key_of(2), b"abc").ok and client.get(key_of(2)) == b"abc"
+
+
 def test_malformed_requests_are_refused(slab_node) -> None:
     pool, _, path = slab_node()
     ctl = UdsControl(path)
