@@ -8,6 +8,7 @@ commit of a demoted block, a promotion's copy — is planned here as a
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -22,6 +23,8 @@ from kvstore.ledger import BlockMeta, TierLedger
 from kvstore.moves import Move
 from kvstore.pool_types import PoolSettings, TierStats
 from kvstore.tiers.base import Slot, Tier
+
+log = logging.getLogger(__name__)
 
 
 class TenantHooks(Protocol):
@@ -185,9 +188,12 @@ class Placement:
             self.dirty.add(level)
 
     def corrupt(self, level: int, key: bytes, meta: BlockMeta | None) -> None:
-        """The copy ``meta`` of ``key`` in ``level`` failed its checksum: count it, drop it."""
+        """The copy ``meta`` of ``key`` in ``level`` failed its checksum: count it, log it,
+        drop it (a miss from now on)."""
         book = self.books[level]
         book.counters.integrity_failures += 1
+        log.warning("block %s in tier %s failed its checksum: damaged data, dropped (a miss)",
+                    key.hex()[:16], self.tiers[level].name)
         if key in book.blocks and (meta is None or book.blocks[key] is meta):
             self.drop(level, key)
 
@@ -223,6 +229,8 @@ class Placement:
             ok = False
             if isinstance(exc, IntegrityError):
                 self.books[level].counters.integrity_failures += 1
+                log.warning("block %s in tier %s failed its checksum while demoted: damaged data, dropped "
+                            "(not demoted)", key.hex()[:16], self.tiers[level].name)
         if ok and slow:
             self.inflight[(dst, key)] = slot
             self.moves.append(Move(level, dst, key, slot, meta.size, meta.checksum))

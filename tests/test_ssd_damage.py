@@ -199,3 +199,45 @@ def test_truncating_a_running_node_s_file(tmp_path: Path, spawn_store_node) -> N
         ssd = next(s for s in client.stats()[1] if s.name == "ssd")
         assert ssd.quarantines == 1 and ssd.blocks == 0
         assert client.put_blocks([(keys[0], _block(0))])[0].ok and client.get(keys[0]) == _block(0)
+
+
+def test_damaged_records_are_dropped_at_open_with_one_line(make_dram, tmp_path: Path, caplog) -> None:
+    """Records LMDB cannot see are damaged — a flipped bit in a block's size (bit 63 once made
+    the node unable to start; bit 40 silently evicted good blocks to fit), a block whose
+    bytes are gone, a record too short to read — are dropped at open with one log line; the
+    other blocks serve and the books count only them. A block whose bytes are damaged fails
+    its checksum on read: a miss and a log line."""
+    import lmdb
+    path = tmp_path / "ssd"
+    _fill_ssd(path, 10)
+    env = lmdb.open(str(path), max_dbs=3)
+    meta, data = env.open_db(b"meta"), env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for i, bit in ((3, 63), (4, 40)):
+            raw = bytearray(txn.get(_key(i), db=meta))
+            raw[bit // 8] ^= 1 << (bit % 8)
+            txn.put(_key(i), bytes(raw), db=meta)
+        txn.delete(_key(5), db=data)
+        txn.put(_key(6), b"short", db=meta)
+        flipped = bytearray(txn.get(_key(7), db=data))
+        flipped[100] ^= 0xFF
+        txn.put(_key(7), bytes(flipped), db=data)
+    env.close()
+    with caplog.at_level(logging.WARNING):
+        pool = KVPool([make_dram(2 * BLOCK), SsdTier(64 << 20, str(path))], promote_on_hit=False)
+        try:
+            assert [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()] == [
+                f"ssd tier at {path}: 4 blocks had a damaged record (unreadable, or a size that does not match "
+                "the bytes stored); dropped"]
+            assert pool.tiers[1].used_bytes == 6 * BLOCK
+            for i in (0, 1, 2, 8, 9):
+                assert pool.get(_key(i)) == _block(i)
+            for i in (3, 4, 5, 6, 7):
+                assert pool.get(_key(i)) is None
+            assert any("failed its checksum" in r.getMessage() and _key(7).hex()[:16] in r.getMessage()
+                       for r in caplog.records)
+        finally:
+            pool.close()
+    reopened = SsdTier(64 << 20, str(path))      # the dropped records are gone from the file too
+    assert reopened.usage().blocks == 5
+    reopened.close()

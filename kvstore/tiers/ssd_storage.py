@@ -106,8 +106,7 @@ class SsdStorage:
             self._owners = self._env.open_db(b"owners")
             self._measure()
             if load:
-                with self._env.begin(db=self._meta) as txn:
-                    rows = [(_META.unpack(raw), bytes(key)) for key, raw in txn.cursor()]
+                rows = self._read_books()
                 for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
                     self._blocks[key] = (size, checksum)
                     self._seq = max(self._seq, seq)
@@ -119,6 +118,36 @@ class SsdStorage:
         except _Damaged:
             self._close_env()
             raise
+
+    def _read_books(self) -> list[tuple[tuple[int, int, int], bytes]]:
+        """The ``meta`` rows ((size, checksum, write sequence), key) whose block is stored
+        with that many bytes. A row that cannot be read, or whose block is missing or of
+        another size (a damaged record LMDB does not detect: a flipped bit in a size once
+        stopped the node from starting), is deleted with its block, one log line with the
+        count; a block of the right size whose bytes are damaged fails its checksum on read."""
+        rows: list[tuple[tuple[int, int, int], bytes]] = []
+        bad: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:   # no copies: only the values' lengths are read
+            for view, raw in txn.cursor(db=self._meta):
+                key = bytes(view)
+                try:
+                    size, checksum, seq = _META.unpack(raw)
+                except struct.error:
+                    bad.append(key)
+                    continue
+                value = txn.get(key, db=self._data)
+                if value is None or len(value) != size:
+                    bad.append(key)
+                    continue
+                rows.append(((size, checksum, seq), key))
+        if bad:
+            with self._env.begin(write=True) as wtxn:
+                for key in bad:
+                    for db in (self._data, self._meta, self._owners):
+                        wtxn.delete(key, db=db)
+            log.warning("ssd tier at %s: %d blocks had a damaged record (unreadable, or a size that does "
+                        "not match the bytes stored); dropped", self.path, len(bad))
+        return rows
 
     def _load_owners(self) -> dict[bytes, str]:
         """The ``owners`` rows of blocks held: key → namespace. Rows that are not a
