@@ -163,7 +163,7 @@ def logprobs_pb(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,
                  block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
-                 store_token: str | None = None, workers: int = 16,
+                 store_token: str | None = None, workers: int = 80,
                  store_redis: str | None = None, auth_token: str | None = None,
                  metrics_port: int | None = None, kv_events: str | None = None,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> tuple[grpc.Server, int]:
@@ -179,6 +179,10 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     (the scheduler's index replica reads them; None: it publishes none).
     ``max_model_len``: the longest prompt + generation served (tokens; a checkpoint's
     ``max_position_embeddings`` caps it); a longer request is INVALID_ARGUMENT.
+    ``workers``: the server's threads; a decode stream holds one for as long as it runs, so
+    the default serves the front door's ``--decode-max-running`` (64) streams at once with
+    16 to spare for other calls (with 16 in all, 16 streams left no thread for the 17th
+    request or a health check, and the engine was taken for dead).
     Returns (server, port). Raises ValueError for an unknown role or a ``max_model_len``
     < 1, RuntimeError when the address cannot be bound."""
     if role not in ROLES:

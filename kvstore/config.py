@@ -32,6 +32,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def parse_bytes(text: str | int) -> int:
     """``"512MiB"``, ``"2GB"``, ``"1048576"`` → bytes. Raises ValueError naming the units."""
     if isinstance(text, int) and not isinstance(text, bool):

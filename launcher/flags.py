@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from kvstore.config import EVICTION_POLICIES, SSD_ON_ERROR, TRANSFER_ENGINES, StoreConfig, TierSpec, positive_int
+from kvstore.config import (
+    EVICTION_POLICIES,
+    SSD_ON_ERROR,
+    TRANSFER_ENGINES,
+    StoreConfig,
+    TierSpec,
+    non_negative_int,
+    positive_int,
+)
 from kvstore.pool_types import PoolSettings
 from kvstore.tiers import registry
 from kvstore.tiers.ssd import FSYNC_POLICIES
@@ -101,6 +109,10 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=64,
                    help="admission bound: requests in flight before new ones get HTTP 429")
+    p.add_argument("--max-inflight-per-tenant", type=non_negative_int, default=None, metavar="N",
+                   help="admission bound per tenant: one tenant's requests in flight before its new ones get "
+                        "HTTP 429, so that no tenant takes every slot (default: half of --max-inflight when "
+                        "the front door has API keys, none without; 0: none)")
     p.add_argument("--admit-ttft-s", type=float, default=30.0,
                    help="admission bound: reject (429) when the predicted TTFT exceeds this")
     p.add_argument("--admit-tbt-s", type=float, default=0.0,

@@ -171,6 +171,8 @@ def run_up(args: argparse.Namespace) -> int:
         stack.start("scheduler", "scheduler", "--prefill", prefill,
                     "--decode", decode, *pool_flags, "--host", host,
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
+                    *([] if args.max_inflight_per_tenant is None else
+                      ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
                     "--balancing-threshold", str(args.balancing_threshold), *model, *max_len,

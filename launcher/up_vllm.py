@@ -112,6 +112,8 @@ def run_up_vllm(args: argparse.Namespace) -> int:
             flags += ["--vllm-kv-events", *events]
         stack.start("scheduler", "scheduler", *flags, "--store", store, "--host", host, "--port", str(http_port),
                     "--model", model, "--max-inflight", str(args.max_inflight),
+                    *([] if args.max_inflight_per_tenant is None else
+                      ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
                     "--admit-ttft-s", str(args.admit_ttft_s),
                     "--admit-tbt-s", str(args.admit_tbt_s), "--policy", args.policy,
                     "--decode-max-running", str(args.decode_max_running),

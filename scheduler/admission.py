@@ -31,7 +31,8 @@ REASON_MAX_INFLIGHT = "max_inflight"
 REASON_TTFT_SLO = "ttft_slo"
 REASON_TBT_SLO = "tbt_slo"
 REASON_DECODE_CAPACITY = "decode_capacity"
-REASONS = (REASON_MAX_INFLIGHT, REASON_TTFT_SLO, REASON_TBT_SLO, REASON_DECODE_CAPACITY)
+REASON_TENANT_INFLIGHT = "tenant_max_inflight"
+REASONS = (REASON_MAX_INFLIGHT, REASON_TTFT_SLO, REASON_TBT_SLO, REASON_DECODE_CAPACITY, REASON_TENANT_INFLIGHT)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class AdmissionConfig:
     predicted for the moment the request reaches it (True) or by the load now (False,
     the reject-on-current-load baseline). ``unattainable_k``: on an idle instance, reject
     when the prediction less this many downside deviations of its measured error still
-    exceeds the TTFT SLO (>= 0; ``math.inf``: never — an idle instance admits anything)."""
+    exceeds the TTFT SLO (>= 0; ``math.inf``: never — an idle instance admits anything).
+    ``max_inflight_per_tenant``: requests of one tenant admitted and not finished (>= 1;
+    None: no bound per tenant), so that one tenant cannot take every slot of
+    ``max_inflight``."""
 
     ttft_slo_s: float = 30.0
     max_inflight: int = 64
@@ -53,8 +57,12 @@ class AdmissionConfig:
     early_rejection: bool = True
     predicted_decode_load: bool = True
     unattainable_k: float = 2.0
+    max_inflight_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
+        n = self.max_inflight_per_tenant
+        if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise InvalidArgument(f"max_inflight_per_tenant must be an integer >= 1 or None, got {n!r}")
         for name in ("ttft_slo_s", "tbt_slo_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
@@ -95,6 +103,16 @@ class Admission:
             return Rejection(REASON_MAX_INFLIGHT,
                              f"too many requests in flight ({inflight}, limit {cfg.max_inflight}); retry later",
                              cfg.min_retry_after_s)
+        return None
+
+    def check_tenant(self, namespace: str, inflight: int) -> Rejection | None:
+        """A rejection when tenant ``namespace`` already has ``inflight`` requests in flight,
+        at its bound (``max_inflight_per_tenant``); else None."""
+        cap = self.config.max_inflight_per_tenant
+        if cap is not None and inflight >= cap:
+            return Rejection(REASON_TENANT_INFLIGHT,
+                             f"too many requests of this tenant in flight ({inflight}, limit {cap} per tenant); "
+                             "retry later", self.config.min_retry_after_s)
         return None
 
     def check(self, predicted_ttft_s: float, queue_s: float, inflight: int,

@@ -117,7 +117,8 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
 
 def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
-    (``--model``, ``--policy``, ``--max-inflight``, ``--admit-ttft-s``, ``--admit-tbt-s``, ``--max-model-len``,
+    (``--model``, ``--policy``, ``--max-inflight``, ``--max-inflight-per-tenant``, ``--admit-ttft-s``,
+    ``--admit-tbt-s``, ``--max-model-len``,
     ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
     ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its
@@ -125,10 +126,15 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     key."""
     admit_tbt = getattr(args, "admit_tbt_s", None)
     api_keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
+    max_inflight = getattr(args, "max_inflight", 64)
+    per_tenant = getattr(args, "max_inflight_per_tenant", None)
+    if per_tenant is None:    # several tenants (API keys): none may take more than half the slots
+        per_tenant = max(1, max_inflight // 2) if api_keys and max_inflight > 0 else 0
     return FrontdoorConfig(model_dir=getattr(args, "model", None),
                            admission=AdmissionConfig(ttft_slo_s=getattr(args, "admit_ttft_s", 30.0),
-                                                     max_inflight=getattr(args, "max_inflight", 64),
-                                                     tbt_slo_s=admit_tbt if admit_tbt else math.inf),
+                                                     max_inflight=max_inflight,
+                                                     tbt_slo_s=admit_tbt if admit_tbt else math.inf,
+                                                     max_inflight_per_tenant=per_tenant or None),
                            conductor=ConductorConfig(balancing_threshold=getattr(args, "balancing_threshold", 1.0)),
                            policy=getattr(args, "policy", None) or DEFAULT_POLICY,
                            decode_max_running=getattr(args, "decode_max_running", 64),

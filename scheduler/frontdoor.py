@@ -57,7 +57,7 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.request_parts import TokenClock, json_errors, read_body, sampling_of
+from scheduler.request_parts import StreamWriter, TokenClock, json_errors, read_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -174,6 +174,10 @@ class Frontdoor:
     async def _admit(self, request: web.Request, req: GenerationRequest) -> RoutePlan:
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
         rid = request_id(req.chat, uuid.uuid4().hex)
+        busy = self.router.policy.admission.check_tenant(namespace, self.router.inflight_by_tenant.get(namespace, 0))
+        if busy is not None:
+            self.metrics.rejected.labels(reason=busy.reason).inc()
+            raise APIError(429, busy.message, "rate_limit", busy.reason, {"Retry-After": str(busy.retry_after_s)})
         try:
             plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache)
         except InvalidArgument as exc:
@@ -306,51 +310,55 @@ class Frontdoor:
         """Server-sent events: one per token (its text as soon as it decodes), a last one
         with finish_reason, one with the usage when the client asked
         (``stream_options.include_usage``), then ``[DONE]``. Headers go out with the first
-        token, so a failed prefill is still a 503."""
+        token, so a failed prefill is still a 503. The events are written by a
+        :class:`StreamWriter`: a client that reads slowly never slows its engine."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created, text, tick = int(time.time()), TextStream(self.tokenizer), self._timer(t0, plan)
         stop = StopText(req.stop)
         shape = None if req.logprobs is None else LogprobsShape(self.tokenizer, req.chat)
+        writer = StreamWriter(resp)
         count = 0
 
-        async def send(obj: dict[str, Any] | str) -> None:
+        def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+            writer.send(f"data: {data}\n\n".encode())
 
         async def emit(token: int, lp: TokenLogprobs | None) -> bool:
             nonlocal count
             if not resp.prepared:
                 await resp.prepare(request)
             logprobs = None if shape is None else shape.of([(token, lp)])
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id, stop.push(text.push(token)),
-                                  [token], first=count == 0, logprobs=logprobs))
+            send(chunk_body(req, plan.request_id, created, self.info.model_id, stop.push(text.push(token)),
+                            [token], first=count == 0, logprobs=logprobs))
             count += 1
             tick()
             return stop.hit
 
         try:
-            result, finish, tick.plan = await self._generate(req, plan, emit)
-        except APIError as exc:
-            if not resp.prepared:
-                raise
-            with contextlib.suppress(ConnectionResetError):
-                await send(exc.body())
-                await send("[DONE]")
-                await resp.write_eof()
-            return resp, "error"
-        except ConnectionResetError:
-            log.info("client went away, request %s cancelled", plan.request_id)
-            return resp, "cancelled"
-        tick.done()
-        self.metrics.count_cached(result.cached_tokens)
-        try:
-            await send(chunk_body(req, plan.request_id, created, self.info.model_id,
-                                  stop.push(text.flush()) + stop.flush(), [], finish))
-            if req.include_usage:
-                await send(usage_chunk(req, plan.request_id, created, self.info.model_id,
-                                       usage(len(req.prompt), count, result.cached_tokens)))
-            await send("[DONE]")
-            await resp.write_eof()
-        except ConnectionResetError:
-            return resp, "cancelled"
-        return resp, "ok"
+            try:
+                result, finish, tick.plan = await self._generate(req, plan, emit)
+            except APIError as exc:
+                if not resp.prepared:
+                    raise
+                with contextlib.suppress(ConnectionResetError):
+                    send(exc.body())
+                    send("[DONE]")
+                await writer.close()
+                return resp, "error"
+            except ConnectionResetError:
+                log.info("client went away, request %s cancelled", plan.request_id)
+                return resp, "cancelled"
+            tick.done()
+            self.metrics.count_cached(result.cached_tokens)
+            try:
+                send(chunk_body(req, plan.request_id, created, self.info.model_id,
+                                stop.push(text.flush()) + stop.flush(), [], finish))
+                if req.include_usage:
+                    send(usage_chunk(req, plan.request_id, created, self.info.model_id,
+                                     usage(len(req.prompt), count, result.cached_tokens)))
+                send("[DONE]")
+            except ConnectionResetError:
+                return resp, "cancelled"
+            return resp, "ok" if await writer.close() else "cancelled"
+        finally:
+            await writer.abandon()   # a request cancelled or ended early: its writer stops too

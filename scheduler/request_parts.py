@@ -1,10 +1,14 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
 request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
 OpenAI's error shape, reading a request's body (:func:`read_body`), the engines' sampling
-parameters of a request, and the clock that observes TTFT and TBT as tokens
-are sent."""
+parameters of a request, the clock that observes TTFT and TBT as tokens
+are sent, and the writer that keeps a slow client from slowing its engine
+(:class:`StreamWriter`)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +21,8 @@ from scheduler.openai_api import APIError, GenerationRequest
 from scheduler.router import RoutePlan, Router
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger(__name__)
+CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
 
 
 @web.middleware
@@ -93,3 +99,59 @@ class TokenClock:
     def done(self) -> None:
         if self.tokens >= 2:
             self.router.observe_decode(self.plan, (self.last - self.first) / (self.tokens - 1))
+
+
+class StreamWriter:
+    """A streamed response's server-sent events, written by a task of their own: :meth:`send`
+    queues an event and returns at once, so the engine's stream is read at the engine's
+    pace whatever the client's (a client that stopped reading used to block the front door's
+    reads, and so the engine's gRPC worker: 16 such clients froze a decode engine for
+    every tenant). What a slow client has not read waits here (a request's events: at most
+    its ``max_tokens``). A client that accepts no bytes for ``timeout_s`` is dropped;
+    after a failed write :attr:`gone` is True and :meth:`send` raises ConnectionResetError,
+    which ends the request (its engine stream is closed, so the engine stops it)."""
+
+    def __init__(self, resp: web.StreamResponse, timeout_s: float | None = None) -> None:
+        self.resp = resp
+        self.timeout_s = CLIENT_WRITE_TIMEOUT_S if timeout_s is None else timeout_s
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.gone = False
+
+    async def _pump(self) -> None:
+        try:
+            while (data := await self._queue.get()) is not None:
+                await asyncio.wait_for(self.resp.write(data), self.timeout_s)
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:   # aiohttp: RuntimeError once closed
+            self.gone = True
+            if isinstance(exc, TimeoutError):
+                log.warning("a streaming client accepted no bytes for %.0f s; dropped", self.timeout_s)
+
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` for the client. Raises ConnectionResetError once the client is gone."""
+        if self.gone:
+            raise ConnectionResetError("the client stopped reading or went away")
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._pump())
+        self._queue.put_nowait(data)
+
+    async def close(self) -> bool:
+        """Write what is queued, then the end of the stream; whether the client got it all
+        (False: it went away or stopped reading)."""
+        if self._task is not None:
+            self._queue.put_nowait(None)
+            await self._task
+        if self.gone:
+            return False
+        try:
+            await asyncio.wait_for(self.resp.write_eof(), self.timeout_s)
+        except (ConnectionError, TimeoutError, RuntimeError):
+            self.gone = True
+        return not self.gone
+
+    async def abandon(self) -> None:
+        """Stop writing (the request is being cancelled): queued events are dropped."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

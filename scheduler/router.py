@@ -95,6 +95,7 @@ class Router(Generic[C]):
         self.decode_max_running = decode_max_running
         self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
         self.inflight = 0
+        self.inflight_by_tenant: dict[str, int] = {}   # namespace -> its requests in flight
         # engine id -> why it is out of routing (scheduler/health.py keeps it current)
         self.down: dict[str, str] = {}
 
@@ -281,6 +282,7 @@ class Router(Generic[C]):
             plan.prompt_tokens + plan.max_tokens, d.decode_start_s, d.decode_finish_s)
         self._advance(backlog, time.monotonic())      # FIFO: it starts now when nothing runs there
         self.inflight += 1
+        self.inflight_by_tenant[plan.namespace] = self.inflight_by_tenant.get(plan.namespace, 0) + 1
 
     def _advance(self, backlog: PrefillBacklog, now: float) -> None:
         """FIFO: start the oldest request queued on ``backlog`` when nothing runs there
@@ -339,6 +341,11 @@ class Router(Generic[C]):
         for dec in self.decode.values():
             dec.work.pop(plan.request_id, None)
         self.inflight -= 1
+        left = self.inflight_by_tenant.get(plan.namespace, 0) - 1
+        if left > 0:
+            self.inflight_by_tenant[plan.namespace] = left
+        else:
+            self.inflight_by_tenant.pop(plan.namespace, None)
 
     def prefill_client(self, plan: RoutePlan) -> C:
         return self.prefill[plan.prefill_id].client

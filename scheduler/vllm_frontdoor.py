@@ -42,7 +42,7 @@ from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
 from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
-from scheduler.request_parts import TokenClock, read_body
+from scheduler.request_parts import StreamWriter, TokenClock, read_body
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -194,54 +194,57 @@ class VLLMFrontdoor(Frontdoor):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_route(plan)})
         tick = TokenClock(self.metrics, self.router, t0, plan)
+        writer = StreamWriter(resp)    # a client that reads slowly never holds vLLM's stream back
         ttft = 0.0
 
-        async def send(obj: dict[str, Any] | str) -> None:
+        def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+            writer.send(f"data: {data}\n\n".encode())
 
         try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    event["id"] = plan.request_id
-                    tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
-                                 for c in event.get("choices") or ())
-                    if not resp.prepared:
-                        await resp.prepare(request)
-                    if tokens and not tick.tokens and self.router.colocated:
-                        self.router.first_token(plan)
-                    for _ in range(tokens):
-                        tick()
-                    if tokens and not ttft:
-                        ttft = time.perf_counter() - t0
-                    if event.get("usage"):
-                        self._account_stream(plan, event["usage"], ttft)
-                        if not include_usage:
-                            event.pop("usage")
-                            if not event.get("choices"):
-                                continue      # the usage chunk itself
-                    await send(event)
-        except KVStoreError as exc:
-            if not resp.prepared:
-                raise _NothingSent(exc) from None
-            err = self._failed(plan.decode_id, "decode", exc)
-            with contextlib.suppress(ConnectionResetError):
-                await send(err.body())
-                await send("[DONE]")
-                await resp.write_eof()
-            return resp, "error"
-        except ConnectionResetError:
-            log.info("client went away, request %s cancelled", plan.request_id)
-            return resp, "cancelled"
-        tick.done()
-        try:
-            if not resp.prepared:
-                await resp.prepare(request)
-            await send("[DONE]")
-            await resp.write_eof()
-        except ConnectionResetError:
-            return resp, "cancelled"
-        return resp, "ok"
+            try:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        event["id"] = plan.request_id
+                        tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
+                                     for c in event.get("choices") or ())
+                        if not resp.prepared:
+                            await resp.prepare(request)
+                        if tokens and not tick.tokens and self.router.colocated:
+                            self.router.first_token(plan)
+                        for _ in range(tokens):
+                            tick()
+                        if tokens and not ttft:
+                            ttft = time.perf_counter() - t0
+                        if event.get("usage"):
+                            self._account_stream(plan, event["usage"], ttft)
+                            if not include_usage:
+                                event.pop("usage")
+                                if not event.get("choices"):
+                                    continue      # the usage chunk itself
+                        send(event)
+            except KVStoreError as exc:
+                if not resp.prepared:
+                    raise _NothingSent(exc) from None
+                err = self._failed(plan.decode_id, "decode", exc)
+                with contextlib.suppress(ConnectionResetError):
+                    send(err.body())
+                    send("[DONE]")
+                await writer.close()
+                return resp, "error"
+            except ConnectionResetError:
+                log.info("client went away, request %s cancelled", plan.request_id)
+                return resp, "cancelled"
+            tick.done()
+            try:
+                if not resp.prepared:
+                    await resp.prepare(request)
+                send("[DONE]")
+            except ConnectionResetError:
+                return resp, "cancelled"
+            return resp, "ok" if await writer.close() else "cancelled"
+        finally:
+            await writer.abandon()
 
     def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float) -> None:
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

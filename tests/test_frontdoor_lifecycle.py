@@ -83,3 +83,78 @@ def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
     assert all(s.leased_bytes == 0 and s.reserved_bytes == 0 for s in stats)
     assert [s.used_bytes for s in stats] == used_before
     cluster.pool.check_integrity()
+
+
+def test_clients_that_stop_reading_slow_no_one_else(cluster):
+    """20 streaming clients that send a long request and never read — more than the 16
+    threads the engines used to have, each held by a decode stream — leave the decode
+    engine serving everyone else (it has a thread per admitted stream and 16 to spare), and
+    once they hang up their decodes are cancelled."""
+    import socket
+
+    url = cluster.frontdoor()
+    host, port = url.removeprefix("http://").split(":")
+    stalled = []
+    try:
+        for i in range(20):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            body = json.dumps({"prompt": prompt_of(40 + i, 20), "max_tokens": 4000, "ignore_eos": True,
+                               "stream": True})
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            stalled.append(s)
+        deadline = time.monotonic() + 30
+        while "kvstore_scheduler_inflight_requests 20.0" not in call(url, "/metrics")[2].decode():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(2)                                   # all 20 decoding
+        t0 = time.monotonic()
+        status, _, data = call(url, "/v1/completions", {"prompt": "hello there", "max_tokens": 4})
+        assert status == 200, data
+        assert time.monotonic() - t0 < 30
+    finally:
+        for s in stalled:
+            s.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        metrics = call(url, "/metrics")[2].decode()
+        if "kvstore_scheduler_inflight_requests 0.0" in metrics:
+            break
+        time.sleep(0.2)
+    assert "kvstore_scheduler_inflight_requests 0.0" in metrics
+    assert 'kvstore_scheduler_requests_finished_total{outcome="cancelled"} 20.0' in metrics
+
+
+def test_one_tenant_cannot_take_every_slot(cluster):
+    """With API keys and a bound per tenant, a tenant holding its bound of requests gets 429
+    (``tenant_max_inflight``, Retry-After) for one more, and another tenant is still served."""
+    from scheduler.admission import AdmissionConfig
+    from scheduler.config import FrontdoorConfig
+    url = cluster.frontdoor(FrontdoorConfig(api_keys=frozenset({"sk-a", "sk-b"}),
+                                            admission=AdmissionConfig(max_inflight=4, max_inflight_per_tenant=2)))
+    host, port = url.removeprefix("http://").split(":")
+    held = []
+    try:
+        for i in range(2):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"prompt": prompt_of(60 + i, 20), "max_tokens": 3000, "ignore_eos": True, "stream": True}),
+                {"Content-Type": "application/json", "Authorization": "Bearer sk-a"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")
+            held.append(conn)
+        status, headers, data = call(url, "/v1/completions", {"prompt": "one more", "max_tokens": 2},
+                                     {"Authorization": "Bearer sk-a"})
+        err = json.loads(data)["error"]
+        assert status == 429 and err["code"] == "tenant_max_inflight" and headers["Retry-After"] == "1", data
+        status, _, data = call(url, "/v1/completions", {"prompt": "another tenant", "max_tokens": 2},
+                               {"Authorization": "Bearer sk-b"})
+        assert status == 200, data
+        metrics = call(url, "/metrics", headers={"Authorization": "Bearer sk-b"})[2].decode()
+        assert 'kvstore_scheduler_requests_rejected_total{reason="tenant_max_inflight"} 1.0' in metrics
+    finally:
+        for conn in held:
+            conn.sock.close()
+            conn.close()

@@ -31,3 +31,15 @@ def test_defaults_and_up_flags():
         build_parser().parse_args(["up", "--policy", "fastest"])
     with pytest.raises(InvalidArgument, match="valid"):
         FrontdoorConfig(policy="fastest")
+
+
+def test_the_bound_per_tenant_defaults_to_half_the_slots_only_with_api_keys():
+    parse = build_parser().parse_args
+    base = ["scheduler", "--prefill", "a:1", "--decode", "c:3", "--max-inflight", "10"]
+    assert config_from_args(parse(base)).admission.max_inflight_per_tenant is None          # one tenant
+    assert config_from_args(parse([*base, "--api-key", "sk-a"])).admission.max_inflight_per_tenant == 5
+    assert config_from_args(parse([*base, "--api-key", "sk-a", "--max-inflight-per-tenant", "0"])
+                            ).admission.max_inflight_per_tenant is None                      # 0: none
+    assert config_from_args(parse([*base, "--max-inflight-per-tenant", "3"])).admission.max_inflight_per_tenant == 3
+    with pytest.raises(SystemExit):
+        parse([*base, "--max-inflight-per-tenant", "-1"])
