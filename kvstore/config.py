@@ -218,6 +218,9 @@ class StoreConfig:
                     values.update(tomllib.load(f))
                 except tomllib.TOMLDecodeError as exc:
                     raise ValueError(f"{path} is not valid TOML: {exc}") from None
+                except UnicodeDecodeError as exc:   # TOML is UTF-8
+                    raise ValueError(f"{path} is not valid TOML: not UTF-8 text ({exc.reason} at byte "
+                                     f"{exc.start})") from None
             if values.get("tiers", None) == []:
                 raise ValueError(f"{path}: tiers = [] names no tier; list at least one (fastest first), "
                                  f"e.g. tiers = [\"dram=1GiB\"], or leave it out for the defaults")

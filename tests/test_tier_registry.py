@@ -81,11 +81,12 @@ def test_toml_takes_a_tier_list_and_flags_replace_it(tmp_path: Path) -> None:
     ("dram_bytes = true\n", "cannot read True as a size"),
     ("tiers = []\n", "names no tier"),                                          # was the defaults
     ("dram_bytes = = 3\n", "node.toml is not valid TOML"),
+    ("\udcff dram_bytes = 3\n", "node.toml is not valid TOML: not UTF-8"),             # was unnamed
 ])
 def test_a_settings_file_that_says_something_impossible_is_refused_naming_it(tmp_path: Path, text: str,
                                                                              match: str) -> None:
     toml = tmp_path / "node.toml"
-    toml.write_text(text)
+    toml.write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(ValueError, match=match):
         StoreConfig.load(str(toml))
     toml.write_text('dram_bytes = "1.5KiB"\n')
