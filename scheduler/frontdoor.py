@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -317,11 +316,8 @@ class Frontdoor:
         stop = StopText(req.stop)
         shape = None if req.logprobs is None else LogprobsShape(self.tokenizer, req.chat)
         writer = StreamWriter(resp)
+        send = writer.event
         count = 0
-
-        def send(obj: dict[str, Any] | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            writer.send(f"data: {data}\n\n".encode())
 
         async def emit(token: int, lp: TokenLogprobs | None) -> bool:
             nonlocal count
@@ -340,10 +336,7 @@ class Frontdoor:
             except APIError as exc:
                 if not resp.prepared:
                     raise
-                with contextlib.suppress(ConnectionResetError):
-                    send(exc.body())
-                    send("[DONE]")
-                await writer.close()
+                await writer.end_with_error(exc.body())
                 return resp, "error"
             except ConnectionResetError:
                 log.info("client went away, request %s cancelled", plan.request_id)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -134,6 +136,19 @@ class StreamWriter:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._pump())
         self._queue.put_nowait(data)
+
+    def event(self, obj: dict[str, Any] | str) -> None:
+        """Queue one server-sent event: ``obj`` as compact JSON (a str as is, e.g. "[DONE]")."""
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        self.send(f"data: {data}\n\n".encode())
+
+    async def end_with_error(self, body: dict[str, Any]) -> None:
+        """The stream fails after it began: an error event (OpenAI's error shape), then
+        ``[DONE]`` and the end of the stream (a client already gone gets nothing)."""
+        with contextlib.suppress(ConnectionResetError):
+            self.event(body)
+            self.event("[DONE]")
+        await self.close()
 
     async def close(self) -> bool:
         """Write what is queued, then the end of the stream; whether the client got it all

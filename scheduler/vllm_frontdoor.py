@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -195,11 +194,8 @@ class VLLMFrontdoor(Frontdoor):
                                            **_route(plan)})
         tick = TokenClock(self.metrics, self.router, t0, plan)
         writer = StreamWriter(resp)    # a client that reads slowly never holds vLLM's stream back
+        send = writer.event
         ttft = 0.0
-
-        def send(obj: dict[str, Any] | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            writer.send(f"data: {data}\n\n".encode())
 
         try:
             try:
@@ -226,11 +222,7 @@ class VLLMFrontdoor(Frontdoor):
             except KVStoreError as exc:
                 if not resp.prepared:
                     raise _NothingSent(exc) from None
-                err = self._failed(plan.decode_id, "decode", exc)
-                with contextlib.suppress(ConnectionResetError):
-                    send(err.body())
-                    send("[DONE]")
-                await writer.close()
+                await writer.end_with_error(self._failed(plan.decode_id, "decode", exc).body())
                 return resp, "error"
             except ConnectionResetError:
                 log.info("client went away, request %s cancelled", plan.request_id)
