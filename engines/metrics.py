@@ -139,10 +139,13 @@ class EngineMetrics:
                 if i:
                     self.token_seconds.observe(now - last)
                 last = now
+                if step.finished:   # the last step: done, whether or not the caller asks for more
+                    outcome = "ok"
                 yield step
             outcome = "ok"
-        except GeneratorExit:       # the caller went away (a cancelled request)
-            outcome = "cancelled"
+        except GeneratorExit:       # the caller went away: a cancelled request, unless it had it all
+            if outcome != "ok":
+                outcome = "cancelled"
             raise
         finally:
             self.decode_seconds.observe(time.perf_counter() - t0)

@@ -80,12 +80,23 @@ def _use_prefix_attention(model: torch.nn.Module) -> None:
         log.warning("model keeps its own attention (%s): a prefill over a cached prefix may be slower", exc)
 
 
+def check_checkpoint_dir(model_dir: str) -> None:
+    """Raise ValueError unless ``model_dir`` is a local checkpoint (a directory holding a
+    ``config.json``): nothing is downloaded, and a wrong path is named at once (it used to
+    be taken for a Hugging Face Hub id, retried against the network for 30 s)."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        what = "no such directory" if not os.path.isdir(model_dir) else "no config.json in it"
+        raise ValueError(f"model {model_dir!r} is not a local checkpoint ({what}); give the directory of a "
+                         "Hugging Face checkpoint on this machine (nothing is downloaded)")
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Build or load the model, in eval mode on the chosen device; logs which device."""
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     if cfg.model_dir:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype)
+        check_checkpoint_dir(cfg.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype, local_files_only=True)
         model_id = os.path.basename(os.path.normpath(cfg.model_dir))
         with open(os.path.join(cfg.model_dir, "config.json"), "rb") as f:
             revision = hashlib.sha256(f.read()).hexdigest()[:16]

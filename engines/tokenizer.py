@@ -80,7 +80,10 @@ class HFTokenizer:
 
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoTokenizer
-        self._tok = AutoTokenizer.from_pretrained(model_dir)
+
+        from engines.model import check_checkpoint_dir
+        check_checkpoint_dir(model_dir)
+        self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
 

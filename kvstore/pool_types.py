@@ -33,6 +33,10 @@ class PoolSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        for name in ("low_watermark", "high_watermark", "lease_ttl_s", "reservation_timeout_s", "soft_pin_ttl_s"):
+            v = getattr(self, name)   # a settings file can hold a string or a boolean here
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1, got "
                              f"low={self.low_watermark}, high={self.high_watermark}")

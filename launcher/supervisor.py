@@ -18,8 +18,11 @@ from kvstore.errors import Unavailable
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether a TCP listener could bind ``host:port`` now."""
+    """Whether a TCP listener could bind ``host:port`` now (as the services bind, with
+    SO_REUSEADDR: a port whose last connections linger in TIME-WAIT after a stack stopped is
+    free, and was refused for a minute)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -192,10 +195,12 @@ def _wait_grpc(stack: Stack, address: str, timeout_s: float) -> None:
     try:
         while True:
             stack.check_alive()
+            ready = grpc.channel_ready_future(channel)
             try:
-                grpc.channel_ready_future(channel).result(timeout=0.5)
+                ready.result(timeout=0.5)
                 return
             except grpc.FutureTimeoutError:
+                ready.cancel()   # its polling thread ends now, not on the closed channel (a traceback)
                 if time.monotonic() > deadline:
                     raise Unavailable(f"{address} not ready after {timeout_s} s") from None
     finally:

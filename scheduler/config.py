@@ -46,6 +46,12 @@ class FrontdoorConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.model_dir is not None:
+            from engines.model import check_checkpoint_dir
+            try:
+                check_checkpoint_dir(self.model_dir)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
             raise InvalidArgument(f"max_model_len must be an integer >= 1 (tokens), got {self.max_model_len!r}")
         if self.policy not in POLICIES:

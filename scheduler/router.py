@@ -117,7 +117,11 @@ class Router(Generic[C]):
 
         async def open_engine(address: str) -> tuple[EngineClient, EngineInfo]:
             opened.append(client := EngineClient(address, auth_token=engine_auth_token))
-            await client.wait_ready(ready_timeout_s)
+            try:
+                await client.wait_ready(min(2.0, ready_timeout_s))
+            except Unavailable:   # not up yet (an engine loads its model for a while): say so, then wait
+                log.warning("waiting up to %.0f s for the engine at %s to answer", ready_timeout_s, address)
+                await client.wait_ready(ready_timeout_s)
             return client, await client.info()
         try:
             pre = [PrefillInstance(*await open_engine(address)) for address in prefill_addresses]

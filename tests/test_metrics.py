@@ -4,6 +4,7 @@ with the traffic; a port with a token refuses a scrape without it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import urllib.error
 import urllib.request
@@ -172,6 +173,14 @@ def test_engine_metrics_parse_and_move_with_traffic(node):
                     r = await pre.prefill(rid, prompt, "tenant")
                     steps = [s async for s in dec.decode(rid, prompt, "tenant", r, 4, ())]
                     assert len(steps) == 4
+                # as the front door reads a decode: it stops at the finished step and closes the
+                # stream (a cancel) — a finished decode all the same, not a cancelled one
+                gen = dec.decode("c", prompt, "tenant", r, 4, ())
+                async with contextlib.aclosing(gen):
+                    async for step in gen:
+                        if step.finished:
+                            break
+                await asyncio.sleep(0.5)        # the engine's generator sees the cancel
             finally:
                 await pre.close()
                 await dec.close()
@@ -184,9 +193,10 @@ def test_engine_metrics_parse_and_move_with_traffic(node):
         assert value(pre, "kvstore_engine_stored_blocks_total") == 5
         assert value(pre, "kvstore_engine_requests_total", outcome="ok") == 2
         assert value(pre, "kvstore_engine_info", role="prefill") == 1
-        assert value(dec, "kvstore_engine_decode_seconds_count", engine="decode-m") == 2
-        assert value(dec, "kvstore_engine_time_per_output_token_seconds_count") == 2 * 3
-        assert value(dec, "kvstore_engine_requests_total", outcome="ok") == 2
+        assert value(dec, "kvstore_engine_decode_seconds_count", engine="decode-m") == 3
+        assert value(dec, "kvstore_engine_time_per_output_token_seconds_count") == 3 * 3
+        assert value(dec, "kvstore_engine_requests_total", outcome="ok") == 3
+        assert value(dec, "kvstore_engine_requests_total", outcome="cancelled") == 0
         assert value(dec, "kvstore_engine_recomputed_tokens_total") == 0
     finally:
         for server in servers:

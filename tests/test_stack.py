@@ -112,3 +112,23 @@ def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -
                               env={**os.environ, "PYTHONPATH": str(root)})
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert "redis" not in proc.stdout.lower() and not (tmp_path / "up").exists(), proc.stdout
+
+
+def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
+    """A stack that just stopped leaves its front door's port in TIME-WAIT: kvstore up takes
+    it (the services bind with SO_REUSEADDR too), and refuses a port something listens on."""
+    import socket
+
+    from launcher.supervisor import port_is_free
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()                 # the server side closes first: its end waits in TIME-WAIT
+    client.close()
+    assert not port_is_free("127.0.0.1", port)       # still listening
+    server.close()
+    assert port_is_free("127.0.0.1", port)

@@ -82,6 +82,8 @@ def test_toml_takes_a_tier_list_and_flags_replace_it(tmp_path: Path) -> None:
     ("tiers = []\n", "names no tier"),                                          # was the defaults
     ("dram_bytes = = 3\n", "node.toml is not valid TOML"),
     ("\udcff dram_bytes = 3\n", "node.toml is not valid TOML: not UTF-8"),             # was unnamed
+    ('high_watermark = "x"\n', "high_watermark must be a number, got 'x'"),           # was a TypeError
+    ("lease_ttl_s = true\n", "lease_ttl_s must be a number, got True"),
 ])
 def test_a_settings_file_that_says_something_impossible_is_refused_naming_it(tmp_path: Path, text: str,
                                                                              match: str) -> None:
