@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
                        description="Run the scheduler's HTTP front door (OpenAI-compatible "
-                                   "/v1/completions, /health, /metrics) over running engines.")
+                                   "/v1/completions and /v1/chat/completions, /v1/models, /health, "
+                                   "/metrics, /status) over running engines.")
     p.add_argument("--prefill", type=addresses, help="prefill engine addresses host:port, comma-separated")
     p.add_argument("--decode", type=addresses, help="decode engine addresses host:port, comma-separated")
     p.add_argument("--store", type=addresses, default="127.0.0.1:50051", help="store node address host:port")

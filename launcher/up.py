@@ -180,7 +180,8 @@ def run_up(args: argparse.Namespace) -> int:
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         stack.check_alive()  # the answer must come from our own front door
-        print(f"front door     {url}  (POST /v1/completions, GET /health, GET /metrics, GET /status)", flush=True)
+        print(f"front door     {url}  (POST /v1/completions and /v1/chat/completions, "
+              "GET /health, GET /metrics, GET /status)", flush=True)
         up_record = record_stack([f"{host}:{p}" for p in store_ports], [f"{host}:{p}" for _, _, p in engines],
                                  url, args.data_dir, redis_url)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)

@@ -152,3 +152,18 @@ def test_nodes_without_redis_and_lookup(node):
     assert doc["blocks"][0]["copies"] == [{"node": "node-a", "tiers": ["dram"], "size": 200, "pin": "hard",
                                            "namespace": ""}]
     assert doc["blocks"][3]["copies"] == []
+
+
+def test_evicting_a_promoted_block_keeps_its_lower_copy_and_says_so(node):
+    """A promoted block keeps its SSD copy; evicting it from DRAM leaves it served from SSD:
+    'demoted' (still served), not 'dropped from the node' as the demotion counter said."""
+    address, env, client = node
+    key = block(7)
+    client.put_blocks([(key, os.urandom(BLOCK))])
+    assert kvctl(env, "--store", address, "demote", key.hex())[0] == 0
+    assert kvctl(env, "--store", address, "promote", key.hex())[0] == 0
+    assert kvctl(env, "--store", address, "inspect", key.hex())[1]["copies"][0]["tiers"] == ["dram", "ssd"]
+    rc, doc, err = kvctl(env, "--store", address, "evict", "--tier", "dram", "--bytes", "256KiB")
+    assert rc == 0, err
+    assert doc["demoted"] == 1 and doc["dropped"] == 0
+    assert kvctl(env, "--store", address, "inspect", key.hex())[1]["copies"][0]["tiers"] == ["ssd"]

@@ -232,7 +232,7 @@ def evict(pool: Any, tier: str, nbytes: int) -> EvictReport:
         level = place.level_of(tier)
         report = EvictReport(place.tiers[level].name, nbytes)
         book = place.books[level]
-        before, blocks = book.counters.demotions, 0
+        held, blocks = set(book.blocks), 0
         while report.freed_bytes < nbytes:
             size = place.evict_victim(level)
             if size is None:
@@ -244,7 +244,11 @@ def evict(pool: Any, tier: str, nbytes: int) -> EvictReport:
             blocks += 1
     _settle(pool)   # demotions into a slow tier are counted once written
     with lock:
-        report.demoted = min(blocks, book.counters.demotions - before)
+        # evicted blocks still held by a lower tier: demoted now, or copied there before (a
+        # block promoted keeps its lower copy) — either way still served by this node
+        gone = held - set(book.blocks)
+        lower = [place.books[i].blocks for i in range(level + 1, len(place.books))]
+        report.demoted = min(blocks, sum(1 for key in gone if any(key in b for b in lower)))
         report.dropped = blocks - report.demoted
     return report
 
