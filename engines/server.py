@@ -206,7 +206,10 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                          interceptors=interceptors_for(auth_token))
     metrics = EngineMetrics(engine) if metrics_port is not None else None
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:   # grpc raises its own "Failed to bind ..." where older versions returned 0
+        port = 0
     if port == 0:
         raise RuntimeError(f"engine: cannot listen on {address} (port in use or address not local)")
     if metrics is not None:

@@ -300,7 +300,10 @@ def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool, dataplane=dataplane), server)
     for add in extra_services:
         add(server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:   # grpc raises its own "Failed to bind ..." where older versions returned 0
+        port = 0
     if port == 0:
         raise RuntimeError(f"store: cannot listen on {address} (port in use or address not local)")
     server.start()

@@ -28,6 +28,7 @@ from launcher.flags import (
     addresses,
     env_events,
     env_redis,
+    http_url,
     port_number,
     tier_size_flags,
 )
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
                        description="Send a Mooncake-format trace's requests to a running front door "
                                    "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
-    p.add_argument("--target", required=True, help="front door URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--target", required=True, type=http_url, help="front door URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY") or None,
                    help="send 'Authorization: Bearer KEY' (a front door with API keys; default: $OPENAI_API_KEY, "

@@ -42,6 +42,16 @@ def addresses(text: str) -> str:
     return text
 
 
+def http_url(text: str) -> str:
+    """argparse type: an ``http://`` or ``https://`` URL with a host (a bare ``host:port``
+    is refused naming the scheme it lacks, rather than found unreachable)."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"not an http:// URL: {text!r} (e.g. http://127.0.0.1:8000)")
+    return text.rstrip("/")
+
+
 def env_redis() -> str | None:
     """The Redis URL of the environment (kvstore.auth.REDIS_URL_ENV), which may hold a password."""
     import os

@@ -63,6 +63,8 @@ def preflight(args: argparse.Namespace) -> int | None:
         problem = "need at least one store node"
     elif (problem := _size_problem(args)) is not None:
         pass
+    elif getattr(args, "replay", None) and not os.path.isfile(args.replay):
+        problem = f"--replay {args.replay}: no such trace file"
     else:
         http_port = args.port or free_port(host)
         problem = None if port_is_free(host, http_port) else (
