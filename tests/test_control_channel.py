@@ -97,6 +97,22 @@ def test_a_connection_that_never_sends_its_token_is_closed(slab_node, client_of,
     assert client.put(key_of(2), b"abc").ok and client.get(key_of(2)) == b"abc"
 
 
+def test_a_connection_cannot_commit_or_abort_another_ones_reservation(slab_node) -> None:
+    """Reservation ids are not secrets: another connection naming one is refused as unknown
+    (commit) or ignored (abort), and the reservation stays its owner's to commit."""
+    pool, _, path = slab_node()
+    owner, other = UdsControl(path), UdsControl(path)
+    grant = owner.reserve([(key_of(5), 10)])[0]
+    assert grant.res_id
+    assert not other.commit([grant.res_id], [key_of(6)])[0].ok
+    other.abort([grant.res_id])
+    assert pool.stats()[0].reserved_bytes > 0                 # still open
+    results = owner.commit([grant.res_id], [key_of(5)])
+    assert results[0].ok and pool.get(key_of(6)) is None
+    owner.close()
+    other.close()
+
+
 def test_malformed_requests_are_refused(slab_node) -> None:
     pool, _, path = slab_node()
     ctl = UdsControl(path)

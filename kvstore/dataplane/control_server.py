@@ -185,12 +185,13 @@ class ControlServer:
                 back = [i for i in c.give_back if i in slots]  # its own only
                 slots.difference_update(back)
                 host.abort(back)
+            # a connection commits its own reservations only
+            results = host.commit(c.res_ids, c.keys, c.parents, c.checksums, c.namespace, owned=slots)
             slots.difference_update(c.res_ids)
-            results = host.commit(c.res_ids, c.keys, c.parents, c.checksums, c.namespace)
             spare[:] = c.spare
             return w.commit_reply(results)
         if op == w.OP_ABORT:
-            ids = w.decode_abort_request(p)
+            ids = [i for i in w.decode_abort_request(p) if i in slots]   # its own only
             slots.difference_update(ids)
             host.abort(ids)
             return b""

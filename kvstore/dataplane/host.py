@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError, QuotaExceeded
 from kvstore.integrity import checksum_of
@@ -195,7 +195,8 @@ class DataPlaneHost:
 
     def commit(self, res_ids: Sequence[int], keys: Sequence[bytes] | None = None,
                parents: Sequence[bytes | None] | None = None,
-               checksums: Sequence[int] | None = None, namespace: str | None = None) -> list[PutResult]:
+               checksums: Sequence[int] | None = None, namespace: str | None = None,
+               owned: Container[int] | None = None) -> list[PutResult]:
         """Commit reservations whose slots the client filled, then make each block visible.
         ``keys`` / ``parents``: the key (and chain parent) each block commits as — required
         for spares, optional otherwise (empty: keep the reserved key). ``checksums``: the
@@ -207,9 +208,10 @@ class DataPlaneHost:
         block is assigned to here (a spare slot was reserved before its tenant was known;
         its quota is checked now, evicting its own blocks first). Per id a PutResult
         (``ok`` false with the reason: unknown id, timed out, a spare without a key, over
-        the namespace's quota, ...)."""
+        the namespace's quota, ...). ``owned``: the ids the caller may commit (a connection's
+        own reservations; another's is refused as unknown and left open); None: any."""
         with self._lock:
-            batch = [self._slots.pop(i, None) for i in res_ids]
+            batch = [self._slots.pop(i, None) if owned is None or i in owned else None for i in res_ids]
         out = []
         for i, (rid, res) in enumerate(zip(res_ids, batch)):
             if res is None:
