@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -37,6 +38,10 @@ class DecodeEngine:
         self._running = 0
         self.recomputed_tokens = 0
         self.identity = IdentityCheck(engine_id)   # blocks read whose tokens were not the prompt's
+        # Called once per decode with what its prompt's KV cost (engines/metrics.py sets it):
+        # (seconds reading the pool, bytes read, tokens loaded from the pool or handed over as
+        # the tail, tokens recomputed).
+        self.on_load: Callable[[float, int, int, int], None] | None = None
 
     def load(self) -> EngineLoad:
         return EngineLoad(0, self._running, 0)
@@ -84,7 +89,10 @@ class DecodeEngine:
                                   f"{len(prompt)} tokens on a block boundary (block size {bs})")
         want = (len(prompt) - tail_tokens) // bs    # blocks the pool holds before the tail
         tags = block_tags(prompt, bs, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
+        t_load = time.perf_counter()
         blocks = read_prefix(self.store, keys[:want], tags[:want], self.identity)
+        load_s = time.perf_counter() - t_load
+        recomputed = 0
         with self._lock:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs
@@ -94,13 +102,16 @@ class DecodeEngine:
                 with torch.inference_mode():
                     ids = torch.tensor([prompt[have:]], dtype=torch.long, device=lm.device)
                     lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                self.recomputed_tokens += len(prompt) - have
+                recomputed = len(prompt) - have
+                self.recomputed_tokens += recomputed
                 log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
                             len(prompt) - have)
             elif tail is not None:
                 append(cache, [tail], lm.device)
         if cache.get_seq_length() != len(prompt):
             raise InvalidArgument(f"KV for {cache.get_seq_length()} tokens, prompt has {len(prompt)}")
+        if self.on_load is not None:
+            self.on_load(load_s, sum(len(b) for b in blocks), len(prompt) - recomputed, recomputed)
         token, lp = first, None
         for index in range(max_tokens):
             finished = token in stops or index == max_tokens - 1

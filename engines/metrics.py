@@ -97,8 +97,9 @@ class EngineMetrics:
                                         "token", e, buckets=DECODE_BUCKETS, registry=r).labels(self.engine_id)
         self.token_seconds = Histogram("kvstore_engine_time_per_output_token_seconds", "Time between two "
                                        "decoded tokens", e, buckets=TOKEN_BUCKETS, registry=r).labels(self.engine_id)
-        self.prompt_tokens = Counter("kvstore_engine_prompt_tokens", "Prompt tokens prefilled, by source: "
-                                     "loaded (KV reused from the engine's cache or the pool) or computed",
+        self.prompt_tokens = Counter("kvstore_engine_prompt_tokens", "Prompt tokens whose KV the engine "
+                                     "needed, by source: loaded (prefill: from its own cache or the pool; "
+                                     "decode: from the pool or the prefill's hand-off) or computed",
                                      e + ["source"], registry=r)
         self.loaded_bytes = Counter("kvstore_engine_pool_loaded_bytes", "KV bytes read from the pool",
                                     e + ["tier"], registry=r)
@@ -110,6 +111,19 @@ class EngineMetrics:
             self.prompt_tokens.labels(self.engine_id, source)
         for outcome in ("ok", "error", "cancelled"):
             self.requests.labels(self.engine_id, outcome)
+        if hasattr(engine, "on_load"):   # a decode engine: its prompt's KV, loaded or recomputed
+            engine.on_load = self.observe_decode_load
+
+    def observe_decode_load(self, seconds: float, nbytes: int, loaded_tokens: int, recomputed_tokens: int) -> None:
+        """A decode's prompt KV: ``nbytes`` read from the pool in ``seconds`` (tier not
+        known to the decode engine: ``unknown``), ``loaded_tokens`` from the pool or the
+        prefill's hand-off, ``recomputed_tokens`` computed again (blocks missing)."""
+        e = self.engine_id
+        self.prompt_tokens.labels(e, "loaded").inc(loaded_tokens)
+        self.prompt_tokens.labels(e, "computed").inc(recomputed_tokens)
+        if nbytes:
+            self.load_seconds.labels(e, "unknown").observe(seconds)
+            self.loaded_bytes.labels(e, "unknown").inc(nbytes)
 
     def observe_prefill(self, r: PrefillResult) -> None:
         """Count one finished prefill."""

@@ -198,6 +198,11 @@ def test_engine_metrics_parse_and_move_with_traffic(node):
         assert value(dec, "kvstore_engine_requests_total", outcome="ok") == 3
         assert value(dec, "kvstore_engine_requests_total", outcome="cancelled") == 0
         assert value(dec, "kvstore_engine_recomputed_tokens_total") == 0
+        # the decode engine's side of the hand-off: the prompt's blocks read from the pool
+        assert value(dec, "kvstore_engine_prompt_tokens_total", source="loaded") == 3 * len(prompt)
+        assert value(dec, "kvstore_engine_prompt_tokens_total", source="computed") == 0
+        assert value(dec, "kvstore_engine_pool_load_seconds_count", tier="unknown") == 3
+        assert value(dec, "kvstore_engine_pool_loaded_bytes_total", tier="unknown") > 0
     finally:
         for server in servers:
             stop_metrics(server)
