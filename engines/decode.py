@@ -104,8 +104,7 @@ class DecodeEngine:
                     lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 recomputed = len(prompt) - have
                 self.recomputed_tokens += recomputed
-                log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)",
-                            len(prompt) - have)
+                log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)", recomputed)
             elif tail is not None:
                 append(cache, [tail], lm.device)
         if cache.get_seq_length() != len(prompt):

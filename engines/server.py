@@ -23,7 +23,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events.channel import make_channel
 from kvstore.limits import check_keys
 from kvstore.metrics_http import MetricsServer
-from kvstore.wire.channel import SERVER_OPTIONS
+from kvstore.wire.channel import SERVER_OPTIONS, listen
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 
@@ -206,12 +206,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                          interceptors=interceptors_for(auth_token))
     metrics = EngineMetrics(engine) if metrics_port is not None else None
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:   # grpc raises its own "Failed to bind ..." where older versions returned 0
-        port = 0
-    if port == 0:
-        raise RuntimeError(f"engine: cannot listen on {address} (port in use or address not local)")
+    port = listen(server, address, "engine")
     if metrics is not None:
         _METRICS[id(server)] = MetricsServer(metrics.registry, address.rpartition(":")[0] or "127.0.0.1",
                                              metrics_port or 0, auth_token, f"{role} engine {engine_id}")

@@ -21,26 +21,24 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number > 0."""
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise ArgumentTypeError(f"must be > 0, got {value}")
+    if value < least:
+        raise ArgumentTypeError(f"must be {'> 0' if least == 1 else f'>= {least}'}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    return _whole_number(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _whole_number(text, 0)
 
 
 def parse_bytes(text: str | int) -> int:

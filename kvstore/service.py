@@ -22,7 +22,7 @@ from kvstore.limits import check_count, check_key, check_keys, check_ttl
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.buffers import to_bytes
 from kvstore.wire import proto_codec as codec
-from kvstore.wire.channel import SERVER_OPTIONS
+from kvstore.wire.channel import SERVER_OPTIONS, listen
 from kvstore.wire.errors import grpc_abort, refusing
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -300,12 +300,7 @@ def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     pb_grpc.add_KVStoreServicer_to_server(StoreServicer(pool, dataplane=dataplane), server)
     for add in extra_services:
         add(server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:   # grpc raises its own "Failed to bind ..." where older versions returned 0
-        port = 0
-    if port == 0:
-        raise RuntimeError(f"store: cannot listen on {address} (port in use or address not local)")
+    port = listen(server, address, "store")
     server.start()
     log.info("store node %s listening on %s (port %d)", pool.node_id, address, port)
     return server, port

@@ -64,9 +64,8 @@ class Child:
     """One supervised process: how to start it again, and its crashes so far."""
 
     name: str
-    argv: tuple[str, ...] | None      # None: not a `kvstore` command (see respawn)
     proc: subprocess.Popen
-    respawn: Callable[[], subprocess.Popen] | None = None   # starts it again when argv is None
+    respawn: Callable[[], subprocess.Popen] | None = None   # starts it again (None: it cannot be)
     crashes: list[float] = field(default_factory=list)   # monotonic instants of recent crashes
     restart_at: float | None = None
 
@@ -89,15 +88,14 @@ class Stack:
     handlers_installed: bool = False
 
     def start(self, name: str, *argv: str) -> None:
-        self.children[name] = Child(name, tuple(argv), self._spawn(name, argv, "wb"))
-        self.procs.append((name, self.children[name].proc))
+        self.adopt(name, self._spawn(name, argv, "wb"), respawn=lambda: self._spawn(name, argv, "ab"))
 
     def adopt(self, name: str, proc: subprocess.Popen,
               respawn: Callable[[], subprocess.Popen] | None = None) -> None:
         """A process started elsewhere; stopped with the stack, and restarted as the others
         are by calling ``respawn`` (which returns the new process; None: never restarted,
         its exit stops the stack)."""
-        self.children[name] = Child(name, None, proc, respawn=respawn)
+        self.children[name] = Child(name, proc, respawn)
         self.procs.append((name, proc))
 
     def _spawn(self, name: str, argv: tuple[str, ...], mode: str) -> subprocess.Popen:
@@ -124,8 +122,8 @@ class Stack:
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restart_at = None
-                    child.proc = child.respawn() if child.respawn is not None else \
-                        self._spawn(child.name, child.argv or (), "ab")
+                    assert child.respawn is not None   # only a restartable child is scheduled
+                    child.proc = child.respawn()
                     self.procs = [(n, child.proc if n == child.name else p) for n, p in self.procs]
                     self.restarts += 1
                     print(f"kvstore up: {child.name} restarted (pid {child.proc.pid})", flush=True)
@@ -136,9 +134,8 @@ class Stack:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             self.sweep([child.proc.pid], sockets=False)
             child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
-            restartable = child.argv is not None or child.respawn is not None
-            if not restartable or len(child.crashes) > self.max_restarts:
-                why = "it cannot be restarted" if not restartable else \
+            if child.respawn is None or len(child.crashes) > self.max_restarts:
+                why = "it cannot be restarted" if child.respawn is None else \
                     f"{self.max_restarts} restarts within {RESTART_WINDOW_S:.0f} s already"
                 raise RuntimeError(f"{child.name} exited ({how}); {why}; its log ends:\n"
                                    f"{self.log_tail(child.name)}")

@@ -105,8 +105,8 @@ class Admission:
                              cfg.min_retry_after_s)
         return None
 
-    def check_tenant(self, namespace: str, inflight: int) -> Rejection | None:
-        """A rejection when tenant ``namespace`` already has ``inflight`` requests in flight,
+    def check_tenant(self, inflight: int) -> Rejection | None:
+        """A rejection when the request's tenant already has ``inflight`` requests in flight,
         at its bound (``max_inflight_per_tenant``); else None."""
         cap = self.config.max_inflight_per_tenant
         if cap is not None and inflight >= cap:

@@ -173,10 +173,6 @@ class Frontdoor:
     async def _admit(self, request: web.Request, req: GenerationRequest) -> RoutePlan:
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
         rid = request_id(req.chat, uuid.uuid4().hex)
-        busy = self.router.policy.admission.check_tenant(namespace, self.router.inflight_by_tenant.get(namespace, 0))
-        if busy is not None:
-            self.metrics.rejected.labels(reason=busy.reason).inc()
-            raise APIError(429, busy.message, "rate_limit", busy.reason, {"Retry-After": str(busy.retry_after_s)})
         try:
             plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache)
         except InvalidArgument as exc:

@@ -188,6 +188,10 @@ class Router(Generic[C]):
             pool_hit = await self._pool_hit(keys)
             self.check_serving()   # the lookup awaited: an instance may have gone down since
             view = self.cluster_view(keys, pool_hit)
+        # the tenant's own bound, after the last await: nothing runs between it and begin()
+        busy = self.policy.admission.check_tenant(self.inflight_by_tenant.get(namespace, 0))
+        if busy is not None:
+            return busy
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
         result = self.policy.decide(request, view)
         if isinstance(result, Rejection):

@@ -2,6 +2,8 @@
 channel and server options. A neutral module, so a client never imports the server."""
 from __future__ import annotations
 
+from typing import Any
+
 CHUNK_BYTES = 1 << 20                # block bytes per PutChunk / GetChunk
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -11,3 +13,16 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 # Servers refuse a port already in use (gRPC sets SO_REUSEPORT by default, which would let a
 # second node share the port and take half its connections).
 SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+
+
+def listen(server: Any, address: str, who: str) -> int:
+    """Bind gRPC ``server`` to ``address``; the port. Raises RuntimeError naming ``who`` when
+    the port is in use or the address is not local (gRPC raises its own "Failed to bind"
+    where older versions returned 0)."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise RuntimeError(f"{who}: cannot listen on {address} (port in use or address not local)")
+    return int(port)
