@@ -133,6 +133,21 @@ def test_malformed_requests_are_refused(slab_node) -> None:
     ctl.close()
 
 
+def test_a_reserve_with_two_parents_is_refused(slab_node) -> None:
+    """A RESERVE names at most one parent (the key its first block extends): one with two
+    is refused naming the field, reserves nothing, and the connection goes on."""
+    pool, _, path = slab_node()
+    ctl = UdsControl(path)
+    frame = (bytes((wire.FLAG_CHAIN,)) + wire.encode_keys([key_of(8), key_of(9)])
+             + wire.encode_keys([key_of(1)]) + wire.U64.pack(10))
+    with pytest.raises(InvalidArgument, match="parent: RESERVE carries 2 parents; at most 1"):
+        ctl._call(wire.OP_RESERVE, frame)
+    assert pool.stats()[0].reserved_bytes == 0
+    grant = ctl.reserve([(key_of(1), 10)], chain=True, parent=key_of(8))[0]   # one parent is fine
+    assert ctl.commit([grant.res_id], [key_of(1)])[0].ok
+    ctl.close()
+
+
 @pytest.mark.parametrize("keys", [[], [b"a" * 32] * 3, [b"", b"a" * 16, b"bb" * 16]])
 def test_wire_keys_round_trip(keys: list[bytes]) -> None:
     raw = b"xx" + wire.encode_keys(keys)

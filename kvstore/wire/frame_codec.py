@@ -215,11 +215,15 @@ def reserve_request(req: ReserveRequest) -> bytes:
 
 
 def decode_reserve_request(p: bytes) -> ReserveRequest:
+    """Raises InvalidArgument for a malformed payload, including more than one parent."""
     flags, pos = p[0], 1
     namespace = None
     if flags & FLAG_NAMESPACE:
         namespace, pos = decode_namespace(p, pos)
     parents, pos = decode_keys(p, pos, allow_empty=True)
+    if len(parents) > 1:
+        raise InvalidArgument(f"parent: RESERVE carries {len(parents)} parents; at most 1 (the key the first "
+                              "block extends)")
     keys, pos = decode_keys(p, pos)
     sizes = struct.unpack_from(f"<{len(keys)}Q", p, pos)
     return ReserveRequest(list(zip(keys, sizes)), bool(flags & FLAG_CHAIN), parents[0] if parents else None,
