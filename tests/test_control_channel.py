@@ -148,6 +148,37 @@ def test_a_reserve_with_two_parents_is_refused(slab_node) -> None:
     ctl.close()
 
 
+def test_a_commit_whose_counts_do_not_match_its_ids_commits_nothing(slab_node) -> None:
+    """A COMMIT carries one key, one parent and one checksum per reservation id (keys and
+    parents may be left out): one with more or fewer is refused naming the field, commits
+    none of its blocks and leaves every reservation open for a commit that is right."""
+    pool, _, path = slab_node()
+    ctl = UdsControl(path)
+    grants = ctl.reserve([(key_of(2), 10), (key_of(3), 10)])
+    ids = [g.res_id for g in grants]
+
+    def frame(keys: list[bytes], parents: list[bytes], sums: list[int] | None = None) -> bytes:
+        return (wire.U32.pack(len(ids)) + b"".join(wire.U64.pack(i) for i in ids) + wire.encode_keys(keys)
+                + wire.encode_keys(parents) + wire.SPARE_ASK.pack(0, 0)
+                + bytes((wire.COMMIT_CHECKSUMS if sums is not None else 0,))
+                + b"".join(wire.U64.pack(s) for s in sums or ()))
+
+    both, none = [key_of(2), key_of(3)], [b"", b""]
+    for bad, match in ((frame(both[:1], none), "keys: COMMIT of 2 reservation ids carries 1 keys"),
+                       (frame(both + [key_of(4)], none), "keys: COMMIT of 2 reservation ids carries 3 keys"),
+                       (frame(both, none[:1]), "parents: COMMIT of 2 reservation ids carries 1 parents"),
+                       (frame(both, none, [1]), "checksums: COMMIT of 2 reservation ids carries 1 checksums")):
+        with pytest.raises(InvalidArgument, match=match):
+            ctl._call(wire.OP_COMMIT, bad)
+        assert pool.get(key_of(2)) is None and pool.get(key_of(3)) is None
+        assert pool.stats()[0].reserved_bytes == 20
+    with pytest.raises(InvalidArgument):                      # three checksums: bytes past the sections
+        ctl._call(wire.OP_COMMIT, frame(both, none, [1, 2, 3]))
+    assert [r.ok for r in ctl.commit(ids, both)] == [True, True]    # both were still open
+    assert pool.get(key_of(2)) is not None and pool.stats()[0].reserved_bytes == 0
+    ctl.close()
+
+
 @pytest.mark.parametrize("keys", [[], [b"a" * 32] * 3, [b"", b"a" * 16, b"bb" * 16]])
 def test_wire_keys_round_trip(keys: list[bytes]) -> None:
     raw = b"xx" + wire.encode_keys(keys)

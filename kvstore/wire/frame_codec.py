@@ -15,9 +15,10 @@ reply, except RELEASE, which gets none (a reader releases its lease without wait
   (``<H`` length + utf-8); parent (keys, 0 or 1); keys; ``<Q`` size per key → per key
   ``<BQQd`` state (0 open, 1 existed, 2 failed, 3 over the namespace's quota), reservation
   id, offset, write-by time (monotonic seconds); then the errors of the failed and refused ones.
-- COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents (empty:
-  keep, none); ``<QI`` size, count of spare slots wanted; ``<B`` sections: 1 = ``<Q`` per
-  id, the writer's xxh3_64 of each filled slot (absent: the node checksums the slots);
+- COMMIT: ``<I`` n, ``<Q`` per reservation id; the keys to commit as and their parents, n of
+  each or none (b"" or none: keep, no parent); ``<QI`` size, count of spare slots wanted;
+  ``<B`` sections: 1 = ``<Q`` per id, the writer's xxh3_64 of each filled slot (absent: the
+  node checksums the slots);
   2 = ``<I`` count, ``<Q`` each: spare slots of this connection given back unused;
   4 = the namespace (``<H`` length + utf-8) the blocks belong to, assigned to each at commit
   (a spare slot was reserved before its tenant was known) → per id
@@ -286,16 +287,25 @@ def commit_request(req: CommitRequest) -> bytes:
 
 
 def decode_commit_request(p: bytes) -> CommitRequest:
+    """Raises InvalidArgument for a malformed payload, including keys, parents or checksums
+    that are not one per reservation id (keys and parents may also be none at all)."""
     (n,) = U32.unpack_from(p, 0)
     check_count(n, "reservation ids")
     ids = struct.unpack_from(f"<{n}Q", p, 4)
     keys, pos = decode_keys(p, 4 + 8 * n, allow_empty=True)
     parents, pos = decode_keys(p, pos, allow_empty=True)
+    for name, got in (("keys", keys), ("parents", parents)):
+        if got and len(got) != n:
+            raise InvalidArgument(f"{name}: COMMIT of {n} reservation ids carries {len(got)} {name}; "
+                                  "one per id (or none)")
     spare = SPARE_ASK.unpack_from(p, pos)
     sections = p[pos + SPARE_ASK.size]
     pos += SPARE_ASK.size + 1
     checksums = None
     if sections & COMMIT_CHECKSUMS:
+        if pos + 8 * n > len(p):
+            raise InvalidArgument(f"checksums: COMMIT of {n} reservation ids carries {(len(p) - pos) // 8} "
+                                  "checksums; one per id")
         checksums = struct.unpack_from(f"<{n}Q", p, pos)
         pos += 8 * n
     back: tuple[int, ...] = ()
