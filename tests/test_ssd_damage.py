@@ -227,8 +227,8 @@ def test_damaged_records_are_dropped_at_open_with_one_line(make_dram, tmp_path: 
         pool = KVPool([make_dram(2 * BLOCK), SsdTier(64 << 20, str(path))], promote_on_hit=False)
         try:
             assert [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()] == [
-                f"ssd tier at {path}: 4 blocks had a damaged record (unreadable, or a size that does not match "
-                "the bytes stored); dropped"]
+                f"ssd tier at {path}: 4 blocks had a damaged record (unreadable, a key of a length the key spec "
+                "cannot make, or a size that does not match the bytes stored); dropped"]
             assert pool.tiers[1].used_bytes == 6 * BLOCK
             for i in (0, 1, 2, 8, 9):
                 assert pool.get(_key(i)) == _block(i)
@@ -241,3 +241,35 @@ def test_damaged_records_are_dropped_at_open_with_one_line(make_dram, tmp_path: 
     reopened = SsdTier(64 << 20, str(path))      # the dropped records are gone from the file too
     assert reopened.usage().blocks == 5
     reopened.close()
+
+
+def test_records_under_a_key_of_the_wrong_length_are_dropped_at_open(make_dram, tmp_path: Path, caplog) -> None:
+    """Block keys are 16 or 32 bytes (the key spec; no wire stores another): a record under
+    a 5- or a 64-byte key, however sound its size and bytes, is damaged — dropped at open with
+    the other damaged records' one log line, never loaded, counted or served."""
+    import lmdb
+    path = tmp_path / "ssd"
+    _fill_ssd(path, 3)
+    env = lmdb.open(str(path), max_dbs=3)
+    meta, data = env.open_db(b"meta"), env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for odd in (b"short", b"l" * 64):
+            txn.put(odd, txn.get(_key(0), db=data), db=data)
+            txn.put(odd, txn.get(_key(0), db=meta), db=meta)
+    env.close()
+    with caplog.at_level(logging.WARNING):
+        pool = KVPool([make_dram(2 * BLOCK), SsdTier(64 << 20, str(path))], promote_on_hit=False)
+        try:
+            assert [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()] == [
+                f"ssd tier at {path}: 2 blocks had a damaged record (unreadable, a key of a length the key spec "
+                "cannot make, or a size that does not match the bytes stored); dropped"]
+            ssd = pool.tiers[1]
+            assert ssd.used_bytes == 3 * BLOCK and sorted(k for k, _ in ssd.keys()) == [_key(i) for i in range(3)]
+            assert all(pool.get(_key(i)) == _block(i) for i in range(3))
+            assert pool.get(b"short") is None
+        finally:
+            pool.close()
+    env = lmdb.open(str(path), max_dbs=3, readonly=True)  # and gone from the file
+    with env.begin() as txn:
+        assert [txn.get(b"short", db=env.open_db(name, txn=txn)) for name in (b"meta", b"blocks")] == [None, None]
+    env.close()

@@ -227,22 +227,22 @@ def test_hbm_on_cuda(make_hbm) -> None:
 def test_ssd_usage_survives_reopen(tmp_path: Path) -> None:
     path = str(tmp_path / "ssd")
     tier = SsdTier(1 << 20, path)
-    sizes = {bytes([i]) * 8: 100 * (i + 1) for i in range(5)}
+    sizes = {bytes([i]) * 32: 100 * (i + 1) for i in range(5)}
     for k, n in sizes.items():
         d = _block(n, n)
         tier.put(k, d, checksum_of(d))
-    tier.remove(bytes([2]) * 8)
+    tier.remove(bytes([2]) * 32)
     stored = sum(sizes.values()) - 300
     assert tier.used_bytes == stored
     tier.close()
     tier = SsdTier(1 << 20, path)
     try:
         assert tier.used_bytes == stored and tier.usage().blocks == 4
-        assert [k for k, _ in tier.keys()] == [bytes([i]) * 8 for i in (0, 1, 3, 4)]  # write order
-        assert tier.get(bytes([4]) * 8) == _block(500, 500)
+        assert [k for k, _ in tier.keys()] == [bytes([i]) * 32 for i in (0, 1, 3, 4)]  # write order
+        assert tier.get(bytes([4]) * 32) == _block(500, 500)
         d = _block(10, 10)
-        tier.put(b"new", d, checksum_of(d))  # sequence numbers continue after the restart
-        assert [k for k, _ in tier.keys()][-1] == b"new"
+        tier.put(b"n" * 32, d, checksum_of(d))  # sequence numbers continue after the restart
+        assert [k for k, _ in tier.keys()][-1] == b"n" * 32
     finally:
         tier.close()
 
@@ -251,23 +251,23 @@ def test_ssd_flipped_byte_is_an_integrity_error(tmp_path: Path) -> None:
     path = str(tmp_path / "ssd")
     data = _block(4096, 7)
     tier = SsdTier(1 << 20, path)
-    tier.put(b"k", data, checksum_of(data))
-    tier.put(b"other", b"fine", checksum_of(b"fine"))
+    tier.put(b"k" * 32, data, checksum_of(data))
+    tier.put(b"o" * 32, b"fine", checksum_of(b"fine"))
     tier.close()
     env = lmdb.open(path, max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
-        raw = bytearray(txn.get(b"k"))
+        raw = bytearray(txn.get(b"k" * 32))
         raw[1234] ^= 0x01
-        txn.put(b"k", bytes(raw))
+        txn.put(b"k" * 32, bytes(raw))
     env.close()
     tier = SsdTier(1 << 20, path)
     try:
         out = np.zeros(4096, np.uint8)
         with pytest.raises(IntegrityError):
-            tier.get_into(b"k", out)
+            tier.get_into(b"k" * 32, out)
         assert not out.any()  # verified before the copy: no wrong byte reached the caller
-        assert tier.read_many([b"k", b"other"], [bytes, bytes])[1] == b"fine"
-        assert tier.remove(b"k") == 4096 and tier.used_bytes == 4  # the pool drops it like this
+        assert tier.read_many([b"k" * 32, b"o" * 32], [bytes, bytes])[1] == b"fine"
+        assert tier.remove(b"k" * 32) == 4096 and tier.used_bytes == 4  # the pool drops it like this
     finally:
         tier.close()
 

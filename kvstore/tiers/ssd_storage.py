@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from kvstore.limits import VALID_KEY_BYTES
+
 log = logging.getLogger("kvstore.tiers.ssd")
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
 _MIN_MAP = 64 << 20
@@ -121,15 +123,20 @@ class SsdStorage:
 
     def _read_books(self) -> list[tuple[tuple[int, int, int], bytes]]:
         """The ``meta`` rows ((size, checksum, write sequence), key) whose block is stored
-        with that many bytes. A row that cannot be read, or whose block is missing or of
-        another size (a damaged record LMDB does not detect: a flipped bit in a size once
-        stopped the node from starting), is deleted with its block, one log line with the
-        count; a block of the right size whose bytes are damaged fails its checksum on read."""
+        with that many bytes. A row that cannot be read, whose key is of a length the key
+        spec cannot make (kvstore/limits.py ``VALID_KEY_BYTES``: no wire stores one), or
+        whose block is missing or of another size (a damaged record LMDB does not detect: a
+        flipped bit in a size once stopped the node from starting), is deleted with its
+        block, one log line with the count; a block of the right size whose bytes are
+        damaged fails its checksum on read."""
         rows: list[tuple[tuple[int, int, int], bytes]] = []
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:   # no copies: only the values' lengths are read
             for view, raw in txn.cursor(db=self._meta):
                 key = bytes(view)
+                if len(key) not in VALID_KEY_BYTES:
+                    bad.append(key)
+                    continue
                 try:
                     size, checksum, seq = _META.unpack(raw)
                 except struct.error:
@@ -145,8 +152,9 @@ class SsdStorage:
                 for key in bad:
                     for db in (self._data, self._meta, self._owners):
                         wtxn.delete(key, db=db)
-            log.warning("ssd tier at %s: %d blocks had a damaged record (unreadable, or a size that does "
-                        "not match the bytes stored); dropped", self.path, len(bad))
+            log.warning("ssd tier at %s: %d blocks had a damaged record (unreadable, a key of a length the "
+                        "key spec cannot make, or a size that does not match the bytes stored); dropped",
+                        self.path, len(bad))
         return rows
 
     def _load_owners(self) -> dict[bytes, str]:
