@@ -320,9 +320,10 @@ class Placement:
     # -- pins ------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], pin: Pin) -> int:
         """Pin the held blocks among ``keys``; a soft pin never weakens a hard one and only
-        extends another soft one. Returns blocks pinned."""
+        extends another soft one. Returns blocks pinned (a key named twice counts once, as
+        :meth:`unpin` counts)."""
         n = 0
-        for key in keys:
+        for key in dict.fromkeys(keys):
             if self.held(key):
                 old = self.pins.get(key)
                 if old is None or pin.hard:

@@ -202,7 +202,7 @@ class KVPool(PoolReads):
     def pin(self, keys: Sequence[bytes], hard: bool = False, ttl_s: float | None = None) -> int:
         """Pin the blocks of ``keys`` this node holds: ``hard`` (never evicted, until
         unpinned) or soft (evicted only as a last resort, for ``ttl_s``, default the pool's
-        soft-pin TTL). A soft pin never weakens a hard one. Returns blocks pinned."""
+        soft-pin TTL). A soft pin never weakens a hard one. Returns distinct blocks pinned."""
         pin = Pin(True) if hard else Pin(False, time.monotonic() + (ttl_s or self.settings.soft_pin_ttl_s))
         with self._lock:
             return self._place.pin(keys, pin)
@@ -213,7 +213,8 @@ class KVPool(PoolReads):
             return self._place.unpin(keys)
 
     def pin_prefix(self, chain: Sequence[bytes], hard: bool = False, ttl_s: float | None = None) -> int:
-        """Pin the longest prefix of the chain this node holds; returns blocks pinned."""
+        """Pin the longest prefix of the chain this node holds; returns distinct blocks
+        pinned (a chain that names a block twice counts it once)."""
         with self._lock:
             return self.pin(chain[:self.lookup(chain)[0]], hard, ttl_s)
 

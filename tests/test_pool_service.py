@@ -188,6 +188,20 @@ def test_chain_put_over_the_wire_evicts_the_tail_first(make_dram) -> None:
         pool.close()
 
 
+def test_pin_counts_distinct_blocks_of_a_chain_that_repeats_one(node, capsys) -> None:
+    """Pin (plain or ``prefix``) over [A, B, A, B] reports the 2 blocks pinned, as Unpin
+    reports the 2 pins dropped; kvctl asked for 2 blocks and pinned them all."""
+    pool, client = node
+    a, b = _key(1), _key(2)
+    client.put_blocks([(a, b"a" * 4096), (b, b"b" * 4096)], chain=True)
+    assert client.pin([a, b, a, b], prefix=True, hard=True) == 2
+    assert client.pin([a, b, a, b]) == 2
+    assert {s.name: s for s in client.stats()[1]}["dram"].pinned_bytes == 2 * 4096
+    assert client.unpin([a, b, a, b], prefix=True) == 2 and not pool._place.pins
+    assert kvctl.main(["--store", client.address, "pin", a.hex(), a.hex(), b.hex()]) == 0
+    assert "pinned 2 of 2 blocks" in capsys.readouterr().out
+
+
 def test_pins_policy_and_stats_through_client_and_kvctl(node, capsys) -> None:
     pool, client = node
     chain = [(_key(i), bytes([i]) * 4096) for i in range(4)]

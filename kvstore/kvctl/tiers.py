@@ -63,10 +63,11 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
     keys = parse_keys(args.keys)
     with _store(t) as client:
         n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
+    asked = len(set(keys))   # the node counts distinct blocks
     kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
-    emit(args, {"success": n == len(keys) or args.prefix, "pinned": n, "asked": len(keys), "kind": kind},
-         f"pinned {n} of {len(keys)} blocks, {kind}")
-    return EXIT_OK if n == len(keys) or args.prefix else EXIT_INCOMPLETE
+    emit(args, {"success": n == asked or args.prefix, "pinned": n, "asked": asked, "kind": kind},
+         f"pinned {n} of {asked} blocks, {kind}")
+    return EXIT_OK if n == asked or args.prefix else EXIT_INCOMPLETE
 
 
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
