@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from kvstore.limits import VALID_KEY_BYTES
-
 log = logging.getLogger("kvstore.tiers.ssd")
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
 _MIN_MAP = 64 << 20
@@ -129,6 +127,8 @@ class SsdStorage:
         flipped bit in a size once stopped the node from starting), is deleted with its
         block, one log line with the count; a block of the right size whose bytes are
         damaged fails its checksum on read."""
+        # Imported here: kvstore.limits needs kvstore.index, whose import loads the tiers (this module).
+        from kvstore.limits import VALID_KEY_BYTES
         rows: list[tuple[tuple[int, int, int], bytes]] = []
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:   # no copies: only the values' lengths are read
