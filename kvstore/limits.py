@@ -20,11 +20,8 @@ import math
 from collections.abc import Sequence
 
 from kvstore.errors import InvalidArgument
-from kvstore.index.keys import HASH_FUNCTIONS
+from kvstore.index.keys import KEY_BYTES, VALID_KEY_BYTES
 
-# bytes of the keys each hash of the key spec makes: {"sha256": 32, "xxh3_128": 16}
-KEY_BYTES: dict[str, int] = {name: len(fn(b"")) for name, fn in HASH_FUNCTIONS.items()}
-VALID_KEY_BYTES = frozenset(KEY_BYTES.values())
 MAX_KEYS_PER_CALL = 8192
 MAX_TTL_S = 86400.0            # a pin or lease asked for longer than a day is a mistake
 _VALID_TEXT = " or ".join(f"{n} ({name})" for name, n in sorted(KEY_BYTES.items(), key=lambda kv: kv[1]))

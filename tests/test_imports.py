@@ -7,6 +7,7 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import kvstore
@@ -23,23 +24,11 @@ def _modules() -> list[str]:
 def test_every_store_module_imports_first_in_a_fresh_interpreter() -> None:
     names = _modules()
     assert len(names) > 50, names      # the walk found the package, not an empty path
-    # One interpreter per module, a few at a time: each must import as the first thing it loads.
-    procs = {}
-    failed = {}
-    for name in names:
-        procs[name] = subprocess.Popen([sys.executable, "-c", f"import {name}"], cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if len(procs) >= 4:
-            _reap(procs, failed)
-    while procs:
-        _reap(procs, failed)
-    assert not failed, "\n".join(f"{n}: {err.strip().splitlines()[-1] if err.strip() else '?'}"
-                                 for n, err in sorted(failed.items()))
 
+    def imports(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
 
-def _reap(procs: dict[str, subprocess.Popen], failed: dict[str, str]) -> None:
-    name = next(iter(procs))
-    p = procs.pop(name)
-    _, err = p.communicate(timeout=120)
-    if p.returncode != 0:
-        failed[name] = err
+    with ThreadPoolExecutor(4) as pool:     # one interpreter per module, a few at a time
+        failed = {n: r.stderr.strip() for n, r in zip(names, pool.map(imports, names)) if r.returncode}
+    assert not failed, "\n".join(f"{n}: {err.splitlines()[-1] if err else '?'}" for n, err in sorted(failed.items()))

@@ -40,6 +40,16 @@ def _damage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
 
 
+def _damaged_record_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()]
+
+
+def _damaged_record_line(path: Path, blocks: int) -> str:
+    """The one line an open logs for ``blocks`` damaged records dropped."""
+    return (f"ssd tier at {path}: {blocks} blocks had a damaged record (unreadable, a key of a length the key "
+            "spec cannot make, or a size that does not match the bytes stored); dropped")
+
+
 @pytest.mark.parametrize("keep", [0.5, 4096])
 def test_a_truncated_file_is_moved_aside_at_open(tmp_path: Path, caplog, keep: float) -> None:
     path = tmp_path / "ssd"
@@ -226,9 +236,7 @@ def test_damaged_records_are_dropped_at_open_with_one_line(make_dram, tmp_path: 
     with caplog.at_level(logging.WARNING):
         pool = KVPool([make_dram(2 * BLOCK), SsdTier(64 << 20, str(path))], promote_on_hit=False)
         try:
-            assert [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()] == [
-                f"ssd tier at {path}: 4 blocks had a damaged record (unreadable, a key of a length the key spec "
-                "cannot make, or a size that does not match the bytes stored); dropped"]
+            assert _damaged_record_lines(caplog) == [_damaged_record_line(path, 4)]
             assert pool.tiers[1].used_bytes == 6 * BLOCK
             for i in (0, 1, 2, 8, 9):
                 assert pool.get(_key(i)) == _block(i)
@@ -260,9 +268,7 @@ def test_records_under_a_key_of_the_wrong_length_are_dropped_at_open(make_dram, 
     with caplog.at_level(logging.WARNING):
         pool = KVPool([make_dram(2 * BLOCK), SsdTier(64 << 20, str(path))], promote_on_hit=False)
         try:
-            assert [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()] == [
-                f"ssd tier at {path}: 2 blocks had a damaged record (unreadable, a key of a length the key spec "
-                "cannot make, or a size that does not match the bytes stored); dropped"]
+            assert _damaged_record_lines(caplog) == [_damaged_record_line(path, 2)]
             ssd = pool.tiers[1]
             assert ssd.used_bytes == 3 * BLOCK and sorted(k for k, _ in ssd.keys()) == [_key(i) for i in range(3)]
             assert all(pool.get(_key(i)) == _block(i) for i in range(3))

@@ -76,7 +76,9 @@ def _chain_xxh3_128(parent: bytes, count: bytes, raw: memoryview, step: int) -> 
     return keys
 
 
-_KEY_BYTES = {"sha256": 32, "xxh3_128": 16}
+# bytes of the keys each hash makes ({"sha256": 32, "xxh3_128": 16}); no other length is a block key
+KEY_BYTES: dict[str, int] = {name: len(fn(b"")) for name, fn in HASH_FUNCTIONS.items()}
+VALID_KEY_BYTES = frozenset(KEY_BYTES.values())
 _CHAINS: dict[str, Callable[[bytes, bytes, memoryview, int], list[bytes]]] = {
     "sha256": _chain_sha256, "xxh3_128": _chain_xxh3_128}
 
@@ -306,8 +308,8 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, extras: KeyE
     """
     if type(block_size) is not int or block_size <= 0:
         raise InvalidArgument(f"block_size must be an int > 0, got {block_size!r}")
-    if parent is not None and (type(parent) is not bytes or len(parent) != _KEY_BYTES[extras.hash_name]):
-        raise InvalidArgument(f"parent must be a {_KEY_BYTES[extras.hash_name]}-byte {extras.hash_name} block key, "
+    if parent is not None and (type(parent) is not bytes or len(parent) != KEY_BYTES[extras.hash_name]):
+        raise InvalidArgument(f"parent must be a {KEY_BYTES[extras.hash_name]}-byte {extras.hash_name} block key, "
                               f"got {parent!r:.80}")
     raw = _tokens_u32le(tokens)
     return _CHAINS[extras.hash_name](_root(extras) if parent is None else parent, _U32(block_size), raw,

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from kvstore.index.keys import VALID_KEY_BYTES
+
 log = logging.getLogger("kvstore.tiers.ssd")
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
 _MIN_MAP = 64 << 20
@@ -122,13 +124,11 @@ class SsdStorage:
     def _read_books(self) -> list[tuple[tuple[int, int, int], bytes]]:
         """The ``meta`` rows ((size, checksum, write sequence), key) whose block is stored
         with that many bytes. A row that cannot be read, whose key is of a length the key
-        spec cannot make (kvstore/limits.py ``VALID_KEY_BYTES``: no wire stores one), or
+        spec cannot make (kvstore/index/keys.py ``VALID_KEY_BYTES``: no wire stores one), or
         whose block is missing or of another size (a damaged record LMDB does not detect: a
         flipped bit in a size once stopped the node from starting), is deleted with its
         block, one log line with the count; a block of the right size whose bytes are
         damaged fails its checksum on read."""
-        # Imported here: kvstore.limits needs kvstore.index, whose import loads the tiers (this module).
-        from kvstore.limits import VALID_KEY_BYTES
         rows: list[tuple[tuple[int, int, int], bytes]] = []
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:   # no copies: only the values' lengths are read
