@@ -296,6 +296,44 @@ def test_online_fit_recovers_a_model_and_keeps_coefficients_non_negative():
     assert all(x >= 0 for x in down.coefficients)
 
 
+def _exhaustive_nonneg_fit(fit: OnlineFit) -> tuple[float, ...]:
+    """The reference: every non-empty subset of features solved, the best non-negative kept."""
+    import numpy as np
+    from itertools import combinations
+    k = len(fit.seed)
+    scale = np.sqrt(np.maximum(np.diag(fit._xtx), 1e-300))
+    a, b = fit._xtx / np.outer(scale, scale), fit._xty / scale
+    best, best_rss = None, np.inf
+    for size in range(k, 0, -1):
+        for idx in map(list, combinations(range(k), size)):
+            sol = np.linalg.solve(a[np.ix_(idx, idx)] + 1e-9 * np.eye(size), b[idx])
+            if (sol < 0).any():
+                continue
+            coef = np.zeros(k)
+            coef[idx] = sol
+            rss = coef @ a @ coef - 2 * coef @ b
+            if rss < best_rss - 1e-12:
+                best, best_rss = coef, rss
+    return fit.seed if best is None else tuple(float(c) for c in best / scale)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_online_fit_is_the_best_non_negative_least_squares_fit(seed: int):
+    # Solving the full system first (and the subsets only when it goes negative) gives what
+    # solving every subset gives, whether the unconstrained fit is non-negative or not.
+    import random
+    rng = random.Random(seed)
+    truth = [rng.choice((0.0, rng.uniform(0, 2))) for _ in range(3)]
+    slope = rng.uniform(-1, 1)
+    fit = OnlineFit((1.0, 1.0, 1.0), min_samples=3)
+    for _ in range(30):
+        x = (1.0, rng.uniform(1, 50), rng.uniform(1, 2500))
+        y = sum(c * v for c, v in zip(truth, x)) + slope * x[1] + rng.gauss(0, 1)
+        fit.observe(x, y)
+    assert fit.coefficients == pytest.approx(_exhaustive_nonneg_fit(fit), rel=1e-6, abs=1e-9)
+    assert all(c >= 0 for c in fit.coefficients)
+
+
 def test_prefill_and_tbt_models_learn_online():
     model = PrefillModel(PrefillProfile(min_samples=4))
     for n, p in [(100, 0), (400, 0), (400, 300), (1000, 200), (2000, 0), (2000, 1500)]:
