@@ -99,10 +99,19 @@ def test_the_conductor_learns_online_from_noisy_observations_and_the_oracle_does
 
 
 def test_presets_are_the_readme_experiments():
-    assert sorted(PRESETS) == ["capacity", "colocated", "fig5", "overload"]
+    assert sorted(PRESETS) == ["capacity", "colocated", "fig5", "fig5-hbm", "overload"]
     fig5 = preset_runs("fig5")
     assert [c.policy for c in fig5] == ["random", "round_robin", "least_loaded", "local_cache_aware", "conductor"]
     assert all(c.pool_dram_tokens == 0 and c.n_prefill == 8 and c.instances == 16 for c in fig5)
+    # Each prefill node's local cache holds Mooncake's 3M tokens (FAST'25 §5.3.1-5.3.2): its
+    # HBM's KV room (1,326,904 LLaMA3-70B tokens on 8xA800), then DRAM below it.
+    assert COST.kv_capacity_tokens() == 1_326_904
+    assert all(c.local_dram_tokens == 3_000_000 - 1_326_904 for c in fig5)
+    hbm = preset_runs("fig5-hbm")
+    assert [dataclasses.replace(c, local_dram_tokens=0) for c in fig5] == hbm
+    assert all(c.local_dram_tokens == 0 for c in hbm)
+    # A smaller HBM cache given on the command line leaves more of the 3M to DRAM.
+    assert preset_runs("fig5", SimConfig(hbm_cache_tokens=1_000_000))[0].local_dram_tokens == 2_000_000
     ovl = preset_runs("overload", SimConfig(oracle=True, seed=3))
     assert [c.admission for c in ovl] == ["none", "late", "current", "predictive"]
     assert all(c.oracle and c.seed == 3 and c.speed == 2.0 and c.n_prefill == 14 and c.max_running == 32

@@ -6,8 +6,12 @@ rate unless said otherwise; the engines' variance and the learned predictors are
 defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the predictors).
 
 * ``fig5`` — prefill scheduling (FAST'25 Fig. 5): 8 prefill + 8 decode instances, no shared
-  pool (each prefill instance's own HBM prefix cache; the Conductor may fetch a prefix from
-  a peer's); every policy; average TTFT.
+  pool; each prefill node's own local prefix cache holds 3M tokens, as Mooncake's do (its
+  HBM's KV room, then its DRAM, read back over PCIe; FAST'25 §5.3.1: ~1 TB of a node's DRAM,
+  "about 3 million tokens"; §5.3.2: "each node ... has a 3M token capacity"); the Conductor
+  may fetch a prefix from a peer's; every policy; average TTFT.
+* ``fig5-hbm`` — ``fig5`` with each prefill node's cache in its HBM alone (1.33M tokens on
+  8xA800: the KV room beside the weights), the set-up ``fig5`` had until session 13.
 * ``colocated`` — disaggregated (8P + 8D, a pool of 1 TiB DRAM per prefill node) against
   colocated (16 instances each prefilling and decoding, a prefill pausing decode), and
   colocated with 512-token chunked prefill; the Conductor; TBT SLO 100 ms.
@@ -25,18 +29,37 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from engines.cost_model import CostModel, load_model, load_profile
 from kvstore.errors import InvalidArgument
 from scheduler.sim.config import ADMISSIONS, SimConfig
 
 TIB_TOKENS = 2**40 // 327_680          # 1 TiB of DRAM in LLaMA3-70B KV tokens (configs/models)
+# A Mooncake prefill node's local prefix cache, in tokens (FAST'25 §5.3.1: "reserving
+# approximately 1 TB of DRAM for local caching ... supports storage for about 3 million
+# tokens" of LLaMA3-70B; §5.3.2: "each node in the local cache setup has a 3M token capacity").
+LOCAL_CACHE_TOKENS = 3_000_000
 FIG5_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
 POOL_CAPACITIES = (10**5, 10**6, 10**7, 10**8, None)
 
 
-def fig5(base: SimConfig) -> list[SimConfig]:
+def local_dram_tokens(base: SimConfig, cache_tokens: int = LOCAL_CACHE_TOKENS) -> int:
+    """The DRAM a prefill node of ``base`` keeps below its HBM cache so that the two hold
+    ``cache_tokens`` (tokens; 0 when its HBM holds that much already)."""
+    hbm = base.hbm_cache_tokens
+    if hbm is None:
+        hbm = CostModel(load_model(base.model), load_profile(base.profile)).kv_capacity_tokens()
+    return max(0, cache_tokens - hbm)
+
+
+def fig5_hbm(base: SimConfig) -> list[SimConfig]:
     cfg = dataclasses.replace(base, topology="disaggregated", instances=16, prefill_instances=8, speed=1.0,
-                              pool_dram_tokens=0, admission="none")
+                              pool_dram_tokens=0, local_dram_tokens=0, admission="none")
     return [dataclasses.replace(cfg, policy=p) for p in FIG5_POLICIES]
+
+
+def fig5(base: SimConfig) -> list[SimConfig]:
+    dram = local_dram_tokens(base)
+    return [dataclasses.replace(cfg, local_dram_tokens=dram) for cfg in fig5_hbm(base)]
 
 
 def colocated(base: SimConfig) -> list[SimConfig]:
@@ -58,7 +81,7 @@ def capacity(base: SimConfig) -> list[SimConfig]:
 
 
 PRESETS: dict[str, Callable[[SimConfig], list[SimConfig]]] = {
-    "fig5": fig5, "colocated": colocated, "overload": overload, "capacity": capacity}
+    "fig5": fig5, "fig5-hbm": fig5_hbm, "colocated": colocated, "overload": overload, "capacity": capacity}
 
 
 def preset_runs(name: str, base: SimConfig | None = None) -> list[SimConfig]:
