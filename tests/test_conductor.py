@@ -5,7 +5,10 @@ baselines' shared code path."""
 from __future__ import annotations
 
 import math
+import random
+from itertools import combinations
 
+import numpy as np
 import pytest
 
 from scheduler.admission import AdmissionConfig, Rejection
@@ -298,8 +301,6 @@ def test_online_fit_recovers_a_model_and_keeps_coefficients_non_negative():
 
 def _exhaustive_nonneg_fit(fit: OnlineFit) -> tuple[float, ...]:
     """The reference: every non-empty subset of features solved, the best non-negative kept."""
-    import numpy as np
-    from itertools import combinations
     k = len(fit.seed)
     scale = np.sqrt(np.maximum(np.diag(fit._xtx), 1e-300))
     a, b = fit._xtx / np.outer(scale, scale), fit._xty / scale
@@ -321,7 +322,6 @@ def _exhaustive_nonneg_fit(fit: OnlineFit) -> tuple[float, ...]:
 def test_online_fit_is_the_best_non_negative_least_squares_fit(seed: int):
     # Solving the full system first (and the subsets only when it goes negative) gives what
     # solving every subset gives, whether the unconstrained fit is non-negative or not.
-    import random
     rng = random.Random(seed)
     truth = [rng.choice((0.0, rng.uniform(0, 2))) for _ in range(3)]
     slope = rng.uniform(-1, 1)

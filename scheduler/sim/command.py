@@ -69,8 +69,9 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; "
                         "half of it colocated)")
     p.add_argument("--local-dram-tokens", type=_tokens, default=0,
-                   help="per-prefill-instance DRAM cache below its HBM cache, in tokens (Mooncake's local "
-                        "cache: 1 TiB = 3355443 LLaMA3-70B tokens; inf; 0: none)")
+                   help="per-prefill-instance DRAM cache below its HBM cache, in tokens (a Mooncake node's "
+                        "local cache holds about 3M LLaMA3-70B tokens in ~1 TB of DRAM, and --preset fig5 gives "
+                        "each prefill node 3M less its HBM's; inf; 0: none)")
     p.add_argument("--max-running", type=int, help="decode batch limit per instance (default 256)")
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' caches")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
