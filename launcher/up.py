@@ -32,22 +32,59 @@ from launcher.supervisor import (
 STACK_MARK = ".kvstore-up"   # in a data directory kvstore up made, so it may wipe it
 
 
+_HELD: dict[tuple[int, int], int] = {}   # (device, inode) → descriptor: directories this process holds
+
+
+def _hold(path: str) -> bool:
+    """Take an exclusive lock (``flock``) on directory ``path`` for as long as this process
+    lives; True when this process holds it already, False when
+    another one does (a running ``kvstore up``)."""
+    import fcntl
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) in _HELD:
+        os.close(fd)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _HELD[(st.st_dev, st.st_ino)] = fd
+    return True
+
+
 def fresh_data_dir(path: str, keep: bool) -> str | None:
     """Prepare ``kvstore up``'s data directory (0700): wiped at start unless ``keep``, but
     only when it is empty or one kvstore up made (it holds :data:`STACK_MARK`), so a wrong
-    ``--data-dir`` never deletes someone's files. Returns an error message, or None."""
-    if not keep and os.path.isdir(path) and os.listdir(path):
-        made_here = os.path.exists(os.path.join(path, STACK_MARK)) or {"logs", "store"} <= set(os.listdir(path))
-        if not made_here:   # (logs/ and store/: what kvstore up left before it marked its directories)
-            return (f"--data-dir {path} is not empty and was not made by kvstore up (no {STACK_MARK} in it); "
-                    f"it is wiped at start, so give an empty or new directory, or --keep-data to use it as it is")
-        shutil.rmtree(path)
+    ``--data-dir`` never deletes someone's files; and never while another ``kvstore up``
+    runs on it (each holds a lock on its directory for its lifetime). Returns an error
+    message, or None."""
+    given, path = path, os.path.realpath(path)   # a link to a directory elsewhere means that one
+    busy = (f"--data-dir {given} is in use by another kvstore up that is still running (its tokens, "
+            f"logs and blocks are there); stop it first, or give another --data-dir")
     try:
+        if os.path.isdir(path):
+            if not _hold(path):
+                return busy
+            if not keep and os.listdir(path):
+                if not os.path.exists(os.path.join(path, STACK_MARK)):
+                    return (f"--data-dir {given} is not empty and was not made by kvstore up (no {STACK_MARK} "
+                            f"in it); it is wiped at start, so give an empty or new directory, or --keep-data "
+                            f"to use it as it is")
+                gone = os.stat(path)
+                shutil.rmtree(path)   # still locked while it goes; then the lock of the old one
+                fd = _HELD.pop((gone.st_dev, gone.st_ino), None)
+                if fd is not None:
+                    os.close(fd)
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)   # tokens, logs and SSD blocks of every tenant live below it
+        if not _hold(path):     # made again since the check: another kvstore up took it meanwhile
+            return busy
         open(os.path.join(path, STACK_MARK), "a").close()
     except OSError as exc:
-        return f"--data-dir {path} cannot be used as a directory ({exc.strerror or exc}); give a directory it can write"
+        return (f"--data-dir {given} cannot be used as a directory ({exc.strerror or exc}); "
+                "give a directory it can write")
     return None
 
 

@@ -98,6 +98,52 @@ def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     assert problem and "cannot be used as a directory" in problem and a_file.read_text() == "not a directory"
 
 
+def test_kvstore_up_never_wipes_a_running_stack_or_an_unmarked_directory(tmp_path) -> None:
+    """A directory holding logs/ and store/ but no mark is someone's (it used to be taken
+    for an old kvstore up's and wiped); a directory a running kvstore up holds is refused
+    whole (a second kvstore up used to wipe the first one's tokens and blocks); a link to a
+    directory is that directory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launcher.up import STACK_MARK, fresh_data_dir
+
+    theirs = tmp_path / "project"
+    (theirs / "logs").mkdir(parents=True)
+    (theirs / "store").mkdir()
+    (theirs / "important.txt").write_text("keep me")
+    problem = fresh_data_dir(str(theirs), keep=False)
+    assert problem and "not made by kvstore up" in problem and (theirs / "important.txt").exists()
+
+    running = tmp_path / "up"
+    root = Path(__file__).resolve().parents[1]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from launcher.up import fresh_data_dir; "
+         f"assert fresh_data_dir({str(running)!r}, keep=False) is None; print('held', flush=True); time.sleep(60)"],
+        cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (running / "auth.env").write_text("the running stack's tokens")
+        for keep in (False, True):
+            problem = fresh_data_dir(str(running), keep=keep)
+            assert problem and "in use by another kvstore up that is still running" in problem
+        assert (running / "auth.env").read_text() == "the running stack's tokens"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert fresh_data_dir(str(running), keep=False) is None and not (running / "auth.env").exists()
+
+    target = tmp_path / "big-disk"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert fresh_data_dir(str(link), keep=False) is None and (target / STACK_MARK).exists()
+    (target / "old.log").write_text("x")
+    assert fresh_data_dir(str(link), keep=False) is None and not (target / "old.log").exists()
+    assert link.is_symlink() and (target / STACK_MARK).exists()
+
+
 def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -> None:
     """``kvstore up --dram nan`` started the private Redis before the store node refused the
     size; the sizes are checked first now, exit 2 naming the flag, nothing started."""
