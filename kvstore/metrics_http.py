@@ -8,13 +8,17 @@ must send ``Authorization: Bearer <token>`` — Prometheus does, with ``authoriz
 (https://prometheus.io/docs/prometheus/latest/configuration/configuration/#scrape_config) —
 else it is answered 401. It listens on 127.0.0.1 unless told otherwise. The handler is
 prometheus-client's own (``MetricsHandler``: content negotiation, gzip, ``name[]``
-filters); this module adds the token check, the one path, and the thread it runs on.
+filters); this module adds the token check, the one path, and the thread it runs on, and
+bounds what a caller without the token can hold: a connection that has not sent its request
+within ``idle_timeout_s`` is closed, and at most ``max_connections`` are served at once
+(more are closed at accept), so idle half-sent requests cannot pile up a thread each.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from http.server import ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry
@@ -63,21 +67,42 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True      # a scrape in progress never holds the process up at exit
     allow_reuse_address = False  # a port in use is an error, never shared
 
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):     # every slot taken: close it at once
+            log.debug("metrics: %s refused, every connection slot is taken", client_address)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class MetricsServer:
     """``GET /metrics`` of ``registry`` on ``host:port`` (port 0 picks a free one; :attr:`port`
     is the bound one), served by a daemon thread until :meth:`close`. ``token``: the bearer
     token a scrape must carry (None: any caller on ``host``); ``scrape_token``: a read-only
     one taken beside it (default: ``$KVSTORE_METRICS_TOKEN``, kvstore/auth.py; ignored
-    without ``token``). Raises OSError when the port cannot be bound."""
+    without ``token``); ``idle_timeout_s``: seconds a connection may take to send each
+    request (> 0); ``max_connections``: served at once (>= 1). Raises OSError when the port
+    cannot be bound."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, name: str = "metrics", scrape_token: str | None = None) -> None:
+                 token: str | None = None, name: str = "metrics", scrape_token: str | None = None,
+                 idle_timeout_s: float = 10.0, max_connections: int = 32) -> None:
         scrape = token_from(scrape_token, METRICS_TOKEN_ENV)
         handler = type("MetricsHandler", (_TokenMetricsHandler,),
-                       {"registry": registry, "token": token or None, "scrape_token": scrape})
+                       {"registry": registry, "token": token or None, "scrape_token": scrape,
+                        "timeout": idle_timeout_s})
         try:
-            self._server = _Server((host, port), handler)
+            self._server = _Server((host, port), handler, max_connections)
         except OSError as exc:
             raise OSError(f"{name}: cannot listen on {host}:{port} for metrics ({exc.strerror or exc})") from None
         self.host = host

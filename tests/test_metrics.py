@@ -142,6 +142,45 @@ def test_metrics_port_in_use_is_a_clear_error(node, tmp_path):
         StoreConfig(metrics_port=70000)
 
 
+def test_idle_connections_to_a_metrics_port_hold_no_thread_for_long():
+    """A caller without the token that opens connections and never finishes a request (300
+    used to hold 300 threads for good) is closed after the idle timeout, and past
+    ``max_connections`` at once; a scrape with the token still gets through."""
+    import socket
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvstore.metrics_http import MetricsServer
+
+    registry = CollectorRegistry()
+    Counter("kvstore_test_scrapes", "a counter", registry=registry).inc()
+    server = MetricsServer(registry, token=TOKEN, idle_timeout_s=0.5, max_connections=8, name="idle-test")
+    before = threading.active_count()
+    socks = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")     # never finished
+            socks.append(s)
+        time.sleep(0.2)
+        assert threading.active_count() - before <= 8
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before            # the idle ones were closed
+        for s in socks:                   # the server hung up on every one (a read ends, no timeout)
+            s.settimeout(5)
+            while s.recv(65536):
+                pass
+        assert value(scrape(server.url), "kvstore_test_scrapes_total") == 1.0
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
 # -- engines ----------------------------------------------------------------------------------
 def test_engine_metrics_parse_and_move_with_traffic(node):
     from engines.client import EngineClient
