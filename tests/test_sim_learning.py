@@ -145,3 +145,28 @@ def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
                            check=False)   # refused before anything runs, naming the flag
     assert sweep.returncode == 2 and "--sweep-speeds is a comma list of numbers" in sweep.stderr
     assert "arrivals" not in sweep.stderr and not (ROOT / "plots-x").exists()
+
+
+def test_a_preset_sweeps_its_own_cluster_and_names_every_flag_it_sets(tmp_path):
+    # The plots' sweeps of a preset run on the preset's cluster: overload's "none" run at
+    # speed 2 and the sweep's point at speed 2 are one configuration (the sweep used to run
+    # the default 8P+8D cluster with a pool).
+    out = tmp_path / "sim.json"
+    run = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "200",
+                          "--plots", str(tmp_path / "plots"), "--sweep-speeds", "2", "--sweep-pool-tokens", "inf",
+                          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    import json
+    doc = json.loads(out.read_text())
+    none = next(r for r in doc["results"] if r["admission"] == "none")
+    assert doc["goodput_sweep"]["conductor"][0][1] == pytest.approx(none["goodput_rps"], rel=1e-12)
+    # A value the preset sets itself is named even when it is SimConfig's default (0), and a
+    # token count that is no whole number is one line naming its flag, not a traceback.
+    zero = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "fig5", "--requests", "20",
+                           "--local-dram-tokens", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert zero.returncode == 0 and "--preset fig5 sets --local-dram-tokens itself" in zero.stderr
+    for flag, value in (("--hbm-cache-tokens", "1e400"), ("--pool-dram-tokens", "abc")):
+        bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", flag, value], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert bad.returncode == 2 and f"argument {flag}: {value!r}" in bad.stderr and "Traceback" not in bad.stderr

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,10 +32,27 @@ ALL_POLICIES = tuple(sorted(POLICIES, key=lambda name: name == DEFAULT_POLICY))
 
 
 def _tokens(text: str) -> int | None:
-    """A token count, or None for "inf"/"unbounded"."""
+    """A token count (>= 0; ``1e6`` style allowed), or None for "inf"/"unbounded". Raises
+    argparse.ArgumentTypeError saying what is wrong (argparse names the flag)."""
     if text.lower() in ("inf", "unbounded", "none"):
         return None
-    return int(float(text))
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (or inf)") from None
+    if not math.isfinite(value) or value < 0 or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of tokens is a whole number >= 0 (or inf)")
+    return int(value)
+
+
+def _pool_tokens(text: str) -> int | str | None:
+    """``--pool-dram-tokens``: "auto" or :func:`_tokens`'s."""
+    return "auto" if text == "auto" else _tokens(text)
+
+
+# Token flags a preset may set itself: no default here (argparse.SUPPRESS), so that a value
+# given — 0 included, which is also SimConfig's — is told apart from none given.
+_PRESETTABLE_TOKENS = ("pool_ssd_tokens", "hbm_cache_tokens", "local_dram_tokens")
 
 
 def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
@@ -62,16 +80,17 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--ttft-slo-s", type=float, default=30.0, help="TTFT SLO (seconds)")
     p.add_argument("--tbt-slo-s", type=float, default=0.1, help="TBT SLO on Mooncake's TBT (mean of the longest 10%%)")
     p.add_argument("--speed", type=float, help="replay speed (arrival times are divided by it; default 1)")
-    p.add_argument("--pool-dram-tokens", default="auto",
+    p.add_argument("--pool-dram-tokens", type=_pool_tokens, default="auto",
                    help="pool DRAM capacity in tokens (auto: 1 TiB per prefill node; inf; 0: no pool)")
-    p.add_argument("--pool-ssd-tokens", type=_tokens, default=0, help="pool SSD capacity in tokens (inf, or 0: none)")
-    p.add_argument("--hbm-cache-tokens", type=_tokens,
-                   help="per-instance HBM prefix cache in tokens (None: the KV room beside the weights; "
+    p.add_argument("--pool-ssd-tokens", type=_tokens, default=argparse.SUPPRESS,
+                   help="pool SSD capacity in tokens (inf, or 0: none, the default)")
+    p.add_argument("--hbm-cache-tokens", type=_tokens, default=argparse.SUPPRESS,
+                   help="per-instance HBM prefix cache in tokens (default: the KV room beside the weights; "
                         "half of it colocated)")
-    p.add_argument("--local-dram-tokens", type=_tokens, default=0,
+    p.add_argument("--local-dram-tokens", type=_tokens, default=argparse.SUPPRESS,
                    help="per-prefill-instance DRAM cache below its HBM cache, in tokens (a Mooncake node's "
                         "local cache holds about 3M LLaMA3-70B tokens in ~1 TB of DRAM, and --preset fig5 gives "
-                        "each prefill node 3M less its HBM's; inf; 0: none)")
+                        "each prefill node 3M less its HBM's; inf; 0: none, the default)")
     p.add_argument("--max-running", type=int, help="decode batch limit per instance (default 256)")
     p.add_argument("--no-peer-fetch", action="store_true", help="the Conductor may not fetch from peers' caches")
     p.add_argument("--chunked-prefill-tokens", type=int, help="colocated: chunked prefill of this many tokens per step")
@@ -91,7 +110,9 @@ def _split(text: str) -> list[str]:
 
 # Flags left unset (None) take SimConfig's default, so that a preset can tell which were given.
 def _given(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("instances", "speed", "max_running") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("instances", "speed", "max_running") if getattr(args, k) is not None}
+    given.update({k: getattr(args, k) for k in _PRESETTABLE_TOKENS if hasattr(args, k)})
+    return given
 
 
 def base_config(args: argparse.Namespace) -> SimConfig:
@@ -103,13 +124,14 @@ def base_config(args: argparse.Namespace) -> SimConfig:
     if args.pool_dram_tokens == "auto":
         pool = cfg.n_prefill * (2**40 // load_model(args.model).kv_bytes_per_token)
     else:
-        pool = _tokens(args.pool_dram_tokens)
+        pool = args.pool_dram_tokens
     given = _given(args)
     return SimConfig(instances=instances, prefill_instances=args.prefill_instances, profile=args.profile,
                      model=args.model, speed=given.get("speed", d.speed), ttft_slo_s=args.ttft_slo_s,
                      tbt_slo_s=args.tbt_slo_s,
-                     pool_dram_tokens=pool, pool_ssd_tokens=args.pool_ssd_tokens,
-                     hbm_cache_tokens=args.hbm_cache_tokens, local_dram_tokens=args.local_dram_tokens,
+                     pool_dram_tokens=pool, pool_ssd_tokens=given.get("pool_ssd_tokens", d.pool_ssd_tokens),
+                     hbm_cache_tokens=given.get("hbm_cache_tokens", d.hbm_cache_tokens),
+                     local_dram_tokens=given.get("local_dram_tokens", d.local_dram_tokens),
                      max_running=given.get("max_running", d.max_running),
                      peer_fetch=not args.no_peer_fetch, chunked_prefill_tokens=args.chunked_prefill_tokens,
                      eviction=args.eviction, seed=args.seed, prefill_cv=args.prefill_cv,
@@ -138,6 +160,11 @@ def run_all(configs: Sequence[SimConfig], trace: str, limit: int | None) -> list
     return out
 
 
+def _mtokens(tokens: int) -> str:
+    """A token count for the table: 26.8M, 0.1M."""
+    return f"{tokens / 1e6:.3g}M"
+
+
 def _f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -160,7 +187,9 @@ def format_table(results: Sequence[SimResult]) -> str:
         if cfg is not None and cfg.chunked_prefill_tokens:
             shape += f" chunk {cfg.chunked_prefill_tokens}"
         if cfg is not None and cfg.pool_dram_tokens != 0:
-            shape += " pool " + ("inf" if cfg.pool_dram_tokens is None else f"{cfg.pool_dram_tokens:.0e}")
+            shape += " pool " + ("inf" if cfg.pool_dram_tokens is None else _mtokens(cfg.pool_dram_tokens))
+        if cfg is not None and cfg.local_dram_tokens != 0:
+            shape += " local DRAM " + ("inf" if cfg.local_dram_tokens is None else _mtokens(cfg.local_dram_tokens))
         rows.append([r.policy + (" (oracle)" if cfg is not None and cfg.oracle else ""), r.topology + shape,
                      r.admission, f"{r.speed:g}", r.requests, r.completed,
                      f"{r.rejected_early}/{r.rejected_late}", f"{r.goodput_rps:.3f}", f"{r.effective_capacity:.3f}",
@@ -177,7 +206,8 @@ def format_table(results: Sequence[SimResult]) -> str:
 
 def make_plots(results: Sequence[SimResult], base: SimConfig, args: argparse.Namespace,
                out_dir: str | Path) -> dict[str, Any]:
-    """The three plots; the sweeps run the first topology and admission of the matrix."""
+    """The three plots; the sweeps run on ``base`` (with a preset: its first run's cluster)
+    with the first topology and admission of the results."""
     out_dir = Path(out_dir)
     trace, limit = args.trace, args.requests
     files = {"ttft_cdf": str(plots.ttft_cdf(results, out_dir / "ttft_cdf.png"))}
@@ -211,7 +241,7 @@ def _check_sweeps(args: argparse.Namespace) -> None:
                               ("--sweep-pool-tokens", args.sweep_pool_tokens, _tokens)):
         try:
             values = [parse(x) for x in _split(text)]
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise InvalidArgument(f"{flag} is a comma list of numbers, got {text!r}") from None
         if not values or any(v is not None and not v > 0 for v in values):
             raise InvalidArgument(f"{flag} needs numbers > 0, got {text!r}")
@@ -263,7 +293,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     print(format_table(results))
     extra: dict[str, Any] = {}
     if args.plots:
-        extra = make_plots(results, base, args, args.plots)
+        extra = make_plots(results, runs[0] if args.preset else base, args, args.plots)
         for name, path in extra["files"].items():
             print(f"plot {name}: {path}")
     if args.json:

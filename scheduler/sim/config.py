@@ -1,6 +1,7 @@
 """Settings of one simulation run (a policy on a topology at a replay speed)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
@@ -80,8 +81,8 @@ class SimConfig:
         p = self.prefill_instances
         if p is not None and not 1 <= p < self.instances:
             raise InvalidArgument(f"prefill_instances must be in [1, {self.instances - 1}], got {p}")
-        if not self.speed > 0:
-            raise InvalidArgument(f"speed must be > 0, got {self.speed}")
+        if not (self.speed > 0 and math.isfinite(self.speed)):
+            raise InvalidArgument(f"speed must be a finite number > 0, got {self.speed}")
         if not (self.ttft_slo_s > 0 and self.tbt_slo_s > 0):
             raise InvalidArgument("SLOs must be > 0 seconds")
         if self.chunked_prefill_tokens is not None and self.chunked_prefill_tokens < 1:

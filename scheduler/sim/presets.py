@@ -11,7 +11,7 @@ defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the pred
   "about 3 million tokens"; §5.3.2: "each node ... has a 3M token capacity"); the Conductor
   may fetch a prefix from a peer's; every policy; average TTFT.
 * ``fig5-hbm`` — ``fig5`` with each prefill node's cache in its HBM alone (1.33M tokens on
-  8xA800: the KV room beside the weights), the set-up ``fig5`` had until session 13.
+  8xA800: the KV room beside the weights), fig5's earlier set-up, kept for comparison.
 * ``colocated`` — disaggregated (8P + 8D, a pool of 1 TiB DRAM per prefill node) against
   colocated (16 instances each prefilling and decoding, a prefill pausing decode), and
   colocated with 512-token chunked prefill; the Conductor; TBT SLO 100 ms.
