@@ -21,7 +21,8 @@ and every later one with it, so a single run's ratio depends on the seed and eve
 numpy build (seed 0's Conductor / least-loaded ratio moved from 0.556 to 0.608 between two
 installs of the same code). The ratios' experiments therefore run over seeds 0-9 (two
 processes at a time), with learned and with oracle predictors: ``ratios`` and
-``ratios_oracle`` hold each ratio's mean over the seeds (the figure a target is judged by;
+``ratios_oracle`` hold each swept ratio's mean over the seeds (the figure a target is judged by;
+their other keys — wall times, the 1.2x ratio, colocated and capacity figures — are seed 0's;
 ``seeds.ratios`` and ``seeds.ratios_oracle`` add min and max, ``seeds.per_seed`` every
 seed's), ``ratios_seed0`` and ``ratios_oracle_seed0`` seed 0's single runs, and
 ``seeds.fig5_avg_ttft_s`` each cache-aware policy's average TTFT over the seeds.
