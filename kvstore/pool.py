@@ -92,6 +92,13 @@ class KVPool(PoolReads):
         first, and QuotaExceeded is raised when they cannot make room."""
         return self._writes.reserve(key, size, checksum, self._place.level_of(tier), parent, namespace)
 
+    def reserve_many(self, items: Sequence[tuple[bytes, int, bytes | None]], tier: str | None = None,
+                     namespace: str | None = None) -> list[Reservation | Exception]:
+        """:meth:`reserve` of each (key, size, parent) in ``tier``, in one hold of the lock
+        where no move has to be settled between them: per item the reservation or the
+        exception that refused it (after a QuotaExceeded, the rest are refused with it)."""
+        return self._writes.reserve_many(items, self._place.level_of(tier), namespace)
+
     def write(self, res: Reservation, data: Any) -> None:
         """Append ``data`` (bytes-like, uint8 array or tensor) to the reservation; one writer
         per reservation. Raises ReservationExpired after the timeout or an abort, and
@@ -113,6 +120,12 @@ class KVPool(PoolReads):
         write). :meth:`commit` then checks it against the checksum given at reserve, if any.
         Raises ReservationExpired after the timeout or an abort."""
         self._writes.mark_filled(res, checksum)
+
+    def commit_filled(self, items: Sequence[tuple[Reservation, int | None]]) -> list[PutResult | Exception]:
+        """:meth:`mark_filled` + :meth:`commit` of several reservations of one tier (a
+        same-host writer's COMMIT frame) in one batch: per item the PutResult or the
+        exception that failed it (that reservation is aborted)."""
+        return self._writes.commit_filled(items)
 
     def abort(self, res: Reservation) -> None:
         """Give the reservation's space back (idempotent; a no-op once committed)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, ReservationExpired
+from kvstore.errors import IntegrityError, InvalidArgument, KVStoreError, QuotaExceeded, ReservationExpired
 from kvstore.integrity import checksum_of
 from kvstore.lease import Reservation
 from kvstore.lease import ReservationState as RS
@@ -47,28 +47,63 @@ class Reservations:
 
     def reserve(self, key: bytes, size: int, checksum: int | None, level: int,
                 parent: bytes | None, namespace: str | None = None) -> Reservation:
-        if size < 0:
-            raise InvalidArgument(f"block size must be >= 0 bytes, got {size}")
-        try:
-            with self._lock:
-                now = time.monotonic()
-                self.reap(now)
-                if self._place.held(key):
-                    return Reservation(0, key, size, level, None, checksum, math.inf, parent, RS.EXISTED)
-                tenants = self._place.tenants
-                if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
-                    tenants.before_reserve(self._place, key, size, namespace)
-                slot = self._place.make_room(level, size)
-                res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s, parent)
-                self._open[res.id] = res
-                if tenants is not None:
-                    tenants.reserved(res.id, key, namespace, size)
-                self._next_reap = min(self._next_reap, res.deadline)
-                return res
-        finally:
-            place = self._place
-            if place.moves or place.dirty:
-                self._mover.settle()   # the demotions making room took, outside the lock
+        """One block's :meth:`reserve_many`; raises what refused it."""
+        got = self.reserve_many([(key, size, parent)], level, namespace, checksum)[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def reserve_many(self, items: Sequence[tuple[bytes, int, bytes | None]], level: int,
+                     namespace: str | None = None, checksum: int | None = None) -> list[Reservation | Exception]:
+        """Reserve a slot in tier ``level`` for each ``(key, size, parent)``, in order, taking
+        the lock once for a run of them: it is let go only to settle the moves (demotions)
+        that making room planned, outside the lock, before the next block. Per item the
+        reservation (state EXISTED, no slot, for a key held already) or the exception that
+        refused it: InvalidArgument for a negative size, CapacityError when no room can be
+        made, QuotaExceeded when the namespace's quota cannot make room — then every later
+        item is refused with that same exception, untried. ``checksum``: of every item
+        (a single put's; None: given at commit)."""
+        out: list[Reservation | Exception] = []
+        place = self._place
+        n = len(items)
+        while len(out) < n:
+            try:
+                with self._lock:
+                    now = time.monotonic()
+                    self.reap(now)
+                    tenants = place.tenants
+                    while len(out) < n:
+                        key, size, parent = items[len(out)]
+                        if size < 0:
+                            out.append(InvalidArgument(f"block size must be >= 0 bytes, got {size}"))
+                            continue
+                        if place.held(key):
+                            out.append(Reservation(0, key, size, level, None, checksum, math.inf, parent,
+                                                   RS.EXISTED))
+                            continue
+                        try:
+                            if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
+                                tenants.before_reserve(place, key, size, namespace)
+                            slot = place.make_room(level, size)
+                        except QuotaExceeded as exc:
+                            out += [exc] * (n - len(out))
+                            break
+                        except (KVStoreError, OSError) as exc:
+                            out.append(exc)
+                            continue
+                        res = Reservation(next(self._ids), key, size, level, slot, checksum, now + self.timeout_s,
+                                          parent)
+                        self._open[res.id] = res
+                        if tenants is not None:
+                            tenants.reserved(res.id, key, namespace, size)
+                        self._next_reap = min(self._next_reap, res.deadline)
+                        out.append(res)
+                        if place.moves or place.dirty:
+                            break   # settle the moves that made room before the next block
+            finally:
+                if place.moves or place.dirty:
+                    self._mover.settle()   # the demotions making room took, outside the lock
+        return out
 
     def write(self, res: Reservation, data: Any) -> None:
         if res.state is RS.EXISTED:
@@ -176,6 +211,31 @@ class Reservations:
         with self._lock:
             self.check_open(res, time.monotonic())
             res.filled(digest)
+
+    def commit_filled(self, items: Sequence[tuple[Reservation, int | None]]) -> list[PutResult | Exception]:
+        """:meth:`mark_filled` then :meth:`commit_many` of reservations of one tier whose
+        slots were written in place, with the lock taken once for the marks (not per block);
+        call without the lock held. Per item the PutResult or the exception that failed it
+        (a failed one is aborted, as by commit_many)."""
+        out: list[PutResult | Exception | None] = [None] * len(items)
+        live: list[tuple[int, Reservation]] = []
+        with self._lock:
+            now = time.monotonic()
+            for i, (res, digest) in enumerate(items):
+                if res.state is RS.EXISTED:
+                    out[i] = PutResult(res.key, True, existed=True)
+                    continue
+                try:
+                    self.check_open(res, now)
+                except ReservationExpired as exc:
+                    out[i] = exc
+                    continue
+                if digest is not None:   # None: a reservation without a slot (commit words the error)
+                    res.filled(digest)
+                live.append((i, res))
+        for (i, _), r in zip(live, self.commit_many([res for _, res in live])):
+            out[i] = r
+        return out  # type: ignore[return-value]
 
     def commit(self, res: Reservation) -> PutResult:
         if res.state is RS.EXISTED:

@@ -45,6 +45,30 @@ def test_two_phase_put_is_invisible_until_commit(dram_pool: KVPool) -> None:
         dram_pool.write(res, b"x")  # committed: closed for writes
 
 
+def test_reserve_many_reserves_in_order_and_reports_each_block(two_tier_pool: KVPool) -> None:
+    # A same-host RESERVE frame's blocks in one call: one held already (EXISTED, no slot), a
+    # bad size, one that needs the held block demoted to SSD first (settled between
+    # blocks), one for which the top tier has only open slots left, one that can never fit;
+    # every slot it opens commits like one reserve's.
+    pool = two_tier_pool                                          # DRAM: 2 blocks; SSD: 8
+    assert pool.put(key_of(0), block_of(0)).ok
+    items = [(key_of(0), BS, None), (key_of(1), BS, None), (key_of(2), -1, None),
+             (key_of(3), BS, key_of(1)), (key_of(4), BS, key_of(3)), (key_of(5), 100 * BS, None)]
+    got = pool.reserve_many(items)
+    assert got[0].existed and got[0].slot is None
+    assert isinstance(got[2], InvalidArgument)
+    assert isinstance(got[4], CapacityError) and isinstance(got[5], CapacityError)
+    opened = [got[1], got[3]]
+    assert [r.key for r in opened] == [key_of(1), key_of(3)] and all(r.slot for r in opened)
+    assert stats_of(pool)["dram"].reserved_bytes == 2 * BS and pool.lookup([key_of(0)])[1] == ["ssd"]
+    for r, i in zip(opened, (1, 3)):
+        pool.write(r, block_of(i))
+    done = pool.commit_filled([(r, checksum_of(block_of(i))) for r, i in zip(opened, (1, 3))])
+    assert [x.ok for x in done] == [True] * 2
+    assert [pool.get(key_of(i)) for i in (0, 1, 3)] == [block_of(i) for i in (0, 1, 3)]
+    assert all(pool.get(key_of(i)) is None for i in (2, 4, 5))
+
+
 def test_abort_short_and_overrun_writes_leave_nothing(dram_pool: KVPool) -> None:
     res = dram_pool.reserve(key_of(1), BS)
     dram_pool.write(res, block_of(1)[:100])

@@ -133,40 +133,40 @@ class DataPlaneHost:
         (or is malformed) SLOT_FAILED with the reason; the block its namespace's quota
         refuses, and every block after it, SLOT_QUOTA with the reason (the writer commits
         the ones before and raises QuotaExceeded, as a gRPC Put stream ends there)."""
-        out: list[SlotGrant] = []
+        out: list[SlotGrant | None] = [None] * len(items)
         made: list[Reservation] = []
         links = chain_parents([k for k, _ in items], chain, parent)
-        refused = ""
-        for (key, size), link in zip(items, links):
-            if refused:
-                out.append(SlotGrant(SLOT_QUOTA, error=refused))
-                continue
+        todo: list[int] = []
+        for i, (key, size) in enumerate(items):
             if not key or len(key) > MAX_KEY_BYTES:
-                out.append(SlotGrant(SLOT_FAILED, error=f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}"))
-                continue
-            if size > self.max_block_bytes:
-                out.append(SlotGrant(SLOT_FAILED, error=f"block of {size} bytes; at most {self.max_block_bytes}"))
-                continue
-            try:
-                res = self.pool.reserve(key, size, tier=self.tier.name, parent=link, namespace=namespace)
-            except QuotaExceeded as exc:
-                refused = str(exc)
-                out.append(SlotGrant(SLOT_QUOTA, error=refused))
-                continue
-            except (KVStoreError, OSError) as exc:
-                out.append(SlotGrant(SLOT_FAILED, error=str(exc)))
-                continue
-            if res.existed:
-                out.append(SlotGrant(SLOT_EXISTED))
+                out[i] = SlotGrant(SLOT_FAILED, error=f"block key of {len(key)} bytes; 1 to {MAX_KEY_BYTES}")
+            elif size > self.max_block_bytes:
+                out[i] = SlotGrant(SLOT_FAILED, error=f"block of {size} bytes; at most {self.max_block_bytes}")
+            else:
+                todo.append(i)
+        got = self.pool.reserve_many([(items[i][0], items[i][1], links[i]) for i in todo], tier=self.tier.name,
+                                     namespace=namespace) if todo else []
+        refused = ""
+        for i, res in zip(todo, got):
+            if refused or isinstance(res, QuotaExceeded):   # that block and every one after it
+                refused = refused or str(res)
+                out[i] = SlotGrant(SLOT_QUOTA, error=refused)
+            elif isinstance(res, Exception):
+                out[i] = SlotGrant(SLOT_FAILED, error=str(res))
+            elif res.existed:
+                out[i] = SlotGrant(SLOT_EXISTED)
             else:
                 made.append(res)
-                out.append(SlotGrant(SLOT_OPEN, res.id, res.slot.offset, write_by=res.deadline - self.grace_s))
+                out[i] = SlotGrant(SLOT_OPEN, res.id, res.slot.offset, write_by=res.deadline - self.grace_s)
+        if refused:   # malformed items after the refused block are refused with it, as before
+            first = next(i for i, g in zip(todo, got) if isinstance(g, QuotaExceeded))
+            out[first:] = [SlotGrant(SLOT_QUOTA, error=refused)] * (len(items) - first)
         if made:
             with self._lock:
                 for res in made:
                     self._slots[res.id] = res
                 self._tick()
-        return out
+        return out  # type: ignore[return-value]
 
     def reserve_for(self, req: ReserveRequest) -> list[SlotGrant]:
         """:meth:`reserve` of a decoded request (what the servicers call)."""
@@ -212,11 +212,13 @@ class DataPlaneHost:
         own reservations; another's is refused as unknown and left open); None: any."""
         with self._lock:
             batch = [self._slots.pop(i, None) if owned is None or i in owned else None for i in res_ids]
-        out = []
+        out: list[PutResult | None] = [None] * len(res_ids)
+        ready: list[tuple[int, Reservation]] = []
+        digests: list[int | None] = []
         for i, (rid, res) in enumerate(zip(res_ids, batch)):
             if res is None:
-                out.append(PutResult(keys[i] if keys else b"", False,
-                                     error=f"no open reservation {rid} (timed out or closed)"))
+                out[i] = PutResult(keys[i] if keys else b"", False,
+                                   error=f"no open reservation {rid} (timed out or closed)")
                 continue
             try:
                 key = keys[i] if keys else b""
@@ -228,14 +230,23 @@ class DataPlaneHost:
                 if namespace:
                     self.pool.claim(res, namespace)
                 slot = res.slot
+                digest = None
                 if slot is not None:
-                    self.pool.mark_filled(res, checksums[i] if checksums else
-                                          checksum_of(self.tier.view(slot.offset, res.size)))
-                out.append(self.pool.commit(res))
+                    digest = checksums[i] if checksums else checksum_of(self.tier.view(slot.offset, res.size))
+                ready.append((i, res))
+                digests.append(digest)
             except (KVStoreError, OSError) as exc:
                 self.pool.abort(res)
-                out.append(PutResult(res.key, False, error=str(exc)))
-        return out
+                out[i] = PutResult(res.key, False, error=str(exc))
+        # the whole frame's marks and commits in one batch (one tier call, the lock taken
+        # twice), not a mark and a commit per block
+        done = self.pool.commit_filled([(res, d) for (_, res), d in zip(ready, digests)]) if ready else []
+        for (i, res), r in zip(ready, done):
+            if isinstance(r, Exception):
+                self.pool.abort(res)
+                r = PutResult(res.key, False, error=str(r))
+            out[i] = r
+        return out  # type: ignore[return-value]
 
     def abort(self, res_ids: Sequence[int]) -> None:
         with self._lock:
