@@ -213,8 +213,7 @@ class DataPlaneHost:
         with self._lock:
             batch = [self._slots.pop(i, None) if owned is None or i in owned else None for i in res_ids]
         out: list[PutResult | None] = [None] * len(res_ids)
-        ready: list[tuple[int, Reservation]] = []
-        digests: list[int | None] = []
+        ready: list[tuple[int, Reservation, int | None]] = []   # (index, reservation, checksum)
         for i, (rid, res) in enumerate(zip(res_ids, batch)):
             if res is None:
                 out[i] = PutResult(keys[i] if keys else b"", False,
@@ -233,15 +232,14 @@ class DataPlaneHost:
                 digest = None
                 if slot is not None:
                     digest = checksums[i] if checksums else checksum_of(self.tier.view(slot.offset, res.size))
-                ready.append((i, res))
-                digests.append(digest)
+                ready.append((i, res, digest))
             except (KVStoreError, OSError) as exc:
                 self.pool.abort(res)
                 out[i] = PutResult(res.key, False, error=str(exc))
         # the whole frame's marks and commits in one batch (one tier call, the lock taken
         # twice), not a mark and a commit per block
-        done = self.pool.commit_filled([(res, d) for (_, res), d in zip(ready, digests)]) if ready else []
-        for (i, res), r in zip(ready, done):
+        done = self.pool.commit_filled([(res, d) for _, res, d in ready]) if ready else []
+        for (i, res, _), r in zip(ready, done):
             if isinstance(r, Exception):
                 self.pool.abort(res)
                 r = PutResult(res.key, False, error=str(r))
