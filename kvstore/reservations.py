@@ -214,28 +214,15 @@ class Reservations:
 
     def commit_filled(self, items: Sequence[tuple[Reservation, int | None]]) -> list[PutResult | Exception]:
         """:meth:`mark_filled` then :meth:`commit_many` of reservations of one tier whose
-        slots were written in place, with the lock taken once for the marks (not per block);
-        call without the lock held. Per item the PutResult or the exception that failed it
-        (a failed one is aborted, as by commit_many)."""
-        out: list[PutResult | Exception | None] = [None] * len(items)
-        live: list[tuple[int, Reservation]] = []
+        slots were written in place (``(reservation, digest)``; None: no digest, as for a
+        reservation without a slot), with the lock taken once for the marks, not per block;
+        call without the lock held. Per item the PutResult or the exception that failed it,
+        as :meth:`commit_many` answers (which also refuses one closed or past its deadline)."""
         with self._lock:
-            now = time.monotonic()
-            for i, (res, digest) in enumerate(items):
-                if res.state is RS.EXISTED:
-                    out[i] = PutResult(res.key, True, existed=True)
-                    continue
-                try:
-                    self.check_open(res, now)
-                except ReservationExpired as exc:
-                    out[i] = exc
-                    continue
-                if digest is not None:   # None: a reservation without a slot (commit words the error)
+            for res, digest in items:
+                if digest is not None and res.state is RS.OPEN:
                     res.filled(digest)
-                live.append((i, res))
-        for (i, _), r in zip(live, self.commit_many([res for _, res in live])):
-            out[i] = r
-        return out  # type: ignore[return-value]
+        return self.commit_many([res for res, _ in items])
 
     def commit(self, res: Reservation) -> PutResult:
         if res.state is RS.EXISTED:
