@@ -36,7 +36,8 @@ class EngineClient:
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         try:
             import asyncio
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._channel.channel_ready()
         except Exception:
             raise Unavailable(f"engine at {self.address} not ready after {timeout_s} s") from None
 

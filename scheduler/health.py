@@ -88,7 +88,8 @@ class HealthChecker:
     async def _probe(self, client: Any) -> tuple[str, bool]:
         """("", False) when the engine answered; else (the reason, whether it only timed out)."""
         try:
-            await asyncio.wait_for(client.load(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):   # not wait_for: it can drop stop()'s cancel
+                await client.load()
             return "", False
         except TimeoutError:
             return f"no answer to a health check within {self.timeout_s:g} s", True
@@ -102,7 +103,8 @@ class HealthChecker:
         if self._store_probe is None or self._store_probe.done():   # never two probes at once
             self._store_probe = asyncio.ensure_future(asyncio.to_thread(store.health))
         try:
-            status = await asyncio.wait_for(asyncio.shield(self._store_probe), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                status = await asyncio.shield(self._store_probe)
         except TimeoutError:
             self._mark_store(f"no answer to a health check within {self.timeout_s:g} s")
         except KVStoreError as exc:

@@ -119,11 +119,15 @@ class StreamWriter:
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.gone = False
+        self._abandoned = False
 
     async def _pump(self) -> None:
         try:
-            while (data := await self._queue.get()) is not None:
-                await asyncio.wait_for(self.resp.write(data), self.timeout_s)
+            while not self._abandoned and (data := await self._queue.get()) is not None:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that
+                # lands as the write completes, and abandon() then waited on a pump that lived on.
+                async with asyncio.timeout(self.timeout_s):
+                    await self.resp.write(data)
         except (ConnectionError, TimeoutError, RuntimeError) as exc:   # aiohttp: RuntimeError once closed
             self.gone = True
             if isinstance(exc, TimeoutError):
@@ -159,14 +163,18 @@ class StreamWriter:
         if self.gone:
             return False
         try:
-            await asyncio.wait_for(self.resp.write_eof(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await self.resp.write_eof()
         except (ConnectionError, TimeoutError, RuntimeError):
             self.gone = True
         return not self.gone
 
     async def abandon(self) -> None:
-        """Stop writing (the request is being cancelled): queued events are dropped."""
+        """Stop writing (the request is being cancelled): queued events are dropped. The
+        pump also stops at its next event should the cancellation itself be lost."""
+        self._abandoned = True
         if self._task is not None:
+            self._queue.put_nowait(None)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task

@@ -66,3 +66,50 @@ def test_a_client_that_stops_reading_never_blocks_sends_and_is_dropped() -> None
     seen = asyncio.run(_run())
     assert seen["sent"] == 2000 and seen["send_s"] < 5
     assert seen["gone_after_s"] < 20 and seen["raised"] and seen["closed_ok"] is False
+
+
+async def _abandon_at_each_step(steps: int) -> list[int]:
+    """A handler sends one event and abandons its writer ``steps`` loop iterations later, for
+    every ``steps`` in range(steps): where the write completes and the pump's cancellation
+    land in one iteration, Python 3.11's ``asyncio.wait_for`` used to swallow the cancel,
+    the pump lived on, and abandon() (so the request, its in-flight count and the server's
+    shutdown) waited for good. Returns the step counts at which abandon() took over 2 s."""
+    hung: list[int] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(steps):
+            writer = StreamWriter(resp, timeout_s=5.0)
+            writer.send(b"data: x\n\n")
+            for _ in range(k):
+                await asyncio.sleep(0)
+            t0 = time.monotonic()
+            try:
+                async with asyncio.timeout(5):           # abandon() may swallow this cancel too
+                    await writer.abandon()
+            except TimeoutError:
+                pass
+            if time.monotonic() - t0 > 2:
+                hung.append(k)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/stream", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        reader, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET /stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        async with asyncio.timeout(5 * steps + 10):
+            await reader.read()                          # the client reads to the end
+        w.close()
+    finally:
+        await runner.cleanup()
+    return hung
+
+
+def test_abandon_returns_at_every_step_of_a_write() -> None:
+    assert asyncio.run(_abandon_at_each_step(12)) == []
