@@ -7,11 +7,23 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from launcher.supervisor import free_port
 from scheduler.request_parts import StreamWriter
+
+
+async def _serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[web.AppRunner, int]:
+    """``handler`` served on GET /stream of a real aiohttp server on 127.0.0.1: (runner, port)."""
+    app = web.Application()
+    app.router.add_get("/stream", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
 
 
 async def _run() -> dict:
@@ -42,12 +54,7 @@ async def _run() -> dict:
         seen["sent"] = sent
         return resp
 
-    app = web.Application()
-    app.router.add_get("/stream", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await _serve(handler)
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.connect(("127.0.0.1", port))
@@ -94,12 +101,7 @@ async def _abandon_at_each_step(steps: int) -> list[int]:
                 hung.append(k)
         return resp
 
-    app = web.Application()
-    app.router.add_get("/stream", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await _serve(handler)
     try:
         reader, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(f"GET /stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
