@@ -9,14 +9,19 @@ must send ``Authorization: Bearer <token>`` — Prometheus does, with ``authoriz
 else it is answered 401. It listens on 127.0.0.1 unless told otherwise. The handler is
 prometheus-client's own (``MetricsHandler``: content negotiation, gzip, ``name[]``
 filters); this module adds the token check, the one path, and the thread it runs on, and
-bounds what a caller without the token can hold: a connection that has not sent its request
-within ``idle_timeout_s`` is closed, and at most ``max_connections`` are served at once
-(more are closed at accept), so idle half-sent requests cannot pile up a thread each.
+bounds what a caller without the token can hold: a connection that has not sent its whole
+request head within ``idle_timeout_s`` of connecting is closed (however slowly it drips
+bytes: the deadline is the connection's, not each read's), and at most ``max_connections``
+are served at once — one more closes the oldest that has not sent its head yet, and is
+itself closed at accept only when every slot holds a whole request — so neither idle nor
+half-sent connections can keep a scrape out.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
@@ -35,6 +40,11 @@ class _TokenMetricsHandler(MetricsHandler):
 
     token: str | None = None
     scrape_token: str | None = None
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()             # the request line and headers are in
+        self.server.head_received(self.connection)    # type: ignore[attr-defined]
+        return ok
 
     def do_GET(self) -> None:
         if urlparse(self.path).path != METRICS_PATH:
@@ -67,21 +77,52 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True      # a scrape in progress never holds the process up at exit
     allow_reuse_address = False  # a port in use is an error, never shared
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int, head_timeout_s: float) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._head_timeout_s = head_timeout_s
+        self._lock = threading.Lock()
+        self._waiting: dict[socket.socket, float] = {}   # connections without a whole head: since when
+
+    def head_received(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._waiting.pop(conn, None)
+
+    def _cut(self, conn: socket.socket) -> None:
+        """End a connection whose head is not in: its thread's read returns, its slot frees."""
+        self._waiting.pop(conn, None)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def service_actions(self) -> None:
+        """Between accepts (serve_forever's poll): cut connections past their head deadline."""
+        deadline = time.monotonic() - self._head_timeout_s
+        with self._lock:
+            for conn in [c for c, t in self._waiting.items() if t <= deadline]:
+                self._cut(conn)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):     # every slot taken: close it at once
-            log.debug("metrics: %s refused, every connection slot is taken", client_address)
-            self.shutdown_request(request)
-            return
+        if not self._slots.acquire(blocking=False):
+            with self._lock:                          # every slot taken: the oldest half-sent one goes
+                oldest = min(self._waiting, key=self._waiting.__getitem__, default=None)
+                if oldest is not None:
+                    self._cut(oldest)
+            if oldest is None or not self._slots.acquire(timeout=1.0):
+                log.debug("metrics: %s refused, every connection slot holds a request", client_address)
+                self.shutdown_request(request)
+                return
+        with self._lock:
+            self._waiting[request] = time.monotonic()
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._lock:
+                self._waiting.pop(request, None)
             self._slots.release()
 
 
@@ -90,8 +131,9 @@ class MetricsServer:
     is the bound one), served by a daemon thread until :meth:`close`. ``token``: the bearer
     token a scrape must carry (None: any caller on ``host``); ``scrape_token``: a read-only
     one taken beside it (default: ``$KVSTORE_METRICS_TOKEN``, kvstore/auth.py; ignored
-    without ``token``); ``idle_timeout_s``: seconds a connection may take to send each
-    request (> 0); ``max_connections``: served at once (>= 1). Raises OSError when the port
+    without ``token``); ``idle_timeout_s``: seconds a connection may take to send its
+    request head, and each read or write after it (> 0); ``max_connections``: served at
+    once (>= 1). Raises OSError when the port
     cannot be bound."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
@@ -102,7 +144,7 @@ class MetricsServer:
                        {"registry": registry, "token": token or None, "scrape_token": scrape,
                         "timeout": idle_timeout_s})
         try:
-            self._server = _Server((host, port), handler, max_connections)
+            self._server = _Server((host, port), handler, max_connections, idle_timeout_s)
         except OSError as exc:
             raise OSError(f"{name}: cannot listen on {host}:{port} for metrics ({exc.strerror or exc})") from None
         self.host = host

@@ -134,6 +134,18 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="requests one decode instance takes at once (admission's decode capacity)")
     p.add_argument("--balancing-threshold", type=float, default=1.0,
                    help="fetch a better cached prefix only when it saves this many times its transfer time")
+    p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="HTTP connections the front door keeps open at once; one more closes the longest "
+                        "idle (default: 1024, fewer under a lower open-files limit)")
+    p.add_argument("--idle-timeout-s", type=float, default=None, metavar="S",
+                   help="close an HTTP connection with no request in progress (a half-sent request head "
+                        "included) after S seconds (default: 15)")
+
+
+def connection_flags(args: argparse.Namespace) -> list[str]:
+    """``--max-connections`` / ``--idle-timeout-s`` as given to ``kvstore up``, for its front door."""
+    return [*([] if args.max_connections is None else ["--max-connections", str(args.max_connections)]),
+            *([] if args.idle_timeout_s is None else ["--idle-timeout-s", str(args.idle_timeout_s)])]
 
 
 def add_api_key_flags(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import time
 from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
 from kvstore.events.channel import EVENTS_URL_ENV
+from launcher.flags import connection_flags
 from launcher.supervisor import (
     MAX_RESTARTS,
     Stack,
@@ -212,6 +213,7 @@ def run_up(args: argparse.Namespace) -> int:
                     "--port", str(http_port), "--max-inflight", str(args.max_inflight),
                     *([] if args.max_inflight_per_tenant is None else
                       ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
+                    *connection_flags(args),
                     "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
                     "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
                     "--balancing-threshold", str(args.balancing_threshold), *model, *max_len,

@@ -18,6 +18,7 @@ import time
 
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
 from kvstore.errors import Unavailable
+from launcher.flags import connection_flags
 from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port
 from launcher.up import preflight, stack_tokens, write_api_keys
 
@@ -114,6 +115,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
                     "--model", model, "--max-inflight", str(args.max_inflight),
                     *([] if args.max_inflight_per_tenant is None else
                       ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
+                    *connection_flags(args),
                     "--admit-ttft-s", str(args.admit_ttft_s),
                     "--admit-tbt-s", str(args.admit_tbt_s), "--policy", args.policy,
                     "--decode-max-running", str(args.decode_max_running),

@@ -23,6 +23,7 @@ from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.compare import format_comparison
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
+from scheduler.connection_guard import DEFAULT_IDLE_TIMEOUT_S, ConnectionGuard, GuardedTCPSite
 from scheduler.frontdoor import Frontdoor
 from scheduler.replay import run_comparison, run_replay
 from scheduler.report import format_report
@@ -42,9 +43,12 @@ async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: st
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, vocab_size)
         frontdoor = make(tokenizer)
-        runner = web.AppRunner(frontdoor.app(), handler_cancellation=True, access_log=None)
+        guard = ConnectionGuard(frontdoor.config.max_connections, frontdoor.config.idle_timeout_s)
+        app = frontdoor.app()
+        app.middlewares.insert(0, guard.middleware)      # outermost: it sees every request's span
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await GuardedTCPSite(runner, host, port, guard).start()
         frontdoor.health_checks.start()
     except BaseException:
         await router.close()
@@ -119,7 +123,8 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     """The front door's config from ``kvstore scheduler`` / ``kvstore up`` flags
     (``--model``, ``--policy``, ``--max-inflight``, ``--max-inflight-per-tenant``, ``--admit-ttft-s``,
     ``--admit-tbt-s``, ``--max-model-len``,
-    ``--decode-max-running``, ``--balancing-threshold``, ``--store-token``, ``--engine-token``
+    ``--decode-max-running``, ``--balancing-threshold``, ``--max-connections``,
+    ``--idle-timeout-s``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
     ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its
     default. Raises ValueError / OSError for an API keys file that cannot be read or holds no
@@ -141,7 +146,9 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            store_auth_token=token_from(getattr(args, "store_token", None), STORE_TOKEN_ENV),
                            engine_auth_token=token_from(getattr(args, "engine_token", None), ENGINE_TOKEN_ENV),
                            api_keys=api_keys, max_model_len=getattr(args, "max_model_len", None),
-                           kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None))
+                           kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None),
+                           max_connections=getattr(args, "max_connections", None),
+                           idle_timeout_s=getattr(args, "idle_timeout_s", None) or DEFAULT_IDLE_TIMEOUT_S)
 
 
 def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:

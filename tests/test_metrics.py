@@ -181,6 +181,50 @@ def test_idle_connections_to_a_metrics_port_hold_no_thread_for_long():
         server.close()
 
 
+def test_dripping_connections_neither_outlive_the_head_deadline_nor_keep_a_scrape_out():
+    """Connections that drip one byte of a request head at a time (each read within the idle
+    timeout) are cut at the connection's head deadline, and while every slot holds one, a
+    scrape with the token closes the oldest half-sent one and is served."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvstore.metrics_http import MetricsServer
+
+    registry = CollectorRegistry()
+    Counter("kvstore_test_scrapes", "a counter", registry=registry).inc()
+    server = MetricsServer(registry, token=TOKEN, idle_timeout_s=1.0, max_connections=4, name="drip-test")
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nX")
+            socks.append(s)
+        time.sleep(0.2)
+        assert value(scrape(server.url), "kvstore_test_scrapes_total") == 1.0   # all 4 slots were half-sent
+        t0, cut = time.monotonic(), set()
+        while len(cut) < len(socks) and time.monotonic() - t0 < 5:
+            for i, s in enumerate(socks):
+                if i in cut:
+                    continue
+                try:
+                    s.sendall(b"x")                           # a byte every 0.25 s: no read idles 1 s
+                    s.settimeout(0.01)
+                    if s.recv(65536) == b"":
+                        cut.add(i)
+                except TimeoutError:
+                    pass
+                except OSError:
+                    cut.add(i)
+            time.sleep(0.25)
+        assert len(cut) == len(socks) and time.monotonic() - t0 < 3    # the deadline is 1 s
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
 # -- engines ----------------------------------------------------------------------------------
 def test_engine_metrics_parse_and_move_with_traffic(node):
     from engines.client import EngineClient

@@ -1,0 +1,208 @@
+"""Bounds on the front door's HTTP connections, so that no caller — with or without an API
+key — can hold the port: a client that sends part of a request head and waits (slowloris),
+or opens connections and sends nothing, used to keep each one open for good (aiohttp times
+out neither a request head nor, from an ``AppRunner``, an idle keep-alive connection within
+the hour), and 20,000 of them ran the process out of file descriptors: every real request
+then went unanswered and each refused accept logged a traceback.
+
+:class:`ConnectionGuard` sits between the listening socket and aiohttp:
+
+- a connection with no request in progress — one that has not sent a whole request head
+  since it connected, or has sent nothing since its last response — is closed once it has
+  been so for ``idle_timeout_s``;
+- at most ``max_connections`` are open at once: one more first closes the connection that has
+  been idle longest, and is itself closed at once when every open connection has a request
+  in progress (a request's own time is bounded elsewhere: admission, the engines' timeouts,
+  the streaming write timeout of scheduler/request_parts.py).
+
+A request is "in progress" from the moment aiohttp hands it to the application (its head is
+whole) until its handler returns, as the guard's middleware (the outermost) sees it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IDLE_TIMEOUT_S = 15.0
+DEFAULT_MAX_CONNECTIONS = 1024
+_FD_RESERVE = 256      # descriptors left to the process (engine channels, the store, logs)
+
+
+def default_max_connections() -> int:
+    """:data:`DEFAULT_MAX_CONNECTIONS`, or fewer where the process may open fewer files
+    (RLIMIT_NOFILE's soft limit less a reserve of 256, at least 16)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(16, min(DEFAULT_MAX_CONNECTIONS, soft - _FD_RESERVE))
+
+
+@dataclass(eq=False)
+class _Conn:
+    transport: asyncio.Transport
+    idle_since: float                 # monotonic seconds; meaningful while active == 0
+    active: int = 0                   # requests in progress on it
+
+
+@dataclass(eq=False)
+class _GuardedProtocol(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the guard told when it opens and closes."""
+
+    inner: asyncio.Protocol
+    guard: ConnectionGuard
+    conn: _Conn | None = field(default=None)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        assert isinstance(transport, asyncio.Transport)
+        self.conn = self.guard._opened(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.guard._closed(self.conn)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class ConnectionGuard:
+    """Idle timeout and connection bound of one aiohttp server (see the module's docstring).
+
+    ``max_connections`` >= 1 (None: :func:`default_max_connections`); ``idle_timeout_s``
+    > 0 (seconds). Use :meth:`middleware` as the application's first middleware,
+    :meth:`factory` as the listening socket's protocol factory (``loop.create_server``),
+    :meth:`start` / :meth:`stop` around serving. Raises ValueError on a bad bound."""
+
+    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        self.max_connections = default_max_connections() if max_connections is None else max_connections
+        if not (isinstance(self.max_connections, int) and self.max_connections >= 1):
+            raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 s, got {idle_timeout_s!r}")
+        self.idle_timeout_s = idle_timeout_s
+        self._conns: dict[asyncio.Transport, _Conn] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self.closed_idle = 0           # connections closed for idling
+        self.refused = 0               # connections closed at accept: every slot busy
+        self._warned_at = -1e9
+
+    # -- wiring ---------------------------------------------------------------------------
+    def factory(self, server: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory to listen with: ``server``'s (aiohttp's ``web.Server``) wrapped."""
+        return lambda: _GuardedProtocol(server(), self)
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        conn = self._conns.get(request.transport) if request.transport is not None else None
+        if conn is None:
+            return await handler(request)
+        conn.active += 1
+        try:
+            return await handler(request)
+        finally:
+            conn.active -= 1
+            conn.idle_since = time.monotonic()
+
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="connection-guard")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _opened(self, transport: asyncio.Transport) -> _Conn | None:
+        now = time.monotonic()
+        if len(self._conns) >= self.max_connections:
+            idle = [c for c in self._conns.values() if c.active == 0]
+            if not idle:
+                self.refused += 1
+                self._warn(f"every one of its {self.max_connections} connections has a request in progress; "
+                           "a new one was closed")
+                transport.abort()
+                return None
+            oldest = min(idle, key=lambda c: c.idle_since)
+            self._drop(oldest)
+            self._warn(f"{self.max_connections} connections open; the longest idle was closed for a new one")
+        conn = self._conns[transport] = _Conn(transport, now)
+        return conn
+
+    def _closed(self, conn: _Conn) -> None:
+        if self._conns.get(conn.transport) is conn:
+            del self._conns[conn.transport]
+
+    def _drop(self, conn: _Conn) -> None:
+        self._closed(conn)
+        self.closed_idle += 1
+        conn.transport.abort()     # abort, not close: a client that reads nothing never lets close flush
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= 10:          # one line per 10 s, not one per connection
+            self._warned_at = now
+            log.warning("front door: %s (max_connections %d, idle timeout %g s)", message,
+                        self.max_connections, self.idle_timeout_s)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Close every connection idle for ``idle_timeout_s`` or more; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [c for c in self._conns.values() if c.active == 0 and now - c.idle_since >= self.idle_timeout_s]
+        for conn in stale:
+            self._drop(conn)
+        return len(stale)
+
+    async def _sweep(self) -> None:
+        period = min(1.0, self.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.sweep()
+
+
+class GuardedTCPSite(web.TCPSite):
+    """aiohttp's TCPSite listening through a :class:`ConnectionGuard`."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, **kwargs: Any) -> None:
+        super().__init__(runner, host, port, **kwargs)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)      # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self.guard.factory(server), self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        self.guard.start()
+
+    async def stop(self) -> None:
+        await self.guard.stop()
+        await super().stop()

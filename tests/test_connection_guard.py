@@ -1,0 +1,130 @@
+"""The front door's ConnectionGuard (scheduler/connection_guard.py) on a real aiohttp server
+on 127.0.0.1 and real client sockets: a half-sent request head is closed after the idle
+timeout, a request in progress is never cut, one connection over the bound closes the
+longest idle one (so a real request gets through 8 slowloris connections), and a connection
+that finds every slot with a request in progress is closed at once."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from scheduler.app import config_from_args
+from scheduler.connection_guard import ConnectionGuard, GuardedTCPSite, default_max_connections
+
+HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"     # the head never ends
+
+
+async def _serve(guard: ConnectionGuard) -> tuple[web.AppRunner, int]:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(float(request.query["s"]))
+        return web.Response(text="slow ok")
+
+    app = web.Application(middlewares=[guard.middleware])
+    app.router.add_get("/ok", ok)
+    app.router.add_get("/slow", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, guard)
+    await site.start()
+    return runner, site.port
+
+
+async def _get(port: int, path: str, timeout_s: float = 10) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def _closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bool:
+    """Whether the server closed the connection (EOF or reset) within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reader.read() == b""
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_head_is_closed_and_requests_in_progress_are_not() -> None:
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=64, idle_timeout_s=0.5)
+        runner, port = await _serve(guard)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(HALF_HEAD)
+            t0 = time.monotonic()
+            assert await _closed_within(reader, 5)
+            assert 0.4 < time.monotonic() - t0 < 3
+            writer.close()
+            # A request three times the idle timeout long is answered whole.
+            assert (await _get(port, "/slow?s=1.5")).endswith(b"slow ok")
+            assert guard.open_connections == 0
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_over_the_bound_the_longest_idle_is_closed_for_a_real_request() -> None:
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=8, idle_timeout_s=60)
+        runner, port = await _serve(guard)
+        try:
+            loris = []
+            for _ in range(8):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(HALF_HEAD)
+                loris.append((reader, writer))
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert guard.open_connections == 8
+            assert (await _get(port, "/ok", timeout_s=5)).endswith(b"ok")
+            assert await _closed_within(loris[0][0], 5)          # the oldest half-sent one went
+            assert guard.closed_idle >= 1
+            for _, writer in loris:
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_every_slot_busy_refuses_the_next_connection() -> None:
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=2, idle_timeout_s=60)
+        runner, port = await _serve(guard)
+        try:
+            busy = [asyncio.create_task(_get(port, "/slow?s=2")) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await _closed_within(reader, 2)
+            writer.close()
+            assert guard.refused == 1
+            assert all(r.endswith(b"slow ok") for r in await asyncio.gather(*busy))
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_bounds_from_flags_and_bad_bounds() -> None:
+    assert 16 <= default_max_connections() <= 1024
+    config = config_from_args(argparse.Namespace(max_connections=100, idle_timeout_s=3.0))
+    assert (config.max_connections, config.idle_timeout_s) == (100, 3.0)
+    assert config_from_args(argparse.Namespace()).idle_timeout_s == 15.0
+    with pytest.raises(ValueError, match="max_connections"):
+        ConnectionGuard(max_connections=0)
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        ConnectionGuard(idle_timeout_s=0)
