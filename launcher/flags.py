@@ -21,6 +21,17 @@ from scheduler.scheduling_policy import DEFAULT_POLICY
 from scheduler.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds and finite, got {text}")
+    return value
+
+
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 0–65535 (0: the system picks a free one)."""
     try:
@@ -137,15 +148,18 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                    help="HTTP connections the front door keeps open at once; one more closes the longest "
                         "idle (default: 1024, fewer under a lower open-files limit)")
-    p.add_argument("--idle-timeout-s", type=float, default=None, metavar="S",
-                   help="close an HTTP connection with no request in progress (a half-sent request head "
-                        "included) after S seconds (default: 15)")
+    p.add_argument("--idle-timeout-s", type=positive_seconds, default=None, metavar="S",
+                   help="close an HTTP connection idle S seconds after its last response (default: 75)")
+    p.add_argument("--head-timeout-s", type=positive_seconds, default=None, metavar="S",
+                   help="close a new HTTP connection that has not sent a whole request head within S seconds, "
+                        "however slowly it sends (default: 15)")
 
 
 def connection_flags(args: argparse.Namespace) -> list[str]:
-    """``--max-connections`` / ``--idle-timeout-s`` as given to ``kvstore up``, for its front door."""
-    return [*([] if args.max_connections is None else ["--max-connections", str(args.max_connections)]),
-            *([] if args.idle_timeout_s is None else ["--idle-timeout-s", str(args.idle_timeout_s)])]
+    """``--max-connections``, ``--idle-timeout-s``, ``--head-timeout-s`` as given to ``kvstore up``,
+    for its front door."""
+    return [f"--{name.replace('_', '-')}={value}" for name in ("max_connections", "idle_timeout_s", "head_timeout_s")
+            if (value := getattr(args, name)) is not None]
 
 
 def add_api_key_flags(p: argparse.ArgumentParser) -> None:

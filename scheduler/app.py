@@ -23,7 +23,12 @@ from scheduler.api_keys import load_api_keys, read_keys_file
 from scheduler.compare import format_comparison
 from scheduler.conductor import ConductorConfig
 from scheduler.config import FrontdoorConfig
-from scheduler.connection_guard import DEFAULT_IDLE_TIMEOUT_S, ConnectionGuard, GuardedTCPSite
+from scheduler.connection_guard import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    ConnectionGuard,
+    GuardedTCPSite,
+)
 from scheduler.frontdoor import Frontdoor
 from scheduler.replay import run_comparison, run_replay
 from scheduler.report import format_report
@@ -43,7 +48,8 @@ async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: st
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, vocab_size)
         frontdoor = make(tokenizer)
-        guard = ConnectionGuard(frontdoor.config.max_connections, frontdoor.config.idle_timeout_s)
+        c = frontdoor.config
+        guard = ConnectionGuard(c.max_connections, c.idle_timeout_s, c.head_timeout_s)
         app = frontdoor.app()
         app.middlewares.insert(0, guard.middleware)      # outermost: it sees every request's span
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -124,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     (``--model``, ``--policy``, ``--max-inflight``, ``--max-inflight-per-tenant``, ``--admit-ttft-s``,
     ``--admit-tbt-s``, ``--max-model-len``,
     ``--decode-max-running``, ``--balancing-threshold``, ``--max-connections``,
-    ``--idle-timeout-s``, ``--store-token``, ``--engine-token``
+    ``--idle-timeout-s``, ``--head-timeout-s``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
     ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its
     default. Raises ValueError / OSError for an API keys file that cannot be read or holds no
@@ -148,7 +154,8 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            api_keys=api_keys, max_model_len=getattr(args, "max_model_len", None),
                            kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None),
                            max_connections=getattr(args, "max_connections", None),
-                           idle_timeout_s=getattr(args, "idle_timeout_s", None) or DEFAULT_IDLE_TIMEOUT_S)
+                           idle_timeout_s=getattr(args, "idle_timeout_s", None) or DEFAULT_IDLE_TIMEOUT_S,
+                           head_timeout_s=getattr(args, "head_timeout_s", None) or DEFAULT_HEAD_TIMEOUT_S)
 
 
 def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import InvalidArgument
 from scheduler.admission import AdmissionConfig
 from scheduler.conductor import ConductorConfig
-from scheduler.connection_guard import DEFAULT_IDLE_TIMEOUT_S
+from scheduler.connection_guard import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S
 from scheduler.scheduling_policy import DEFAULT_POLICY, POLICIES
 
 
@@ -30,9 +30,9 @@ class FrontdoorConfig:
     and the store are health-checked (seconds; scheduler/health.py); ``max_model_len``: the
     longest prompt + ``max_tokens`` admitted (tokens; None: the engines' limit, which also
     caps it); ``max_connections``: HTTP connections open at once (None: 1024, fewer under a
-    lower open-files limit; scheduler/connection_guard.py); ``idle_timeout_s``: how long a
-    connection may stay without a request in progress — a half-sent request head included —
-    before it is closed (seconds)."""
+    lower open-files limit; scheduler/connection_guard.py); ``head_timeout_s``: how long a new
+    connection may take to send its whole request head; ``idle_timeout_s``: how long one
+    may stay idle after a response (seconds)."""
 
     model_dir: str | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -50,6 +50,7 @@ class FrontdoorConfig:
     max_model_len: int | None = None
     max_connections: int | None = None
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.model_dir is not None:
@@ -73,7 +74,8 @@ class FrontdoorConfig:
         if self.max_connections is not None and not (isinstance(self.max_connections, int)
                                                      and self.max_connections >= 1):
             raise InvalidArgument(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
-        if not self.idle_timeout_s > 0:
-            raise InvalidArgument(f"idle_timeout_s must be > 0 s, got {self.idle_timeout_s!r}")
+        for name in ("idle_timeout_s", "head_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0 s, got {getattr(self, name)!r}")
         if not self.ready_timeout_s > 0:
             raise InvalidArgument(f"ready_timeout_s must be > 0 s, got {self.ready_timeout_s!r}")

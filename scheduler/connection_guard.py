@@ -7,9 +7,11 @@ then went unanswered and each refused accept logged a traceback.
 
 :class:`ConnectionGuard` sits between the listening socket and aiohttp:
 
-- a connection with no request in progress — one that has not sent a whole request head
-  since it connected, or has sent nothing since its last response — is closed once it has
-  been so for ``idle_timeout_s``;
+- a connection that has not sent a whole request head ``head_timeout_s`` after connecting
+  (however slowly it drips bytes) is closed, and so is one idle — no request in progress —
+  for ``idle_timeout_s`` since its last response (longer than the keep-alive of the usual
+  clients' pools: aiohttp's 15 s, httpx's 5 s, so that none sends a request on a connection
+  the server is closing);
 - at most ``max_connections`` are open at once: one more first closes the connection that has
   been idle longest, and is itself closed at once when every open connection has a request
   in progress (a request's own time is bounded elsewhere: admission, the engines' timeouts,
@@ -33,7 +35,8 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IDLE_TIMEOUT_S = 15.0
+DEFAULT_HEAD_TIMEOUT_S = 15.0
+DEFAULT_IDLE_TIMEOUT_S = 75.0       # aiohttp's web.run_app and nginx keep idle connections as long
 DEFAULT_MAX_CONNECTIONS = 1024
 _FD_RESERVE = 256      # descriptors left to the process (engine channels, the store, logs)
 
@@ -52,6 +55,7 @@ class _Conn:
     transport: asyncio.Transport
     idle_since: float                 # monotonic seconds; meaningful while active == 0
     active: int = 0                   # requests in progress on it
+    served: bool = False              # a whole request head has arrived on it
 
 
 @dataclass(eq=False)
@@ -88,18 +92,21 @@ class _GuardedProtocol(asyncio.Protocol):
 class ConnectionGuard:
     """Idle timeout and connection bound of one aiohttp server (see the module's docstring).
 
-    ``max_connections`` >= 1 (None: :func:`default_max_connections`); ``idle_timeout_s``
-    > 0 (seconds). Use :meth:`middleware` as the application's first middleware,
+    ``max_connections`` >= 1 (None: :func:`default_max_connections`); ``head_timeout_s``,
+    ``idle_timeout_s`` > 0 (seconds). Use :meth:`middleware` as the application's first middleware,
     :meth:`factory` as the listening socket's protocol factory (``loop.create_server``),
     :meth:`start` / :meth:`stop` around serving. Raises ValueError on a bad bound."""
 
-    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
         self.max_connections = default_max_connections() if max_connections is None else max_connections
         if not (isinstance(self.max_connections, int) and self.max_connections >= 1):
             raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
-        if not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0 s, got {idle_timeout_s!r}")
+        for name, value in (("idle_timeout_s", idle_timeout_s), ("head_timeout_s", head_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 s, got {value!r}")
         self.idle_timeout_s = idle_timeout_s
+        self.head_timeout_s = head_timeout_s
         self._conns: dict[asyncio.Transport, _Conn] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.closed_idle = 0           # connections closed for idling
@@ -118,6 +125,7 @@ class ConnectionGuard:
         if conn is None:
             return await handler(request)
         conn.active += 1
+        conn.served = True
         try:
             return await handler(request)
         finally:
@@ -168,19 +176,20 @@ class ConnectionGuard:
         now = time.monotonic()
         if now - self._warned_at >= 10:          # one line per 10 s, not one per connection
             self._warned_at = now
-            log.warning("front door: %s (max_connections %d, idle timeout %g s)", message,
-                        self.max_connections, self.idle_timeout_s)
+            log.warning("front door: %s (max_connections %d)", message, self.max_connections)
 
     def sweep(self, now: float | None = None) -> int:
-        """Close every connection idle for ``idle_timeout_s`` or more; returns how many."""
+        """Close every connection past its deadline (no whole head ``head_timeout_s`` after
+        connecting, or idle ``idle_timeout_s`` since its last response); returns how many."""
         now = time.monotonic() if now is None else now
-        stale = [c for c in self._conns.values() if c.active == 0 and now - c.idle_since >= self.idle_timeout_s]
+        stale = [c for c in self._conns.values() if c.active == 0 and now - c.idle_since
+                 >= (self.idle_timeout_s if c.served else self.head_timeout_s)]
         for conn in stale:
             self._drop(conn)
         return len(stale)
 
     async def _sweep(self) -> None:
-        period = min(1.0, self.idle_timeout_s / 4)
+        period = min(1.0, self.idle_timeout_s / 4, self.head_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             self.sweep()

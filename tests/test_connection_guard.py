@@ -1,6 +1,7 @@
 """The front door's ConnectionGuard (scheduler/connection_guard.py) on a real aiohttp server
-on 127.0.0.1 and real client sockets: a half-sent request head is closed after the idle
-timeout, a request in progress is never cut, one connection over the bound closes the
+on 127.0.0.1 and real client sockets: a request head dripped byte by byte is closed at the
+head timeout, an idle keep-alive connection at the idle timeout, a request in progress is
+never cut, one connection over the bound closes the
 longest idle one (so a real request gets through 8 slowloris connections), and a connection
 that finds every slot with a request in progress is closed at once."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 import pytest
 from aiohttp import web
 
+from launcher.flags import connection_flags
 from scheduler.app import config_from_args
 from scheduler.connection_guard import ConnectionGuard, GuardedTCPSite, default_max_connections
 
@@ -50,7 +52,8 @@ async def _closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bool
     """Whether the server closed the connection (EOF or reset) within ``timeout_s``."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await reader.read() == b""
+            await reader.read()
+            return True
     except ConnectionError:
         return True
     except TimeoutError:
@@ -59,17 +62,27 @@ async def _closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bool
 
 def test_half_sent_head_is_closed_and_requests_in_progress_are_not() -> None:
     async def run() -> None:
-        guard = ConnectionGuard(max_connections=64, idle_timeout_s=0.5)
+        guard = ConnectionGuard(max_connections=64, idle_timeout_s=1.5, head_timeout_s=0.5)
         runner, port = await _serve(guard)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(HALF_HEAD)
+            t0 = time.monotonic()
+            for i in range(3):                     # a byte of the head every 0.2 s: still cut
+                writer.write(HALF_HEAD[i:i + 1])
+                await asyncio.sleep(0.2)
+            assert await _closed_within(reader, 5)
+            assert 0.4 < time.monotonic() - t0 < 3 and guard.closed_idle == 1
+            writer.close()
+            # A request three times the head timeout long is answered whole.
+            assert (await _get(port, "/slow?s=1.5")).endswith(b"slow ok")
+            # A keep-alive connection idle after its response lives the idle timeout, not the head's.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
             t0 = time.monotonic()
             assert await _closed_within(reader, 5)
-            assert 0.4 < time.monotonic() - t0 < 3
+            assert 1.3 < time.monotonic() - t0 < 4 and guard.closed_idle == 2
             writer.close()
-            # A request three times the idle timeout long is answered whole.
-            assert (await _get(port, "/slow?s=1.5")).endswith(b"slow ok")
             assert guard.open_connections == 0
         finally:
             await runner.cleanup()
@@ -79,7 +92,7 @@ def test_half_sent_head_is_closed_and_requests_in_progress_are_not() -> None:
 
 def test_over_the_bound_the_longest_idle_is_closed_for_a_real_request() -> None:
     async def run() -> None:
-        guard = ConnectionGuard(max_connections=8, idle_timeout_s=60)
+        guard = ConnectionGuard(max_connections=8, head_timeout_s=60)
         runner, port = await _serve(guard)
         try:
             loris = []
@@ -103,7 +116,7 @@ def test_over_the_bound_the_longest_idle_is_closed_for_a_real_request() -> None:
 
 def test_every_slot_busy_refuses_the_next_connection() -> None:
     async def run() -> None:
-        guard = ConnectionGuard(max_connections=2, idle_timeout_s=60)
+        guard = ConnectionGuard(max_connections=2, head_timeout_s=60)
         runner, port = await _serve(guard)
         try:
             busy = [asyncio.create_task(_get(port, "/slow?s=2")) for _ in range(2)]
@@ -121,10 +134,15 @@ def test_every_slot_busy_refuses_the_next_connection() -> None:
 
 def test_bounds_from_flags_and_bad_bounds() -> None:
     assert 16 <= default_max_connections() <= 1024
-    config = config_from_args(argparse.Namespace(max_connections=100, idle_timeout_s=3.0))
-    assert (config.max_connections, config.idle_timeout_s) == (100, 3.0)
-    assert config_from_args(argparse.Namespace()).idle_timeout_s == 15.0
+    config = config_from_args(argparse.Namespace(max_connections=100, idle_timeout_s=3.0, head_timeout_s=2.0))
+    assert (config.max_connections, config.idle_timeout_s, config.head_timeout_s) == (100, 3.0, 2.0)
+    default = config_from_args(argparse.Namespace())
+    assert (default.max_connections, default.idle_timeout_s, default.head_timeout_s) == (None, 75.0, 15.0)
+    assert connection_flags(argparse.Namespace(max_connections=100, idle_timeout_s=None, head_timeout_s=2.0)) == [
+        "--max-connections=100", "--head-timeout-s=2.0"]
     with pytest.raises(ValueError, match="max_connections"):
         ConnectionGuard(max_connections=0)
     with pytest.raises(ValueError, match="idle_timeout_s"):
         ConnectionGuard(idle_timeout_s=0)
+    with pytest.raises(ValueError, match="head_timeout_s"):
+        ConnectionGuard(head_timeout_s=-1)
