@@ -68,3 +68,16 @@ def test_nodes_ls_and_drain_on_three_nodes(spawn_store_node, redis_url, tmp_path
 
     rc, doc, _ = kvctl(env, "drain", "store-0", "--cancel")
     assert rc == 0 and doc["draining"] is False
+
+
+def test_a_refused_drain_leaves_the_node_as_it_was(spawn_store_node, redis_url, tmp_path):
+    """Draining the one node not draining is refused (nowhere to move its blocks) and the node
+    is not marked draining (it was, before the check, and placement then skipped it for good)."""
+    spawn_store_node("solo", "--dram", "8MiB", "--ssd", "16MiB", "--auth-token", TOKEN, "--redis", redis_url,
+                     "--transfer-engine", "off", "--heartbeat", "0.2", "--node-ttl", "2")
+    env = kvctl_env(tmp_path, redis_url=redis_url)
+    with ClusterClient(redis_url, auth_token=TOKEN) as cluster:
+        cluster.wait_for_nodes(1)
+    rc, _, err = kvctl(env, "drain", "solo")
+    assert rc == 1 and "nowhere to move its blocks" in err
+    assert [n["draining"] for n in kvctl(env, "nodes")[1]["nodes"]] == [False]

@@ -151,10 +151,10 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
             emit(args, {"success": True, "node": source.node_id, "draining": False},
                  f"{source.node_id}: no longer draining; placement puts new blocks there again")
             return EXIT_OK
-        admin.set_draining(True)
         others = [n for n in nodes if n.node_id != source.node_id and not (n.info and n.info.draining)]
-        if not others:
+        if not others:     # refused before the node is marked: a refused drain changes nothing
             raise InvalidArgument(f"{source.node_id} is the only node not draining: nowhere to move its blocks")
+        admin.set_draining(True)
         _progress(args, f"{source.node_id}: draining (placement puts no new blocks there); moving its blocks to "
                         f"{', '.join(n.node_id for n in others)}")
         targets: dict[str, list[Any]] = {
