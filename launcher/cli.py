@@ -248,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "request gets a 400 and a replay skips it")
     p.add_argument("--dram", default="256MiB", help="store node DRAM tier capacity")
     p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")
-    p.add_argument("--data-dir", default="var/up", help="store node data directory (wiped at start)")
+    p.add_argument("--data-dir", default="var/up",
+                   help="the stack's directory: store data, logs, tokens (auth.env), API keys; wiped at start "
+                        "unless --keep-data (a directory kvstore up did not make must be empty)")
     p.add_argument("--keep-data", action="store_true", help="do not wipe --data-dir at start")
     p.add_argument("--prefill-instances", type=int, default=1, help="prefill engines to start")
     p.add_argument("--decode-instances", type=int, default=1, help="decode engines to start")
