@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import InvalidArgument
 from scheduler.admission import AdmissionConfig
 from scheduler.conductor import ConductorConfig
-from scheduler.connection_guard import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S
+from scheduler.connection_guard import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, check_bounds
 from scheduler.scheduling_policy import DEFAULT_POLICY, POLICIES
 
 
@@ -71,11 +71,9 @@ class FrontdoorConfig:
                 raise InvalidArgument(f"{name} must be an integer >= 0, got {v!r}")
         if not self.health_interval_s > 0:
             raise InvalidArgument(f"health_interval_s must be > 0 s, got {self.health_interval_s!r}")
-        if self.max_connections is not None and not (isinstance(self.max_connections, int)
-                                                     and self.max_connections >= 1):
-            raise InvalidArgument(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
-        for name in ("idle_timeout_s", "head_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgument(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+        try:
+            check_bounds(self.max_connections, self.idle_timeout_s, self.head_timeout_s)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         if not self.ready_timeout_s > 0:
             raise InvalidArgument(f"ready_timeout_s must be > 0 s, got {self.ready_timeout_s!r}")

@@ -23,7 +23,6 @@ whole) until its handler returns, as the guard's middleware (the outermost) sees
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import resource
 import time
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from scheduler.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         return DEFAULT_MAX_CONNECTIONS
     return max(16, min(DEFAULT_MAX_CONNECTIONS, soft - _FD_RESERVE))
+
+
+def check_bounds(max_connections: int | None, idle_timeout_s: float, head_timeout_s: float) -> None:
+    """Raise ValueError naming the first bad one: ``max_connections`` an integer >= 1 (or
+    None), the two timeouts > 0 seconds."""
+    if max_connections is not None and not (isinstance(max_connections, int) and max_connections >= 1):
+        raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
+    for name, value in (("idle_timeout_s", idle_timeout_s), ("head_timeout_s", head_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0 s, got {value!r}")
 
 
 @dataclass(eq=False)
@@ -99,12 +110,8 @@ class ConnectionGuard:
 
     def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
+        check_bounds(max_connections, idle_timeout_s, head_timeout_s)
         self.max_connections = default_max_connections() if max_connections is None else max_connections
-        if not (isinstance(self.max_connections, int) and self.max_connections >= 1):
-            raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
-        for name, value in (("idle_timeout_s", idle_timeout_s), ("head_timeout_s", head_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 s, got {value!r}")
         self.idle_timeout_s = idle_timeout_s
         self.head_timeout_s = head_timeout_s
         self._conns: dict[asyncio.Transport, _Conn] = {}
@@ -136,11 +143,8 @@ class ConnectionGuard:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="connection-guard")
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
 
     @property
     def open_connections(self) -> int:
@@ -178,10 +182,10 @@ class ConnectionGuard:
             self._warned_at = now
             log.warning("front door: %s (max_connections %d)", message, self.max_connections)
 
-    def sweep(self, now: float | None = None) -> int:
+    def sweep(self) -> int:
         """Close every connection past its deadline (no whole head ``head_timeout_s`` after
         connecting, or idle ``idle_timeout_s`` since its last response); returns how many."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         stale = [c for c in self._conns.values() if c.active == 0 and now - c.idle_since
                  >= (self.idle_timeout_s if c.served else self.head_timeout_s)]
         for conn in stale:

@@ -12,13 +12,13 @@ only the store here (``probe_engines=False``): its router watches the instances 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import KVStoreError
 from scheduler.router import Router
+from scheduler.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,8 @@ class HealthChecker:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="health-checks")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -21,6 +21,7 @@ from engines.types import SamplingParams
 from scheduler.metrics import FrontdoorMetrics
 from scheduler.openai_api import APIError, GenerationRequest
 from scheduler.router import RoutePlan, Router
+from scheduler.tasks import cancel_and_wait
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
@@ -175,6 +176,4 @@ class StreamWriter:
         self._abandoned = True
         if self._task is not None:
             self._queue.put_nowait(None)
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

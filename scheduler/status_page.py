@@ -20,7 +20,6 @@ storage.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kvstore.errors import KVStoreError
+from scheduler.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from kvstore.client import StoreClient
@@ -95,9 +95,7 @@ class StatusFeed:
     async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(self._run(), name="status-samples")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
         for client in self._clients.values():
             client.close()
         self._clients.clear()

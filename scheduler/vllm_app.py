@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from aiohttp import web
 from kvstore.errors import InvalidArgument
 from scheduler.app import serve_app
 from scheduler.config import FrontdoorConfig
+from scheduler.tasks import cancel_and_wait
 from scheduler.vllm_frontdoor import VLLMFrontdoor
 from scheduler.vllm_instances import VLLMModel
 from scheduler.vllm_router import connect_vllm
@@ -35,9 +35,7 @@ class RunningVLLMFrontdoor:
 
     async def stop(self) -> None:
         await self.frontdoor.health_checks.stop()
-        self.watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.watcher
+        await cancel_and_wait(self.watcher)
         await self.runner.cleanup()
         await self.frontdoor.router.close()
 
