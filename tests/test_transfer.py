@@ -220,6 +220,19 @@ def test_transfer_engine_reads_an_empty_block_and_releases_every_lease(te_node):
     _assert_no_lease_left(client)
 
 
+def _engine_get(t: TransferEngineTransport, keys: list[bytes], want: list[bytes]) -> None:
+    """``t.get_blocks(keys)`` is ``want`` with every block read by the transfer engine. The
+    engine's TCP read can fail on a loaded 2-core machine, and the blocks then come over gRPC,
+    still right (checked): such a round is tried again, three rounds at most."""
+    for _ in range(3):
+        te0, grpc0 = t.te_reads, t.grpc_reads
+        assert t.get_blocks(keys) == want
+        if t.te_reads - te0 == len(keys):
+            return
+        assert t.te_reads - te0 + t.grpc_reads - grpc0 == len(keys)
+    pytest.fail(f"the transfer engine read none of 3 rounds of {len(keys)} blocks whole")
+
+
 @pytest.mark.parametrize("staging", ["16MiB", "0"])
 def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_store_node, staging):
     """The reader leases over the node's compact TCP channel (not gRPC); that channel
@@ -239,7 +252,7 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_sto
     try:
         assert isinstance(t, TransferEngineTransport) and isinstance(t.control, TcpControl)
         assert t.control.path.startswith("127.0.0.1:") and t.control.path != address
-        assert t.get_blocks(keys) == want and t.te_reads == len(blocks)
+        _engine_get(t, keys, want)
         reserved = client.stats()[1][0].reserved_bytes   # the same-host writer's spare slots
         with pytest.raises(InvalidArgument, match="reads only"):
             t.control.reserve([(b"w" * 16, 4096)])
@@ -247,12 +260,13 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_sto
         assert client.stats()[1][0].reserved_bytes == reserved             # nothing reserved
         import socket
         t.control._sock.shutdown(socket.SHUT_RDWR)   # the channel breaks mid-session
-        assert t.get_blocks(keys) == want
-        assert t.control is None and t.staged == (staging != "0")
-        if t.staged:
-            assert t.te_reads == len(blocks) and t.grpc_reads == len(blocks)
+        te0, grpc0 = t.te_reads, t.grpc_reads
+        if staging != "0":
+            assert t.get_blocks(keys) == want
+            assert t.te_reads == te0 and t.grpc_reads == grpc0 + len(blocks)
         else:
-            assert t.te_reads == 2 * len(blocks) and t.grpc_reads == 0
+            _engine_get(t, keys, want)
+        assert t.control is None and t.staged == (staging != "0")
     finally:
         t.close()
     _assert_no_lease_left(client)
