@@ -50,9 +50,14 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def bearer_matches(header: str | bytes | None, token: str) -> bool:
-    """Whether an ``authorization`` value is exactly ``Bearer <token>`` (constant time; a
-    binary value never is)."""
-    return hmac.compare_digest(str(header or "").encode(), f"Bearer {token}".encode())
+    """Whether an ``authorization`` value is ``Bearer <token>``: the scheme in any case (it
+    is case-insensitive, RFC 7235 §2.1, as the front door's HTTP check takes it), the token
+    exactly (compared in constant time); a binary value never is."""
+    if not isinstance(header, str):
+        return False
+    scheme, _, sent = header.partition(" ")
+    same = hmac.compare_digest(sent.encode(), token.encode())
+    return scheme.lower() == "bearer" and same
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -149,6 +149,23 @@ def test_engine_serves_the_holder_of_its_token(stack):
     assert r.request_id == "r1" and r.computed_tokens > 0
 
 
+@pytest.mark.parametrize("value,served", [(f"bearer {ENGINE_TOKEN}", True), (f"BEARER {ENGINE_TOKEN}", True),
+                                          (f"Bearer {ENGINE_TOKEN.upper()}", False),
+                                          (f"Bearer  {ENGINE_TOKEN}", False), (f"Basic {ENGINE_TOKEN}", False),
+                                          (ENGINE_TOKEN, False)])
+def test_the_scheme_is_taken_in_any_case_and_the_token_only_exactly(stack, value, served):
+    """RFC 7235 §2.1: the scheme is case-insensitive, as the front door's HTTP check takes it."""
+    with grpc.insecure_channel(stack.addresses["decode"]) as channel:
+        call = lambda: epb_grpc.EngineStub(channel).Info(epb.InfoRequest(), timeout=10,  # noqa: E731
+                                                          metadata=(("authorization", value),))
+        if served:
+            assert call().engine_id
+        else:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_front_door_with_the_wrong_engine_token_cannot_start(stack):
     config = FrontdoorConfig(store_auth_token=STORE_TOKEN, engine_auth_token="not-it", ready_timeout_s=10)
     with pytest.raises(Unavailable, match="UNAUTHENTICATED"):
