@@ -44,6 +44,16 @@ PAGE_PATHS = ("/status", "/status.js")   # served without an API key: they hold 
 WINDOW_S = 300.0       # the hit ratio and admission counts the page headlines
 HISTORY_S = 900.0      # samples kept for the history chart
 MIN_REFRESH_S = 1.0    # a feed request samples anew at most this often
+# The page runs its own script and reads its own feed, nothing else: no other origin's
+# script, style, image or frame, no framing by another page (clickjacking the key form),
+# no sniffing the script as another type, and no key-bearing URL sent on as a Referer.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; connect-src 'self'; "
+                               "style-src 'self' 'unsafe-inline'; img-src 'self'; base-uri 'none'; "
+                               "form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +120,10 @@ class StatusFeed:
 
     # -- handlers ----------------------------------------------------------------------------
     async def page(self, request: web.Request) -> web.FileResponse:
-        return web.FileResponse(STATIC / "status.html", headers={"Cache-Control": "no-cache"})
+        return web.FileResponse(STATIC / "status.html", headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
 
     async def script(self, request: web.Request) -> web.FileResponse:
-        return web.FileResponse(STATIC / "status.js", headers={"Cache-Control": "no-cache"})
+        return web.FileResponse(STATIC / "status.js", headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
 
     async def feed(self, request: web.Request) -> web.Response:
         if not self.samples or time.time() - self.samples[-1].t >= MIN_REFRESH_S:

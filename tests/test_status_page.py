@@ -192,6 +192,9 @@ def test_status_feed_takes_the_api_key_and_the_page_holds_no_data(stack):
     status, headers, body = call(url, "/status")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert b"prefill-0" not in body and b"status.js" in body
+    csp = headers["Content-Security-Policy"]   # the browser tests above render under it
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp and "default-src 'none'" in csp
+    assert headers["X-Content-Type-Options"] == "nosniff"
     status, headers, _ = call(url, "/status.js")
     assert status == 200 and "javascript" in headers["Content-Type"]
     snap = feed(url)
