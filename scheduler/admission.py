@@ -6,7 +6,8 @@ arXiv 2407.00079 §7, early rejection). Pure and synchronous: the policies of
 
 Rules, in order:
 
-* ``max_inflight``: requests admitted and not finished reach the bound;
+* ``max_inflight``: requests admitted and not finished reach the bound (a request decoding
+  ``n`` sequences counts ``n``, here, per tenant and in the decode batch);
 * ``ttft_slo``: the predicted TTFT exceeds the TTFT SLO *and* either the chosen prefill
   instance has work queued, or even the optimistic TTFT — the predictor's, less
   ``unattainable_k`` downside deviations of its measured error
@@ -38,7 +39,7 @@ REASONS = (REASON_MAX_INFLIGHT, REASON_TTFT_SLO, REASON_TBT_SLO, REASON_DECODE_C
 @dataclass(frozen=True)
 class AdmissionConfig:
     """``ttft_slo_s``: the TTFT SLO (seconds, > 0); ``tbt_slo_s``: the TBT SLO (seconds, > 0;
-    ``math.inf``: none). ``max_inflight``: requests admitted and not finished (>= 0; 0
+    ``math.inf``: none). ``max_inflight``: sequences admitted and not finished (>= 0; 0
     rejects everything). ``min_retry_after_s``: the least ``Retry-After`` sent (whole
     seconds, >= 1). ``early_rejection``: reject on the SLOs and decode capacity at all
     (False: only ``max_inflight``). ``predicted_decode_load``: judge decode by the load
@@ -97,22 +98,25 @@ class Admission:
     def _retry(self, wait_s: float) -> int:
         return max(self.config.min_retry_after_s, math.ceil(max(0.0, wait_s)))
 
-    def check_inflight(self, inflight: int) -> Rejection | None:
+    def check_inflight(self, inflight: int, sequences: int = 1) -> Rejection | None:
+        """A rejection when ``inflight`` (sequences admitted and not finished) plus this
+        request's ``sequences`` (OpenAI's ``n``) exceed ``max_inflight``; else None."""
         cfg = self.config
-        if inflight >= cfg.max_inflight:
+        if inflight + sequences > cfg.max_inflight:
             return Rejection(REASON_MAX_INFLIGHT,
-                             f"too many requests in flight ({inflight}, limit {cfg.max_inflight}); retry later",
-                             cfg.min_retry_after_s)
+                             f"too many requests in flight ({inflight}{_and_these(sequences)}, limit "
+                             f"{cfg.max_inflight}); retry later", cfg.min_retry_after_s)
         return None
 
-    def check_tenant(self, inflight: int) -> Rejection | None:
-        """A rejection when the request's tenant already has ``inflight`` requests in flight,
-        at its bound (``max_inflight_per_tenant``); else None."""
+    def check_tenant(self, inflight: int, sequences: int = 1) -> Rejection | None:
+        """A rejection when the request's tenant already has ``inflight`` sequences in
+        flight and this request's ``sequences`` would take it past its bound
+        (``max_inflight_per_tenant``); else None."""
         cap = self.config.max_inflight_per_tenant
-        if cap is not None and inflight >= cap:
+        if cap is not None and inflight + sequences > cap:
             return Rejection(REASON_TENANT_INFLIGHT,
-                             f"too many requests of this tenant in flight ({inflight}, limit {cap} per tenant); "
-                             "retry later", self.config.min_retry_after_s)
+                             f"too many requests of this tenant in flight ({inflight}{_and_these(sequences)}, "
+                             f"limit {cap} per tenant); retry later", self.config.min_retry_after_s)
         return None
 
     def check(self, predicted_ttft_s: float, queue_s: float, inflight: int,
@@ -144,39 +148,40 @@ class Admission:
                              self._retry(min(queue_s, predicted_ttft_s - slo)), predicted_ttft_s)
         return None
 
-    def check_decode(self, running: int, kv_tokens: int, ending: tuple[tuple[float, int], ...],
+    def check_decode(self, running: int, kv_tokens: int, ending: tuple[tuple[float, int, int], ...],
                      max_running: int, kv_capacity_tokens: int, request_kv_tokens: int,
-                     tbt_s: float, arrive_s: float, ttft_s: float = 0.0) -> Rejection | None:
+                     tbt_s: float, arrive_s: float, ttft_s: float = 0.0, sequences: int = 1) -> Rejection | None:
         """None to admit onto a decode instance, else ``decode_capacity`` or ``tbt_slo``.
 
         Args:
-            running, kv_tokens: requests and KV tokens predicted there at ``arrive_s``,
-                this request excluded; ``ending``: their ``(finish instant, kv_tokens)``,
-                in any order (see :func:`scheduler.tbt.load_at`).
-            max_running, kv_capacity_tokens: the instance's limits.
-            request_kv_tokens: this request's KV (prompt + tokens to generate).
+            running, kv_tokens: sequences and KV tokens predicted there at ``arrive_s``,
+                this request excluded; ``ending``: their requests' ``(finish instant,
+                kv_tokens, sequences)``, in any order (see :func:`scheduler.tbt.load_at`).
+            max_running, kv_capacity_tokens: the instance's limits (sequences, tokens).
+            request_kv_tokens: this request's KV (prompt + tokens to generate, every sequence's).
             tbt_s: predicted TBT there with this request in the batch (seconds).
             arrive_s: when the request reaches decode (the caller's clock).
+            sequences: the batch slots this request takes (OpenAI's ``n``).
         """
         cfg = self.config
         if not cfg.early_rejection:
             return None
-        over_batch = running + 1 - max_running
+        over_batch = running + sequences - max_running
         over_kv = kv_tokens + request_kv_tokens - kv_capacity_tokens
         if over_batch > 0 or over_kv > 0:
             wait = math.inf
             freed_n = freed_kv = 0
-            for finish_s, kv in sorted(ending):
-                freed_n += 1
+            for finish_s, kv, n in sorted(ending):
+                freed_n += n
                 freed_kv += kv
                 if freed_n >= over_batch and freed_kv >= over_kv:
                     wait = finish_s - arrive_s
                     break
-            if request_kv_tokens > kv_capacity_tokens or max_running < 1:
+            if request_kv_tokens > kv_capacity_tokens or sequences > max_running:
                 wait = math.inf
             retry = self._retry(wait) if math.isfinite(wait) else max(cfg.min_retry_after_s, 60)
             return Rejection(REASON_DECODE_CAPACITY,
-                             f"decode will be full when this request reaches it ({running} requests, "
+                             f"decode will be full when this request reaches it ({running} sequences, "
                              f"{kv_tokens} KV tokens predicted; limits {max_running} and "
                              f"{kv_capacity_tokens}); retry later", retry, ttft_s, tbt_s)
         if tbt_s > cfg.tbt_slo_s and running > 0:
@@ -185,3 +190,7 @@ class Admission:
                              f"predicted time between tokens {tbt_s:.4f} s exceeds the TBT SLO of "
                              f"{cfg.tbt_slo_s:g} s; retry later", self._retry(wait), ttft_s, tbt_s)
         return None
+
+
+def _and_these(sequences: int) -> str:
+    return "" if sequences == 1 else f", and this request's {sequences} sequences"

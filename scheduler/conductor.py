@@ -134,7 +134,7 @@ class Conductor:
         """Place ``request`` or reject it (reasons: :data:`scheduler.admission.REASONS`)."""
         if not cluster.prefill or not cluster.decode:
             raise InvalidArgument("a cluster view needs at least one prefill and one decode instance")
-        rejection = self.admission.check_inflight(cluster.inflight)
+        rejection = self.admission.check_inflight(cluster.inflight, request.sequences)
         if rejection is not None:
             return rejection
         p = self.choose_prefill(request, cluster, self.prefill_estimates(request, cluster))
@@ -151,16 +151,15 @@ class Conductor:
             if not views:
                 raise InvalidArgument(f"colocated cluster view: no decode view for {p.view.instance_id!r}")
         d = self.choose_decode(request, cluster, self.decode_estimates(request, cluster, arrive, views))
-        kv = request.prompt_tokens + request.max_tokens
         rejection = self.admission.check_decode(
             d.load.running, d.load.kv_tokens, d.load.ending, d.view.max_running,
-            d.view.kv_capacity_tokens, kv, d.tbt_s, arrive, p.ttft_s)
+            d.view.kv_capacity_tokens, request.kv_tokens, d.tbt_s, arrive, p.ttft_s, request.sequences)
         if rejection is not None:
             return rejection
         return Decision(self.name, request.request_id, p.view.instance_id, d.view.instance_id,
                         p.cached_tokens, p.fetch, p.queue_s, p.read_s + p.transfer_s, p.prefill_s,
                         p.ttft_s, d.tbt_s, arrive, arrive + d.decode_s,
-                        d.load.running + 1, request.prompt_tokens)
+                        d.load.running + request.sequences, request.prompt_tokens)
 
     # -- choices (the baselines override these) ---------------------------------------------
     def choose_prefill(self, request: RequestView, cluster: ClusterView,
@@ -241,17 +240,18 @@ class Conductor:
         requests were refused for room that would be free."""
         predictive = self.config.admission.predicted_decode_load
         at = arrive_s if predictive else cluster.now_s
-        kv = request.prompt_tokens + request.max_tokens
+        kv = request.kv_tokens
+        n = request.sequences
         steps = max(1, request.max_tokens - 1)
         predict = self.tbt_model.predict
         out = []
         for view in cluster.decode if views is None else views:
             load = load_at(view, at)
-            joined_tbt = predict(load.running + 1, load.kv_tokens + kv)
+            joined_tbt = predict(load.running + n, load.kv_tokens + kv)
             if predictive and view.work:
                 load = load_at(view, at, at + steps * joined_tbt)
-            tbt = self.tbt_model.predict(load.running + 1, load.kv_tokens + kv)
-            fits = load.running + 1 <= view.max_running and load.kv_tokens + kv <= view.kv_capacity_tokens
+            tbt = self.tbt_model.predict(load.running + n, load.kv_tokens + kv)
+            fits = load.running + n <= view.max_running and load.kv_tokens + kv <= view.kv_capacity_tokens
             out.append(DecodeEstimate(view, load, tbt, fits, max(0, request.max_tokens - 1) * joined_tbt))
         return out
 

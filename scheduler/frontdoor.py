@@ -17,7 +17,8 @@ come from the engines: each token's log-softmax under the model (scheduler/opena
 Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
 not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN`, included), unknown
 model or path 404, wrong method 405, a prompt over the model's limit 400 too
-(``context_length_exceeded``), a body over 32 MiB 413, admission 429 (with
+(``context_length_exceeded``), a body over 32 MiB 413, a body not sent as JSON 415
+(:func:`~scheduler.request_parts.read_json_body`), admission 429 (with
 ``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
 
 A request with ``"prefix_cache": false`` is served with the pool off: the router plans it
@@ -52,11 +53,10 @@ from scheduler.openai_api import (
     model_not_found,
     parse_chat,
     parse_completion,
-    read_json,
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.request_parts import StreamWriter, TokenClock, json_errors, read_body, sampling_of
+from scheduler.request_parts import StreamWriter, TokenClock, json_errors, read_json_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -146,7 +146,7 @@ class Frontdoor:
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            body = read_json(await read_body(request))
+            body = await read_json_body(request)
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             refuse_fields(body, NOT_BUILT_IN, "the built-in engines")
             plan = await self._admit(request, req)
@@ -170,11 +170,14 @@ class Frontdoor:
             self.router.finished(plan)
             self.metrics.finished.labels(outcome=outcome).inc()
 
-    async def _admit(self, request: web.Request, req: GenerationRequest) -> RoutePlan:
+    async def _admit(self, request: web.Request, req: GenerationRequest, sequences: int = 1) -> RoutePlan:
+        """The request's plan (``sequences``: OpenAI's ``n``, each admitted as a sequence);
+        raises APIError 400, 429 (admission) or 503 (no instance up for a role)."""
         namespace = namespace_from_authorization(request.headers.get("Authorization"))
         rid = request_id(req.chat, uuid.uuid4().hex)
         try:
-            plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache)
+            plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache,
+                                          sequences=sequences)
         except InvalidArgument as exc:
             raise APIError(400, str(exc)) from None
         except KVStoreError as exc:     # no instance up for a role

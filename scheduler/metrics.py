@@ -38,9 +38,11 @@ class FrontdoorMetrics:
         self.queue_depth = Gauge(p + "prefill_queue_depth",
                                  "Requests routed to a prefill instance and not yet prefilled",
                                  ["instance"], registry=r)
-        self.decode_running = Gauge(p + "decode_running", "Requests routed to a decode instance and running",
+        self.decode_running = Gauge(p + "decode_running",
+                                    "Sequences routed to a decode instance and running (a request with n counts n)",
                                     ["instance"], registry=r)
-        self.inflight = Gauge(p + "inflight_requests", "Requests admitted and not finished", registry=r)
+        self.inflight = Gauge(p + "inflight_requests",
+                              "Sequences admitted and not finished (a request with n counts n)", registry=r)
         self.routed = Counter(p + "requests_routed", "Admitted requests by policy and chosen instances",
                               ["policy", "prefill", "decode"], registry=r)
         self.ttft_error = Histogram(p + "ttft_prediction_error_seconds",

@@ -1,7 +1,7 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
 request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
 OpenAI's error shape, reading a request's body (:func:`read_body`), the engines' sampling
-parameters of a request, the clock that observes TTFT and TBT as tokens
+parameters of a request, the JSON body (:func:`read_json_body`), the clock that observes TTFT and TBT as tokens
 are sent, and the writer that keeps a slow client from slowing its engine
 (:class:`StreamWriter`)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engines.types import SamplingParams
 from scheduler.metrics import FrontdoorMetrics
-from scheduler.openai_api import APIError, GenerationRequest
+from scheduler.openai_api import APIError, GenerationRequest, read_json
 from scheduler.router import RoutePlan, Router
 from scheduler.tasks import cancel_and_wait
 
@@ -64,6 +64,23 @@ async def read_body(request: web.Request) -> bytes:
         raise APIError(400, "the request body could not be read" +
                        (f" as Content-Encoding {encoding!r}" if encoding else "") + f": {exc}",
                        code="invalid_body") from None
+
+
+async def read_json_body(request: web.Request) -> Any:
+    """The request's body parsed as JSON (:func:`scheduler.openai_api.read_json`). Its
+    ``Content-Type`` must be JSON (``application/json``, ``application/*+json``) or absent:
+    any other is a 415 ``unsupported_media_type`` before the body is read. Browsers send
+    ``text/plain``, form and multipart bodies to any origin without asking it first (CORS
+    "simple requests"), so a web page could otherwise spend a key-less front door's
+    engines; vLLM's server (FastAPI) refuses those types too, with a 422."""
+    declared = request.headers.get("Content-Type")
+    if declared is not None:
+        kind = request.content_type          # the media type, parameters dropped, lower case
+        major, _, minor = kind.partition("/")
+        if major != "application" or not (minor == "json" or minor.endswith("+json")):
+            raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
+                                f"got Content-Type {declared!r}", code="unsupported_media_type")
+    return read_json(await read_body(request))
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:

@@ -37,7 +37,8 @@ class DecodeInstance(Generic[C]):
 
     @property
     def running(self) -> int:
-        return len(self.work)
+        """Sequences routed here and not finished (a request with ``n`` counts ``n``)."""
+        return sum(w.sequences for w in self.work.values())
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class RoutePlan:
     :class:`Decision` (instances, fetch, predicted TTFT and TBT). ``max_load_blocks``: the
     prefix the prefill engine may load from the pool (:func:`scheduler.views.load_limit`:
     set when the policy chose to recompute what the pool holds; None: any hit). ``reuse``
-    False: pool off for this request (planned as a full prefill; the engine recomputes it)."""
+    False: pool off for this request (planned as a full prefill; the engine recomputes it).
+    ``sequences``: how many it decodes (OpenAI's ``n``); each counts in flight and in the
+    decode batch."""
 
     request_id: str
     namespace: str
@@ -57,6 +60,7 @@ class RoutePlan:
     decision: Decision
     max_load_blocks: int | None = None
     reuse: bool = True
+    sequences: int = 1
 
     @property
     def predicted_ttft_s(self) -> float:

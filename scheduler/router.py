@@ -171,10 +171,12 @@ class Router(Generic[C]):
 
     # -- deciding ---------------------------------------------------------------------------
     async def plan(self, request_id: str, tokens: Sequence[int], namespace: str,
-                   max_tokens: int = 16, reuse: bool = True) -> RoutePlan | Rejection:
+                   max_tokens: int = 16, reuse: bool = True, sequences: int = 1) -> RoutePlan | Rejection:
         """Choose the instances for a prompt of token ids, or reject it (before any prefill).
         ``reuse`` False (pool off): the policy sees no pool hit and no instance's own hit,
-        so it plans and admits a full prefill. Raises InvalidArgument for bad token ids. A
+        so it plans and admits a full prefill. ``sequences``: how many it decodes (OpenAI's
+        ``n``, each ``max_tokens`` long): each counts in flight, for its tenant and in the
+        decode batch. Raises InvalidArgument for bad token ids. A
         store node that cannot be reached counts as a pool miss."""
         keys = tuple(self.prompt_keys(tokens, namespace))
         self.check_serving()
@@ -189,15 +191,15 @@ class Router(Generic[C]):
             self.check_serving()   # the lookup awaited: an instance may have gone down since
             view = self.cluster_view(keys, pool_hit)
         # the tenant's own bound, after the last await: nothing runs between it and begin()
-        busy = self.policy.admission.check_tenant(self.inflight_by_tenant.get(namespace, 0))
+        busy = self.policy.admission.check_tenant(self.inflight_by_tenant.get(namespace, 0), sequences)
         if busy is not None:
             return busy
-        request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size)
+        request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size, sequences)
         result = self.policy.decide(request, view)
         if isinstance(result, Rejection):
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
-                         load_limit(result, pool_hit, self.info.block_size), reuse)
+                         load_limit(result, pool_hit, self.info.block_size), reuse, sequences)
 
     def prompt_keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         """The pool keys of the prompt's full blocks, as the engines key them."""
@@ -286,11 +288,12 @@ class Router(Generic[C]):
         d = plan.decision
         backlog = self.prefill[d.prefill_id].backlog
         backlog.add(plan.request_id, d.ttft_s - d.queue_s)
+        n = plan.sequences
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
-            plan.prompt_tokens + plan.max_tokens, d.decode_start_s, d.decode_finish_s)
+            plan.prompt_tokens + n * plan.max_tokens, d.decode_start_s, d.decode_finish_s, n)
         self._advance(backlog, time.monotonic())      # FIFO: it starts now when nothing runs there
-        self.inflight += 1
-        self.inflight_by_tenant[plan.namespace] = self.inflight_by_tenant.get(plan.namespace, 0) + 1
+        self.inflight += n
+        self.inflight_by_tenant[plan.namespace] = self.inflight_by_tenant.get(plan.namespace, 0) + n
 
     def _advance(self, backlog: PrefillBacklog, now: float) -> None:
         """FIFO: start the oldest request queued on ``backlog`` when nothing runs there
@@ -305,7 +308,7 @@ class Router(Generic[C]):
         for inst in self.decode.values():
             w = inst.work.get(started)
             if w is not None:
-                inst.work[started] = DecodeWork(w.kv_tokens, end, end + (w.finish_s - w.start_s))
+                inst.work[started] = w._replace(start_s=end, finish_s=end + (w.finish_s - w.start_s))
                 return
 
     def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
@@ -328,7 +331,7 @@ class Router(Generic[C]):
         if plan.request_id in work:
             now = time.monotonic()
             span = plan.decision.decode_finish_s - plan.decision.decode_start_s
-            work[plan.request_id] = DecodeWork(work[plan.request_id].kv_tokens, now, now + span)
+            work[plan.request_id] = work[plan.request_id]._replace(start_s=now, finish_s=now + span)
 
     def observe_decode(self, plan: RoutePlan, mean_tbt_s: float) -> None:
         """A decode finished with ``mean_tbt_s`` between its tokens: feed the TBT fit with the
@@ -348,8 +351,8 @@ class Router(Generic[C]):
                 self._advance(inst.backlog, now)
         for dec in self.decode.values():
             dec.work.pop(plan.request_id, None)
-        self.inflight -= 1
-        left = self.inflight_by_tenant.get(plan.namespace, 0) - 1
+        self.inflight -= plan.sequences
+        left = self.inflight_by_tenant.get(plan.namespace, 0) - plan.sequences
         if left > 0:
             self.inflight_by_tenant[plan.namespace] = left
         else:

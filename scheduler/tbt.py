@@ -70,12 +70,13 @@ class TBTModel:
 
 
 class DecodeLoad(NamedTuple):
-    """Requests and KV tokens on one decode instance at one instant, and ``ending``: the
-    ``(predicted finish instant, kv_tokens)`` of each of those requests, in no order."""
+    """Sequences and KV tokens on one decode instance at one instant, and ``ending``: the
+    ``(predicted finish instant, kv_tokens, sequences)`` of each of those requests, in no
+    order."""
 
     running: int
     kv_tokens: int
-    ending: tuple[tuple[float, int], ...]
+    ending: tuple[tuple[float, int, int], ...]
 
 
 def load_at(view: DecodeView, t: float, until: float | None = None) -> DecodeLoad:
@@ -87,22 +88,23 @@ def load_at(view: DecodeView, t: float, until: float | None = None) -> DecodeLoa
     ``until`` shares the batch with that request, so its room is reserved (requests and
     KV tokens peak separately; ``ending`` lists every request in the window)."""
     if until is None or until <= t:
-        ending = tuple((w.finish_s, w.kv_tokens) for w in view.work if w.start_s <= t < w.finish_s)
-        return DecodeLoad(len(ending), sum(kv for _, kv in ending), ending)
+        ending = tuple((w.finish_s, w.kv_tokens, w.sequences) for w in view.work if w.start_s <= t < w.finish_s)
+        return DecodeLoad(sum(e[2] for e in ending), sum(e[1] for e in ending), ending)
     running = kv = 0
     events: list[tuple[float, int, int]] = []
     window = []
     for w in view.work:
         if w.finish_s <= t or w.start_s >= until:
             continue
-        window.append((w.finish_s, w.kv_tokens))
+        n = w.sequences
+        window.append((w.finish_s, w.kv_tokens, n))
         if w.start_s <= t:
-            running += 1
+            running += n
             kv += w.kv_tokens
         else:
-            events.append((w.start_s, 1, w.kv_tokens))
+            events.append((w.start_s, n, w.kv_tokens))
         if w.finish_s < until:
-            events.append((w.finish_s, -1, -w.kv_tokens))
+            events.append((w.finish_s, -n, -w.kv_tokens))
     peak_n, peak_kv = running, kv
     for _, dn, dkv in sorted(events):      # at one instant, leaving (-1) before joining
         running += dn

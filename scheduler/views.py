@@ -17,7 +17,7 @@ Units: seconds for times, tokens and blocks for sizes; ``now_s`` and every ``*_s
 
 Shapes::
 
-    RequestView(request_id, prompt_tokens, block_keys, max_tokens, block_size)
+    RequestView(request_id, prompt_tokens, block_keys, max_tokens, block_size, sequences)
     ClusterView(now_s, prefill=(PrefillView, ...), decode=(DecodeView, ...), pool_hit=TierHit,
                 inflight=int, colocated=bool)
     policy.decide(request, cluster) -> Decision | Rejection
@@ -88,13 +88,22 @@ NO_HIT = TierHit()
 class RequestView:
     """One request. ``prompt_tokens``: its length (tokens, >= 1); ``block_keys``: keys of its
     full blocks, head first (``prompt_tokens // block_size`` of them); ``max_tokens``: tokens
-    it will generate at most (>= 1); ``block_size``: tokens per block."""
+    it will generate at most (>= 1), per sequence; ``block_size``: tokens per block;
+    ``sequences``: how many sequences it decodes from the one prompt (OpenAI's ``n``, >= 1):
+    each takes a slot of the decode batch and its own ``max_tokens`` of KV, and each counts
+    in flight."""
 
     request_id: str
     prompt_tokens: int
     block_keys: tuple[bytes, ...]
     max_tokens: int
     block_size: int = 16
+    sequences: int = 1
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens it holds in decode at most: the prompt once, ``max_tokens`` per sequence."""
+        return self.prompt_tokens + self.sequences * self.max_tokens
 
 
 class PrefillView(NamedTuple):
@@ -111,12 +120,15 @@ class PrefillView(NamedTuple):
 
 class DecodeWork(NamedTuple):
     """A request a decode instance holds or will hold: ``kv_tokens`` (prompt + tokens to
-    generate), ``start_s`` (when it joins the decode batch: <= now for running requests, the
-    predicted end of prefill for requests still in prefill), ``finish_s`` (predicted end)."""
+    generate, every sequence's), ``start_s`` (when it joins the decode batch: <= now for
+    running requests, the predicted end of prefill for requests still in prefill),
+    ``finish_s`` (predicted end), ``sequences`` (how many it decodes in the batch:
+    OpenAI's ``n``)."""
 
     kv_tokens: int
     start_s: float
     finish_s: float
+    sequences: int = 1
 
 
 class DecodeView(NamedTuple):
@@ -169,8 +181,8 @@ class Decision:
     covers reading the instance's own non-``hbm`` blocks plus ``fetch``); ``tbt_s``:
     predicted time between tokens on ``decode_id`` when it gets there; ``decode_start_s`` /
     ``decode_finish_s``: predicted instants (caller's clock) it joins and leaves decode;
-    ``decode_running``: requests predicted on ``decode_id`` at ``decode_start_s`` (this one
-    included); ``prompt_tokens``: the request's length.
+    ``decode_running``: sequences predicted on ``decode_id`` at ``decode_start_s`` (this
+    request's included); ``prompt_tokens``: the request's length.
     """
 
     policy: str

@@ -40,8 +40,8 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor
 from scheduler.health import HealthChecker
-from scheduler.openai_api import APIError, GenerationRequest, parse_chat, read_json
-from scheduler.request_parts import StreamWriter, TokenClock, read_body
+from scheduler.openai_api import APIError, GenerationRequest, parse_chat
+from scheduler.request_parts import StreamWriter, TokenClock, read_json_body
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -69,11 +69,13 @@ class VLLMFrontdoor(Frontdoor):
         t0 = time.perf_counter()
         chat = parse is parse_chat
         try:
-            body = read_json(await read_body(request))
+            body = await read_json_body(request)
+            n = 1
             if isinstance(body, dict):
                 n = body.get("n", 1)
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
                     raise APIError(400, f"'n' must be an integer in [1, {MAX_N}], got {n!r}", code="invalid_value")
+                n = 1 if n is None else n
                 body_n = {k: v for k, v in body.items() if k != "n"}
             else:
                 body_n = body
@@ -82,7 +84,7 @@ class VLLMFrontdoor(Frontdoor):
                 raise APIError(400, "'prefix_cache': false is not supported over vLLM instances (their "
                                     "connector always reuses the pool)", code="unsupported_value")
             try:
-                plan = await self._admit(request, req)
+                plan = await self._admit(request, req, n)   # n sequences: n in flight and in decode
             except Unavailable as exc:
                 raise APIError(503, str(exc), "service_unavailable", "engine_unavailable") from None
         except APIError as exc:

@@ -74,12 +74,12 @@ class VLLMRouter(Router[VLLMClient]):
 
     # -- deciding ---------------------------------------------------------------------------
     async def plan(self, request_id: str, tokens: Sequence[int], namespace: str,
-                   max_tokens: int = 16, reuse: bool = True) -> RoutePlan | Rejection:
+                   max_tokens: int = 16, reuse: bool = True, sequences: int = 1) -> RoutePlan | Rejection:
         """As :meth:`Router.plan`; raises Unavailable when every prefill or every decode
         instance is down."""
         if all(i in self.down for i in self.prefill) or all(i in self.down for i in self.decode):
             raise Unavailable(f"no vLLM instance is up (down: {sorted(self.down)})")
-        plan = await super().plan(request_id, tokens, namespace, max_tokens, reuse)
+        plan = await super().plan(request_id, tokens, namespace, max_tokens, reuse, sequences)
         if isinstance(plan, RoutePlan) and self.colocated and plan.decode_id != plan.prefill_id:
             plan = dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, decode_id=plan.prefill_id))
         return plan

@@ -206,6 +206,43 @@ def test_requests_admitted_to_join_later_reserve_decode_room():
     assert isinstance(short, Decision)                        # done long before the other joins
 
 
+def test_a_request_of_n_sequences_counts_n_in_flight_in_the_batch_and_its_kv():
+    """OpenAI's ``n``: one prompt, ``n`` sequences decoding side by side (vLLM's front door
+    passes it on). Each takes a batch slot, its own ``max_tokens`` of KV, and a place in
+    flight; counted once, one request could hold 16 slots on a bound of 1."""
+    def req(n: int, max_tokens: int = 8) -> RequestView:
+        return RequestView("r", 64, (), max_tokens, BS, sequences=n)
+
+    assert req(3).kv_tokens == 64 + 3 * 8
+    capped = conductor(admission=AdmissionConfig(max_inflight=6))
+    over = capped.decide(req(4), cluster((PrefillView("p0"),), inflight=3))
+    assert isinstance(over, Rejection) and over.reason == "max_inflight" and "4 sequences" in over.message
+    assert isinstance(capped.decide(req(3), cluster((PrefillView("p0"),), inflight=3)), Decision)
+    # Two sequences running (one request of n=2) of a batch of 4: n=2 fits, n=3 does not.
+    view = DecodeView("d0", (DecodeWork(100, 0.0, 500.0, 2),), max_running=4)
+    assert load_at(view, 1.0).running == 2 and load_at(view, 1.0, 2.0).ending == ((500.0, 100, 2),)
+    fits = conductor().decide(req(2), cluster((PrefillView("p0"),), (view,), now=1.0))
+    assert isinstance(fits, Decision) and fits.decode_running == 4
+    full = conductor().decide(req(3), cluster((PrefillView("p0"),), (view,), now=1.0))
+    assert isinstance(full, Rejection) and full.reason == "decode_capacity"
+    assert 400 <= full.retry_after_s <= 500                        # when the n=2 request leaves
+    # KV: 3 sequences of 400 tokens do not fit 1,200 tokens beside a 64-token prompt; 2 do.
+    small = DecodeView("d0", (), max_running=8, kv_capacity_tokens=1200)
+    assert isinstance(conductor().decide(req(3, 400), cluster((PrefillView("p0"),), (small,))), Rejection)
+    assert isinstance(conductor().decide(req(2, 400), cluster((PrefillView("p0"),), (small,))), Decision)
+    # More sequences than the batch holds can never be served: no retry will help soon.
+    never = conductor().decide(req(5), cluster((PrefillView("p0"),), (DecodeView("d0", (), max_running=4),)))
+    assert isinstance(never, Rejection) and never.reason == "decode_capacity" and never.retry_after_s >= 60
+
+
+def test_a_tenant_bound_counts_sequences():
+    admission = conductor(admission=AdmissionConfig(max_inflight_per_tenant=4)).admission
+    assert admission.check_tenant(2, 2) is None
+    busy = admission.check_tenant(2, 3)
+    assert busy is not None and busy.reason == "tenant_max_inflight" and "3 sequences" in busy.message
+    assert admission.check_tenant(4) is not None and admission.check_tenant(3) is None
+
+
 def test_colocated_decodes_on_the_chosen_prefill_instance():
     idle_full = (PrefillView("c0"), PrefillView("c1", 0.5, 3))
     full = DecodeView("c0", (DecodeWork(100, 0.0, 500.0),), max_running=1)

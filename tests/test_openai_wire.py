@@ -138,3 +138,31 @@ def test_a_body_that_cannot_be_read_is_a_json_400_and_one_too_large_a_json_413(u
     err = error_of(status, data, 413)
     assert err["code"] == "request_too_large" and "33554432" in err["message"]
     assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]   # and it serves on
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/xml"])
+def test_a_body_sent_as_another_type_than_json_is_a_415(url, content_type):
+    """A browser sends text, form and multipart bodies to any origin without asking it
+    (CORS simple requests): a web page must not spend a key-less front door's engines."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    status, _, data = call(url, "/v1/completions", raw=body, headers={"Content-Type": content_type})
+    err = error_of(status, data, 415)
+    assert err["code"] == "unsupported_media_type" and content_type in err["message"]
+
+
+def test_json_with_parameters_a_json_suffix_or_no_content_type_is_served(url):
+    import http.client
+    import urllib.parse
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        status, _, data = call(url, "/v1/completions", raw=body, headers={"Content-Type": content_type})
+        assert status == 200 and json.loads(data)["choices"], (content_type, data)
+    where = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=body)     # http.client adds no Content-Type
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["choices"]
+    finally:
+        conn.close()

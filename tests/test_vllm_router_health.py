@@ -12,8 +12,10 @@ from aiohttp import web
 
 from engines.vllm.checkpoint import write_checkpoint
 from launcher.supervisor import free_port
-from scheduler.admission import Rejection
+from scheduler.admission import AdmissionConfig, Rejection
+from scheduler.conductor import ConductorConfig
 from scheduler.health import HealthChecker
+from scheduler.route_plan import RoutePlan
 from scheduler.router import DecodeInstance, PrefillInstance
 from scheduler.vllm_instances import VLLMClient, VLLMModel
 from scheduler.vllm_router import VLLMRouter
@@ -95,3 +97,45 @@ def test_a_colocated_request_moves_whole_to_another_instance(tmp_path: Path) -> 
     prefill queue entry and its decode work to the other instance (VLLMRouter.reroute)."""
     model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
     asyncio.run(_colocated_reroute(model))
+
+
+async def _sequences(model: VLLMModel) -> None:
+    ports = [free_port(), free_port()]
+    runners = [await _serve(port) for port in ports]
+    clients = [VLLMClient(f"http://127.0.0.1:{ports[0]}", "prefill", model, "vllm-prefill-0"),
+               VLLMClient(f"http://127.0.0.1:{ports[1]}", "decode", model, "vllm-decode-0")]
+    infos = [await c.info() for c in clients]
+    config = ConductorConfig(admission=AdmissionConfig(max_inflight=8, max_inflight_per_tenant=4))
+    router = VLLMRouter([PrefillInstance(clients[0], infos[0])], [DecodeInstance(clients[1], infos[1])], None,
+                        model, config=config, decode_max_running=6)
+    try:
+        plan = await router.plan("a1", list(range(100)), "alice", max_tokens=8, sequences=3)
+        assert isinstance(plan, RoutePlan) and plan.sequences == 3
+        router.begin(plan)
+        assert router.inflight == 3 and router.inflight_by_tenant == {"alice": 3}
+        assert router.decode_running() == {"vllm-decode-0": 3}
+        assert router.decode["vllm-decode-0"].work["a1"].kv_tokens == 100 + 3 * 8
+        more = await router.plan("a2", list(range(100)), "alice", max_tokens=8, sequences=2)
+        assert isinstance(more, Rejection) and more.reason == "tenant_max_inflight"   # 3 + 2 > 4
+        full = await router.plan("b1", list(range(100)), "bob", max_tokens=8, sequences=4)
+        assert isinstance(full, Rejection) and full.reason == "decode_capacity"       # 3 + 4 > 6 slots
+        fits = await router.plan("b2", list(range(100)), "bob", max_tokens=8, sequences=3)
+        assert isinstance(fits, RoutePlan)
+        router.begin(fits)
+        assert router.inflight == 6 and router.decode_running() == {"vllm-decode-0": 6}
+        router.finished(plan)
+        router.finished(fits)
+        assert router.inflight == 0 and router.inflight_by_tenant == {}
+        assert router.decode_running() == {"vllm-decode-0": 0}
+    finally:
+        await router.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_a_request_of_n_sequences_is_admitted_and_counted_as_n(tmp_path: Path) -> None:
+    """OpenAI's ``n`` over vLLM: a request decoding 3 sequences holds 3 places in flight, 3 of
+    its tenant's and 3 decode slots until it finishes (counted once, one tenant's request of
+    n=16 ran past a bound of 4)."""
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    asyncio.run(_sequences(model))
