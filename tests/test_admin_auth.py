@@ -143,6 +143,50 @@ def test_kvctl_sends_a_stacks_token_to_its_own_nodes_only(node, tmp_path, monkey
         forget_stack(path)
 
 
+def _ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback to listen on")
+def test_kvctl_never_sends_a_stacks_token_to_whoever_holds_its_ports_on_ipv6_loopback(node, tmp_path, monkeypatch):
+    """The stack listens on 127.0.0.1; any local user may bind [::1] on the same ports, and
+    ``localhost`` resolves to ::1 first. kvctl took ``localhost:P`` and ``[::1]:P`` for the
+    stack's node or engine and sent its tokens there; it now connects to the stack's own
+    address instead."""
+    from concurrent import futures
+
+    from launcher.supervisor import free_port
+    from launcher.up import forget_stack, record_stack
+    env = kvctl_env(tmp_path, token=None)
+    monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "auth.env").write_text(f"KVSTORE_STORE_TOKEN={TOKEN}\nKVSTORE_ENGINE_TOKEN=engine-secret\n")
+    node_port = node.rpartition(":")[2]
+    engine_port = free_port()                  # the stack's engine: nothing listens on 127.0.0.1 there
+    path = record_stack([node], [f"127.0.0.1:{engine_port}"], "http://127.0.0.1:2", str(tmp_path / "up"), None)
+    listener = _Listener()
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[listener])
+    server.add_insecure_port(f"[::1]:{node_port}")
+    server.add_insecure_port(f"[::1]:{engine_port}")
+    server.start()
+    try:
+        for name in ("localhost", "[::1]"):
+            rc, doc, err = kvctl(env, "--store", f"{name}:{node_port}", "tiers")
+            assert rc == 0 and doc["address"] == node, (name, err)     # the stack's node, by its own address
+            kvctl(env, "lookup", "--engine", f"{name}:{engine_port}", "--prompt", "hi", json_out=False)
+            kvctl(env, "watch", "--count", "1", "--node", f"{name}:{node_port}", json_out=False)
+        assert not listener.metadata, listener.metadata           # the [::1] listener was never called
+    finally:
+        server.stop(None).wait()
+        forget_stack(path)
+
+
 def test_admin_errors_go_through_the_wire_error_table(node):
     """The Admin service answers as the store API does (kvstore/wire/errors.py): the code of
     the class and the class named in the ``kvstore-error`` trailer, which AdminClient raises."""

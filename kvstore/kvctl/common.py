@@ -80,9 +80,10 @@ def running_stacks() -> list[dict[str, Any]]:
 def read_up_file(stack: int | None = None, store: str | None = None) -> dict[str, Any] | None:
     """The record of the running stack kvctl talks to: the one whose ``kvstore up`` has pid
     ``stack`` when given; else the one holding node ``store`` when given (``localhost``,
-    ``127.0.0.1`` and ``::1`` name one host), None when no stack holds it: a stack's tokens
-    go to the nodes it started only, never to another address, where anyone on the host may
-    be listening; else the only one running (None when none is).
+    ``127.0.0.1`` and ``::1`` taken for one host here; kvctl then connects to the address
+    the stack recorded), None when no stack holds it: a stack's tokens go to the nodes it
+    started only, never to another address, where anyone on the host may be listening;
+    else the only one running (None when none is).
     Raises ValueError when ``stack`` is not running or does not hold ``store``, or when
     several are and neither ``stack`` nor ``store`` says which."""
     stacks = running_stacks()
@@ -109,12 +110,26 @@ def read_up_file(stack: int | None = None, store: str | None = None) -> dict[str
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+def _host_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]").lower(), port
+
+
 def same_node(a: str, b: str) -> bool:
-    """Whether addresses ``a`` and ``b`` (``host:port``) name one node: the same port, and
-    the same host or two names of the loopback host."""
-    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
-    ha, hb = ha.strip("[]").lower(), hb.strip("[]").lower()
+    """Whether addresses ``a`` and ``b`` (``host:port``) may name one node: the same port, and
+    the same host or two names of the loopback host. Only for finding which stack a
+    ``--store`` means: ``localhost`` and ``::1`` are other sockets than ``127.0.0.1`` (any
+    local user may bind ``[::1]`` on the port a stack holds on 127.0.0.1, and ``localhost``
+    resolves to ``::1`` first), so kvctl then connects to the stack's own address
+    (:meth:`Target.own`), and tokens go to exact addresses only (:func:`same_address`)."""
+    (ha, pa), (hb, pb) = _host_port(a), _host_port(b)
     return pa == pb and (ha == hb or (ha in LOOPBACK and hb in LOOPBACK))
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` (``host:port``) are one socket address: the same host (case
+    and IPv6 brackets aside) and port."""
+    return _host_port(a) == _host_port(b)
 
 
 def _listing(stacks: list[dict[str, Any]]) -> str:
@@ -153,16 +168,24 @@ class Target:
     engine_token_from_stack: bool = False
 
     def token_for(self, address: str) -> str | None:
-        """The store token to send ``address``: a stack's only to the stack's nodes."""
-        if self.token_from_stack and not any(same_node(address, s) for s in self.stores):
+        """The store token to send ``address``: a stack's only to the exact address of one
+        of the stack's nodes."""
+        if self.token_from_stack and not any(same_address(address, s) for s in self.stores):
             return None
         return self.token
 
     def engine_token_for(self, address: str) -> str | None:
-        """The engines' token to send ``address``: a stack's only to the stack's engines."""
-        if self.engine_token_from_stack and not any(same_node(address, e) for e in self.engines):
+        """The engines' token to send ``address``: a stack's only to the exact address of
+        one of the stack's engines."""
+        if self.engine_token_from_stack and not any(same_address(address, e) for e in self.engines):
             return None
         return self.engine_token
+
+    def own(self, address: str) -> str:
+        """The stack's own address of the node or engine ``address`` names (``localhost:P``
+        or ``[::1]:P`` for one the stack holds on ``127.0.0.1:P``), else ``address``: kvctl
+        connects there, never to whoever listens on the other name."""
+        return next((a for a in [*self.stores, *self.engines] if same_node(address, a)), address)
 
 
 def check_address(address: str, flag: str) -> str:
@@ -180,6 +203,8 @@ def resolve_target(args: argparse.Namespace) -> Target:
     up = read_up_file(getattr(args, "stack", None), args.store)
     auth = read_env_file(up["auth_env"]) if up and up.get("auth_env") else {}
     store, source = args.store, "--store"
+    if store and up:   # the stack's own address of it: localhost may resolve to someone's [::1]
+        store = next((s for s in up.get("stores", []) if same_node(store, s)), store)
     if not store and up and up.get("stores"):
         store, source = up["stores"][0], up["path"]
     if not store:

@@ -57,7 +57,8 @@ def tokens_of(args: argparse.Namespace) -> list[int]:
 
 def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | None, int, str]:
     """(model, revision, layout, block size, where they came from)."""
-    engine = args.engine or (None if args.model is not None else (t.engines[0] if t.engines else None))
+    engine = t.own(args.engine) if args.engine else (None if args.model is not None else
+                                                     (t.engines[0] if t.engines else None))
     if engine:
         from protos import engine_pb2, engine_pb2_grpc
         with grpc.insecure_channel(engine) as channel:

@@ -176,6 +176,9 @@ def _registered(redis_url: str) -> list[str]:
 def cmd_watch(target: Any, args: argparse.Namespace) -> int:
     """kvctl's ``watch`` on a target with ``store``, ``token``, ``timeout_s`` and
     ``redis_url`` (with a registry: every node in it)."""
+    own = getattr(target, "own", None)
+    if own is not None and args.node:   # a stack's node by its own address, not localhost's
+        args.node = [own(a) for a in args.node]
     return run([target.store], getattr(target, "token_for", target.token), target.timeout_s, args,
                getattr(target, "redis_url", None))
 
