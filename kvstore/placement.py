@@ -113,10 +113,20 @@ class Placement:
         return None
 
     # -- room and eviction -----------------------------------------------------------------
+    def check_fits(self, level: int, size: int) -> None:
+        """Raises CapacityError when a ``size``-byte block is larger than tier ``level``
+        itself: no eviction could make room, so none may be made."""
+        tier = self.tiers[level]
+        if size > tier.capacity_bytes:
+            raise CapacityError(f"{tier.name}: a {size}-byte block exceeds the tier's capacity "
+                                f"of {tier.capacity_bytes} bytes")
+
     def make_room(self, level: int, size: int) -> Slot:
         """Reserve ``size`` bytes in tier ``level``: above the high watermark, evict down to
         the low one first; then evict until the tier finds a run of that size. Raises
-        CapacityError when the block cannot fit."""
+        CapacityError when the block cannot fit — before evicting anything when it is larger
+        than the tier (:meth:`check_fits`)."""
+        self.check_fits(level, size)
         tier = self.tiers[level]
         cap = tier.capacity_bytes
         if tier.used_bytes + size > self.settings.high_watermark * cap:

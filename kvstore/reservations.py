@@ -82,6 +82,7 @@ class Reservations:
                                                    RS.EXISTED))
                             continue
                         try:
+                            place.check_fits(level, size)   # larger than the tier: refused, nothing evicted
                             if tenants is not None:   # the tenant's quota first: it evicts only its own blocks
                                 tenants.before_reserve(place, key, size, namespace)
                             slot = place.make_room(level, size)

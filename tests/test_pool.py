@@ -179,6 +179,25 @@ def test_block_larger_than_tier_fails_cleanly(dram_pool: KVPool) -> None:
     assert dram_pool.lookup([key_of(1)]) == (0, [])
 
 
+def test_a_block_larger_than_the_tier_evicts_nothing(two_tier_pool: KVPool) -> None:
+    """Review: a 1 GiB put to a 256 MiB DRAM tier was refused only after the watermark had
+    evicted (demoted) every block there. Refused first, nothing moves: through a one-call
+    put, a reserve and a batch reserve (where the tenant's quota check comes next)."""
+    pool = two_tier_pool
+    for i in range(2):
+        assert pool.put(key_of(i), block_of(i)).ok
+    before = stats_of(pool)["dram"]
+    assert before.blocks == 2
+    assert not pool.put(key_of(9), block_of(9, 2 * BS + 1), tier="dram").ok
+    with pytest.raises(CapacityError, match="exceeds the tier's capacity"):
+        pool.reserve(key_of(9), 2 * BS + 1, tier="dram")
+    got = pool.reserve_many([(key_of(9), 2 * BS + 1, None)], tier="dram")
+    assert len(got) == 1 and isinstance(got[0], CapacityError)
+    after = stats_of(pool)["dram"]
+    assert after.blocks == 2 and after.evictions == before.evictions
+    assert pool.lookup([key_of(0), key_of(1)])[0] == 2
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_policy_switch_at_run_time_keeps_every_block(two_tier_pool: KVPool, policy: str) -> None:
     pool = two_tier_pool
