@@ -52,7 +52,8 @@ async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: st
         guard = ConnectionGuard(c.max_connections, c.idle_timeout_s, c.head_timeout_s)
         app = frontdoor.app()
         app.middlewares.insert(0, guard.middleware)      # outermost: it sees every request's span
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # bodies are decoded by the handler that reads them (scheduler/content_encoding.py)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await runner.setup()
         await GuardedTCPSite(runner, host, port, guard).start()
         frontdoor.health_checks.start()

@@ -56,7 +56,7 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.request_parts import StreamWriter, TokenClock, json_errors, read_json_body, sampling_of
+from scheduler.request_parts import MAX_BODY_BYTES, StreamWriter, TokenClock, json_errors, read_json_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 # (token id, its logprobs when asked) -> True: a stop string appeared, end the generation
 Emit = Callable[[int, TokenLogprobs | None], Awaitable[bool]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY_BYTES = 32 << 20
 
 
 class Frontdoor:

@@ -18,12 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from engines.types import SamplingParams
+from scheduler.content_encoding import decode_body
 from scheduler.metrics import FrontdoorMetrics
 from scheduler.openai_api import APIError, GenerationRequest, read_json
 from scheduler.router import RoutePlan, Router
 from scheduler.tasks import cancel_and_wait
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY_BYTES = 32 << 20       # a request body's limit, as sent and as decoded
 log = logging.getLogger(__name__)
 CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
 
@@ -52,18 +54,18 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request's body, decoded as its ``Content-Encoding`` says. Raises APIError: 400
-    when it cannot be read (a body that is not the encoding it claims, a connection cut
-    mid-body), 413 over the server's size limit."""
+    """The request's body, decoded as its ``Content-Encoding`` says
+    (:func:`scheduler.content_encoding.decode_body`: the front doors run aiohttp with
+    ``auto_decompress=False``). Raises APIError: 400 when it cannot be read (a body that is
+    not the encoding it claims, a connection cut mid-body), 413 over :data:`MAX_BODY_BYTES`
+    (sent or decoded), 415 for an encoding not supported."""
     try:
-        return await request.read()
+        raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(413, exc.text or "the request body is too large", code="request_too_large") from None
     except web.RequestPayloadError as exc:
-        encoding = request.headers.get("Content-Encoding")
-        raise APIError(400, "the request body could not be read" +
-                       (f" as Content-Encoding {encoding!r}" if encoding else "") + f": {exc}",
-                       code="invalid_body") from None
+        raise APIError(400, f"the request body could not be read: {exc}", code="invalid_body") from None
+    return decode_body(raw, request.headers.get("Content-Encoding"), MAX_BODY_BYTES)
 
 
 async def read_json_body(request: web.Request) -> Any:

@@ -6,6 +6,7 @@ the 400s for what the built-in engines do not apply (never silently ignored)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -138,6 +139,43 @@ def test_a_body_that_cannot_be_read_is_a_json_400_and_one_too_large_a_json_413(u
     err = error_of(status, data, 413)
     assert err["code"] == "request_too_large" and "33554432" in err["message"]
     assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]   # and it serves on
+
+
+def test_a_compressed_body_is_decoded_and_a_bomb_stops_at_the_limit(url):
+    import gzip
+    import zlib
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    half = len(body) // 2
+    for encoding, raw in [("gzip", gzip.compress(body)), ("x-gzip", gzip.compress(body)),
+                          ("gzip", gzip.compress(body[:half]) + gzip.compress(body[half:])),   # two members
+                          ("deflate", zlib.compress(body)), ("deflate", zlib.compress(body, wbits=-15)),
+                          ("identity", body)]:
+        status, _, data = call(url, "/v1/completions", raw=raw, headers={"Content-Encoding": encoding})
+        assert status == 200 and json.loads(data)["choices"], (encoding, data)
+    bomb = gzip.compress(b" " * (40 << 20))              # 40 KiB sent, 40 MiB decoded
+    err = error_of(*call(url, "/v1/completions", raw=bomb, headers={"Content-Encoding": "gzip"})[::2], 413)
+    assert err["code"] == "request_too_large" and str(32 << 20) in err["message"]
+    cut = gzip.compress(body)[:-12]
+    err = error_of(*call(url, "/v1/completions", raw=cut, headers={"Content-Encoding": "gzip"})[::2], 400)
+    assert err["code"] == "invalid_body" and "ends before" in err["message"]
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, gzip"])
+def test_an_encoding_not_supported_is_a_json_415_and_no_traceback(url, encoding, caplog):
+    """aiohttp's parser failed on codings it cannot decode before any handler ran: a
+    plain-text 400 telling the client to install Brotli, and a traceback at ERROR per request
+    (no key needed, any path); a body not the gzip it claimed logged one more when drained."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    with caplog.at_level(logging.INFO):
+        status, headers, data = call(url, "/v1/completions", raw=body, headers={"Content-Encoding": encoding})
+        err = error_of(status, data, 415)
+        assert err["code"] == "unsupported_media_type" and encoding in err["message"]
+        assert headers["Content-Type"].startswith("application/json")
+        status, _, data = call(url, "/health", raw=b"x", headers={"Content-Encoding": encoding})
+        assert error_of(status, data, 405)["code"] == "method_not_allowed"
+        call(url, "/v1/completions", raw=b"not gzip", headers={"Content-Encoding": "gzip"})
+        assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
