@@ -30,6 +30,7 @@ from scheduler.connection_guard import (
     GuardedTCPSite,
 )
 from scheduler.frontdoor import Frontdoor
+from scheduler.http_log import quiet_client_errors
 from scheduler.replay import run_comparison, run_replay
 from scheduler.report import format_report
 from scheduler.router import Router
@@ -52,6 +53,7 @@ async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: st
         guard = ConnectionGuard(c.max_connections, c.idle_timeout_s, c.head_timeout_s)
         app = frontdoor.app()
         app.middlewares.insert(0, guard.middleware)      # outermost: it sees every request's span
+        quiet_client_errors()      # a client's malformed request: one DEBUG line, not a traceback
         # bodies are decoded by the handler that reads them (scheduler/content_encoding.py)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await runner.setup()

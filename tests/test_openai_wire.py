@@ -204,3 +204,30 @@ def test_json_with_parameters_a_json_suffix_or_no_content_type_is_served(url):
         assert resp.status == 200 and json.loads(resp.read())["choices"]
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("raw", [b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"zz\r\n"],
+                         ids=["bad-header", "bad-content-length", "bad-chunk-size"])
+def test_a_malformed_request_is_a_400_and_one_debug_line_not_a_traceback(url, raw, caplog):
+    """aiohttp logged each request its parser refused at ERROR with a traceback: anyone who
+    reaches the port, key or not, grew the log by one per connection."""
+    import socket
+    import urllib.parse
+    where = urllib.parse.urlsplit(url)
+    for level in (logging.INFO, logging.DEBUG):
+        caplog.clear()
+        with caplog.at_level(level):
+            with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+                s.sendall(raw)
+                status_line = s.recv(100).split(b"\r\n")[0]
+                assert status_line.startswith(b"HTTP/1.") and b" 400 " in status_line, status_line
+            assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]
+        server = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+        if level == logging.DEBUG:   # one line, naming what was wrong
+            assert len(server) == 1 and "400" in server[0].getMessage(), caplog.text
+        else:
+            assert not server
