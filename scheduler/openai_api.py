@@ -30,7 +30,10 @@ from typing import Any
 from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's "developer" messages are what "system" ones were (its reasoning models took the
+# new name); a chat template knows "system", so a developer message is rendered as one.
+TEMPLATE_ROLE = {"developer": "system"}
 MAX_STOP_STRINGS = 4          # as OpenAI's API
 MAX_STOP_CHARS = 256          # per stop string
 
@@ -279,20 +282,25 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                      default_max_tokens: int) -> GenerationRequest:
-    """Validate a ``/v1/completions`` body. ``prompt`` is a string or a list of token ids.
-    Raises APIError 400 (what is wrong; ``context_length_exceeded``: prompt + max_tokens
-    over the limit) or 404 (``model`` is not the served model)."""
+    """Validate a ``/v1/completions`` body. ``prompt`` is a string or a list of token ids, or
+    a list holding one of those (OpenAI's batch form, as its SDK sends ``prompt=["..."]``;
+    a batch of more is a 400: one prompt per request). Raises APIError 400 (what is wrong;
+    ``context_length_exceeded``: prompt + max_tokens over the limit) or 404 (``model`` is
+    not the served model)."""
     _common(body, limits)
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt", "prompt")
     prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                     # a batch of one prompt is that prompt
     if isinstance(prompt, str):
         tokens = _encode(tokenizer, prompt, "prompt", limits)
     elif isinstance(prompt, list):
         if len(prompt) > limits.max_model_len:
             raise _too_long(len(prompt), "tokens", limits)
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise _bad("only one prompt per request is supported", "unsupported_value", "prompt")
+            raise _bad(f"only one prompt per request is supported, got a batch of {len(prompt)}",
+                       "unsupported_value", "prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
             raise _bad("'prompt' as a list must hold integer token ids only", "invalid_type", "prompt")
         tokens = list(prompt)
@@ -341,6 +349,6 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} and 'content' "
                        "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",
                        "messages")
-        turns.append({"role": m["role"], "content": text})
+        turns.append({"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": text})
     text = tokenizer.apply_chat_template(turns)
     return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)

@@ -122,6 +122,33 @@ def test_chat_takes_content_parts_and_answers_with_chat_ids_and_objects(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
+def test_a_developer_message_is_a_system_message(client):
+    """OpenAI renamed the system role ``developer``; the SDK sends it and vLLM takes it (it
+    was a 400 here). The chat template knows ``system``: the two give one prompt."""
+    def ask(role: str) -> Any:
+        return client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={"ignore_eos": True},
+                                              messages=[{"role": role, "content": "Be brief."},
+                                                        {"role": "user", "content": "Hello."}])
+    developer, system = ask("developer"), ask("system")
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    assert ids_of(developer.choices[0]) == ids_of(system.choices[0])
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_and_a_batch_of_two_a_400(client):
+    """``prompt=["..."]`` is how the SDK's type hints lead a caller to write one prompt (it
+    was a 400 here); a real batch stays a 400 naming its size."""
+    one = client.completions.create(model=MODEL, prompt=["Hello, kvstore."], max_tokens=4,
+                                    extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="Hello, kvstore.", max_tokens=4,
+                                      extra_body={"ignore_eos": True})
+    assert one.usage.prompt_tokens == plain.usage.prompt_tokens and one.choices[0].text == plain.choices[0].text
+    tokens = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8]], max_tokens=2)
+    assert tokens.usage.prompt_tokens == 4
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=["Hello", "kvstore"], max_tokens=4)
+    assert "batch of 2" in str(exc.value) and exc.value.body["param"] == "prompt"
+
+
 def test_logprobs_are_the_models_log_softmax_whole_and_streamed(client):
     """Completions ``logprobs=3``: each generated token's log probability equals the model's
     log-softmax at its position (one uncached forward over prompt + output is the oracle);
