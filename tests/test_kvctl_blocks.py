@@ -129,6 +129,10 @@ def test_rm_keys_and_prefixes(node):
     assert rc == 3, err
     assert "not held" in doc["failed"][items[0][0].hex()][0]
     assert kvctl(env, "--store", address, "rm", "--prefix", "zz")[0] == 1   # not hex
+    rc, doc, _ = kvctl(env, "--store", address, "rm", "--prefix", b"x-".hex())   # nothing left to match
+    assert rc == 3 and not doc["success"] and doc["unmatched_prefixes"] == [b"x-".hex()], doc
+    rc, doc, _ = kvctl(env, "--store", address, "demote", "--prefix", b"x-".hex(), b"y-".hex())
+    assert rc == 3 and doc["unmatched_prefixes"] == [b"x-".hex()] and doc["demoted"] == [items[3][0].hex()]
     assert _keys(kvctl(env, "--store", address, "ls")[1]) == {items[3][0].hex()}
 
 

@@ -98,13 +98,17 @@ def _keys_command(t: Target, args: argparse.Namespace, method: str, verb: str) -
     asked = {k.hex() for k in keys}
     # A key is left undone only when no node did it (it is on one node of a cluster at most, usually).
     failed = {k: why for k, why in failures.items() if k not in done and (not asked or k in asked)}
+    # A prefix no block starts with is left undone as a key not held is (exit 3 either way).
+    seen = done | set(failures)
+    unmatched = [p for p in prefixes if not any(k.startswith(p.lower()) for k in seen)]
     lines = [f"{verb} {len(done)} block(s)" + (f", {size_text(freed)} freed" if method == "Remove" else "")]
     lines += [f"  {_short(k)}: not {verb}: {'; '.join(why)}" for k, why in sorted(failed.items())]
-    if args.prefix and not done and not failed:
-        lines = [f"no block starts with {', '.join(prefixes)}; nothing {verb}"]
-    emit(args, {"success": not failed, verb: sorted(done), "freed_bytes": freed,
-                "failed": {k: why for k, why in sorted(failed.items())}, "nodes": per_node}, "\n".join(lines))
-    return EXIT_INCOMPLETE if failed else EXIT_OK
+    lines += [f"  no block starts with {p}" for p in unmatched]
+    ok = not failed and not unmatched
+    emit(args, {"success": ok, verb: sorted(done), "freed_bytes": freed,
+                "failed": {k: why for k, why in sorted(failed.items())}, "unmatched_prefixes": unmatched,
+                "nodes": per_node}, "\n".join(lines))
+    return EXIT_OK if ok else EXIT_INCOMPLETE
 
 
 def cmd_rm(t: Target, args: argparse.Namespace) -> int:
