@@ -131,7 +131,8 @@ class StoreConfig:
     # one, announced in BlockTransfer.Info); it runs beside the transfer engine.
     control_port: int = 0
     # Same-host data plane (kvstore/dataplane): the Unix control socket; "auto": <data_dir>/<node_id>/
-    # dataplane.sock (/tmp/kvstore-<node_id>-<pid>.sock when that path is too long), "": none.
+    # dataplane.sock (when that path is too long for a socket, <node_id>-<pid>.sock in a directory of
+    # this user's alone: $XDG_RUNTIME_DIR/kvstore, else <tmp>/kvstore-<uid>, mode 0700), "": none.
     dataplane_socket: str = "auto"
     # After serving a request on a control channel (Unix socket or TCP), a connection's thread
     # polls this long for the next one before it sleeps: a woken thread costs 20-60 us on a VM.
@@ -254,11 +255,16 @@ class StoreConfig:
         return None if self.transfer_engine == "off" else self.transfer_engine
 
     def dataplane_socket_path(self) -> str | None:
-        """The Unix control socket of the same-host data plane, or None for none."""
+        """The Unix control socket of the same-host data plane, or None for none. Raises
+        OSError when ``auto`` needs its private directory (:func:`private_socket_dir`) and
+        cannot have it."""
         if self.dataplane_socket == "auto":
             import os
             path = os.path.abspath(os.path.join(self.data_dir, self.node_id, "dataplane.sock"))
-            return path if len(path) < 100 else f"/tmp/kvstore-{self.node_id}-{os.getpid()}.sock"
+            if len(path) < MAX_SOCKET_PATH:
+                return path
+            name = f"{self.node_id}-{os.getpid()}.sock"
+            return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(name)), name)
         return self.dataplane_socket or None
 
     def pool_settings(self) -> PoolSettings:
@@ -282,3 +288,31 @@ def _tier_spec(item: Any) -> TierSpec:
     if isinstance(item, dict) and set(item) == {"kind", "bytes"}:
         return TierSpec(str(item["kind"]), parse_bytes(item["bytes"]))
     raise ValueError(f"a tier is {{kind = NAME, bytes = SIZE}} or 'NAME=SIZE', got {item!r}")
+
+MAX_SOCKET_PATH = 100    # sun_path holds 108 bytes on Linux, 104 on macOS
+
+
+def private_socket_dir(max_len: int = MAX_SOCKET_PATH - 40) -> str:
+    """A directory for Unix sockets that only this user can enter (mode 0700, owned by this
+    user, not a link), created when missing: ``$XDG_RUNTIME_DIR/kvstore`` (the login's
+    private runtime directory), else ``<tmp>/kvstore-<uid>`` — never a name in the shared
+    ``/tmp`` itself, where another user could take it first (a file there, or a socket of
+    their own, and the node could not start); the first whose path is under ``max_len``
+    characters (else the last). Raises OSError naming the directory when one of another
+    user's, or open to others, stands there."""
+    import os
+    import stat
+    import tempfile
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [os.path.join(runtime, "kvstore")] if runtime and os.path.isabs(runtime) else []
+    candidates.append(os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}"))
+    path = next((c for c in candidates if len(c) < max_len), candidates[-1])
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{path} is not a directory of this user's alone (mode 0700): the same-host data plane's "
+                      "socket cannot go there; give --dataplane-socket a path, or a shorter --data-dir")
+    return path

@@ -356,3 +356,33 @@ def test_the_socket_path_replaces_only_a_dead_nodes_socket(make_dram, tmp_path) 
             assert client._local() is not None
     finally:
         served.stop(grace_s=None)
+
+
+def test_a_socket_path_too_long_goes_to_a_directory_of_this_users_alone(make_dram, tmp_path, monkeypatch) -> None:
+    """A data dir too deep for a socket's path put it at /tmp/kvstore-<node>-<pid>.sock, a
+    name in the shared /tmp that another user could take first (the node then could not
+    start). Now it is in $XDG_RUNTIME_DIR/kvstore, else <tmp>/kvstore-<uid>, mode 0700;
+    one of another user's or open to others there stops the node, naming it."""
+    import stat
+
+    from kvstore.config import StoreConfig
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    deep = str(tmp_path / ("d" * 100))
+    path = StoreConfig(data_dir=deep, node_id="n-1").dataplane_socket_path()
+    assert path is not None and path.startswith(str(runtime / "kvstore") + "/") and len(path) < 108
+    assert stat.S_IMODE(os.stat(runtime / "kvstore").st_mode) == 0o700
+    pool = KVPool([make_dram(8 * MIB)])
+    served = StoreNode.serve(pool, dataplane_socket=path)
+    try:
+        with StoreClient(served.address) as client:
+            assert client.put(key_of(1), block_of(1, 4096)).ok and client._local() is not None
+    finally:
+        served.stop(grace_s=None)
+    os.chmod(runtime / "kvstore", 0o755)             # open to others: refused, not used
+    with pytest.raises(OSError, match="of this user's alone"):
+        StoreConfig(data_dir=deep, node_id="n-1").dataplane_socket_path()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")             # none: a private directory under <tmp>
+    path = StoreConfig(data_dir=deep, node_id="n-1").dataplane_socket_path()
+    assert path is not None and os.path.basename(os.path.dirname(path)) == f"kvstore-{os.getuid()}"
