@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.types import SamplingParams
-from scheduler.content_encoding import decode_body
+from scheduler.content_encoding import IDENTITY, decode_body
 from scheduler.metrics import FrontdoorMetrics
 from scheduler.openai_api import APIError, GenerationRequest, read_json
 from scheduler.router import RoutePlan, Router
@@ -26,6 +26,7 @@ from scheduler.tasks import cancel_and_wait
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20       # a request body's limit, as sent and as decoded
+INLINE_JSON_BYTES = 1 << 20     # a body up to this is parsed on the event loop, a larger one in a thread
 log = logging.getLogger(__name__)
 CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
 
@@ -65,7 +66,11 @@ async def read_body(request: web.Request) -> bytes:
         raise APIError(413, exc.text or "the request body is too large", code="request_too_large") from None
     except web.RequestPayloadError as exc:
         raise APIError(400, f"the request body could not be read: {exc}", code="invalid_body") from None
-    return decode_body(raw, request.headers.get("Content-Encoding"), MAX_BODY_BYTES)
+    # Several header lines are one list (RFC 9110 §5.3): "gzip" then "br" is "gzip, br".
+    coding = ", ".join(request.headers.getall("Content-Encoding", [])) or None
+    if coding is None or coding.strip().lower() in IDENTITY:
+        return raw
+    return await asyncio.to_thread(decode_body, raw, coding, MAX_BODY_BYTES)   # not on the event loop
 
 
 async def read_json_body(request: web.Request) -> Any:
@@ -82,7 +87,10 @@ async def read_json_body(request: web.Request) -> Any:
         if major != "application" or not (minor == "json" or minor.endswith("+json")):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got Content-Type {declared!r}", code="unsupported_media_type")
-    return read_json(await read_body(request))
+    raw = await read_body(request)
+    if len(raw) > INLINE_JSON_BYTES:        # ~10 ms per MiB: a large body is parsed off the event loop
+        return await asyncio.to_thread(read_json, raw)
+    return read_json(raw)
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:

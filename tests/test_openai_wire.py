@@ -160,6 +160,58 @@ def test_a_compressed_body_is_decoded_and_a_bomb_stops_at_the_limit(url):
     assert err["code"] == "invalid_body" and "ends before" in err["message"]
 
 
+def test_many_gzip_members_are_refused_at_once_and_the_door_answers_meanwhile(url):
+    """Review: each gzip member cost a copy of the rest of the body, on the event loop: 150,000
+    empty members (3 MB) held both front doors 8 s, /health included."""
+    import gzip
+    import threading
+    import time
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    step = -(-len(body) // 16)
+    sixteen = b"".join(gzip.compress(body[i * step:(i + 1) * step]) for i in range(16))   # 16 members: served
+    assert call(url, "/v1/completions", raw=sixteen, headers={"Content-Encoding": "gzip"})[0] == 200
+    gz = {"Content-Encoding": "gzip"}
+    assert call(url, "/v1/completions", raw=sixteen + gzip.compress(b""), headers=gz)[0] == 400
+    many = gzip.compress(body) + gzip.compress(b"") * 150_000
+    answers: list[float] = []
+
+    def health() -> None:
+        t0 = time.perf_counter()
+        assert call(url, "/health")[0] == 200
+        answers.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    side = threading.Thread(target=health)
+    side.start()
+    status, _, data = call(url, "/v1/completions", raw=many, headers={"Content-Encoding": "gzip"})
+    side.join(30)
+    err = error_of(status, data, 400)
+    assert err["code"] == "invalid_body" and "more than 16 gzip members" in err["message"]
+    assert time.perf_counter() - t0 < 5 and answers and answers[0] < 5
+
+
+def test_content_encoding_on_several_lines_is_one_list(url):
+    """RFC 9110 §5.3: "gzip" then "br" on two lines is "gzip, br": more than one coding, a
+    415 (only the first line was read: a br body went through as gzip's)."""
+    import gzip
+    import http.client
+    import urllib.parse
+    body = gzip.compress(json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode())
+    where = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in [("Content-Type", "application/json"), ("Content-Encoding", "gzip"),
+                            ("Content-Encoding", "br"), ("Content-Length", str(len(body)))]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        err = error_of(resp.status, resp.read(), 415)
+        assert err["code"] == "unsupported_media_type" and "gzip, br" in err["message"]
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, gzip"])
 def test_an_encoding_not_supported_is_a_json_415_and_no_traceback(url, encoding, caplog):
     """aiohttp's parser failed on codings it cannot decode before any handler ran: a
