@@ -54,6 +54,12 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
 def run_up_vllm(args: argparse.Namespace) -> int:
     from engines.vllm.launch import VLLMServerSpec, ipc_endpoints, start_servers
     from kvstore.config import parse_bytes
+    # vLLM's instances run from the repository's root (engines/vllm/launch.py), so a path
+    # relative to the caller's directory would name another file there, or be taken for a
+    # Hugging Face repo id: every path handed down is made absolute here.
+    args.data_dir = os.path.abspath(args.data_dir)
+    if args.model and os.path.exists(args.model):
+        args.model = os.path.abspath(args.model)
     host = args.host
     http_port = preflight(args)
     if http_port is None:

@@ -291,14 +291,15 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required: a string or a list of token ids", "missing_prompt", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    batch = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+    if batch:
         prompt = prompt[0]                     # a batch of one prompt is that prompt
     if isinstance(prompt, str):
         tokens = _encode(tokenizer, prompt, "prompt", limits)
     elif isinstance(prompt, list):
         if len(prompt) > limits.max_model_len:
             raise _too_long(len(prompt), "tokens", limits)
-        if prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if prompt and not batch and all(isinstance(p, (str, list)) for p in prompt):
             raise _bad(f"only one prompt per request is supported, got a batch of {len(prompt)}",
                        "unsupported_value", "prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):

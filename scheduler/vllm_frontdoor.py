@@ -75,8 +75,9 @@ class VLLMFrontdoor(Frontdoor):
                 n = body.get("n", 1)
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
                     raise APIError(400, f"'n' must be an integer in [1, {MAX_N}], got {n!r}", code="invalid_value")
-                n = 1 if n is None else n
                 body_n = {k: v for k, v in body.items() if k != "n"}
+                if n is None:       # OpenAI's default; vLLM refuses null, after the prefill ran
+                    n, body = 1, body_n
             else:
                 body_n = body
             req = parse(body_n, self.tokenizer, self.limits, self.config.default_max_tokens)
@@ -175,6 +176,7 @@ class VLLMFrontdoor(Frontdoor):
                 plan = self._failover(plan, "decode", tried, failed.cause, 0)
                 continue
             answer["id"] = plan.request_id
+            answer["model"] = self.info.model_id      # the id /v1/models lists, not vLLM's served name
             self._account(plan, answer.get("usage"), time.perf_counter() - t0)
             self.metrics.generated_tokens.inc(int((answer.get("usage") or {}).get("completion_tokens") or 0))
             return web.json_response(answer, headers=_route(plan)), "ok"
@@ -204,6 +206,8 @@ class VLLMFrontdoor(Frontdoor):
                 async with contextlib.aclosing(events):
                     async for event in events:
                         event["id"] = plan.request_id
+                        if "model" in event:
+                            event["model"] = self.info.model_id
                         tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
                                      for c in event.get("choices") or ())
                         if not resp.prepared:

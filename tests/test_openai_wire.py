@@ -283,3 +283,14 @@ def test_a_malformed_request_is_a_400_and_one_debug_line_not_a_traceback(url, ra
             assert len(server) == 1 and "400" in server[0].getMessage(), caplog.text
         else:
             assert not server
+
+
+def test_a_batch_of_one_that_is_not_a_prompt_names_the_token_ids():
+    """``[["x"]]`` was "only one prompt per request is supported, got a batch of 1"."""
+    from engines.tokenizer import load_tokenizer
+    from scheduler.openai_api import APIError, ModelLimits, parse_completion
+    limits = ModelLimits(vocab_size=256 + 16, max_model_len=512)
+    with pytest.raises(APIError) as exc:
+        parse_completion({"prompt": [["x"]]}, load_tokenizer(None, 256 + 16), limits, 16)
+    assert exc.value.status == 400 and "integer token ids" in str(exc.value)
+    assert parse_completion({"prompt": [[5, 6]]}, load_tokenizer(None, 256 + 16), limits, 16).prompt == (5, 6)

@@ -83,7 +83,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, key: str 
     """POST a streamed completion; returns {status, tokens, cached, error, decode}.
     ``on_tokens(out)`` is called after each event that carried tokens."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    out = {"tokens": [], "cached": None, "error": None}
+    out = {"tokens": [], "cached": None, "error": None, "models": set()}
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}   # usage: the cached tokens
     async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
         out["status"], out["decode"] = r.status, r.headers.get("X-Kvstore-Decode")
@@ -99,6 +99,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, key: str 
             if "error" in event:
                 out["error"] = event["error"]
                 continue
+            out["models"].add(event.get("model"))
             before = len(out["tokens"])
             for c in event.get("choices") or ():
                 out["tokens"].extend(c.get("token_ids") or ())
@@ -208,14 +209,22 @@ def test_a_bad_sampling_value_is_refused_before_any_prompt_token_is_computed(mod
                 after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
                 assert await asyncio.to_thread(vllm_counter, servers["decode0"], "vllm:prompt_tokens_total") == decoded
                 good = await stream(s, door.url, {"prompt": prompt, "max_tokens": 4, "repetition_penalty": 1.1,
-                                                  "min_p": 0.05, "temperature": 0.8, "seed": 3})
-                return [*out, good], before, after, decoded
+                                                  "min_p": 0.05, "temperature": 0.8, "seed": 3, "n": None})
+                async with s.get(door.url + "/v1/models") as r:
+                    listed = (await r.json())["data"][0]["id"]
+                async with s.post(door.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                                                       "n": None}) as r:
+                    whole = (r.status, await r.json())
+                return [*out, good], before, after, listed, whole
 
-    (rp, mp, good), before, after, _ = asyncio.run(run())
+    (rp, mp, good), before, after, listed, (status, whole) = asyncio.run(run())
     for r, field in ((rp, "repetition_penalty"), (mp, "min_p")):
         assert r["status"] == 400 and r["error"]["code"] == "invalid_value" and field in r["error"]["message"], r
     assert after == before                           # no prompt token computed for either
+    # "n": null is OpenAI's default (vLLM refused it after the prefill); every answer names
+    # the model as /v1/models lists it (it carried vLLM's served name, which is refused)
     assert good["status"] == 200 and good["error"] is None and len(good["tokens"]) == 4
+    assert good["models"] == {listed} and status == 200 and whole["model"] == listed, (good, whole)
 
 
 def test_two_tenants_never_share_blocks(model_dir, store, servers) -> None:
