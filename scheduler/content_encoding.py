@@ -13,8 +13,9 @@ concatenated members), ``deflate`` (the zlib format, or raw deflate as some clie
 it), ``identity``. Any other, or more than one (on one header line or several), is 415
 ``unsupported_media_type``. The decoded body is bounded as the raw one is: past ``limit``
 bytes it is 413 ``request_too_large``, found while decompressing (a small bomb never grows
-past the limit in memory). Decoding takes up to ~0.2 s for a 32 MiB body, so the caller
-runs it off the event loop (:func:`scheduler.request_parts.read_body`).
+past the limit in memory). Decoding takes up to ~0.2 s for a 32 MiB body; zlib releases
+the GIL while it inflates, so the caller runs it in a thread and the event loop goes on
+(:func:`scheduler.request_parts.read_body`).
 """
 from __future__ import annotations
 

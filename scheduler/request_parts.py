@@ -26,7 +26,6 @@ from scheduler.tasks import cancel_and_wait
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20       # a request body's limit, as sent and as decoded
-INLINE_JSON_BYTES = 1 << 20     # a body up to this is parsed on the event loop, a larger one in a thread
 log = logging.getLogger(__name__)
 CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
 
@@ -70,7 +69,8 @@ async def read_body(request: web.Request) -> bytes:
     coding = ", ".join(request.headers.getall("Content-Encoding", [])) or None
     if coding is None or coding.strip().lower() in IDENTITY:
         return raw
-    return await asyncio.to_thread(decode_body, raw, coding, MAX_BODY_BYTES)   # not on the event loop
+    # zlib lets go of the GIL while it inflates: in a thread, the event loop runs meanwhile
+    return await asyncio.to_thread(decode_body, raw, coding, MAX_BODY_BYTES)
 
 
 async def read_json_body(request: web.Request) -> Any:
@@ -87,10 +87,7 @@ async def read_json_body(request: web.Request) -> Any:
         if major != "application" or not (minor == "json" or minor.endswith("+json")):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got Content-Type {declared!r}", code="unsupported_media_type")
-    raw = await read_body(request)
-    if len(raw) > INLINE_JSON_BYTES:        # ~10 ms per MiB: a large body is parsed off the event loop
-        return await asyncio.to_thread(read_json, raw)
-    return read_json(raw)
+    return read_json(await read_body(request))
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:
