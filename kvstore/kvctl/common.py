@@ -203,8 +203,6 @@ def resolve_target(args: argparse.Namespace) -> Target:
     up = read_up_file(getattr(args, "stack", None), args.store)
     auth = read_env_file(up["auth_env"]) if up and up.get("auth_env") else {}
     store, source = args.store, "--store"
-    if store and up:   # the stack's own address of it: localhost may resolve to someone's [::1]
-        store = next((s for s in up.get("stores", []) if same_node(store, s)), store)
     if not store and up and up.get("stores"):
         store, source = up["stores"][0], up["path"]
     if not store:
@@ -214,10 +212,12 @@ def resolve_target(args: argparse.Namespace) -> Target:
     redis_url = getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV) or auth.get(REDIS_URL_ENV) or None
     given_engine = getattr(args, "engine_token", None) or os.environ.get(ENGINE_TOKEN_ENV)
     engine_token = given_engine or auth.get(ENGINE_TOKEN_ENV) or None
-    return Target(store, token, redis_url, engine_token, args.timeout, source,
-                  list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
-                  token_from_stack=not given and token is not None,
-                  engine_token_from_stack=not given_engine and engine_token is not None)
+    target = Target(store, token, redis_url, engine_token, args.timeout, source,
+                    list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
+                    token_from_stack=not given and token is not None,
+                    engine_token_from_stack=not given_engine and engine_token is not None)
+    target.store = target.own(store)   # the stack's own address of it: localhost may resolve to someone's [::1]
+    return target
 
 
 def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
