@@ -97,6 +97,39 @@ def test_a_connection_that_never_sends_its_token_is_closed(slab_node, client_of,
     assert client.put(key_of(2), b"abc").ok and client.get(key_of(2)) == b"abc"
 
 
+def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_deadline(slab_node, monkeypatch) -> None:
+    """HELLO_TIMEOUT_S is a deadline for the whole HELLO, not a timeout per read: a peer
+    without the token that sends one byte every 0.2 s (each read well inside the limit) is
+    closed once the deadline passes, and its HELLO is never judged."""
+    import socket as socket_mod
+
+    from kvstore.dataplane import control_server
+    from kvstore.wire import frame_codec as w
+    monkeypatch.setattr(control_server, "HELLO_TIMEOUT_S", 0.5)
+    _, _, path = slab_node(token="s3cret")
+    hello = w.HEADER.pack(w.OP_HELLO, 6) + b"s3cret"           # the right token, sent too slowly
+    slow = socket_mod.socket(socket_mod.AF_UNIX)
+    slow.connect(path)
+    t0 = time.monotonic()
+    sent = 0
+    try:
+        for byte in hello:
+            slow.sendall(bytes([byte]))
+            sent += 1
+            time.sleep(0.2)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    slow.settimeout(5)
+    try:
+        reply = slow.recv(64)
+    except ConnectionResetError:
+        reply = b""
+    assert reply == b""                                        # closed, no OK frame
+    assert sent < len(hello)                                   # before the HELLO was whole
+    assert time.monotonic() - t0 < 5
+    slow.close()
+
+
 def test_a_connection_cannot_commit_or_abort_another_ones_reservation(slab_node) -> None:
     """Reservation ids are not secrets: another connection naming one is refused as unknown
     (commit) or ignored (abort), and the reservation stays its owner's to commit."""

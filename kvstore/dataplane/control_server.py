@@ -24,7 +24,7 @@ from kvstore.wire.errors import frame_status
 log = logging.getLogger(__name__)
 READ_OPS = frozenset((w.OP_HELLO, w.OP_LOOKUP, w.OP_LEASE, w.OP_RELEASE))
 MAX_CONNECTIONS = 1024   # per server; more are closed at once (each costs a thread)
-HELLO_TIMEOUT_S = 5.0    # a connection that has not sent its token by then is closed
+HELLO_TIMEOUT_S = 5.0    # a connection whose whole HELLO is not in by then is closed
 # Polling instead of sleeping while a reply or the next request is due: on this project's
 # 2-core VM, one-block 1 MiB gets went from 217 to 141-161 us (the lease's round trip from
 # 85 to 22-25 us) and puts from 236-357 to 165-218 us, with both sides polling.
@@ -33,8 +33,9 @@ NODE_POLL_S = 200e-6     # a node's connection thread, after each request (Store
 
 class ControlServer:
     """Serves a :class:`DataPlaneHost` on a listening socket, a thread per connection. With
-    an ``auth_token``, a connection must open with HELLO carrying it, within
-    :data:`HELLO_TIMEOUT_S` (else it is closed). ``read_only``: only
+    an ``auth_token``, a connection must open with HELLO carrying it, whole within
+    :data:`HELLO_TIMEOUT_S` of its accept (a deadline, not a per-read timeout: a peer
+    sending a byte at a time is closed too). ``read_only``: only
     LOOKUP, LEASE and RELEASE are served (other ops get InvalidArgument). ``poll_s``:
     after each request, a connection's thread polls this long for the next one before it
     sleeps (:func:`~kvstore.dataplane.framing.spin_until_readable`; 0: never), trading that
@@ -99,8 +100,9 @@ class ControlServer:
         poller, poll_s, gate = io.poller_of(conn), self.poll_s, self._poll_gate
         refused = frame_status(Unauthenticated("")), b"missing or wrong auth token"
         invalid = frame_status(InvalidArgument(""))
-        if not authed:   # a caller without the token cannot hold a connection slot and a thread
-            conn.settimeout(HELLO_TIMEOUT_S)
+        # a caller without the token cannot hold a connection slot and a thread: its frames
+        # must be whole by this deadline, however it spaces its bytes
+        hello_by = time.monotonic() + HELLO_TIMEOUT_S
         try:
             while True:
                 if poll_s and gate.acquire(blocking=False):  # a busy client's next request comes soon
@@ -110,7 +112,8 @@ class ControlServer:
                         gate.release()
                 # before the token is checked, a frame is at most a HELLO's worth of bytes
                 try:
-                    op, payload = io.read_frame(conn, w.MAX_FRAME_BYTES if authed else w.MAX_HELLO_BYTES)
+                    op, payload = (io.read_frame(conn) if authed
+                                   else io.read_frame_by(conn, hello_by, w.MAX_HELLO_BYTES))
                 except InvalidArgument as exc:  # out of step with the client: say why, then hang up
                     io.write_frame(conn, invalid, f"{exc}; closing the connection".encode())
                     return

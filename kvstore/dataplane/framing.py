@@ -39,6 +39,33 @@ def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> tuple[i
     return code, recv_exact(sock, n) if n else b""
 
 
+def read_frame_by(sock: socket.socket, deadline: float, max_bytes: int) -> tuple[int, bytes]:
+    """:func:`read_frame` that must be whole by ``deadline`` (``time.monotonic()`` seconds),
+    however the peer spaces its bytes: before each read the socket's timeout is the time
+    left. Raises TimeoutError past it, ConnectionError and InvalidArgument as
+    :func:`read_frame`. Leaves the socket's timeout set; the caller resets it."""
+    code, n = HEADER.unpack(_recv_by(sock, HEADER.size, deadline))
+    if n > max_bytes:
+        raise InvalidArgument(f"control frame of {n} bytes; at most {max_bytes}")
+    return code, _recv_by(sock, n, deadline) if n else b""
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("control frame not received in time")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("control channel closed")
+        got += k
+    return bytes(buf)
+
+
 def poller_of(sock: socket.socket) -> select.poll:
     """A poll object watching ``sock`` for readable data (for :func:`spin_until_readable`)."""
     poller = select.poll()
