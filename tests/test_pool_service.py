@@ -224,6 +224,12 @@ def test_pins_policy_and_stats_through_client_and_kvctl(node, capsys) -> None:
     assert "pinned 2 of 2 blocks, hard" in capsys.readouterr().out
     assert kvctl.main(base + ["unpin", "--prefix"] + [k.hex() for k in keys]) == 0
     assert "unpinned 2 blocks" in capsys.readouterr().out
+    assert kvctl.main(base + ["pin", "--prefix"] + [k.hex() for k in keys]) == 0    # the held 3 of 4
+    assert "pinned 3 of 4 blocks" in capsys.readouterr().out
+    assert kvctl.main(base + ["pin", "--prefix", keys[3].hex()]) == 3                # its head is not held
+    assert "holds no block of the chain's head" in capsys.readouterr().out
+    assert kvctl.main(base + ["unpin", "--prefix"] + [k.hex() for k in keys]) == 0
+    capsys.readouterr()
     assert kvctl.main(base + ["policy", "--tier", "dram", "lfu"]) == 0
     assert "dram: s3fifo -> lfu" in capsys.readouterr().out
     assert kvctl.main(base + ["pin", "zz"]) == 1 and "hex" in capsys.readouterr().err

@@ -65,9 +65,14 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
         n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
     asked = len(set(keys))   # the node counts distinct blocks
     kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
-    emit(args, {"success": n == asked or args.prefix, "pinned": n, "asked": asked, "kind": kind},
-         f"pinned {n} of {asked} blocks, {kind}")
-    return EXIT_OK if n == asked or args.prefix else EXIT_INCOMPLETE
+    # --prefix pins the chain's held prefix, whatever its length; none held (its head is
+    # not there) is the incomplete case, as for rm/demote/promote --prefix
+    done = n > 0 if args.prefix else n == asked
+    text = f"pinned {n} of {asked} blocks, {kind}"
+    if args.prefix and not n:
+        text += ": the node holds no block of the chain's head"
+    emit(args, {"success": done, "pinned": n, "asked": asked, "kind": kind}, text)
+    return EXIT_OK if done else EXIT_INCOMPLETE
 
 
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
