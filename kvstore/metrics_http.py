@@ -75,7 +75,10 @@ class _TokenMetricsHandler(MetricsHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True      # a scrape in progress never holds the process up at exit
-    allow_reuse_address = False  # a port in use is an error, never shared
+    # SO_REUSEADDR: a node restarted on its port binds while the last scrapes' connections
+    # linger in TIME-WAIT (the server closes each one first); on Linux it never lets a second
+    # listener share the port (that is SO_REUSEPORT, left off): a port in use stays an error.
+    allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int, head_timeout_s: float) -> None:
         super().__init__(address, handler)

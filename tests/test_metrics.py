@@ -384,3 +384,35 @@ def test_a_metrics_token_reads_metrics_and_nothing_else(tmp_path, monkeypatch):
 
     assert asyncio.run(front_door()) == {("/metrics", "scrape-only"): 200, ("/metrics", "sk-tenant"): 200,
                                          ("/v1/models", "scrape-only"): 401, ("/v1/models", "sk-tenant"): 200}
+
+
+def test_a_metrics_port_binds_again_at_once_after_a_scrape_but_is_never_shared():
+    """The server closes each scrape's connection first, so the port holds connections in
+    TIME-WAIT for a minute after it: a node restarted on its port (kvstore up restarts it
+    within seconds) must still bind. A second listener on a port in use is refused."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvstore.metrics_http import MetricsServer
+
+    registry = CollectorRegistry()
+    Counter("kvstore_test_scrapes", "a counter", registry=registry).inc()
+    first = MetricsServer(registry, token=TOKEN, name="first")
+    port = first.port
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            MetricsServer(registry, port=port, token=TOKEN, name="second")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:   # an HTTP/1.0 scrape
+            s.sendall(f"GET /metrics HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+            reply = b""
+            while chunk := s.recv(65536):                  # the server hangs up first
+                reply += chunk
+        assert b"200 OK" in reply.split(b"\r\n", 1)[0]
+    finally:
+        first.close()
+    again = MetricsServer(registry, port=port, token=TOKEN, name="restarted")
+    try:
+        assert value(scrape(again.url), "kvstore_test_scrapes_total") == 1.0
+    finally:
+        again.close()
