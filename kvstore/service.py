@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SNAPSHOT_CHUNK_ENTRIES = 8192        # index entries per Snapshot chunk (~0.5 MiB)
+# A prefix-chain Get reads its chain in windows of about this many bytes (one leased pool
+# read each), so that a long chain, or one key named many times, is never all in memory.
+CHAIN_WINDOW_BYTES = 64 << 20
 
 
 class StoreServicer(pb_grpc.KVStoreServicer):
@@ -115,21 +118,18 @@ class StoreServicer(pb_grpc.KVStoreServicer):
         return pb.PutResponse(results=[codec.put_result(r) for r in results])
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
-        """A prefix-chain read (``stop_at_miss``) is one leased pool read of the chain;
-        otherwise one read per block. A read whose lease expired is a miss. Each block goes
-        with the checksum taken at put, so the reader verifies it end to end (bytes changed
-        in the slab since are a miss at the reader, not passed on as good)."""
+        """A prefix-chain read (``stop_at_miss``) reads the chain in leased windows of about
+        :data:`CHAIN_WINDOW_BYTES` (:meth:`_read_chain`); otherwise one read per block. A
+        read whose lease expired is a miss. Each block goes with the checksum taken at put,
+        so the reader verifies it end to end (bytes changed in the slab since are a miss at
+        the reader, not passed on as good)."""
         try:
             check_keys(request.keys)
         except InvalidArgument as exc:
             grpc_abort(context, exc)
         keys = list(request.keys)
         if request.stop_at_miss:
-            try:
-                blocks: Iterator[tuple[bytes, int] | None] = iter(
-                    self.pool.read_many(keys, to_bytes, stop_at_miss=True, chain=True, with_checksums=True))
-            except LeaseExpired:
-                blocks = iter([None])
+            blocks: Iterator[tuple[bytes, int] | None] = self._read_chain(keys)
         else:
             blocks = (self._get_one(key) for key in keys)
         for key, got in zip(keys, blocks):
@@ -139,6 +139,34 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                     return
                 continue
             yield from codec.get_chunks(key, *got)
+
+    def _read_chain(self, keys: list[bytes]) -> Iterator[tuple[bytes, int] | None]:
+        """(bytes, checksum) of each block of the chain ``keys``, head first, ending after
+        the first None (a miss). Windows start at one block and then hold about
+        :data:`CHAIN_WINDOW_BYTES` of blocks the size of the last one read; each window
+        opens with the block sent last, read without a copy, so that the pool links the
+        chain across windows as one read would (a block gone since ends the chain)."""
+        prev: bytes | None = None
+        i, per = 0, 1
+        while i < len(keys):
+            window = keys[i:i + per]
+            sinks: list[Callable[[Any], Any]] = [to_bytes] * len(window)
+            try:
+                if prev is None:
+                    got = self.pool.read_many(window, sinks, stop_at_miss=True, chain=True, with_checksums=True)
+                else:
+                    got = self.pool.read_many([prev, *window], [_held, *sinks], stop_at_miss=True, chain=True,
+                                              with_checksums=True)
+                    got = got[1:] if got[0] is not None else [None]
+            except LeaseExpired:
+                got = [None]
+            for block in got:
+                yield block
+                if block is None:
+                    return
+            per = max(1, CHAIN_WINDOW_BYTES // max(1, len(got[-1][0])))
+            prev = window[-1]
+            i += len(window)
 
     def _get_one(self, key: bytes) -> tuple[bytes, int] | None:
         try:
@@ -313,3 +341,8 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     tier) and no Unix control socket; :meth:`kvstore.node.StoreNode.serve` adds the socket.
     Returns the started server and its bound port."""
     return grpc_server(pool, address, auth_token, workers, extra_services, DataPlaneHost.for_pool(pool), metrics)
+
+
+def _held(view: Any) -> bool:
+    """A read sink that copies nothing: the block is held (:meth:`StoreServicer._read_chain`)."""
+    return True

@@ -263,3 +263,36 @@ def test_the_client_splits_a_chain_longer_than_the_node_takes(client: StoreClien
     assert got[:4] == [d for _, d in blocks[:4]] and all(g is None for g in got[4:]) and len(got) <= 6
     assert client.get_blocks(keys[:2] + [_key(99)] + keys[3:]) == [d for _, d in blocks[:2]] + [None] + \
         [d for _, d in blocks[3:]]
+
+
+def test_a_chain_get_reads_in_windows_linked_as_one_read(store_node, client: StoreClient, stub, monkeypatch) -> None:
+    """A prefix-chain Get reads its chain in windows of about CHAIN_WINDOW_BYTES (here two
+    4 KiB blocks), never all of it at once: the same bytes and misses as one read, and the
+    pool links the chain across windows as one read does."""
+    import tracemalloc
+
+    import kvstore.service
+    pool, _ = store_node
+    monkeypatch.setattr(kvstore.service, "CHAIN_WINDOW_BYTES", 2 * 4096)
+    blocks = [(_key(i), _block(i)) for i in range(7)]
+    assert all(r.ok for r in client.put_blocks(blocks))             # put unlinked
+    keys = [k for k, _ in blocks]
+    assert not pool._place.parents
+    assert client.get_blocks(keys, stop_at_miss=True) == [d for _, d in blocks]
+    assert pool._place.parents == {keys[i]: keys[i - 1] for i in range(1, 7)}
+    got = client.get_blocks(keys[:5] + [_key(99), keys[6]], stop_at_miss=True)
+    assert got[:5] == [d for _, d in blocks[:5]] and got[5] is None and len(got) <= 7
+    # one 1 MiB block named 200 times: the node holds one window at a time, not 200 MiB
+    monkeypatch.setattr(kvstore.service, "CHAIN_WINDOW_BYTES", 8 << 20)
+    big = _block(7, 1 << 20)
+    assert client.put(_key(7), big).ok
+    tracemalloc.start()
+    try:
+        received = 0
+        for chunk in stub.Get(pb.GetRequest(keys=[_key(7)] * 200, stop_at_miss=True), timeout=60):
+            received += len(chunk.data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert received == 200 << 20
+    assert peak < 64 << 20, f"peak {peak >> 20} MiB while a 200 MiB chain was read"
