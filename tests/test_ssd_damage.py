@@ -50,7 +50,7 @@ def _damaged_record_line(path: Path, blocks: int) -> str:
             "spec cannot make, or a size that does not match the bytes stored); dropped")
 
 
-@pytest.mark.parametrize("keep", [0.5, 4096])
+@pytest.mark.parametrize("keep", [0, 0.5, 4096])   # 0: an empty data.mdb (LMDB never leaves one)
 def test_a_truncated_file_is_moved_aside_at_open(tmp_path: Path, caplog, keep: float) -> None:
     path = tmp_path / "ssd"
     _fill_ssd(path, 20)
@@ -79,6 +79,28 @@ def test_garbage_file_is_moved_aside_at_open(tmp_path: Path, caplog) -> None:
         tier = SsdTier(64 << 20, str(path))
     assert tier.quarantines == 1 and len(_damage_lines(caplog)) == 1
     tier.close()
+
+
+def test_meta_pages_of_another_data_version_are_moved_aside_at_open(tmp_path: Path, caplog) -> None:
+    """Bytes over the data-version field of both meta pages: LMDB refuses the file with a
+    plain lmdb.Error ("data format ... not supported"), which is damage, not an unusable
+    directory: moved aside with one line, the node serves on."""
+    path = tmp_path / "ssd"
+    _fill_ssd(path, 5)
+    data = path / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    for page in (0, 4096):
+        raw[page + 20:page + 24] = (0x77, 0x66, 0x55, 0x44)
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.ERROR, logger="kvstore.tiers.ssd"):
+        tier = SsdTier(64 << 20, str(path))
+    try:
+        assert tier.quarantines == 1 and tier.usage().blocks == 0 and len(_damage_lines(caplog)) == 1
+        assert glob.glob(f"{path}.damaged-*")
+        tier.put(_key(1), _block(1), checksum_of(_block(1)))
+        assert tier.get(_key(1)) == _block(1)
+    finally:
+        tier.close()
 
 
 def test_a_file_that_shrinks_under_a_running_pool(make_dram, tmp_path: Path, caplog) -> None:

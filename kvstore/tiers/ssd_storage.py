@@ -39,6 +39,23 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
            lmdb.VersionMismatchError, lmdb.BadTxnError)
 
 
+_META_PAGE = struct.Struct("<II")   # a meta page's magic and data version, after its 16-byte page header
+_MAGIC, _VERSION = 0xBEEFC0DE, 1   # LMDB's MDB_MAGIC and MDB_DATA_VERSION (lmdb.h, mdb.c)
+
+
+def _metas_valid(data: str) -> bool:
+    """Whether both of LMDB's meta pages at the head of ``data`` carry its magic and data
+    version (LMDB refuses the file unless both do; pages of 4096 bytes, as this tier uses).
+    False when they cannot be read."""
+    try:
+        with open(data, "rb") as f:
+            head = f.read(2 * 4096)
+    except OSError:
+        return False
+    return len(head) == 2 * 4096 and all(_META_PAGE.unpack_from(head, page + 16) == (_MAGIC, _VERSION)
+                                         for page in (0, 4096))
+
+
 class _Damaged(Exception):
     """The environment is damaged (the message says how); it must be quarantined."""
 
@@ -82,14 +99,15 @@ class SsdStorage:
         data = os.path.join(self.path, "data.mdb")
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)   # every tenant's blocks: this user only
-            on_disk = os.path.getsize(data) if os.path.exists(data) else 0
+            exists = os.path.exists(data)
+            on_disk = os.path.getsize(data) if exists else 0
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
                     os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
                 raise PermissionError(errno.EACCES, "permission denied")
         except OSError as exc:
             raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
                                      f"{exc.strerror or exc}") from None
-        if 0 < on_disk < 2 * 4096:
+        if exists and on_disk < 2 * 4096:    # LMDB writes both meta pages as it creates the file
             raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
         try:
             self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
@@ -98,6 +116,8 @@ class SsdStorage:
         except _DAMAGE as exc:
             raise _Damaged(f"LMDB cannot open it ({exc})") from None
         except lmdb.Error as exc:
+            if exists and not _metas_valid(data):   # LMDB says so in a plain Error (e.g. a bad version)
+                raise _Damaged(f"its meta pages are damaged ({exc})") from None
             raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
         self._fd = os.open(data, os.O_RDONLY)
         try:
