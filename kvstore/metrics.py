@@ -32,7 +32,8 @@ Per tenant (``namespace`` label; where the pool keeps tenant books, kvstore/tena
 ``kvstore_namespace_tier_bytes`` (with ``tier``) are gauges; ``kvstore_namespace_hits_total``,
 ``kvstore_namespace_misses_total``, ``kvstore_namespace_quota_evictions_total``,
 ``kvstore_namespace_rejected_puts_total`` counters. A namespace is a hash of a tenant's API
-key (scheduler/tenancy.py), never the key, so the labels name no secret; there is one series
+key (scheduler/tenancy.py), never the key, or of a vLLM ``cache_salt`` the front door did not
+set (engines/vllm/layout.py), never the salt, so the labels name no secret; there is one series
 set per tenant.
 
 Observed as calls end (:class:`StoreMetrics`):

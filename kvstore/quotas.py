@@ -40,8 +40,14 @@ def accounting_namespace(salt: str) -> str:
     try:
         return check_namespace(salt)
     except InvalidArgument:
-        import hashlib
-        return "salt-" + hashlib.sha256(str(salt).encode(errors="surrogatepass")).hexdigest()[:32]
+        return salt_namespace(salt)
+
+
+def salt_namespace(salt: str) -> str:
+    """The tenant name of a key salt that is not shown as is: ``salt-`` + the first 32 hex
+    digits of its SHA-256 (stable, and names no secret)."""
+    import hashlib
+    return "salt-" + hashlib.sha256(str(salt).encode(errors="surrogatepass")).hexdigest()[:32]
 
 
 class QuotaStore:

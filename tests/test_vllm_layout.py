@@ -77,9 +77,14 @@ def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
     from kvstore.pool import KVPool
     from kvstore.tenants import attach, namespace_stats
     lay = PagedLayout("m", "r", KVLayout("float32", 2, 2, 8, 4))
-    assert lay.namespace("key-0123") == "key-0123" and lay.namespace(None) == "default"
+    from scheduler.tenancy import namespace_from_authorization
+    tenant = namespace_from_authorization("Bearer sk-tenant-a")     # what the front door sends
+    assert lay.namespace(tenant) == tenant and lay.namespace("public") == "public"
+    assert lay.namespace(None) == "default"
     odd = lay.namespace("caf\u00e9 " * 100)
     assert odd.startswith("salt-") and odd == lay.namespace("caf\u00e9 " * 100) != lay.namespace("cafe")
+    own = lay.namespace("my-secret-salt-9f8e7d")    # a client's own salt, sent straight to vLLM
+    assert own.startswith("salt-") and "my-secret" not in own and own == lay.namespace("my-secret-salt-9f8e7d")
     pool = KVPool([make_dram(16 << 20)])
     books = attach(pool)
     node = StoreNode.serve(pool)
@@ -87,12 +92,12 @@ def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
     try:
         paged = PagedBlocks({"l": torch.arange(8 * 2 * 4 * 8, dtype=torch.float32).reshape(8, 2, 4, 8)}, num_blocks=8)
         tokens = list(range(4 * 4))
-        for salt, ids in (("key-0123", [0, 1]), ("caf\u00e9 " * 100, [2, 3])):
+        for salt, ids in ((tenant, [0, 1]), ("caf\u00e9 " * 100, [2, 3])):
             keys = lay.keys(tokens, salt)[:2]
             assert link.save([(k, paged.segments(b)) for k, b in zip(keys, ids)], None, lay.namespace(salt)) == 2
             assert [books.namespace_of(k) for k in keys] == [lay.namespace(salt)] * 2
         stats = namespace_stats(pool)
-        assert stats["key-0123"].blocks == 2 and stats[odd].blocks == 2 and "" not in stats
+        assert stats[tenant].blocks == 2 and stats[odd].blocks == 2 and "" not in stats
         books.quotas.set("key-q", paged.block_bytes)
         first, second = lay.keys(tokens, "key-q")[:2]
         assert link.save([(first, paged.segments(4))], None, "key-q") == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,16 @@ from typing import Any
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
-from kvstore.quotas import accounting_namespace
+from kvstore.quotas import accounting_namespace, salt_namespace
 from kvstore.tiers.buffers import Segments
 
 DEFAULT_NAMESPACE = "default"
+# The tenant names the front door puts in cache_salt (scheduler/tenancy.py
+# namespace_from_authorization: "key-" + 16 hex digits of a hash of the API key, or
+# "public"): taken as the tenant's name. Any other salt came from a client straight to
+# vLLM, which may keep it secret (vLLM: a salt "should be random, protected from access by
+# 3rd parties"): its tenant is named by a hash of it, so metrics labels never show it.
+_FRONT_DOOR_TENANT = re.compile(r"key-[0-9a-f]{16}|public")
 # The block format, in the extras: a change of it must change every key.
 BLOCK_FORMAT = "vllm-paged-v2: layers back to back, each its paged tensor's [block] slice, then the 8-byte identity tag"
 
@@ -85,10 +92,16 @@ class PagedLayout:
                          namespace=cache_salt or DEFAULT_NAMESPACE, other=(BLOCK_FORMAT,))
 
     def namespace(self, cache_salt: str | None) -> str:
-        """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books
-        and quotas): the namespace its keys are salted with, as kvstore/quotas.py
-        ``accounting_namespace`` names it. Accounting only: the keys carry the salt already."""
-        return accounting_namespace(self.extras(cache_salt).namespace)
+        """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books,
+        quotas and ``namespace`` metrics labels): ``default`` without a salt, the salt itself
+        when the front door set it (a tenant name, :data:`_FRONT_DOOR_TENANT`), else
+        ``salt-`` + 32 hex digits of its SHA-256 (kvstore/quotas.py ``salt_namespace``), so a
+        client's own salt is never shown. Accounting
+        only: the keys carry the salt already."""
+        salt = self.extras(cache_salt).namespace
+        if salt == DEFAULT_NAMESPACE or _FRONT_DOOR_TENANT.fullmatch(salt):
+            return accounting_namespace(salt)
+        return salt_namespace(salt)
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None, parent: bytes | None = None) -> list[bytes]:
         """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py);
