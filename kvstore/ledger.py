@@ -149,4 +149,4 @@ class TierLedger:
             assert kids and all(k in self.blocks and self.parents.get(k) == parent for k in kids)
         usage = self.tier.usage()
         assert usage.blocks == len(self.blocks), (usage.blocks, len(self.blocks))
-        assert usage.used_bytes - usage.reserved_bytes == sum(m.size for m in self.blocks.values())
+        assert usage.used_bytes - usage.reserved_bytes == sum(self.tier.footprint(m.size) for m in self.blocks.values())

@@ -129,8 +129,8 @@ class Placement:
         self.check_fits(level, size)
         tier = self.tiers[level]
         cap = tier.capacity_bytes
-        if tier.used_bytes + size > self.settings.high_watermark * cap:
-            target = max(0.0, self.settings.low_watermark * cap - size)
+        if tier.used_bytes + tier.footprint(size) > self.settings.high_watermark * cap:
+            target = max(0.0, self.settings.low_watermark * cap - tier.footprint(size))
             self.evict_until(level, lambda: tier.used_bytes <= target)
         while True:
             slot = tier.reserve(size)
@@ -296,7 +296,8 @@ class Placement:
 
     def move_bytes(self, level: int) -> int:
         """Bytes of the slots reserved in ``level`` for moves in flight."""
-        return sum(slot.size for (lvl, _), slot in self.inflight.items() if lvl == level and slot is not None)
+        fp = self.tiers[level].footprint
+        return sum(fp(slot.size) for (lvl, _), slot in self.inflight.items() if lvl == level and slot is not None)
 
     def admit(self, level: int, key: bytes, meta: BlockMeta) -> None:
         if self.tenants is not None:

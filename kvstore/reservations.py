@@ -276,7 +276,9 @@ class Reservations:
         self._next_reap = min((r.deadline for r in self._open.values()), default=math.inf)
 
     def reserved_bytes(self, level: int) -> int:
-        return sum(r.size for r in self._open.values() if r.level == level and r.slot is not None)
+        """Bytes of tier ``level`` the open reservations take (their footprints there)."""
+        fp = self._place.tiers[level].footprint
+        return sum(fp(r.size) for r in self._open.values() if r.level == level and r.slot is not None)
 
     def _free(self, res: Reservation) -> None:
         if res.slot is not None and res.writing == 0:

@@ -35,7 +35,7 @@ def test_put_get_roundtrip(dram_pool: KVPool) -> None:
 def test_two_phase_put_is_invisible_until_commit(dram_pool: KVPool) -> None:
     data = block_of(1, 3 * BS - 10)
     res = dram_pool.reserve(key_of(1), len(data), checksum_of(data))
-    assert stats_of(dram_pool)["dram"].reserved_bytes == len(data)
+    assert stats_of(dram_pool)["dram"].reserved_bytes == 3 * BS     # the slab pages it takes
     for off in range(0, len(data), 1000):
         dram_pool.write(res, data[off:off + 1000])
         assert dram_pool.lookup([key_of(1)]) == (0, []) and dram_pool.get(key_of(1)) is None
@@ -223,7 +223,8 @@ def test_stats_fields(two_tier_pool: KVPool) -> None:
     s = stats_of(pool)
     assert list(s) == ["dram", "ssd"]
     d = s["dram"]
-    assert (d.device, d.capacity_bytes, d.used_bytes, d.blocks, d.policy) == ("cpu", 2 * BS, 2000, 2, "lru")
+    # two 1000-byte blocks, a slab page each: used counts what they take of the capacity
+    assert (d.device, d.capacity_bytes, d.used_bytes, d.blocks, d.policy) == ("cpu", 2 * BS, 2 * BS, 2, "lru")
     assert (d.hits, d.misses, d.evictions, d.demotions, d.promotions, d.integrity_failures) == (1, 1, 1, 1, 0, 0)
     assert (d.leased_bytes, d.pinned_bytes, d.reserved_bytes) == (0, 0, 0)
     assert (s["ssd"].used_bytes, s["ssd"].blocks, s["ssd"].misses) == (1000, 1, 1)

@@ -96,13 +96,14 @@ def test_put_get_get_into_remove(any_tier, size: int) -> None:
     tier = any_tier
     data = _block(size)
     tier.put(b"k", data, checksum_of(data))
-    assert tier.used_bytes == size and tier.contains(b"k") and tier.info(b"k") == (size, checksum_of(data))
+    fp = tier.footprint(size)         # a slab's whole pages, the size elsewhere
+    assert tier.used_bytes == fp and tier.contains(b"k") and tier.info(b"k") == (size, checksum_of(data))
     assert tier.get(b"k") == data
     out = np.full(size + 8, 0xAB, dtype=np.uint8)
     assert tier.get_into(b"k", out) == size
     assert out[:size].tobytes() == data and (out[size:] == 0xAB).all()
     assert list(tier.keys()) == [(b"k", size)]
-    assert tier.remove(b"k") == size and tier.remove(b"k") == 0
+    assert tier.remove(b"k") == fp and tier.remove(b"k") == 0
     assert tier.get(b"k") is None and tier.get_into(b"k", out) is None
     assert tier.usage().used_bytes == 0 and tier.usage().blocks == 0
 
@@ -111,7 +112,8 @@ def test_reserve_write_in_chunks_commit_and_abort(any_tier) -> None:
     tier = any_tier
     data = _block(3 * PAGE_BYTES + 100, 1)
     slot = tier.reserve(len(data))
-    assert tier.usage().reserved_bytes == len(data) and tier.usage().used_bytes == len(data)
+    fp = tier.footprint(len(data))
+    assert tier.usage().reserved_bytes == fp and tier.usage().used_bytes == fp
     for off in range(0, len(data), 5000):
         tier.write(slot, off, data[off:off + 5000])
     assert tier.get(b"k") is None  # not readable before commit
@@ -120,7 +122,7 @@ def test_reserve_write_in_chunks_commit_and_abort(any_tier) -> None:
     slot = tier.reserve(PAGE_BYTES)
     tier.write(slot, 0, _block(100))
     tier.abort(slot)
-    assert tier.usage().used_bytes == len(data) and tier.usage().reserved_bytes == 0
+    assert tier.usage().used_bytes == fp and tier.usage().reserved_bytes == 0
     assert [k for k, _ in tier.keys()] == [b"k"]
 
 
@@ -138,7 +140,21 @@ def test_put_existing_key_is_a_no_op(any_tier) -> None:
     tier = any_tier
     tier.put(b"k", b"first", checksum_of(b"first"))
     tier.put(b"k", b"second", checksum_of(b"second"))
-    assert tier.get(b"k") == b"first" and tier.used_bytes == 5
+    assert tier.get(b"k") == b"first" and tier.used_bytes == tier.footprint(5)
+
+
+def test_a_slab_counts_the_pages_its_blocks_take(make_dram) -> None:
+    """A slab tier's usage is the pages its blocks take, not their sizes: 16 empty or
+    one-byte blocks fill a 16-page slab (used = capacity), and the 17th does not fit; sizes
+    stay exact in the blocks' own records."""
+    tier = make_dram(16 * PAGE_BYTES)
+    assert tier.footprint(0) == tier.footprint(1) == PAGE_BYTES and tier.footprint(PAGE_BYTES + 8) == 2 * PAGE_BYTES
+    for i in range(16):
+        data = b"x" * (i % 2)
+        tier.put(b"k%d" % i, data, checksum_of(data))
+    assert tier.usage().used_bytes == tier.capacity_bytes == 16 * PAGE_BYTES and tier.usage().blocks == 16
+    assert tier.reserve(1) is None and tier.info(b"k1") == (1, checksum_of(b"x"))
+    assert tier.remove(b"k0") == PAGE_BYTES and tier.reserve(1) is not None
 
 
 def test_write_accepts_arrays_and_tensors(any_tier) -> None:

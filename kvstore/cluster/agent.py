@@ -76,7 +76,7 @@ class ClusterAgent:
         # Free up to the low watermark: placement that stops there never makes the node evict.
         lw = self.pool.settings.low_watermark
         stats = self.pool.stats()
-        free = sum(max(0, int(s.capacity_bytes * lw) - s.used_bytes - s.reserved_bytes) for s in stats)
+        free = sum(max(0, int(s.capacity_bytes * lw) - s.used_bytes) for s in stats)   # used: reserved too
         return NodeInfo(self.cfg.node_id, f"{self.host}:{self.port}",
                         tuple((s.name, s.capacity_bytes, s.used_bytes) for s in stats), free,
                         self.node_te.endpoint if self.node_te else "", self.epoch, self.draining)

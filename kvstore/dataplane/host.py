@@ -182,7 +182,7 @@ class DataPlaneHost:
         tier = self.tier
         room = int(self.pool.settings.high_watermark * tier.capacity_bytes) - tier.used_bytes
         budget = min(self.max_spare_bytes - lent_bytes, room)
-        count = min(count, MAX_SPARES_PER_ASK, budget // max(size, PAGE_BYTES))
+        count = min(count, MAX_SPARES_PER_ASK, budget // tier.footprint(size))
         if count <= 0 or size <= 0:
             return []
         items = [(SPARE_KEY + next(self._spare_ids).to_bytes(8, "little"), size) for _ in range(count)]

@@ -55,8 +55,8 @@ class TierUsage:
 class Tier(ABC):
     """Stores whole blocks by key, within ``capacity_bytes``.
 
-    Invariants: ``used_bytes`` is the sum of the sizes of the committed blocks plus the
-    reserved slots; a key is readable only after ``commit``; a failed ``commit`` leaves
+    Invariants: ``used_bytes`` is the sum of the :meth:`footprint` of the committed blocks
+    plus the reserved slots; a key is readable only after ``commit``; a failed ``commit`` leaves
     nothing readable and the slot still reserved (the caller aborts it). Not thread-safe
     for reserve/commit/abort/remove (the pool serialises those); ``write`` to distinct slots
     and ``read`` may run concurrently with them.
@@ -129,6 +129,12 @@ class Tier(ABC):
         except IntegrityError:
             return False
         return got == info[1]
+
+    def footprint(self, size: int) -> int:
+        """Bytes of this tier's capacity a block of ``size`` bytes takes, what
+        ``used_bytes`` counts: its size, unless the tier's layout rounds it (a slab's
+        whole pages, :class:`kvstore.tiers.slab.SlabTier`)."""
+        return size
 
     # -- conveniences and batched variants -------------------------------------------------
     @property

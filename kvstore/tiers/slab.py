@@ -62,15 +62,18 @@ class ExtentAllocator:
 
 
 class SlabTier(TableTier[tuple[int, int, int]]):
-    """Blocks in one pre-allocated slab of ``capacity_bytes`` rounded up to pages.
+    """Blocks in one pre-allocated slab of ``capacity_bytes`` rounded up to pages (the
+    attribute holds the rounded size).
 
     Invariant: every committed block and every reserved slot owns a distinct run of pages;
-    ``_used`` / ``_reserved`` are the byte sizes of the committed blocks / open slots.
+    ``_used`` / ``_reserved`` are the bytes of the pages of the committed blocks / open
+    slots (:meth:`footprint`): a block of 8 KiB and 8 bytes takes 12 KiB of the slab, and
+    the tier's usage, its watermarks and its stats say so.
     Subclasses provide the slab: ``_copy_in`` and ``_view``.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
+        super().__init__(pages_for(capacity_bytes) * PAGE_BYTES if capacity_bytes > 0 else capacity_bytes)
         self.pages = pages_for(capacity_bytes)
         self._alloc = ExtentAllocator(self.pages)
         self._blocks: dict[bytes, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
@@ -83,16 +86,18 @@ class SlabTier(TableTier[tuple[int, int, int]]):
     def _view(self, offset: int, size: int) -> Any:
         """A read-only uint8 view of ``size`` slab bytes at ``offset``."""
 
+    def footprint(self, size: int) -> int:
+        return pages_for(size) * PAGE_BYTES
+
     def reserve(self, size: int) -> Slot | None:
         if size > self.capacity_bytes:
             raise CapacityError(f"{self.name}: a {size}-byte block exceeds the tier's capacity "
                                 f"of {self.capacity_bytes} bytes")
-        if self._used + self._reserved + size > self.capacity_bytes:
-            return None
-        start = self._alloc.alloc(pages_for(size))
+        pages = pages_for(size)
+        start = self._alloc.alloc(pages)
         if start is None:
             return None
-        self._reserved += size
+        self._reserved += pages * PAGE_BYTES
         return Slot(size, start * PAGE_BYTES)
 
     def write(self, slot: Slot, offset: int, data: Any) -> None:
@@ -104,12 +109,14 @@ class SlabTier(TableTier[tuple[int, int, int]]):
 
     def commit(self, slot: Slot, key: bytes, checksum: int) -> None:
         self._blocks[key] = (slot.offset, slot.size, checksum)
-        self._reserved -= slot.size
-        self._used += slot.size
+        fp = pages_for(slot.size) * PAGE_BYTES
+        self._reserved -= fp
+        self._used += fp
 
     def abort(self, slot: Slot) -> None:
-        self._alloc.free(slot.offset // PAGE_BYTES, pages_for(slot.size))
-        self._reserved -= slot.size
+        pages = pages_for(slot.size)
+        self._alloc.free(slot.offset // PAGE_BYTES, pages)
+        self._reserved -= pages * PAGE_BYTES
 
     def read(self, key: bytes, sink: Sink[T]) -> T | None:
         loc = self._blocks.get(key)
@@ -132,9 +139,10 @@ class SlabTier(TableTier[tuple[int, int, int]]):
         if loc is None:
             return 0
         offset, size, _ = loc
-        self._alloc.free(offset // PAGE_BYTES, pages_for(size))
-        self._used -= size
-        return size
+        pages = pages_for(size)
+        self._alloc.free(offset // PAGE_BYTES, pages)
+        self._used -= pages * PAGE_BYTES
+        return pages * PAGE_BYTES
 
     def keys(self) -> Iterator[tuple[bytes, int]]:
         return ((k, v[1]) for k, v in list(self._blocks.items()))
