@@ -10,8 +10,10 @@ reserved unattributed and gets its tenant at commit (:meth:`TenantBooks.claim`).
 without one belongs to the unattributed namespace ``""``, which has no quota.
 
 Accounting rules:
-- a namespace's ``bytes`` count each of its blocks once, at its size, whichever tiers hold
-  copies (demotion and promotion change no tenant's bytes); puts in flight count toward
+- a namespace's ``bytes`` count each of its blocks once, at the whole 4 KiB pages it takes
+  (:func:`charge`: what it takes of a DRAM slab, so no block, not even an empty one, is
+  free and a quota bounds what a tenant takes of the slab), whichever tiers hold copies
+  (demotion and promotion change no tenant's bytes); puts in flight count toward
   the quota too, so concurrent puts cannot overshoot it;
 - a hit is a read that found a block the namespace owns; a miss is a read of a block the
   namespace held until it was evicted or removed (the last 65,536 such keys are
@@ -33,9 +35,16 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import QuotaExceeded
 from kvstore.quotas import QuotaStore
+from kvstore.tiers.slab import PAGE_BYTES, pages_for
 
 if TYPE_CHECKING:
     from kvstore.placement import Placement
+
+def charge(size: int) -> int:
+    """Bytes a block of ``size`` bytes counts against its tenant: its whole 4 KiB pages
+    (``kvstore.tiers.slab``), at least one."""
+    return pages_for(size) * PAGE_BYTES
+
 
 NAMESPACE_METADATA = "kvstore-namespace"   # gRPC metadata naming the tenant of a Put's blocks
 UNATTRIBUTED = ""
@@ -123,6 +132,7 @@ class TenantBooks:
             return   # another copy (demotion, promotion) of a block it owns already
         t = self._claims.get(key, self._none)
         self.owner[key] = t
+        size = charge(size)
         t.keys[key] = size
         t.stored += size
         self._gone.pop(key, None)
@@ -152,10 +162,11 @@ class TenantBooks:
         if quota is None:
             return
         t = self._tenant(namespace)
+        size = charge(size)
         if size > quota:
             t.rejected += 1
-            raise QuotaExceeded(f"namespace {namespace!r}: a block of {size} bytes exceeds its quota of "
-                                f"{quota} bytes")
+            raise QuotaExceeded(f"namespace {namespace!r}: a block taking {size} bytes (whole 4 KiB pages) "
+                                f"exceeds its quota of {quota} bytes")
         while t.stored + t.pending + size > quota:
             victim = self._victim(place, t)
             if victim is None:
@@ -169,6 +180,7 @@ class TenantBooks:
 
     def reserved(self, res_id: int, key: bytes, namespace: str | None, size: int) -> None:
         t = self._tenant(namespace)
+        size = charge(size)
         self.pending[res_id] = (key, t, size)
         t.pending += size
         self._claims.setdefault(key, t)
@@ -246,7 +258,7 @@ class TenantBooks:
             tier_bytes = {}
             for tier, book in zip(place.tiers, place.books):
                 blocks = book.blocks
-                tier_bytes[tier.name] = sum(blocks[k].size for k in t.keys if k in blocks)
+                tier_bytes[tier.name] = sum(charge(blocks[k].size) for k in t.keys if k in blocks)
             out[ns] = NamespaceStats(ns, t.stored, len(t.keys), t.hits, t.misses, t.evictions, t.rejected,
                                      quotas.get(ns), tier_bytes)
         return out

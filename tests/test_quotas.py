@@ -78,6 +78,24 @@ def test_a_put_it_cannot_make_room_for_is_refused_naming_the_quota(pool):
     pool.check_integrity()
 
 
+def test_a_block_counts_the_pages_it_takes_so_tiny_blocks_cannot_outrun_a_quota(pool):
+    """A quota charges a block its whole 4 KiB pages (what it takes of the DRAM slab): a
+    quota of 0 refuses even an empty block, and one-byte blocks under a 16,000-byte quota
+    are held three at a time (3 pages), not 16,000."""
+    books = attach(pool)
+    books.quotas.set("zero", 0)
+    with pytest.raises(QuotaExceeded, match="a block taking 4096 bytes"):
+        pool.reserve(block(1, b"zero"), 0, namespace="zero")
+    assert not pool.put(block(2, b"zero"), b"", namespace="zero").ok and not pool.contains(block(2, b"zero"))
+    books.quotas.set("tiny", 16000)
+    for i in range(50):
+        assert pool.put(block(i, b"tiny"), b"x", namespace="tiny").ok
+    stats = namespace_stats(pool)["tiny"]
+    assert (stats.blocks, stats.bytes, stats.evictions) == (3, 3 * 4096, 47)
+    assert pool.stats()[0].used_bytes == 3 * 4096      # the slab's pages, as the quota counts them
+    pool.check_integrity()
+
+
 def test_hits_misses_and_pending_bytes(pool):
     books = attach(pool)
     books.quotas.set("t", 4 * BLOCK)

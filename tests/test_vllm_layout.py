@@ -75,7 +75,7 @@ def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
     its quota saves nothing without the link backing off."""
     from kvstore.node import StoreNode
     from kvstore.pool import KVPool
-    from kvstore.tenants import attach, namespace_stats
+    from kvstore.tenants import attach, charge, namespace_stats
     lay = PagedLayout("m", "r", KVLayout("float32", 2, 2, 8, 4))
     from scheduler.tenancy import namespace_from_authorization
     tenant = namespace_from_authorization("Bearer sk-tenant-a")     # what the front door sends
@@ -98,7 +98,7 @@ def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
             assert [books.namespace_of(k) for k in keys] == [lay.namespace(salt)] * 2
         stats = namespace_stats(pool)
         assert stats[tenant].blocks == 2 and stats[odd].blocks == 2 and "" not in stats
-        books.quotas.set("key-q", paged.block_bytes)
+        books.quotas.set("key-q", charge(paged.block_bytes))   # one block's pages: room for one block
         first, second = lay.keys(tokens, "key-q")[:2]
         assert link.save([(first, paged.segments(4))], None, "key-q") == 1
         pool.pin([first], hard=True)
