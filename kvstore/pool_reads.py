@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -80,12 +81,17 @@ class PoolReads:
     # -- reads -----------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], sinks: Sink | Sequence[Sink],
                   lease_ttl_s: float | None = None, stop_at_miss: bool = False,
-                  chain: bool = False, with_checksums: bool = False) -> list[Any]:
+                  chain: bool = False, with_checksums: bool = False, after: bytes | None = None,
+                  max_bytes: int | None = None) -> list[Any]:
         """``sink(view)`` for each key held, from its fastest tier, under one lease; None for
         a miss. ``sinks``: one for all keys or one per key; a view is a read-only uint8 array
         (a tensor for a device tier) valid only during the call. ``stop_at_miss``: the list
         ends at the first miss (that None included). ``chain``: the keys are one prefix chain
-        (linked, and touched tail-first so heads stay warm). ``with_checksums``: each hit is
+        (linked, and touched tail-first so heads stay warm); ``after``: the block the chain
+        continues from, read by an earlier call — ``keys[0]`` is linked to it while it is
+        held. ``max_bytes``: the list ends (with no None) after the hit that brings the bytes
+        read to this many, so that a caller reads a long chain in bounded windows, each call
+        going on from the last key it got. ``with_checksums``: each hit is
         (sink result, the block's xxh3_64 taken at put), for a caller that sends the bytes
         on and lets the receiver verify them end to end. A block failing its checksum is a
         miss, dropped and counted. Raises LeaseExpired when the copies outlived the lease
@@ -97,7 +103,11 @@ class PoolReads:
             deadline = time.monotonic() + (lease_ttl_s or self.settings.lease_ttl_s)
             place = self._place
             n = len(keys)
+            budget = math.inf if max_bytes is None else max_bytes
             for i, key in enumerate(keys):
+                if budget <= 0:
+                    n = i
+                    break
                 hit = place.find(key)
                 if hit is None:
                     if stop_at_miss:
@@ -106,6 +116,7 @@ class PoolReads:
                     continue
                 level, meta = hit
                 meta.hold(deadline)
+                budget -= meta.size
                 found.append((i, level, meta))
                 group = groups.get(level) or groups.setdefault(level, ([], [], []))
                 group[0].append(i)
@@ -115,6 +126,8 @@ class PoolReads:
                 for i, _, _ in found:
                     if i > 0:
                         place.link(keys[i], keys[i - 1])
+                if after is not None and found and found[0][0] == 0 and place.held(after):
+                    place.link(keys[0], after)
             for i, level, _ in (reversed(found) if chain else found):
                 place.books[level].policy.access(keys[i])
         out: list[Any] = [None] * n

@@ -142,31 +142,23 @@ class StoreServicer(pb_grpc.KVStoreServicer):
 
     def _read_chain(self, keys: list[bytes]) -> Iterator[tuple[bytes, int] | None]:
         """(bytes, checksum) of each block of the chain ``keys``, head first, ending after
-        the first None (a miss). Windows start at one block and then hold about
-        :data:`CHAIN_WINDOW_BYTES` of blocks the size of the last one read; each window
-        opens with the block sent last, read without a copy, so that the pool links the
-        chain across windows as one read would (a block gone since ends the chain)."""
+        the first None (a miss): leased pool reads of about :data:`CHAIN_WINDOW_BYTES` each
+        (``max_bytes``: the pool stops a window by the sizes it holds), each going on from
+        the last block the one before sent (``after``: linked to it, counted once)."""
         prev: bytes | None = None
-        i, per = 0, 1
+        i = 0
         while i < len(keys):
-            window = keys[i:i + per]
-            sinks: list[Callable[[Any], Any]] = [to_bytes] * len(window)
             try:
-                if prev is None:
-                    got = self.pool.read_many(window, sinks, stop_at_miss=True, chain=True, with_checksums=True)
-                else:
-                    got = self.pool.read_many([prev, *window], [_held, *sinks], stop_at_miss=True, chain=True,
-                                              with_checksums=True)
-                    got = got[1:] if got[0] is not None else [None]
+                got = self.pool.read_many(keys[i:], to_bytes, stop_at_miss=True, chain=True, with_checksums=True,
+                                          after=prev, max_bytes=CHAIN_WINDOW_BYTES)
             except LeaseExpired:
                 got = [None]
             for block in got:
                 yield block
                 if block is None:
                     return
-            per = max(1, CHAIN_WINDOW_BYTES // max(1, len(got[-1][0])))
-            prev = window[-1]
-            i += len(window)
+            i += len(got)
+            prev = keys[i - 1]
 
     def _get_one(self, key: bytes) -> tuple[bytes, int] | None:
         try:
@@ -341,8 +333,3 @@ def serve_store(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     tier) and no Unix control socket; :meth:`kvstore.node.StoreNode.serve` adds the socket.
     Returns the started server and its bound port."""
     return grpc_server(pool, address, auth_token, workers, extra_services, DataPlaneHost.for_pool(pool), metrics)
-
-
-def _held(view: Any) -> bool:
-    """A read sink that copies nothing: the block is held (:meth:`StoreServicer._read_chain`)."""
-    return True
