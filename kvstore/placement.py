@@ -162,14 +162,16 @@ class Placement:
         return None
 
     def evict(self, level: int, key: bytes) -> int:
-        """Evict ``key`` from ``level``, demoting it to the next tier when it fits there."""
+        """Evict ``key`` from ``level``, demoting it to the next tier when it fits there.
+        Returns the bytes of the tier it freed (its footprint there, as ``used_bytes``
+        counts)."""
         book = self.books[level]
         meta = book.blocks[key]
         if level + 1 < len(self.tiers):
             self.demote(level, key, meta)
         self.drop(level, key, evicted=True)
         book.counters.evictions += 1
-        return meta.size
+        return self.tiers[level].footprint(meta.size)
 
     def drop(self, level: int, key: bytes, evicted: bool = False) -> int:
         """Forget one copy: index first, then the bytes, so it is invisible before its space
@@ -352,8 +354,9 @@ class Placement:
         out = []
         for tier, book in zip(self.tiers, self.books):
             u = tier.usage()
-            leased = sum(m.size for m in book.blocks.values() if m.leased(now))
-            pinned = sum(book.blocks[k].size for k, p in self.pins.items()
+            fp = tier.footprint        # in the unit of used_bytes
+            leased = sum(fp(m.size) for m in book.blocks.values() if m.leased(now))
+            pinned = sum(fp(book.blocks[k].size) for k, p in self.pins.items()
                          if k in book.blocks and p.active(now))
             out.append(TierStats(tier.name, tier.device, u.capacity_bytes, u.used_bytes, u.blocks,
                                  **book.counters.as_dict(), leased_bytes=leased, pinned_bytes=pinned,
@@ -362,7 +365,8 @@ class Placement:
         return out
 
     def evictable_bytes(self, level: int, now: float) -> int:
-        return sum(m.size for k, m in self.books[level].blocks.items()
+        fp = self.tiers[level].footprint
+        return sum(fp(m.size) for k, m in self.books[level].blocks.items()
                    if not m.leased(now) and not (k in self.pins and self.pins[k].active(now)))
 
     def check(self) -> None:

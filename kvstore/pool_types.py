@@ -58,9 +58,10 @@ class PutResult(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """One tier's figures; bytes and block counts. ``used_bytes`` includes
-    ``reserved_bytes`` (puts in flight); ``leased_bytes`` / ``pinned_bytes``: committed
-    blocks under an unexpired lease / an active pin. ``quarantines``: times the tier found
+    """One tier's figures; bytes and block counts. Bytes are what blocks take of the tier
+    (:meth:`kvstore.tiers.base.Tier.footprint`: a slab's whole pages). ``used_bytes``
+    includes ``reserved_bytes`` (puts in flight); ``leased_bytes`` / ``pinned_bytes``:
+    committed blocks under an unexpired lease / an active pin. ``quarantines``: times the tier found
     its storage damaged (an SSD file truncated or corrupt) and replaced it with an empty one;
     the blocks lost then count in ``integrity_failures``."""
 

@@ -258,7 +258,8 @@ class TenantBooks:
             tier_bytes = {}
             for tier, book in zip(place.tiers, place.books):
                 blocks = book.blocks
-                tier_bytes[tier.name] = sum(charge(blocks[k].size) for k in t.keys if k in blocks)
+                fp = tier.footprint    # what its copies take there, in the tier's used_bytes unit
+                tier_bytes[tier.name] = sum(fp(blocks[k].size) for k in t.keys if k in blocks)
             out[ns] = NamespaceStats(ns, t.stored, len(t.keys), t.hits, t.misses, t.evictions, t.rejected,
                                      quotas.get(ns), tier_bytes)
         return out

@@ -176,3 +176,23 @@ def test_a_block_in_segments_is_gathered_at_put_and_scattered_at_get(slab_node, 
     offset, size, _ = pool.tiers[0].locate(key_of(1))
     pool.tiers[0]._slab[offset + 5000] ^= 0xFF
     assert client.get_into([key_of(1)], [Segments(outs)]) == [None]
+
+
+def test_tiny_spares_are_capped_by_the_pages_they_take(slab_node) -> None:
+    """A connection's spares are capped at 1/16 of the tier counted in the pages they take
+    of the slab: one-byte spares asked for after every commit (64 a time, never used) hold
+    at most 4 MiB of a 64 MiB slab, not 4 MiB of one-byte sizes (a page each: 10 MiB)."""
+    from kvstore.dataplane.control_client import UdsControl
+
+    pool, _, path = slab_node(dram_bytes=64 * MIB)
+    ctl = UdsControl(path)
+    try:
+        for i in range(40):
+            grant = ctl.reserve([(key_of(i), 1)])[0]
+            assert grant.res_id and ctl.commit([grant.res_id], [key_of(i)], spare=(1, 64))[0].ok
+            ctl.take_spares(wait=True)                 # read, kept, never used
+        assert pool.stats()[0].reserved_bytes <= 64 * MIB // 16
+        assert pool.stats()[0].blocks == 40
+    finally:
+        ctl.close()
+    pool.check_integrity()

@@ -13,6 +13,7 @@ import torch
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgument, ReservationExpired
 from kvstore.eviction import POLICIES
 from kvstore.pool import KVPool, PoolSettings, checksum_of
+from kvstore.tiers.slab import PAGE_BYTES
 from tests.pool_helpers import BS, block_of, key_of, stats_of
 
 pytest_plugins = ("tests.pool_fixtures",)  # make_pool, dram_pool, two_tier_pool
@@ -212,6 +213,27 @@ def test_policy_switch_at_run_time_keeps_every_block(two_tier_pool: KVPool, poli
     assert sum(s.blocks for s in pool.stats()) == 10
     with pytest.raises(InvalidArgument, match="lru"):
         pool.set_policy("random")
+
+
+def test_byte_figures_of_a_slab_tier_are_in_the_pages_its_blocks_take(make_dram, make_ssd, make_pool) -> None:
+    """used, pinned, leased, evictable and evicted bytes of a DRAM tier, and a tenant's bytes
+    there, are all whole pages (one unit: an operator can add and compare them); in the SSD
+    tier, sizes. Evicting 8 KiB of one-byte blocks evicts two of them, not every one."""
+    from kvstore.tenants import attach, namespace_stats
+    pool = make_pool([make_dram(16 * BS), make_ssd(64 * BS)])
+    attach(pool)
+    for i in range(8):
+        assert pool.put(key_of(i), b"x", namespace="t").ok
+    pool.pin([key_of(0)], hard=True)
+    lease = pool.acquire([key_of(1)], ttl_s=30)
+    d = stats_of(pool)["dram"]
+    assert (d.used_bytes, d.pinned_bytes, d.leased_bytes) == (8 * PAGE_BYTES, PAGE_BYTES, PAGE_BYTES)
+    assert pool.evictable_bytes("dram") == 6 * PAGE_BYTES
+    assert pool.evict("dram", 2 * PAGE_BYTES) == (2 * PAGE_BYTES, 2)      # two blocks, demoted
+    tiers = namespace_stats(pool)["t"].tier_bytes
+    assert tiers == {"dram": 6 * PAGE_BYTES, "ssd": 2} and stats_of(pool)["ssd"].used_bytes == 2
+    pool.release(lease)
+    pool.check_integrity()
 
 
 def test_stats_fields(two_tier_pool: KVPool) -> None:

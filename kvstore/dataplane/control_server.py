@@ -157,7 +157,8 @@ class ControlServer:
                         del spares[rid]  # committed, given back or timed out
                     grants = self.host.reserve_spares(spare[0], spare[1], sum(spares.values()))
                     slots.update(g.res_id for g in grants)
-                    spares.update((g.res_id, spare[0]) for g in grants)
+                    fp = self.host.tier.footprint(spare[0])   # what each takes of the slab
+                    spares.update((g.res_id, fp) for g in grants)
                     io.write_frame(conn, w.OK, w.spare_grant(spare[0], grants))
         except (ConnectionError, OSError, KVStoreError):
             pass

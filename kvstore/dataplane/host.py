@@ -176,7 +176,8 @@ class DataPlaneHost:
         """Up to ``count`` slots of ``size`` bytes reserved before their keys are known: a
         writer that puts blocks of one size again and again fills a spare and names it at
         commit — one round trip per put instead of two. ``lent_bytes``: what the asking
-        connection holds in spares already; with it at most :attr:`max_spare_bytes` (and
+        connection holds in spares already (their footprints, ``tier.footprint``); with it
+        at most :attr:`max_spare_bytes` of the slab (and
         :data:`MAX_SPARES_PER_ASK` slots). Spares take free room only (they never evict a
         block) and time out as any reservation does; ones that cannot fit are left out."""
         tier = self.tier
