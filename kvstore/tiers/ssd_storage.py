@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -45,15 +46,16 @@ _MAGIC, _VERSION = 0xBEEFC0DE, 1   # LMDB's MDB_MAGIC and MDB_DATA_VERSION (lmdb
 
 def _metas_valid(data: str) -> bool:
     """Whether both of LMDB's meta pages at the head of ``data`` carry its magic and data
-    version (LMDB refuses the file unless both do; pages of 4096 bytes, as this tier uses).
-    False when they cannot be read."""
+    version (LMDB refuses the file unless both do; its pages are the OS page size, as LMDB
+    makes them). False when they cannot be read."""
+    page = mmap.PAGESIZE
     try:
         with open(data, "rb") as f:
-            head = f.read(2 * 4096)
+            head = f.read(2 * page)
     except OSError:
         return False
-    return len(head) == 2 * 4096 and all(_META_PAGE.unpack_from(head, page + 16) == (_MAGIC, _VERSION)
-                                         for page in (0, 4096))
+    return len(head) == 2 * page and all(_META_PAGE.unpack_from(head, at + 16) == (_MAGIC, _VERSION)
+                                         for at in (0, page))
 
 
 class _Damaged(Exception):
@@ -107,7 +109,13 @@ class SsdStorage:
         except OSError as exc:
             raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
                                      f"{exc.strerror or exc}") from None
-        if exists and on_disk < 2 * 4096:    # LMDB writes both meta pages as it creates the file
+        if on_disk == 0 and exists:
+            # Holds nothing to lose: LMDB starts it afresh. LMDB writes its meta pages as it
+            # creates the file, so this is a crash in that instant or a file emptied from
+            # outside; said in case it is the second.
+            log.warning("ssd tier at %s: data.mdb is empty (0 bytes); starting it afresh (if it held "
+                        "blocks, something outside emptied it, and they are gone)", self.path)
+        elif 0 < on_disk < 2 * mmap.PAGESIZE:
             raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
         try:
             self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
