@@ -97,16 +97,24 @@ class Placement:
         inflight = self.inflight
         return bool(inflight) and any((level, key) in inflight for level in range(len(self.books)))
 
-    def find(self, key: bytes) -> tuple[int, BlockMeta] | None:
+    def find(self, key: bytes, below: int | None = None) -> tuple[int, BlockMeta] | None:
         """The fastest tier holding ``key`` and its copy's books, counting a miss on each
-        faster tier and a hit on that one; None (a miss everywhere) when none holds it."""
+        faster tier and a hit on that one; None (a miss everywhere) when none holds it.
+        ``below``: a copy found in a tier slower than this level is returned uncounted —
+        the caller's reader does not read it, and the read that does counts it."""
         for level, book in enumerate(self.books):
             meta = book.blocks.get(key)
             if meta is not None:
+                if level:
+                    if below is not None and level > below:
+                        return level, meta
+                    for faster in self.books[:level]:
+                        faster.counters.misses += 1
                 book.counters.hits += 1
                 if self.tenants is not None:
                     self.tenants.hit(key)
                 return level, meta
+        for book in self.books:
             book.counters.misses += 1
         if self.tenants is not None:
             self.tenants.miss(key)

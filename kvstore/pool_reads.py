@@ -256,7 +256,9 @@ class PoolReads:
         """Lease each key's copy in its fastest tier for a reader that copies the bytes itself
         (a same-host reader of the mapped DRAM slab, kvstore/dataplane). Counts hits and
         misses and touches recency as a read does (``chain``: tail-first, linked), renews
-        nothing else. Returns the lease (over the keys held) and, per key, the tier holding
+        nothing else — a copy in a tier below the fastest is counted by the read that
+        fetches it (the same-host reader copies only the fastest tier's, and reads the rest
+        over gRPC), not here. Returns the lease (over the keys held) and, per key, the tier holding
         it or None for a miss; with ``stop_at_miss`` the list ends at the first miss. The
         caller must :meth:`release` the lease; its bytes are trustworthy only if the copy
         ended before ``lease.deadline`` (``time.monotonic()``)."""
@@ -268,7 +270,7 @@ class PoolReads:
             held: list[bytes] = []
             metas: list[BlockMeta] = []
             for key in keys:
-                hit = place.find(key)
+                hit = place.find(key, below=0)
                 if hit is None:
                     tiers.append(None)
                     if stop_at_miss:

@@ -179,3 +179,23 @@ def test_unusable_buffers_get_invalid_argument(slab_node, client_of) -> None:
     assert client.get_blocks([key_of(1)]) == [block_of(1)]
     assert client.lookup([key_of(1)]).blocks == 1           # after the releases on that socket
     assert pool.stats()[0].leased_bytes == 0
+
+
+def test_a_same_host_read_of_a_block_in_ssd_counts_one_hit(slab_node, client_of) -> None:
+    """The same-host reader leases a block, finds it below the slab, and reads it over
+    gRPC: the tiers and the tenant count that one read once (a DRAM miss, an SSD hit, a
+    tenant hit), as a gRPC read of it does — the lease does not count it too."""
+    from kvstore.tenants import attach, namespace_stats
+    pool, address, _ = slab_node(dram_bytes=4 * MIB, ssd_bytes=16 * MIB)
+    attach(pool)
+    client = client_of(address)
+    assert client.put_blocks([(key_of(1), block_of(1, MIB))], namespace="t")[0].ok
+    assert pool.evict("dram", 1) == (MIB, 1)                       # demoted: in SSD only
+    before = {s.name: (s.hits, s.misses) for s in pool.stats()}
+    hits = namespace_stats(pool)["t"].hits
+    assert client.get_blocks([key_of(1)]) == [block_of(1, MIB)]
+    assert client.data_path_in_use == "same-host/uds"
+    after = {s.name: (s.hits, s.misses) for s in pool.stats()}
+    assert after["dram"] == (before["dram"][0], before["dram"][1] + 1)
+    assert after["ssd"] == (before["ssd"][0] + 1, before["ssd"][1])
+    assert namespace_stats(pool)["t"].hits == hits + 1
