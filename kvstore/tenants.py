@@ -155,7 +155,8 @@ class TenantBooks:
     # -- hooks of Reservations (kvstore/reservations.py) ------------------------------------
     def before_reserve(self, place: Placement, key: bytes, size: int, namespace: str | None) -> None:
         """Make room for a new block of ``size`` bytes under ``namespace``'s quota, evicting
-        its own blocks; raises QuotaExceeded when that cannot."""
+        its own blocks; raises QuotaExceeded when that cannot — before evicting any when its
+        pinned blocks alone leave no room (a put refused anyway takes nothing with it)."""
         if not namespace:
             return
         quota = self.quotas.get(namespace)
@@ -167,6 +168,15 @@ class TenantBooks:
             t.rejected += 1
             raise QuotaExceeded(f"namespace {namespace!r}: a block taking {size} bytes (whole 4 KiB pages) "
                                 f"exceeds its quota of {quota} bytes")
+        if t.stored + t.pending + size > quota:
+            now, owner, keys = time.monotonic(), self.owner, t.keys
+            pinned = sum(keys.get(k, 0) for k, pin in place.pins.items() if owner.get(k) is t and pin.active(now))
+            if pinned + t.pending + size > quota:
+                t.rejected += 1
+                raise QuotaExceeded(
+                    f"namespace {namespace!r} is at its quota of {quota} bytes ({t.stored} stored, {pinned} of "
+                    f"them pinned, {t.pending} being written): evicting every block it may would not make "
+                    f"room; the {size}-byte block was not stored and nothing was evicted")
         while t.stored + t.pending + size > quota:
             victim = self._victim(place, t)
             if victim is None:

@@ -96,6 +96,26 @@ def test_a_block_counts_the_pages_it_takes_so_tiny_blocks_cannot_outrun_a_quota(
     pool.check_integrity()
 
 
+def test_a_put_its_pinned_blocks_leave_no_room_for_evicts_nothing(pool):
+    """A hard-pinned block of 4 BLOCKs and two small ones under a 6-BLOCK quota: a 4-BLOCK
+    put cannot fit whatever is evicted, so it is refused before either small one goes."""
+    books = attach(pool)
+    books.quotas.set("t", 6 * BLOCK)
+    big = block(0, b"big")
+    assert pool.put(big, os.urandom(4 * BLOCK), namespace="t").ok
+    pool.pin([big], hard=True)
+    small = [block(i, b"small") for i in range(1, 3)]
+    for key in small:
+        assert pool.put(key, os.urandom(BLOCK), namespace="t").ok
+    with pytest.raises(QuotaExceeded, match="would not make room.*nothing was evicted"):
+        pool.reserve(block(9), 4 * BLOCK, namespace="t")
+    stats = namespace_stats(pool)["t"]
+    assert all(pool.contains(k) for k in small) and stats.evictions == 0 and stats.rejected_puts == 1
+    assert pool.put(block(10), os.urandom(2 * BLOCK), namespace="t").ok    # room made by evicting: still served
+    assert namespace_stats(pool)["t"].evictions == 2 and pool.contains(big)
+    pool.check_integrity()
+
+
 def test_hits_misses_and_pending_bytes(pool):
     books = attach(pool)
     books.quotas.set("t", 4 * BLOCK)
