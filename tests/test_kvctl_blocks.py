@@ -5,6 +5,7 @@ token): ls, inspect, demote, promote, evict (demoted vs dropped, exit 3 when sho
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -156,6 +157,12 @@ def test_nodes_without_redis_and_lookup(node):
     assert doc["blocks"][0]["copies"] == [{"node": "node-a", "tiers": ["dram"], "size": 200, "pin": "hard",
                                            "namespace": ""}]
     assert doc["blocks"][3]["copies"] == []
+    base = ("--store", address, "lookup", "--tokens", "1,2,3,4", "--model", "m")
+    for layout, said in (('{"x": 1}', "missing dtype.*unknown x"), ("nope", "not JSON"), ("[1]", "got list")):
+        rc, _, err = kvctl(env, *base, "--block-size", "4", "--layout", layout)
+        assert rc == 1 and re.search(said, err) and "Traceback" not in err, err
+    rc, _, err = kvctl(env, *base, "--block-size", "0")
+    assert rc == 1 and "--block-size is tokens per block, >= 1; got 0" in err, err
 
 
 def test_evicting_a_promoted_block_keeps_its_lower_copy_and_says_so(node):

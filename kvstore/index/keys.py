@@ -116,7 +116,23 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, text: str) -> KVLayout:
-        return cls(**json.loads(text))
+        """The layout a JSON object gives (an engine's Info ``layout_json``). Raises
+        InvalidArgument naming what is wrong: not JSON, not an object, a field missing or
+        unknown, or a value :class:`KVLayout` refuses."""
+        fields = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise InvalidArgument(f"a KV layout is a JSON object, got text that is not JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise InvalidArgument(f"a KV layout is a JSON object with {', '.join(fields)}; got {type(obj).__name__}")
+        missing = [f for f in fields if f not in obj]
+        unknown = sorted(set(obj) - set(fields))
+        if missing or unknown:
+            raise InvalidArgument(f"a KV layout has exactly the fields {', '.join(fields)}; "
+                                  + "; ".join(p for p in (f"missing {', '.join(missing)}" if missing else "",
+                                                          f"unknown {', '.join(unknown)}" if unknown else "") if p))
+        return cls(**obj)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,9 +68,11 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
             except grpc.RpcError as exc:
                 raise Unavailable(f"engine at {engine}: {exc.code().name}: {exc.details()}") from None
         return info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size, f"engine {engine}"
-    if args.model is None or not args.block_size:
+    if args.model is None or args.block_size is None:
         raise InvalidArgument("give --engine ADDR (its Info has the key spec), or --model, --block-size "
                               "(and --revision, --layout) by hand")
+    if args.block_size < 1:
+        raise InvalidArgument(f"--block-size is tokens per block, >= 1; got {args.block_size}")
     layout = KVLayout.from_json(args.layout) if args.layout else None
     return args.model, args.revision, layout, args.block_size, "flags"
 
@@ -125,7 +127,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt")
     p.add_argument("--model", help="model id (instead of --engine)")
     p.add_argument("--revision", default="", help="model revision (with --model)")
-    p.add_argument("--layout", metavar="JSON", help="KV layout JSON (with --model), as an engine's Info gives it")
+    p.add_argument("--layout", metavar="JSON", help="KV layout JSON (with --model), as an engine's Info gives "
+                   'it: {"dtype": "float32", "num_layers": N, "num_kv_heads": N, "head_dim": N, "block_size": N}')
     p.add_argument("--block-size", type=int, help="tokens per block (with --model)")
     add_json(p)
     p.set_defaults(func=cmd_lookup)
