@@ -228,6 +228,8 @@ def test_pins_policy_and_stats_through_client_and_kvctl(node, capsys) -> None:
     assert "pinned 3 of 4 blocks" in capsys.readouterr().out
     assert kvctl.main(base + ["pin", "--prefix", keys[3].hex()]) == 3                # its head is not held
     assert "holds no block of the chain's head" in capsys.readouterr().out
+    assert kvctl.main(base + ["pin", keys[3].hex(), "--json"]) == 3                 # not held: says so
+    assert json.loads(capsys.readouterr().out)["reason"] == "1 of the named blocks are not held on this node"
     assert kvctl.main(base + ["unpin", "--prefix"] + [k.hex() for k in keys]) == 0
     capsys.readouterr()
     assert kvctl.main(base + ["policy", "--tier", "dram", "lfu"]) == 0

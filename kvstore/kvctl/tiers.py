@@ -69,9 +69,14 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
     # not there) is the incomplete case, as for rm/demote/promote --prefix
     done = n > 0 if args.prefix else n == asked
     text = f"pinned {n} of {asked} blocks, {kind}"
+    doc: dict[str, Any] = {"success": done, "pinned": n, "asked": asked, "kind": kind}
     if args.prefix and not n:
-        text += ": the node holds no block of the chain's head"
-    emit(args, {"success": done, "pinned": n, "asked": asked, "kind": kind}, text)
+        doc["reason"] = "the node holds no block of the chain's head"
+    elif not done:
+        doc["reason"] = f"{asked - n} of the named blocks are not held on this node"
+    if "reason" in doc:
+        text += f": {doc['reason']}"
+    emit(args, doc, text)
     return EXIT_OK if done else EXIT_INCOMPLETE
 
 
