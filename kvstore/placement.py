@@ -136,9 +136,9 @@ class Placement:
         than the tier (:meth:`check_fits`)."""
         self.check_fits(level, size)
         tier = self.tiers[level]
-        cap = tier.capacity_bytes
-        if tier.used_bytes + tier.footprint(size) > self.settings.high_watermark * cap:
-            target = max(0.0, self.settings.low_watermark * cap - tier.footprint(size))
+        cap, fp = tier.capacity_bytes, tier.footprint(size)
+        if tier.used_bytes + fp > self.settings.high_watermark * cap:
+            target = max(0.0, self.settings.low_watermark * cap - fp)
             self.evict_until(level, lambda: tier.used_bytes <= target)
         while True:
             slot = tier.reserve(size)

@@ -35,15 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import QuotaExceeded
 from kvstore.quotas import QuotaStore
-from kvstore.tiers.slab import PAGE_BYTES, pages_for
+from kvstore.tiers.slab import page_footprint
 
 if TYPE_CHECKING:
     from kvstore.placement import Placement
 
-def charge(size: int) -> int:
-    """Bytes a block of ``size`` bytes counts against its tenant: its whole 4 KiB pages
-    (``kvstore.tiers.slab``), at least one."""
-    return pages_for(size) * PAGE_BYTES
+# Bytes a block of ``size`` bytes counts against its tenant: its whole 4 KiB pages, at least one.
+charge = page_footprint
 
 
 NAMESPACE_METADATA = "kvstore-namespace"   # gRPC metadata naming the tenant of a Put's blocks

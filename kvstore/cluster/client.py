@@ -17,7 +17,7 @@ from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
 from kvstore.errors import KVStoreError, QuotaExceeded
 from kvstore.pool import PutResult
-from kvstore.tiers.slab import PAGE_BYTES, pages_for
+from kvstore.tiers.slab import page_footprint
 from kvstore.transfer import BlockTransport, open_transport
 from kvstore.wire.types import LookupResult
 
@@ -219,7 +219,7 @@ class ClusterClient:
         free = self._free(live)
         # A slab tier takes whole pages: count a block as the pages it takes, or a node of
         # small blocks looks roomier than it is (and evicts what was just placed there).
-        sizes = [pages_for(len(d)) * PAGE_BYTES for _, d in blocks]
+        sizes = [page_footprint(len(d)) for _, d in blocks]
         plan = plan_chain(sizes, free, prefer=head, replicas=self.replicas)
         results: list[PutResult | None] = [None] * len(blocks)
         by_id = {n.node_id: n for n in live}

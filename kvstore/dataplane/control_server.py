@@ -113,7 +113,7 @@ class ControlServer:
                 # before the token is checked, a frame is at most a HELLO's worth of bytes
                 try:
                     op, payload = (io.read_frame(conn) if authed
-                                   else io.read_frame_by(conn, hello_by, w.MAX_HELLO_BYTES))
+                                   else io.read_frame(conn, w.MAX_HELLO_BYTES, hello_by))
                 except InvalidArgument as exc:  # out of step with the client: say why, then hang up
                     io.write_frame(conn, invalid, f"{exc}; closing the connection".encode())
                     return

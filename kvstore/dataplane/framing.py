@@ -29,28 +29,28 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> tuple[int, bytes]:
+def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES,
+               deadline: float | None = None) -> tuple[int, bytes]:
     """(op or status, payload) of the next frame. Raises ConnectionError at the end of the
     stream and InvalidArgument for a frame over ``max_bytes`` (its payload is not read:
-    the stream is out of step afterwards, and the caller must drop the connection)."""
-    code, n = HEADER.unpack(recv_exact(sock, HEADER.size))
+    the stream is out of step afterwards, and the caller must drop the connection).
+    ``deadline`` (``time.monotonic()`` seconds): the whole frame must be in by then, however
+    the peer spaces its bytes (each read's timeout is the time left; TimeoutError past it;
+    the socket's timeout is left set, for the caller to reset)."""
+    if deadline is None:
+        code, n = HEADER.unpack(recv_exact(sock, HEADER.size))
+    else:
+        code, n = HEADER.unpack(_recv_by(sock, HEADER.size, deadline))
     if n > max_bytes:
         raise InvalidArgument(f"control frame of {n} bytes; at most {max_bytes}")
-    return code, recv_exact(sock, n) if n else b""
-
-
-def read_frame_by(sock: socket.socket, deadline: float, max_bytes: int) -> tuple[int, bytes]:
-    """:func:`read_frame` that must be whole by ``deadline`` (``time.monotonic()`` seconds),
-    however the peer spaces its bytes: before each read the socket's timeout is the time
-    left. Raises TimeoutError past it, ConnectionError and InvalidArgument as
-    :func:`read_frame`. Leaves the socket's timeout set; the caller resets it."""
-    code, n = HEADER.unpack(_recv_by(sock, HEADER.size, deadline))
-    if n > max_bytes:
-        raise InvalidArgument(f"control frame of {n} bytes; at most {max_bytes}")
-    return code, _recv_by(sock, n, deadline) if n else b""
+    if not n:
+        return code, b""
+    return code, recv_exact(sock, n) if deadline is None else _recv_by(sock, n, deadline)
 
 
 def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes by ``deadline``; TimeoutError past it, ConnectionError as
+    :func:`recv_exact`."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0

@@ -20,6 +20,13 @@ def pages_for(size: int) -> int:
     return max(1, -(-size // PAGE_BYTES))
 
 
+def page_footprint(size: int) -> int:
+    """Bytes of the whole pages a block of ``size`` bytes takes of a slab (at least one
+    page): :meth:`SlabTier.footprint`, what a tenant's quota charges
+    (``kvstore.tenants.charge``) and cluster placement counts."""
+    return pages_for(size) * PAGE_BYTES
+
+
 class ExtentAllocator:
     """First-fit allocator of runs of pages, coalescing free neighbours.
 
@@ -73,7 +80,7 @@ class SlabTier(TableTier[tuple[int, int, int]]):
     """
 
     def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(pages_for(capacity_bytes) * PAGE_BYTES if capacity_bytes > 0 else capacity_bytes)
+        super().__init__(page_footprint(capacity_bytes) if capacity_bytes > 0 else capacity_bytes)
         self.pages = pages_for(capacity_bytes)
         self._alloc = ExtentAllocator(self.pages)
         self._blocks: dict[bytes, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
@@ -87,7 +94,7 @@ class SlabTier(TableTier[tuple[int, int, int]]):
         """A read-only uint8 view of ``size`` slab bytes at ``offset``."""
 
     def footprint(self, size: int) -> int:
-        return pages_for(size) * PAGE_BYTES
+        return page_footprint(size)
 
     def reserve(self, size: int) -> Slot | None:
         if size > self.capacity_bytes:
@@ -109,7 +116,7 @@ class SlabTier(TableTier[tuple[int, int, int]]):
 
     def commit(self, slot: Slot, key: bytes, checksum: int) -> None:
         self._blocks[key] = (slot.offset, slot.size, checksum)
-        fp = pages_for(slot.size) * PAGE_BYTES
+        fp = page_footprint(slot.size)
         self._reserved -= fp
         self._used += fp
 

@@ -104,7 +104,7 @@ class SsdStorage:
             exists = os.path.exists(data)
             on_disk = os.path.getsize(data) if exists else 0
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
-                    os.path.exists(data) and not os.access(data, os.R_OK | os.W_OK)):
+                    exists and not os.access(data, os.R_OK | os.W_OK)):
                 raise PermissionError(errno.EACCES, "permission denied")
         except OSError as exc:
             raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
