@@ -77,6 +77,17 @@ def test_kvctl_tiers_and_evict(store_node):
     assert bad.returncode == 1 and "no tier 'tape'" in bad.stderr
 
 
+def test_kvctl_tiers_shows_a_small_holding_not_as_zero(store_node):
+    """One 8 KiB block (2 pages of DRAM) is 0.0078 MiB: the table printed 0.0 for it."""
+    from kvstore.client import StoreClient
+    with StoreClient(store_node) as client:
+        assert client.put(b"small".ljust(32, b"."), os.urandom(8192)).ok
+    table = run("kvstore.kvctl", "--store", store_node, "tiers")
+    assert table.returncode == 0, table.stderr
+    dram = next(line for line in table.stdout.splitlines() if line.startswith("dram"))
+    assert "0.0078" in dram.split(), dram
+
+
 def test_a_second_node_on_a_used_port_is_refused(store_node, tmp_path):
     port = store_node.rsplit(":", 1)[1]
     proc = run("launcher", "serve", "--port", port, "--node-id", "impostor", "--dram", "1MiB",

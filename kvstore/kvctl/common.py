@@ -233,7 +233,12 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
+    """Bytes in MiB for a table or message: one decimal from 0.1 MiB up, four below (8,192
+    bytes: ``0.0078``, not ``0.0``), ``<0.0001`` for fewer than 53 bytes, ``0`` for none."""
+    x = n / 2**20
+    if n == 0 or abs(x) >= 0.1:
+        return "0" if n == 0 else f"{x:,.1f}"
+    return f"{x:.4f}" if abs(x) >= 5e-5 else "<0.0001"
 
 
 def size_text(n: int) -> str:
