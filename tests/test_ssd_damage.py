@@ -252,6 +252,33 @@ def test_truncating_a_running_node_s_file(tmp_path: Path, spawn_store_node) -> N
         assert client.put_blocks([(keys[0], _block(0))])[0].ok and client.get(keys[0]) == _block(0)
 
 
+def test_a_page_that_leads_lmdb_outside_the_file_is_moved_aside_at_start(tmp_path: Path, spawn_store_node) -> None:
+    """One 2-byte field of a leaf page (its first node's offset, 64 KiB on) made LMDB read
+    past the end of the file at the start's scan: SIGBUS, the node died at every start. A
+    child process reads the records first; its death is damage: moved aside, the node
+    serves, the block is a miss. (A real node: in this process the fault would end pytest.)"""
+    path = tmp_path / "data" / "n3" / "ssd"
+    key = b"\x42" * 32
+    tier = SsdTier(64 << 20, str(path))
+    tier.put(key, b"x" * 100, checksum_of(b"x" * 100))
+    tier.close()
+    data = path / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    page = raw.find(key) // 4096          # a leaf page holding the key (LMDB's page: the OS page)
+    raw[page * 4096 + 16:page * 4096 + 18] = (0xF0, 0xFF)   # mp_ptrs[0] = 0xFFF0
+    data.write_bytes(bytes(raw))
+    proc, address = spawn_store_node("n3", "--ssd", "16MiB", "--dram", "1MiB", "--transfer-engine", "off")
+    with StoreClient(address) as client:
+        assert client.get(key) is None
+        ssd = next(s for s in client.stats()[1] if s.name == "ssd")
+        assert ssd.quarantines == 1 and ssd.blocks == 0
+        assert client.put_blocks([(_key(1), _block(1))])[0].ok and client.get(_key(1)) == _block(1)
+    assert proc.poll() is None
+    log = (tmp_path / "n3.log").read_text()
+    assert log.count("is damaged") == 1 and "SIGBUS" in log, log
+    assert glob.glob(f"{path}.damaged-*")
+
+
 def test_damaged_records_are_dropped_at_open_with_one_line(make_dram, tmp_path: Path, caplog) -> None:
     """Records LMDB cannot see are damaged — a flipped bit in a block's size (bit 63 once made
     the node unable to start; bit 40 silently evicted good blocks to fit), a block whose

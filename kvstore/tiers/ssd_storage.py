@@ -5,7 +5,9 @@ a damaged environment, growth of the map and the count of reads in flight.
 LMDB maps its file, so touching a page past the end of a truncated file is SIGBUS; the tier
 therefore checks the file's size against the pages LMDB uses (``(last_pgno + 1) * page
 size``) when it opens and before every read and write (one ``fstat``), and treats LMDB's own
-corruption errors the same way. A damaged environment is moved aside
+corruption errors the same way; at open, a child process first reads every record
+(``_PROBE``), since a damaged page can also lead LMDB outside the file with the size
+intact, and its death by a signal is damage. A damaged environment is moved aside
 (``ssd.damaged-<unix time>``) and an empty one opened in its place; the blocks it held are
 reported to the pool (``on_lost``) as lost, one log line says what happened and
 ``quarantines`` counts it.
@@ -20,7 +22,10 @@ import errno
 import logging
 import mmap
 import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +61,41 @@ def _metas_valid(data: str) -> bool:
         return False
     return len(head) == 2 * page and all(_META_PAGE.unpack_from(head, at + 16) == (_MAGIC, _VERSION)
                                          for at in (0, page))
+
+
+# Run in a child process when a tier opens an environment that holds blocks: it reads every
+# record as the tier will (each value's first and last byte: a block is one run of pages), so
+# that a damaged page whose offsets lead LMDB past what the file backs (SIGBUS) or out of its
+# map (SIGSEGV) kills the child, not the node. An LMDB error exits 1: the tier's own open
+# reports that. Only lmdb is imported (tens of ms); the reads go through the page cache the
+# tier's own scan then uses.
+_PROBE = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=3, readahead=False)
+with env.begin(buffers=True) as txn:
+    for name in (b"meta", b"blocks", b"owners"):
+        try:
+            db = env.open_db(name, txn=txn, create=False)
+        except lmdb.NotFoundError:
+            continue
+        for key, value in txn.cursor(db=db):
+            if len(value):
+                value[0], value[len(value) - 1]
+"""
+
+
+def _probe_faults(path: str) -> str | None:
+    """Read every record of the LMDB environment at ``path`` in a child process (see
+    ``_PROBE``); the signal that killed it (``"SIGBUS"``), else None (read through, or an
+    LMDB error the caller's own open meets)."""
+    proc = subprocess.run([sys.executable, "-I", "-c", _PROBE, path], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    if proc.returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-proc.returncode).name
+    except ValueError:
+        return f"signal {-proc.returncode}"
 
 
 class _Damaged(Exception):
@@ -117,6 +157,9 @@ class SsdStorage:
                         "blocks, something outside emptied it, and they are gone)", self.path)
         elif 0 < on_disk < 2 * mmap.PAGESIZE:
             raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
+        elif load and on_disk and (fault := _probe_faults(self.path)) is not None:
+            raise _Damaged(f"reading its records killed a checking process with {fault} (a damaged page "
+                           f"points LMDB outside the file)")
         try:
             self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
                                   max_dbs=3, sync=self.fsync == "commit", metasync=self.fsync == "commit",
