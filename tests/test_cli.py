@@ -75,6 +75,8 @@ def test_kvctl_tiers_and_evict(store_node):
     assert table.returncode == 0 and "dram" in table.stdout and "evictions" in table.stdout
     bad = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "tape", "--bytes", "1")
     assert bad.returncode == 1 and "no tier 'tape'" in bad.stderr
+    huge = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "dram", "--bytes", "9" * 23)
+    assert huge.returncode == 1 and "--bytes: an eviction is at most 2**64 - 1 bytes" in huge.stderr, huge.stderr
 
 
 def test_kvctl_tiers_shows_a_small_holding_not_as_zero(store_node):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.quotas import check_namespace
 
@@ -239,6 +240,22 @@ def mib(n: int) -> str:
     if n == 0 or abs(x) >= 0.1:
         return "0" if n == 0 else f"{x:,.1f}"
     return f"{x:.4f}" if abs(x) >= 5e-5 else "<0.0001"
+
+
+MAX_WIRE_BYTES = (1 << 64) - 1   # a byte count on the Admin API is a uint64
+
+
+def bytes_flag(text: str, what: str) -> int:
+    """``--bytes`` (``"64MiB"``, ``"1048576"``) → bytes for the Admin API. Raises
+    InvalidArgument naming the flag when it is not a size or exceeds a uint64 (protobuf's
+    own error named neither)."""
+    try:
+        n = parse_bytes(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"--bytes: {exc}") from None
+    if n > MAX_WIRE_BYTES:
+        raise InvalidArgument(f"--bytes: {what} is at most 2**64 - 1 bytes, got {text}")
+    return n
 
 
 def size_text(n: int) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 from tabulate import tabulate
 
 from kvstore.admin.client import AdminClient
-from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.kvctl.cluster import pick_nodes
 from kvstore.kvctl.common import (
@@ -17,13 +16,12 @@ from kvstore.kvctl.common import (
     EXIT_OK,
     Target,
     add_json,
+    bytes_flag,
     emit,
     mib,
     namespace_arg,
     size_text,
 )
-
-MAX_QUOTA_BYTES = (1 << 64) - 1
 
 
 def cmd_quota(t: Target, args: argparse.Namespace) -> int:
@@ -31,9 +29,7 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
         raise InvalidArgument(f"quota {args.action} needs --namespace N")
     if args.action == "set" and args.bytes is None:
         raise InvalidArgument("quota set needs --bytes B (e.g. 2GiB)")
-    nbytes = parse_bytes(args.bytes) if args.bytes is not None else 0
-    if nbytes > MAX_QUOTA_BYTES:   # the Admin API's uint64; protobuf's own error named no field
-        raise InvalidArgument(f"--bytes: a quota is at most 2**64 - 1 bytes, got {args.bytes}")
+    nbytes = bytes_flag(args.bytes, "a quota") if args.bytes is not None else 0
     docs: list[dict[str, Any]] = []
     lines: list[str] = []
     found_any = False

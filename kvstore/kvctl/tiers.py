@@ -10,13 +10,13 @@ from tabulate import tabulate
 
 from kvstore.admin.client import AdminClient
 from kvstore.client import StoreClient
-from kvstore.config import parse_bytes
 from kvstore.eviction import POLICIES
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
     EXIT_OK,
     Target,
     add_json,
+    bytes_flag,
     emit,
     mib,
     parse_keys,
@@ -44,7 +44,7 @@ def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
 
 
 def cmd_evict(t: Target, args: argparse.Namespace) -> int:
-    asked = parse_bytes(args.bytes)
+    asked = bytes_flag(args.bytes, "an eviction")
     with AdminClient(t.store, t.token, t.timeout_s) as admin:
         r = admin.evict(args.tier, asked)
     blocks = r["demoted"] + r["dropped"]
