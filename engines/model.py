@@ -65,9 +65,10 @@ def tiny_llama_config(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> LlamaConfig
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    """The engine's ``--device`` (``auto``: CUDA when torch sees a GPU, else the CPU). Raises
+    InvalidArgument for a name torch does not know or CUDA on a machine without it."""
+    from kvstore.tiers.hbm import resolve_device as resolve
+    return torch.device(resolve(device, "--device"))
 
 
 def _use_prefix_attention(model: torch.nn.Module) -> None:

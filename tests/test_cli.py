@@ -171,3 +171,16 @@ def test_ports_and_addresses_are_checked_before_anything_starts(argv, message, c
     args = build_parser().parse_args(["scheduler", "--prefill", "127.0.0.1:1,localhost:2", "--decode", "[::1]:5",
                                       "--port", "0"])
     assert args.port == 0 and args.prefill == "127.0.0.1:1,localhost:2"
+
+
+def test_engine_names_a_device_it_cannot_use_in_one_line():
+    """``kvstore engine --device cuda`` on a machine without CUDA ended in a traceback
+    (``Torch not compiled with CUDA enabled``, from the model's ``.to``); the HBM tier's
+    one-line refusal is now the engine's too, as is a name torch does not know."""
+    import torch
+    cases = [("tpu9", "--device 'tpu9': not a torch device")]
+    if not torch.cuda.is_available():
+        cases.append(("cuda", "--device 'cuda': torch sees no CUDA device here"))
+    for device, said in cases:
+        proc = run("launcher", "engine", "--role", "decode", "--port", "0", "--device", device)
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -15,15 +15,20 @@ from kvstore.tiers.buffers import as_u8
 from kvstore.tiers.slab import PAGE_BYTES, SlabTier
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, what: str = "hbm device") -> str:
     """``auto`` → ``cuda`` when torch sees a GPU, else ``cpu``; other names pass through.
-    Raises InvalidArgument for a CUDA device on a machine without one."""
+    Raises InvalidArgument (naming ``what``) for a name torch does not know or a CUDA device
+    on a machine without one. The HBM tier and the engines' model share it."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise InvalidArgument(f"{what} {device!r}: not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidArgument(f"hbm device {device!r}: torch sees no CUDA device here; use 'cpu' or 'auto'")
+        raise InvalidArgument(f"{what} {device!r}: torch sees no CUDA device here; use 'cpu' or 'auto'")
     return device
 
 
