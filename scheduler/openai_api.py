@@ -129,7 +129,7 @@ def _encode(tokenizer: Tokenizer, text: str, field: str, limits: ModelLimits) ->
     try:
         return tokenizer.encode(text)
     except (InvalidArgument, UnicodeError) as exc:
-        raise _bad(f"'{field}': {exc}", "invalid_text") from None
+        raise _bad(f"'{field}': {exc}", "invalid_text", field) from None
 
 
 def _flag(body: dict[str, Any], name: str, param: str | None = None) -> bool:
@@ -260,11 +260,12 @@ def _finish(body: dict[str, Any], tokens: list[int], limits: ModelLimits, defaul
         max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise _bad(f"'{field}' must be a positive integer, got {max_tokens!r}", param=field)
+    prompt = "messages" if chat else "prompt"
     if not tokens:
-        raise _bad("the prompt is empty", "empty_prompt")
+        raise _bad("the prompt is empty", "empty_prompt", prompt)
     bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise _bad(f"token id {bad} in the prompt is outside the vocabulary [0, {limits.vocab_size})")
+        raise _bad(f"token id {bad} in the prompt is outside the vocabulary [0, {limits.vocab_size})", param=prompt)
     if len(tokens) + max_tokens > limits.max_model_len:
         raise APIError(400, f"the prompt has {len(tokens)} tokens and {max_tokens} were asked for: "
                             f"{len(tokens) + max_tokens} exceeds the model's limit of "

@@ -89,6 +89,11 @@ def test_chat_ids_and_objects_whole_and_streamed(url):
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"prompt": ""}, "prompt"),                          # these four said "param": null
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, 10 ** 6]}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])
 def test_what_is_not_applied_is_a_400_naming_the_field(url, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
