@@ -68,7 +68,7 @@ def test_ls_inspect_demote_promote(node):
     assert client.get(a[1][0]) == a[1][1]                       # the bytes came through every move
 
     rc, doc, _ = kvctl(env, "--store", address, "inspect", block(99).hex())
-    assert rc == 3 and not doc["found"]
+    assert rc == 3 and not doc["found"] and doc["success"] is False   # every exit 3 says success: false
 
 
 def test_evict_says_demoted_or_dropped_and_fails_when_short(node):

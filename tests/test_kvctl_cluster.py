@@ -43,6 +43,8 @@ def test_nodes_ls_and_drain_on_three_nodes(spawn_store_node, redis_url, tmp_path
     assert doc["matched"] == 15 and sorted(doc["nodes"]) == sorted(addresses)
     assert {(b["node"], b["key"]) for b in doc["blocks"]} == {
         (n, k.hex()) for n, items in blocks.items() for k, _ in items}
+    rc, doc, _ = kvctl(env, "ls", "--limit", "3")   # the nodes after the third block still count
+    assert rc == 0 and doc["listed"] == 3 and doc["matched"] == 15, doc
     rc, doc, _ = kvctl(env, "ls", "--node", "store-1")
     assert rc == 0 and doc["matched"] == 5 and {b["node"] for b in doc["blocks"]} == {"store-1"}
     assert kvctl(env, "ls", "--node", "store-9")[0] == 1

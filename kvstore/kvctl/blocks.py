@@ -41,12 +41,12 @@ def cmd_ls(t: Target, args: argparse.Namespace) -> int:
     matched = 0
     for node in nodes:
         left = args.limit - len(out) if args.limit else 0
-        if args.limit and left <= 0:
-            break
+        full = args.limit and left <= 0   # still asked, for its count of matches (one block, dropped)
         with _admin(t, node.address) as admin:
-            r = admin.list_blocks(args.tier, args.namespace, args.key_prefix or "", left)
+            r = admin.list_blocks(args.tier, args.namespace, args.key_prefix or "", 1 if full else left)
         matched += r["matched"]
-        out += [{"node": node.node_id, **b} for b in r["blocks"]]
+        if not full:
+            out += [{"node": node.node_id, **b} for b in r["blocks"]]
     rows = [[b["key"] if args.full_keys else _short(b["key"]), b["node"], ",".join(b["tiers"]), b["size"],
              b["namespace"] or "-", _pin_text(b), "yes" if b["leased"] else ""] for b in out]
     text = tabulate(rows, headers=["key", "node", "tiers", "bytes", "namespace", "pin", "leased"])
@@ -72,7 +72,7 @@ def cmd_inspect(t: Target, args: argparse.Namespace) -> int:
                      f"checksum {b['checksum']:016x}")
     if not found:
         lines.append(f"  not held on {', '.join(n.node_id for n in nodes)}")
-    emit(args, {"key": key.hex(), "found": bool(found), "copies": found}, "\n".join(lines))
+    emit(args, {"success": bool(found), "key": key.hex(), "found": bool(found), "copies": found}, "\n".join(lines))
     return EXIT_OK if found else EXIT_INCOMPLETE
 
 
