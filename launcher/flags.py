@@ -32,6 +32,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0 (a speed factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text}")
+    return value
+
+
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 0–65535 (0: the system picks a free one)."""
     try:
@@ -108,22 +119,22 @@ def _tier_arg(text: str) -> TierSpec:
 
 def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=100, help="requests to replay")
-    p.add_argument("--start", type=int, default=0, help="index of the trace request the window starts at")
-    p.add_argument("--window-s", type=float, default=180.0, metavar="S",
+    p.add_argument("--start", type=non_negative_int, default=0, help="index of the trace request the window starts at")
+    p.add_argument("--window-s", type=positive_seconds, default=180.0, metavar="S",
                    help="replay the --requests requests of the conversations with the most turns within S trace "
                         "seconds from --start (their reuse: a later turn extends an earlier prompt)")
     p.add_argument("--contiguous", action="store_true",
                    help="replay the --requests consecutive requests from --start instead (little reuse)")
-    p.add_argument("--speed", type=float, default=4.0, help="replay speed factor (timestamps are divided by it)")
+    p.add_argument("--speed", type=positive_number, default=4.0, help="replay speed factor (timestamps are divided by it)")
     p.add_argument("--tokens-per-block", type=positive_int, default=64,
                    help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="replay twice, pool on then pool off (every prompt recomputed: \"prefix_cache\": false), "
                         "and print both side by side")
     p.add_argument("--plots", metavar="DIR", help="with --compare, write the TTFT CDF and hit ratio PNGs here")
-    p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's output_length")
-    p.add_argument("--ttft-slo-s", type=float, default=2.0, help="TTFT SLO for goodput (seconds)")
-    p.add_argument("--tbt-slo-s", type=float, default=0.2, help="TBT SLO for goodput (seconds)")
+    p.add_argument("--max-output-tokens", type=positive_int, default=16, help="cap on each request's output_length")
+    p.add_argument("--ttft-slo-s", type=positive_seconds, default=2.0, help="TTFT SLO for goodput (seconds)")
+    p.add_argument("--tbt-slo-s", type=positive_seconds, default=0.2, help="TBT SLO for goodput (seconds)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
 
 

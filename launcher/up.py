@@ -103,6 +103,8 @@ def preflight(args: argparse.Namespace) -> int | None:
         pass
     elif getattr(args, "replay", None) and not os.path.isfile(args.replay):
         problem = f"--replay {args.replay}: no such trace file"
+    elif getattr(args, "replay", None) and (problem := _trace_problem(args)) is not None:
+        pass
     else:
         http_port = args.port or free_port(host)
         problem = None if port_is_free(host, http_port) else (
@@ -113,6 +115,20 @@ def preflight(args: argparse.Namespace) -> int | None:
         print(f"kvstore up: {problem}", file=sys.stderr)
         return None
     return http_port
+
+
+def _trace_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--replay``'s trace or ``--start`` in it, or None (read once here:
+    the replay reads it again after the services start, which take 10-20 s)."""
+    from kvstore.errors import KVStoreError
+    from scheduler.trace import load_trace
+    try:
+        n = len(load_trace(args.replay))
+    except (KVStoreError, OSError, ValueError) as exc:
+        return f"--replay {args.replay}: {exc}"
+    if not 0 <= args.start < n:
+        return f"--start {args.start} is outside the trace (requests 0 to {n - 1})"
+    return None
 
 
 def _size_problem(args: argparse.Namespace) -> str | None:

@@ -146,13 +146,20 @@ def test_kvstore_up_never_wipes_a_running_stack_or_an_unmarked_directory(tmp_pat
 
 def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -> None:
     """``kvstore up --dram nan`` started the private Redis before the store node refused the
-    size; the sizes are checked first now, exit 2 naming the flag, nothing started."""
+    size; the sizes are checked first now, exit 2 naming the flag, nothing started. So are
+    the replay's flags and its --start in the trace."""
     import os
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     for flags, said in ((["--dram", "nan"], "--dram: cannot read 'nan' as a size"),
                         (["--dram", "0"], "--dram: a tier of 0 bytes"),
-                        (["--ssd", "9999999999TiB"], "--ssd: a tier of")):
+                        (["--ssd", "9999999999TiB"], "--ssd: a tier of"),
+                        # the replay's flags: these were refused only after the stack had started
+                        (["--replay", str(root / "data" / "traces" / "conversation_trace.jsonl"), "--start",
+                          "999999"], "--start 999999 is outside the trace (requests 0 to 12030)"),
+                        (["--speed", "0"], "--speed: must be > 0 and finite, got 0"),
+                        (["--window-s", "-1"], "--window-s: must be > 0 seconds"),
+                        (["--max-output-tokens", "0"], "--max-output-tokens")):
         proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir",
                                str(tmp_path / "up"), *flags], cwd=root, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(root)})
