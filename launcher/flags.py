@@ -125,7 +125,8 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
                         "seconds from --start (their reuse: a later turn extends an earlier prompt)")
     p.add_argument("--contiguous", action="store_true",
                    help="replay the --requests consecutive requests from --start instead (little reuse)")
-    p.add_argument("--speed", type=positive_number, default=4.0, help="replay speed factor (timestamps are divided by it)")
+    p.add_argument("--speed", type=positive_number, default=4.0,
+                   help="replay speed factor (timestamps are divided by it)")
     p.add_argument("--tokens-per-block", type=positive_int, default=64,
                    help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
