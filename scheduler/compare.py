@@ -11,7 +11,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from scheduler.report import Report
+from scheduler.report import Report, token_rows_note
 
 # (JSON name, what it compares, how to read it from a Report)
 RATIOS: tuple[tuple[str, Callable[[Report], float | None]], ...] = (
@@ -83,4 +83,6 @@ def format_comparison(c: Comparison) -> str:
         ("wall time", f"{p.wall_s:.2f} s", f"{r.wall_s:.2f} s", rat("wall_pool_vs_recompute")),
     ]
     table = tabulate(rows, headers=["", "pool on", "pool off (recompute)", "on / off"], disable_numparse=True)
-    return f"{table}\nSLOs: TTFT <= {p.ttft_slo_s:g} s, mean TBT of a request <= {p.tbt_slo_s:g} s"
+    note = token_rows_note(p, r)
+    return (f"{table}\nSLOs: TTFT <= {p.ttft_slo_s:g} s, mean TBT of a request <= {p.tbt_slo_s:g} s"
+            + (f"\n{note}" if note else ""))

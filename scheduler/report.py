@@ -150,4 +150,14 @@ def format_report(report: Report) -> str:
         ("wall time", f"{report.wall_s:.2f} s"),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    note = token_rows_note(report)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + (f"\n{note}" if note else "")
+
+
+def token_rows_note(*reports: Report) -> str | None:
+    """The line under a report's table when some request sent did not complete: its token
+    rows then count different requests (prompt tokens: every request sent; cached and
+    computed tokens: the completed ones), so they do not add up. None when all completed."""
+    if all(r.completed == r.requests_sent for r in reports):
+        return None
+    return "token rows: prompt tokens of every request sent; cached and prefill tokens of the completed ones"

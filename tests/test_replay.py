@@ -95,3 +95,14 @@ def test_a_replay_refused_its_api_key_stops_before_sending(cluster):  # noqa: F8
             asyncio.run(run_replay(keyed, TRACE, requests=2, speed=1000.0, max_output_tokens=2, api_key=key))
     report = asyncio.run(run_replay(keyed, TRACE, requests=2, speed=1000.0, max_output_tokens=2, api_key="sk-replay"))
     assert report.completed == 2
+
+
+def test_a_report_with_a_rejection_says_which_requests_its_token_rows_count():
+    """One rejected request: 'cached / prompt tokens' counted its prompt and 'prefill tokens
+    computed' did not, so the rows did not add up and nothing said why."""
+    from scheduler.report import RequestOutcome, summarize
+    ok = RequestOutcome("ok", ttft_s=0.1, prompt_tokens=100, cached_tokens=60, trace_blocks=2, cached_blocks=1)
+    rejected = RequestOutcome("rejected", "max_inflight", prompt_tokens=50, trace_blocks=1)
+    text = format_report(summarize([ok, rejected], 0, 1.0, 2.0, 0.2))
+    assert "60 / 150" in text and "token rows: prompt tokens of every request sent" in text, text
+    assert "token rows" not in format_report(summarize([ok], 0, 1.0, 2.0, 0.2))
