@@ -13,12 +13,15 @@ then went unanswered and each refused accept logged a traceback.
   clients' pools: aiohttp's 15 s, httpx's 5 s, so that none sends a request on a connection
   the server is closing);
 - at most ``max_connections`` are open at once: one more first closes the connection that has
-  been idle longest, and is itself closed at once when every open connection has a request
-  in progress (a request's own time is bounded elsewhere: admission, the engines' timeouts,
-  the streaming write timeout of scheduler/request_parts.py).
+  been idle longest — or waited longest for the rest of a request body — and is itself
+  closed at once when every open connection has a request in progress with its body whole
+  (a request's own time is bounded elsewhere: scheduler/request_parts.py's body deadline, a
+  408, and streaming write timeout, admission, the engines' timeouts).
 
 A request is "in progress" from the moment aiohttp hands it to the application (its head is
-whole) until its handler returns, as the guard's middleware (the outermost) sees it.
+whole) until its handler returns, as the guard's middleware (the outermost) sees it. Until
+its body is whole too, its connection can be closed for a new one: a caller that sent heads
+and part of their bodies held every slot, and other callers' connections were refused.
 """
 from __future__ import annotations
 
@@ -64,9 +67,14 @@ def check_bounds(max_connections: int | None, idle_timeout_s: float, head_timeou
 @dataclass(eq=False)
 class _Conn:
     transport: asyncio.Transport
-    idle_since: float                 # monotonic seconds; meaningful while active == 0
+    idle_since: float                 # monotonic seconds: idle since (active == 0), else its request began
     active: int = 0                   # requests in progress on it
     served: bool = False              # a whole request head has arrived on it
+    request: web.BaseRequest | None = None    # the one in progress
+
+    def closable(self) -> bool:
+        """Idle, or its request's body is not whole (``is_eof``: all of it arrived, read or not)."""
+        return self.active == 0 or (self.request is not None and not self.request.content.is_eof())
 
 
 @dataclass(eq=False)
@@ -133,11 +141,12 @@ class ConnectionGuard:
             return await handler(request)
         conn.active += 1
         conn.served = True
+        conn.request, conn.idle_since = request, time.monotonic()    # waiting for its body since
         try:
             return await handler(request)
         finally:
             conn.active -= 1
-            conn.idle_since = time.monotonic()
+            conn.request, conn.idle_since = None, time.monotonic()
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="connection-guard")
@@ -154,7 +163,7 @@ class ConnectionGuard:
     def _opened(self, transport: asyncio.Transport) -> _Conn | None:
         now = time.monotonic()
         if len(self._conns) >= self.max_connections:
-            idle = [c for c in self._conns.values() if c.active == 0]
+            idle = [c for c in self._conns.values() if c.closable()]
             if not idle:
                 self.refused += 1
                 self._warn(f"every one of its {self.max_connections} connections has a request in progress; "

@@ -17,9 +17,10 @@ come from the engines: each token's log-softmax under the model (scheduler/opena
 Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
 not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN`, included), unknown
 model or path 404, wrong method 405, a prompt over the model's limit 400 too
-(``context_length_exceeded``), a body over 32 MiB 413, a body not sent as JSON 415
-(:func:`~scheduler.request_parts.read_json_body`), admission 429 (with
-``Retry-After``), engine or store failure 503; bodies are OpenAI's error shape.
+(``context_length_exceeded``), a body not whole 30 s after the head 408, a body over 32
+MiB 413, a body not sent as JSON 415 (:func:`~scheduler.request_parts.read_json_body`),
+admission 429 (with ``Retry-After``), engine or store failure 503; bodies are OpenAI's
+error shape.
 
 A request with ``"prefix_cache": false`` is served with the pool off: the router plans it
 as a full prefill (no pool lookup, no local hit) and the prefill engine is asked to

@@ -1,6 +1,6 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
 request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
-OpenAI's error shape, reading a request's body (:func:`read_body`), the engines' sampling
+OpenAI's error shape, reading a request's body within a deadline (:func:`read_body`), the engines' sampling
 parameters of a request, the JSON body (:func:`read_json_body`), the clock that observes TTFT and TBT as tokens
 are sent, and the writer that keeps a slow client from slowing its engine
 (:class:`StreamWriter`)."""
@@ -28,6 +28,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 << 20       # a request body's limit, as sent and as decoded
 log = logging.getLogger(__name__)
 CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
+BODY_TIMEOUT_S = 30.0           # a request body not whole this long after its head is a 408
 
 
 @web.middleware
@@ -53,14 +54,25 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return web.json_response(err.body(), status=exc.status, headers=headers)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, timeout_s: float | None = None) -> bytes:
     """The request's body, decoded as its ``Content-Encoding`` says
     (:func:`scheduler.content_encoding.decode_body`: the front doors run aiohttp with
-    ``auto_decompress=False``). Raises APIError: 400 when it cannot be read (a body that is
-    not the encoding it claims, a connection cut mid-body), 413 over :data:`MAX_BODY_BYTES`
-    (sent or decoded), 415 for an encoding not supported."""
+    ``auto_decompress=False``). It must arrive whole within ``timeout_s`` (None:
+    :data:`BODY_TIMEOUT_S`) of the handler asking for it, which the front doors do as soon as
+    the head is whole: a client that sent a head and part of its body, then waited, used to
+    hold its connection for good (the connection guard never closes one with a request in
+    progress). Raises APIError: 400 when it cannot be read (a body that is not the encoding it
+    claims, a connection cut mid-body), 408 ``request_timeout`` past the deadline (with
+    ``Connection: close``: the connection is closed once that answer is sent), 413 over
+    :data:`MAX_BODY_BYTES` (sent or decoded), 415 for an encoding not supported."""
+    timeout_s = BODY_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        request.protocol.close()    # after the 408: nothing more is read, closed at aiohttp's lingering_time (10 s)
+        raise APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(413, exc.text or "the request body is too large", code="request_too_large") from None
     except web.RequestPayloadError as exc:
@@ -73,8 +85,9 @@ async def read_body(request: web.Request) -> bytes:
     return await asyncio.to_thread(decode_body, raw, coding, MAX_BODY_BYTES)
 
 
-async def read_json_body(request: web.Request) -> Any:
-    """The request's body parsed as JSON (:func:`scheduler.openai_api.read_json`). Its
+async def read_json_body(request: web.Request, timeout_s: float | None = None) -> Any:
+    """The request's body (:func:`read_body`, within ``timeout_s``) parsed as JSON
+    (:func:`scheduler.openai_api.read_json`). Its
     ``Content-Type`` must be JSON (``application/json``, ``application/*+json``) or absent:
     any other is a 415 ``unsupported_media_type`` before the body is read. Browsers send
     ``text/plain``, form and multipart bodies to any origin without asking it first (CORS
@@ -87,7 +100,7 @@ async def read_json_body(request: web.Request) -> Any:
         if major != "application" or not (minor == "json" or minor.endswith("+json")):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got Content-Type {declared!r}", code="unsupported_media_type")
-    return read_json(await read_body(request))
+    return read_json(await read_body(request, timeout_s))
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:
