@@ -13,6 +13,21 @@ the same-host Unix-socket and TCP control frames, the engines' servicer) before 
   node's default; NaN, infinities and negative values are refused.
 
 Each check raises :class:`~kvstore.errors.InvalidArgument` with a message naming the field.
+
+How long one stream may hold the store node's gRPC port (kvstore/service.py ``grpc_server``):
+
+- Streams (Put, Get, Snapshot) run on their own :data:`STREAM_WORKERS` threads, never on the
+  server's ``workers`` (Health, Lookup, Admin, the data plane's control calls): eight stalled
+  streams sharing the node's 8 threads froze every call on its port, Health included.
+- A stream that makes no progress for :data:`STREAM_IDLE_S` — a Put whose next chunk does not
+  come, a Get or Snapshot whose reader takes no more bytes (HTTP/2 flow control), a streamed
+  call whose request never comes — is ended ``DEADLINE_EXCEEDED`` with a message naming the
+  limit; a Put's open reservation is aborted (no partial block). The time the node itself
+  spends reading or writing blocks does not count, so a long transfer that keeps moving
+  (a chain read in ``CHAIN_WINDOW_BYTES`` windows) is never cut.
+- At most :data:`MAX_OPEN_STREAMS` streams are open at once (running, or queued for a stream
+  thread); one more is refused at once, ``RESOURCE_EXHAUSTED`` (a ``CapacityError``), rather
+  than queued behind stalled ones.
 """
 from __future__ import annotations
 
@@ -24,6 +39,9 @@ from kvstore.index.keys import KEY_BYTES, VALID_KEY_BYTES
 
 MAX_KEYS_PER_CALL = 8192
 MAX_TTL_S = 86400.0            # a pin or lease asked for longer than a day is a mistake
+STREAM_WORKERS = 16            # a store node's threads for streams (Put, Get, Snapshot)
+STREAM_IDLE_S = 10.0           # a stream that moves no message for this long is ended
+MAX_OPEN_STREAMS = 128         # streams running or queued for a stream thread; more are refused
 _VALID_TEXT = " or ".join(f"{n} ({name})" for name, n in sorted(KEY_BYTES.items(), key=lambda kv: kv[1]))
 
 

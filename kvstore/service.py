@@ -5,6 +5,8 @@ kvstore/wire/errors.py. Block bytes travel in chunks of ``kvstore.wire.channel.C
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -15,10 +17,18 @@ from google.protobuf.message import DecodeError
 from kvstore import __version__
 from kvstore.auth import interceptors_for
 from kvstore.dataplane.host import DataPlaneHost
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
 from kvstore.events.publisher import snapshot_of
 from kvstore.lease import Reservation
-from kvstore.limits import check_count, check_key, check_keys, check_ttl
+from kvstore.limits import (
+    MAX_OPEN_STREAMS,
+    STREAM_IDLE_S,
+    STREAM_WORKERS,
+    check_count,
+    check_key,
+    check_keys,
+    check_ttl,
+)
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.buffers import to_bytes
 from kvstore.wire import proto_codec as codec
@@ -300,6 +310,182 @@ class _StreamParseGuard(grpc.ServerInterceptor):
         return handler._replace(request_deserializer=safe)
 
 
+class _StreamLane(futures.ThreadPoolExecutor):
+    """The threads streamed calls run on; :attr:`open`: the streams handed to it and not yet
+    done (running, or queued for a thread)."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="kvstore-stream")
+        self.open = 0
+        self._count = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        def run() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._count:
+                    self.open -= 1
+        with self._count:
+            self.open += 1
+        try:
+            return super().submit(run)
+        except BaseException:
+            with self._count:
+                self.open -= 1
+            raise
+
+
+class _Watch:
+    """One running stream: ``since`` is when it began waiting on its peer (for the next
+    request message, or for the peer to take the last response: flow control); None while
+    the node itself works."""
+    __slots__ = ("context", "method", "since")
+
+    def __init__(self, context: grpc.ServicerContext, method: str) -> None:
+        self.context, self.method = context, method
+        self.since: float | None = None
+
+    def requests(self, it: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            self.since = time.monotonic()
+            try:
+                item = next(it, _END)
+            finally:
+                self.since = None
+            if item is _END:
+                return
+            yield item
+
+    def responses(self, it: Iterator[Any]) -> Iterator[Any]:
+        for item in it:          # the servicer making the next message: not idle
+            self.since = time.monotonic()
+            try:
+                yield item       # returns once gRPC has sent it: the peer is reading
+            finally:
+                self.since = None
+
+
+_END = object()
+
+
+class _StreamGuard(grpc.ServerInterceptor):
+    """Streamed calls (Put, Get, Snapshot) run on ``lane``'s threads (gRPC's
+    ``experimental_thread_pool`` of a behavior, as its own health service uses), so however
+    many streams are open, or stalled, the server's own threads keep answering every other
+    call. A stream waiting on its peer for more than ``idle_s`` is ended by a watchdog
+    thread (running while any stream is): ``DEADLINE_EXCEEDED`` naming the limit; a Put's
+    request iterator then raises and the Put aborts its open reservation. A server-streamed
+    call takes its request through the stream (handled as stream-stream), so a request that
+    never comes is timed too. With ``max_open`` streams open, one more is refused at once
+    (``RESOURCE_EXHAUSTED``). Limits: kvstore/limits.py."""
+
+    def __init__(self, lane: _StreamLane, idle_s: float, max_open: int) -> None:
+        self.lane, self.idle_s, self.max_open = lane, idle_s, max_open
+        self._lock = threading.Lock()
+        self._watches: set[_Watch] = set()
+        self._watching = False
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        method = handler_call_details.method
+        if self.lane.open >= self.max_open:
+            return self._refusal(handler, method)
+        if handler.stream_unary is not None:
+            stream_unary = handler.stream_unary
+
+            def client_streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                watch = self._open(context, method)
+                try:
+                    return stream_unary(watch.requests(requests), context)
+                finally:
+                    self._close(watch)
+            client_streamed.experimental_thread_pool = self.lane  # type: ignore[attr-defined]
+            return handler._replace(stream_unary=client_streamed)
+        inner = handler.unary_stream or handler.stream_stream
+        unary_request = handler.unary_stream is not None
+
+        def server_streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            watch = self._open(context, method)
+            try:
+                if unary_request:
+                    request = next(watch.requests(requests), _END)
+                    if request is _END or request is UNPARSED:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"{method}: no request message" if request is _END
+                                      else f"{method}: a request message that does not parse")
+                    yield from watch.responses(inner(request, context))
+                else:
+                    yield from watch.responses(inner(watch.requests(requests), context))
+            finally:
+                self._close(watch)
+        server_streamed.experimental_thread_pool = self.lane  # type: ignore[attr-defined]
+        return grpc.stream_stream_rpc_method_handler(server_streamed, handler.request_deserializer,
+                                                     handler.response_serializer)
+
+    def _refusal(self, handler: Any, method: str) -> Any:
+        """A handler that refuses the call without reading it, on the server's own threads."""
+        exc = CapacityError(f"{method}: {self.max_open} streams open on this node (MAX_OPEN_STREAMS); "
+                            f"retry later")
+
+        def refuse(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            grpc_abort(context, exc)
+
+        def refuse_streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            grpc_abort(context, exc)
+            yield None   # never reached: abort raises
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse_streamed, handler.request_deserializer,
+                                                         handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(refuse, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+    def _open(self, context: grpc.ServicerContext, method: str) -> _Watch:
+        watch = _Watch(context, method)
+        with self._lock:
+            self._watches.add(watch)
+            if not self._watching:
+                self._watching = True
+                threading.Thread(target=self._watchdog, name="kvstore-stream-watchdog", daemon=True).start()
+        return watch
+
+    def _close(self, watch: _Watch) -> None:
+        with self._lock:
+            self._watches.discard(watch)
+
+    def _watchdog(self) -> None:
+        """Every quarter of the idle limit (at most 1 s), end the streams idle past it;
+        returns once no stream is open."""
+        tick = min(1.0, self.idle_s / 4)
+        while True:
+            time.sleep(tick)
+            now = time.monotonic()
+            with self._lock:
+                if not self._watches:
+                    self._watching = False
+                    return
+                idle = [w for w in self._watches if w.since is not None and now - w.since > self.idle_s]
+                self._watches.difference_update(idle)
+            for watch in idle:
+                self._end(watch)
+
+    def _end(self, watch: _Watch) -> None:
+        """Cancel the call with DEADLINE_EXCEEDED and a message naming the limit (gRPC
+        1.85's ``Call.cancel(code, details)`` behind the servicer context; the context's own
+        ``cancel()`` sends a bare CANCELLED, the fallback)."""
+        details = (f"{watch.method}: no progress for {self.idle_s:g} s (the store node's stream idle limit, "
+                   f"STREAM_IDLE_S); the node ended the stream")
+        log.warning("%s (peer %s)", details, watch.context.peer())
+        call = getattr(getattr(watch.context, "_rpc_event", None), "call", None)
+        try:
+            call.cancel(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], details)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            watch.context.cancel()
+
+
 def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | None = None, workers: int = 8,
                 extra_services: tuple = (), dataplane: DataPlaneHost | None = None,
                 metrics: StoreMetrics | None = None) -> tuple[grpc.Server, int]:
@@ -308,9 +494,14 @@ def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     register more servicers on the same server (e.g. kvstore/transfer's BlockTransfer).
     ``dataplane``: the same-host data plane its control calls go to (None: none);
     ``metrics``: a :class:`kvstore.metrics.StoreMetrics` that times Put, Get and the data
-    plane's control ops. Returns the started server and its bound port. Raises
-    RuntimeError if it cannot bind."""
-    interceptors = interceptors_for(auth_token) + [_StreamParseGuard()]
+    plane's control ops. ``workers``: the server's threads for every call but streams;
+    streams (Put, Get, Snapshot) run on :data:`~kvstore.limits.STREAM_WORKERS` threads of
+    their own, are ended when idle :data:`~kvstore.limits.STREAM_IDLE_S`, and at most
+    :data:`~kvstore.limits.MAX_OPEN_STREAMS` are open (:class:`_StreamGuard`). Returns the
+    started server and its bound port. Raises RuntimeError if it cannot bind."""
+    lane = _StreamLane(STREAM_WORKERS)
+    interceptors = interceptors_for(auth_token) + [_StreamParseGuard(),
+                                                   _StreamGuard(lane, STREAM_IDLE_S, MAX_OPEN_STREAMS)]
     if metrics is not None:
         interceptors.append(metrics.interceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,

@@ -1,6 +1,7 @@
 """The pool behind the real gRPC store service (kvstore/service.py, kvstore/client.py,
 kvstore/kvctl/): concurrent puts of one key from two writer processes, a writer killed in
-the middle of a large put, a stalled put timing out, chain puts, pins, the
+the middle of a large put, a stalled put timing out, stalled streams ended at the idle limit
+without freezing the port, chain puts, pins, the
 eviction policy switch and the extended tier stats, through the client and kvctl."""
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import sys
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
+import kvstore.service
 from kvstore import kvctl
 from kvstore.client import StoreClient
+from kvstore.errors import CapacityError
 from kvstore.integrity import checksum_of
 from kvstore.pool import KVPool, PoolSettings
 from kvstore.service import serve_store
@@ -165,6 +169,65 @@ def test_a_stalled_put_times_out_and_reports_it(make_dram) -> None:
     finally:
         go.set()
         stub_channel.close()
+        server.stop(grace=None).wait()
+        pool.close()
+
+
+def test_stalled_streams_end_at_the_idle_limit_and_never_freeze_the_port(make_dram, monkeypatch) -> None:
+    """More stalled streams than the node has threads, of either kind — Puts that send a
+    block's first chunk and stop, Gets whose reader takes nothing — leave Health and Lookup
+    answering at once (they froze the whole port); one stream past MAX_OPEN_STREAMS is
+    refused at once; each stalled stream ends DEADLINE_EXCEEDED, naming the limit, within
+    the (shortened) idle limit of its start, and no Put leaves a partial block."""
+    idle_s = 1.5
+    monkeypatch.setattr(kvstore.service, "STREAM_IDLE_S", idle_s)
+    monkeypatch.setattr(kvstore.service, "STREAM_WORKERS", 6)
+    monkeypatch.setattr(kvstore.service, "MAX_OPEN_STREAMS", 12)
+    pool = KVPool([make_dram(64 * MIB)])
+    server, port = serve_store(pool, workers=4)
+    address = f"127.0.0.1:{port}"
+    big = bytes(range(256)) * (32 * 1024)   # 8 MiB; a Get of it 16 times outruns any flow-control window
+    release = threading.Event()
+    channels = [grpc.insecure_channel(address) for _ in range(7)]
+
+    def stalled_put(key: bytes):
+        yield pb.PutChunk(key=key, size=1000, checksum=1, data=b"\1" * 10)
+        release.wait(60)
+
+    try:
+        with StoreClient(address, timeout_s=2, data_path="grpc") as client:   # the streams, not the slab
+            assert client.put(_key(99), big).ok
+            opened = time.monotonic()
+            puts = [pb_grpc.KVStoreStub(channels[0]).Put.future(stalled_put(_key(i))) for i in range(6)]
+            gets = [pb_grpc.KVStoreStub(ch).Get(pb.GetRequest(keys=[_key(99)] * 16)) for ch in channels[1:]]
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert client.health() == "SERVING" and client.lookup([_key(0), _key(1)]).blocks == 0
+            with pytest.raises(CapacityError, match="MAX_OPEN_STREAMS"):   # 12 open: refused, not queued
+                client.get(_key(99))
+            assert time.monotonic() - t0 < 2
+            # 12 streams on 6 stream threads: two rounds, each stream ended within idle_s (+ the
+            # watchdog's tick, idle_s / 4) of waiting on its peer
+            ended_by = opened + 2 * idle_s * 1.25 + 1
+            for f in puts:
+                exc = f.exception(timeout=max(0.1, ended_by - time.monotonic()))
+                assert exc is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                assert "STREAM_IDLE_S" in exc.details()
+            time.sleep(max(0.0, ended_by - time.monotonic()))
+            for g in gets:   # a reader that never read: what was sent, then the status (no more bytes)
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in g:
+                        pass
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+                assert "STREAM_IDLE_S" in info.value.details()
+            assert client.lookup([_key(i) for i in range(6)]).blocks == 0 and not any(
+                pool.contains(_key(i)) for i in range(6))
+            assert _used(pool) == (len(big), 0)   # the stalled Puts' reservations aborted
+            assert client.get(_key(99)) == big     # the node serves streams again
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
         server.stop(grace=None).wait()
         pool.close()
 
