@@ -21,26 +21,24 @@ from scheduler.scheduling_policy import DEFAULT_POLICY
 from scheduler.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
+def _positive_finite(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number{' of ' + unit if unit else ''}, got {text!r}") from None
     if not (0 < value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds and finite, got {text}")
+        raise argparse.ArgumentTypeError(f"must be > 0{' ' + unit if unit else ''} and finite, got {text}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    return _positive_finite(text, "seconds")
 
 
 def positive_number(text: str) -> float:
     """argparse type: a finite number > 0 (a speed factor)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not (0 < value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text}")
-    return value
+    return _positive_finite(text, "")
 
 
 def port_number(text: str) -> int:
