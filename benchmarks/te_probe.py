@@ -1,15 +1,16 @@
 """Probe of the across-host path: a block read from a store node *process* by this process's
-Mooncake Transfer Engine over tcp loopback (``TransferEngineTransport``: lease RPC, engine
-reads from the node's registered slab, xxh3 check, release), against the gRPC stream of
-the same block from the same node, measured in the same run.
+Mooncake Transfer Engine over tcp loopback (``TransferEngineTransport``: a lease over the
+node's control channel, the engine's read from the node's registered staging area, 64 MiB
+by default, or with ``--te-staging 0`` its whole slab, xxh3 check, release), against the
+gRPC stream of the same block from the same node, measured in the same run.
 
 ``get_into`` reads into a buffer registered with the engine (as Mooncake Store's
 ``get_into`` does), verifying the checksum wave by wave while later pieces still move;
 ``get_blocks`` returns ``bytes``. Also the raw engine read of the same block (no lease
 round trip, checksum or copy out), the ceiling of the path on this machine.
-``measure_te_tcp_get_gbps`` is what ``benchmarks/bench_dataplane.py`` calls for the key
-``te_tcp_get_16MiB_vs_mooncake`` (its denominator, Mooncake Store ``get`` of the same size,
-is measured there). Run alone: ``.venv/bin/python benchmarks/te_probe.py [--size 16MiB]
+``benchmarks/bench_dataplane.py`` adds :func:`measure`'s figures under its ``te_probe`` key
+(its own ``te_tcp_get_16MiB_vs_mooncake`` is timed there, interleaved with Mooncake Store's
+``get_into``). Run alone: ``.venv/bin/python benchmarks/te_probe.py [--size 16MiB]
 [--rounds 7]``; prints GB/s and writes benchmarks/results/te_probe.json.
 """
 from __future__ import annotations
@@ -129,13 +130,6 @@ def _raw_engine_read(te: TransferEngineTransport, key: bytes, size: int) -> Call
         deadline = time.monotonic() + 60
         assert all([te.engine.wait_piece(i, deadline) == DONE for i in ids]), "raw engine read failed"
     return read
-
-
-def measure_te_tcp_get_gbps(size_bytes: int = 16 << 20, rounds: int = 7) -> float:
-    """GB/s of a transfer-engine (tcp, loopback) ``get_into`` of one ``size_bytes`` block
-    from a store node process into a registered buffer, checksum verified: the best of
-    ``rounds``, as bench_dataplane.py takes every figure (Mooncake Store's included)."""
-    return measure(size_bytes, rounds)["te_tcp_get_into_best_gbps"]
 
 
 def compare(size_bytes: int, rounds: int, staging: str, runs: int) -> int:

@@ -67,3 +67,8 @@ def test_simulate_runs_a_newly_registered_scheduling_policy(new_scheduling_polic
     assert main(["simulate", "--trace", TRACE, "--requests", "20", "--instances", "2",
                  "--policies", "test-newcomer"]) == 0
     assert "test-newcomer" in capsys.readouterr().out
+
+
+def test_simulate_runs_a_newly_registered_policy_by_default(new_scheduling_policy, capsys):
+    assert "test-newcomer" in build_parser().parse_args(["simulate"]).policies.split(",")
+    assert build_parser().parse_args(["simulate"]).policies.endswith("conductor")

@@ -27,8 +27,13 @@ from scheduler.sim.presets import PRESETS, describe, preset_runs
 from scheduler.sim.workload import load_workload
 
 log = logging.getLogger(__name__)
-# Every registered scheduling policy, the default (the Conductor) last: the baselines, then it.
-ALL_POLICIES = tuple(sorted(POLICIES, key=lambda name: name == DEFAULT_POLICY))
+
+
+def all_policies() -> str:
+    """Every scheduling policy registered now, comma-joined, the default (the Conductor)
+    last: the baselines, then it. Read when the parser is built, so a policy registered
+    before then is in ``--policies``'s default."""
+    return ",".join(sorted(POLICIES, key=lambda name: name == DEFAULT_POLICY))
 
 
 def _tokens(text: str) -> int | None:
@@ -69,7 +74,7 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--straggler-factor", type=float, default=3.0,
                    help="a straggler prefill takes this many times as long")
     p.add_argument("--requests", type=positive_int, default=None, help="simulate the first N requests (default: all)")
-    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of scheduling policies")
+    p.add_argument("--policies", default=all_policies(), help="comma list of scheduling policies")
     p.add_argument("--topology", default=TOPOLOGIES[0], help=f"comma list: {', '.join(TOPOLOGIES)}")
     p.add_argument("--admission", default="none",
                    help="comma list of admission modes: " + "; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
@@ -250,7 +255,7 @@ def _check_sweeps(args: argparse.Namespace) -> None:
 def preset_overrides(args: argparse.Namespace, base: SimConfig, runs: Sequence[SimConfig]) -> list[str]:
     """The flags given on the command line that the preset's runs set otherwise (they are
     not used: a preset is one experiment)."""
-    given = [flag for flag, value, default in (("--policies", args.policies, ",".join(ALL_POLICIES)),
+    given = [flag for flag, value, default in (("--policies", args.policies, all_policies()),
                                                ("--topology", args.topology, TOPOLOGIES[0]),
                                                ("--admission", args.admission, "none"))
              if value != default]
