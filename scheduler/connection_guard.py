@@ -8,15 +8,19 @@ then went unanswered and each refused accept logged a traceback.
 :class:`ConnectionGuard` sits between the listening socket and aiohttp:
 
 - a connection that has not sent a whole request head ``head_timeout_s`` after connecting
-  (however slowly it drips bytes) is closed, and so is one idle — no request in progress —
-  for ``idle_timeout_s`` since its last response (longer than the keep-alive of the usual
-  clients' pools: aiohttp's 15 s, httpx's 5 s, so that none sends a request on a connection
-  the server is closing);
-- at most ``max_connections`` are open at once: one more first closes the connection that has
-  been idle longest — or waited longest for the rest of a request body — and is itself
-  closed at once when every open connection has a request in progress with its body whole
-  (a request's own time is bounded elsewhere: scheduler/request_parts.py's body deadline, a
-  408, and streaming write timeout, admission, the engines' timeouts).
+  (however slowly it drips bytes) is closed, and so is a keep-alive one whose next request
+  head is not whole ``head_timeout_s`` after its first byte, or that is idle — no request in
+  progress — for ``idle_timeout_s`` since its last response (longer than
+  the keep-alive of the usual clients' pools: aiohttp's 15 s, httpx's 5 s, so that none sends
+  a request on a connection the server is closing);
+- at most ``max_connections`` are open at once: one more first closes another, the least
+  useful — one that has sent no byte yet (the oldest of those), else the one silent longest
+  (no byte received, no response finished): a stalled head, an idle keep-alive connection or
+  a stalled body before a body still arriving. It is itself closed at once when every open
+  connection has a request in progress with its body whole (a request's own time is bounded
+  elsewhere: scheduler/request_parts.py's body deadline, a 408, and streaming write timeout,
+  admission, the engines' timeouts). Oldest-first let bare connections that sent nothing
+  (no key needed) close a legitimate upload in progress.
 
 A request is "in progress" from the moment aiohttp hands it to the application (its head is
 whole) until its handler returns, as the guard's middleware (the outermost) sees it. Until
@@ -71,10 +75,19 @@ class _Conn:
     active: int = 0                   # requests in progress on it
     served: bool = False              # a whole request head has arrived on it
     request: web.BaseRequest | None = None    # the one in progress
+    heard_at: float | None = None     # its last byte received (None: none yet)
+    head_since: float | None = None   # first byte received while idle: a next request's head began
 
     def closable(self) -> bool:
         """Idle, or its request's body is not whole (``is_eof``: all of it arrived, read or not)."""
         return self.active == 0 or (self.request is not None and not self.request.content.is_eof())
+
+    def rank(self) -> tuple[bool, float]:
+        """Smallest first closes for a new connection: none sent a byte, the oldest; then
+        silent longest, since its last byte received or its last response (``idle_since``)."""
+        if self.heard_at is None:
+            return False, self.idle_since
+        return True, max(self.heard_at, self.idle_since)
 
 
 @dataclass(eq=False)
@@ -91,6 +104,10 @@ class _GuardedProtocol(asyncio.Protocol):
         self.conn = self.guard._opened(transport)
 
     def data_received(self, data: bytes) -> None:
+        if (conn := self.conn) is not None:
+            conn.heard_at = now = time.monotonic()
+            if conn.served and conn.active == 0 and conn.head_since is None:
+                conn.head_since = now
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -142,11 +159,12 @@ class ConnectionGuard:
         conn.active += 1
         conn.served = True
         conn.request, conn.idle_since = request, time.monotonic()    # waiting for its body since
+        conn.head_since = None
         try:
             return await handler(request)
         finally:
             conn.active -= 1
-            conn.request, conn.idle_since = None, time.monotonic()
+            conn.request, conn.idle_since, conn.head_since = None, time.monotonic(), None
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="connection-guard")
@@ -170,9 +188,8 @@ class ConnectionGuard:
                            "a new one was closed")
                 transport.abort()
                 return None
-            oldest = min(idle, key=lambda c: c.idle_since)
-            self._drop(oldest)
-            self._warn(f"{self.max_connections} connections open; the longest idle was closed for a new one")
+            self._drop(min(idle, key=_Conn.rank))
+            self._warn(f"{self.max_connections} connections open; the one silent longest was closed for a new one")
         conn = self._conns[transport] = _Conn(transport, now)
         return conn
 
@@ -193,10 +210,12 @@ class ConnectionGuard:
 
     def sweep(self) -> int:
         """Close every connection past its deadline (no whole head ``head_timeout_s`` after
-        connecting, or idle ``idle_timeout_s`` since its last response); returns how many."""
+        connecting or after the first byte of a next head, or idle ``idle_timeout_s`` since its
+        last response); returns how many."""
         now = time.monotonic()
-        stale = [c for c in self._conns.values() if c.active == 0 and now - c.idle_since
-                 >= (self.idle_timeout_s if c.served else self.head_timeout_s)]
+        stale = [c for c in self._conns.values() if c.active == 0 and (
+            now - c.idle_since >= (self.idle_timeout_s if c.served else self.head_timeout_s)
+            or (c.head_since is not None and now - c.head_since >= self.head_timeout_s))]
         for conn in stale:
             self._drop(conn)
         return len(stale)

@@ -1,11 +1,12 @@
 """The front door's ConnectionGuard (scheduler/connection_guard.py) on a real aiohttp server
 on 127.0.0.1 and real client sockets: a request head dripped byte by byte is closed at the
-head timeout, an idle keep-alive connection at the idle timeout, a request in progress is
-never cut, one connection over the bound closes the
-longest idle one (so a real request gets through 8 slowloris connections), and a connection
-that finds every slot with a request in progress is closed at once; a request whose body is
-not whole within its deadline is a 408 (scheduler/request_parts.py), and until it is whole its
-connection is closed for a new one like an idle one."""
+head timeout (a keep-alive connection's next head too), an idle keep-alive connection at the
+idle timeout, a request in progress is never cut, one connection over the bound closes one
+that sent nothing, else the one silent longest (so a real request gets through 8 slowloris
+connections, and bare connections do not cut an upload), and a connection that finds every
+slot with a request in progress is closed at once; a request whose body is not whole within
+its deadline is a 408 (scheduler/request_parts.py), and until it is whole its connection is
+closed for a new one like an idle one."""
 from __future__ import annotations
 
 import argparse
@@ -232,3 +233,119 @@ def test_bounds_from_flags_and_bad_bounds() -> None:
         ConnectionGuard(idle_timeout_s=0)
     with pytest.raises(ValueError, match="head_timeout_s"):
         ConnectionGuard(head_timeout_s=-1)
+
+
+async def _upload(port: int, seconds: float, body_s: float) -> tuple[bytes, bytes]:
+    """A POST whose body arrives steadily, a piece every 0.05 s over ``seconds``; its answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b'{"p": "' + b"x" * 2_000 + b'"}'
+    writer.write(_post_head(len(body), body_s))
+    pieces = max(1, int(seconds / 0.05))
+    step = -(-len(body) // pieces)
+    try:
+        for i in range(0, len(body), step):
+            await asyncio.sleep(0.05)
+            writer.write(body[i:i + step])
+            await writer.drain()
+        async with asyncio.timeout(3):
+            head, answer = await _response(reader)
+        assert json.loads(answer) == json.loads(body)
+        return head, answer
+    finally:
+        writer.close()
+
+
+def test_a_flood_of_empty_connections_does_not_cut_an_upload() -> None:
+    """At the bound, bare connections (nothing sent, no key) used to close the oldest one: a
+    body arriving steadily over 10 s was cut at 4.4 s by 8 of them. Now a connection that has
+    sent nothing goes first, so they close each other and the upload is served."""
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=4, idle_timeout_s=60, head_timeout_s=10)
+        runner, port = await _serve(guard)
+        try:
+            upload = asyncio.create_task(_upload(port, 1.5, body_s=5))
+            await asyncio.sleep(0.2)
+            bare = []
+            for _ in range(12):                       # three times the bound, one every 0.1 s
+                bare.append(await asyncio.open_connection("127.0.0.1", port))
+                await asyncio.sleep(0.1)
+            head, _ = await upload
+            assert head.startswith(b"HTTP/1.1 200")
+            assert guard.closed_idle >= 9
+            assert await _closed_within(bare[0][0], 1)        # the oldest bare one went
+            for _, writer in bare:
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_over_the_bound_the_quietest_goes_and_a_steady_upload_last() -> None:
+    """With every slot holding something that has sent bytes, a new connection closes the
+    one silent longest: a stalled request head, then an idle keep-alive connection, and not a
+    body still arriving, though that began first (the guard used to close it)."""
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=3, idle_timeout_s=60, head_timeout_s=10)
+        runner, port = await _serve(guard)
+        try:
+            upload = asyncio.create_task(_upload(port, 1.5, body_s=5))
+            await asyncio.sleep(0.1)
+            stalled_r, stalled_w = await asyncio.open_connection("127.0.0.1", port)
+            stalled_w.write(HALF_HEAD)                     # then nothing
+            await asyncio.sleep(0.1)
+            kept_r, kept_w = await asyncio.open_connection("127.0.0.1", port)
+            kept_w.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await kept_r.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.2)
+            assert guard.open_connections == 3
+            assert (await _get(port, "/ok", timeout_s=2)).endswith(b"ok")
+            assert await _closed_within(stalled_r, 1)          # silent longest
+            assert not await _closed_within(kept_r, 0.2)
+            fresh_r, fresh_w = await asyncio.open_connection("127.0.0.1", port)
+            fresh_w.write(HALF_HEAD)                       # a head stalled later than kept's answer
+            await asyncio.sleep(0.1)
+            assert guard.open_connections == 3
+            assert (await _get(port, "/ok", timeout_s=2)).endswith(b"ok")
+            assert await _closed_within(kept_r, 1)             # then the idle keep-alive one
+            assert not await _closed_within(fresh_r, 0.1) and not upload.done()
+            head, _ = await upload
+            assert head.startswith(b"HTTP/1.1 200") and guard.closed_idle == 2
+            for writer in (stalled_w, kept_w, fresh_w):
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_a_second_request_head_is_bounded_by_the_head_timeout() -> None:
+    """On a keep-alive connection, a second request head dripped byte by byte lasted the idle
+    timeout; now it is closed ``head_timeout_s`` after its first byte. An idle wait longer than
+    the head timeout before a whole second request is still served."""
+    async def run() -> None:
+        guard = ConnectionGuard(max_connections=8, idle_timeout_s=5, head_timeout_s=0.5)
+        runner, port = await _serve(guard)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(2):
+                writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+                await asyncio.sleep(1)                         # idle twice the head timeout
+            t0 = time.monotonic()
+            for i in range(len(HALF_HEAD)):                    # a byte every 0.1 s
+                try:
+                    writer.write(HALF_HEAD[i:i + 1])
+                    await writer.drain()
+                except ConnectionError:
+                    break
+                if reader.at_eof():
+                    break
+                await asyncio.sleep(0.1)
+            assert await _closed_within(reader, 5)
+            assert 0.4 < time.monotonic() - t0 < 2 and guard.closed_idle == 1
+            writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
