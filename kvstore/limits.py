@@ -25,6 +25,12 @@ How long one stream may hold the store node's gRPC port (kvstore/service.py ``gr
   limit; a Put's open reservation is aborted (no partial block). The time the node itself
   spends reading or writing blocks does not count, so a long transfer that keeps moving
   (a chain read in ``CHAIN_WINDOW_BYTES`` windows) is never cut.
+- A stream whose peer trickles — one message every few seconds, each within the idle
+  limit — is ended the same way once its waits on the peer add up to more than
+  :data:`STREAM_IDLE_S` plus :data:`STREAM_WAIT_PER_MESSAGE_S` per message moved (messages
+  carry up to 1 MiB of block bytes: a peer slower than about 1 MiB/s). A Put holds one
+  block's reservation at a time (a header before the previous block is whole, or a chunk
+  with neither key nor data, is ``INVALID_ARGUMENT``).
 - At most :data:`MAX_OPEN_STREAMS` streams are open at once (running, or queued for a stream
   thread); one more is refused at once, ``RESOURCE_EXHAUSTED`` (a ``CapacityError``), rather
   than queued behind stalled ones.
@@ -41,6 +47,7 @@ MAX_KEYS_PER_CALL = 8192
 MAX_TTL_S = 86400.0            # a pin or lease asked for longer than a day is a mistake
 STREAM_WORKERS = 16            # a store node's threads for streams (Put, Get, Snapshot)
 STREAM_IDLE_S = 10.0           # a stream that moves no message for this long is ended
+STREAM_WAIT_PER_MESSAGE_S = 1.0  # and one that waited on its peer longer than STREAM_IDLE_S + this per message
 MAX_OPEN_STREAMS = 128         # streams running or queued for a stream thread; more are refused
 _VALID_TEXT = " or ".join(f"{n} ({name})" for name, n in sorted(KEY_BYTES.items(), key=lambda kv: kv[1]))
 

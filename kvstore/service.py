@@ -23,6 +23,7 @@ from kvstore.lease import Reservation
 from kvstore.limits import (
     MAX_OPEN_STREAMS,
     STREAM_IDLE_S,
+    STREAM_WAIT_PER_MESSAGE_S,
     STREAM_WORKERS,
     check_count,
     check_key,
@@ -66,8 +67,14 @@ class StoreServicer(pb_grpc.KVStoreServicer):
     def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext) -> pb.PutResponse:
         """Per block: reserve at its header chunk, write each data chunk as it arrives,
         commit at the next header or the end of the stream (the checksum sent is verified
-        there). A stream that breaks — the client died or cancelled — aborts the open
-        reservation: no visible key, and its space is free at once."""
+        there). A stream that breaks — the client died or cancelled — before a block's
+        bytes are all in aborts its open reservation: no visible key, and its space is free
+        at once (a block whose bytes all came and whose checksum holds may still be stored
+        when the client cancels after sending them). Refused, ending the stream: a chunk
+        with neither key nor data (``INVALID_ARGUMENT``), a header before the previous
+        block's bytes are all in (``INVALID_ARGUMENT``: one block reserved per stream at a
+        time). A block not whole within the pool's reservation timeout is a failed result
+        (its reservation expired); a writer that trickles is ended by :class:`_StreamGuard`."""
         results: list[PutResult] = []
         namespace = _namespace_of(context)
         key: bytes | None = None
@@ -94,6 +101,10 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a put chunk that does not parse as "
                                   "kvstore.v1.PutChunk")
                 if chunk.key:
+                    if key is not None and got < size:
+                        grpc_abort(context, InvalidArgument(
+                            f"block {key.hex()[:16]}: a header came after {got} of its {size} bytes; a block's "
+                            f"bytes all come before the next block's header"))
                     finish()
                     key, size, checksum, parent = codec.put_header_of(chunk)
                     try:
@@ -112,6 +123,9 @@ class StoreServicer(pb_grpc.KVStoreServicer):
                         res, error = None, str(exc)
                 elif key is None:
                     grpc_abort(context, InvalidArgument("first chunk of a put carries no key"))
+                elif not chunk.data:
+                    grpc_abort(context, InvalidArgument(f"block {key.hex()[:16]}: a put chunk with neither a "
+                                                        f"key nor data"))
                 got += len(chunk.data)
                 if got > size:
                     grpc_abort(context, InvalidArgument(f"block {key.hex()[:16]}: more bytes than its size {size}"))
@@ -339,12 +353,21 @@ class _StreamLane(futures.ThreadPoolExecutor):
 class _Watch:
     """One running stream: ``since`` is when it began waiting on its peer (for the next
     request message, or for the peer to take the last response: flow control); None while
-    the node itself works."""
-    __slots__ = ("context", "method", "since")
+    the node itself works. ``waited``: the seconds it waited on its peer before, in all;
+    ``moved``: the messages that came or went."""
+    __slots__ = ("context", "method", "since", "waited", "moved")
 
     def __init__(self, context: grpc.ServicerContext, method: str) -> None:
         self.context, self.method = context, method
         self.since: float | None = None
+        self.waited = 0.0
+        self.moved = 0
+
+    def _done_waiting(self) -> None:
+        if self.since is not None:
+            self.waited += time.monotonic() - self.since
+            self.since = None
+        self.moved += 1
 
     def requests(self, it: Iterator[Any]) -> Iterator[Any]:
         while True:
@@ -352,7 +375,7 @@ class _Watch:
             try:
                 item = next(it, _END)
             finally:
-                self.since = None
+                self._done_waiting()
             if item is _END:
                 return
             yield item
@@ -363,7 +386,21 @@ class _Watch:
             try:
                 yield item       # returns once gRPC has sent it: the peer is reading
             finally:
-                self.since = None
+                self._done_waiting()
+
+    def overdue(self, now: float, idle_s: float, per_message_s: float) -> str | None:
+        """Why the stream is ended now, or None: waiting on its peer for more than
+        ``idle_s`` at once, or for more than ``idle_s`` plus ``per_message_s`` per message
+        moved in all (a peer that trickles)."""
+        if self.since is None:
+            return None
+        if now - self.since > idle_s:
+            return f"no progress for {idle_s:g} s (the store node's stream idle limit, STREAM_IDLE_S)"
+        if self.waited + (now - self.since) > idle_s + per_message_s * self.moved:
+            return (f"waited {self.waited + now - self.since:.1f} s on its peer over {self.moved} messages; a stream "
+                    f"may wait {idle_s:g} s plus {per_message_s:g} s per message in all (STREAM_IDLE_S, "
+                    f"STREAM_WAIT_PER_MESSAGE_S: a peer slower than about 1 MiB/s)")
+        return None
 
 
 _END = object()
@@ -373,15 +410,17 @@ class _StreamGuard(grpc.ServerInterceptor):
     """Streamed calls (Put, Get, Snapshot) run on ``lane``'s threads (gRPC's
     ``experimental_thread_pool`` of a behavior, as its own health service uses), so however
     many streams are open, or stalled, the server's own threads keep answering every other
-    call. A stream waiting on its peer for more than ``idle_s`` is ended by a watchdog
-    thread (running while any stream is): ``DEADLINE_EXCEEDED`` naming the limit; a Put's
+    call. A stream waiting on its peer for more than ``idle_s`` at once, or for more than
+    ``idle_s`` plus ``per_message_s`` per message moved in all (a peer that trickles), is
+    ended by a watchdog thread (running while any stream is): ``DEADLINE_EXCEEDED`` naming
+    the limit; a Put's
     request iterator then raises and the Put aborts its open reservation. A server-streamed
     call takes its request through the stream (handled as stream-stream), so a request that
     never comes is timed too. With ``max_open`` streams open, one more is refused at once
     (``RESOURCE_EXHAUSTED``). Limits: kvstore/limits.py."""
 
-    def __init__(self, lane: _StreamLane, idle_s: float, max_open: int) -> None:
-        self.lane, self.idle_s, self.max_open = lane, idle_s, max_open
+    def __init__(self, lane: _StreamLane, idle_s: float, max_open: int, per_message_s: float) -> None:
+        self.lane, self.idle_s, self.max_open, self.per_message_s = lane, idle_s, max_open, per_message_s
         self._lock = threading.Lock()
         self._watches: set[_Watch] = set()
         self._watching = False
@@ -467,17 +506,17 @@ class _StreamGuard(grpc.ServerInterceptor):
                 if not self._watches:
                     self._watching = False
                     return
-                idle = [w for w in self._watches if w.since is not None and now - w.since > self.idle_s]
-                self._watches.difference_update(idle)
-            for watch in idle:
-                self._end(watch)
+                overdue = [(w, why) for w in self._watches
+                           if (why := w.overdue(now, self.idle_s, self.per_message_s)) is not None]
+                self._watches.difference_update(w for w, _ in overdue)
+            for watch, why in overdue:
+                self._end(watch, why)
 
-    def _end(self, watch: _Watch) -> None:
+    def _end(self, watch: _Watch, why: str) -> None:
         """Cancel the call with DEADLINE_EXCEEDED and a message naming the limit (gRPC
         1.85's ``Call.cancel(code, details)`` behind the servicer context; the context's own
         ``cancel()`` sends a bare CANCELLED, the fallback)."""
-        details = (f"{watch.method}: no progress for {self.idle_s:g} s (the store node's stream idle limit, "
-                   f"STREAM_IDLE_S); the node ended the stream")
+        details = f"{watch.method}: {why}; the node ended the stream"
         log.warning("%s (peer %s)", details, watch.context.peer())
         call = getattr(getattr(watch.context, "_rpc_event", None), "call", None)
         try:
@@ -496,12 +535,14 @@ def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
     ``metrics``: a :class:`kvstore.metrics.StoreMetrics` that times Put, Get and the data
     plane's control ops. ``workers``: the server's threads for every call but streams;
     streams (Put, Get, Snapshot) run on :data:`~kvstore.limits.STREAM_WORKERS` threads of
-    their own, are ended when idle :data:`~kvstore.limits.STREAM_IDLE_S`, and at most
+    their own, are ended when idle :data:`~kvstore.limits.STREAM_IDLE_S` (or trickling:
+    :data:`~kvstore.limits.STREAM_WAIT_PER_MESSAGE_S`), and at most
     :data:`~kvstore.limits.MAX_OPEN_STREAMS` are open (:class:`_StreamGuard`). Returns the
     started server and its bound port. Raises RuntimeError if it cannot bind."""
     lane = _StreamLane(STREAM_WORKERS)
     interceptors = interceptors_for(auth_token) + [_StreamParseGuard(),
-                                                   _StreamGuard(lane, STREAM_IDLE_S, MAX_OPEN_STREAMS)]
+                                                   _StreamGuard(lane, STREAM_IDLE_S, MAX_OPEN_STREAMS,
+                                                                STREAM_WAIT_PER_MESSAGE_S)]
     if metrics is not None:
         interceptors.append(metrics.interceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,

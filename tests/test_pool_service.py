@@ -1,7 +1,7 @@
 """The pool behind the real gRPC store service (kvstore/service.py, kvstore/client.py,
 kvstore/kvctl/): concurrent puts of one key from two writer processes, a writer killed in
 the middle of a large put, a stalled put timing out, stalled streams ended at the idle limit
-without freezing the port, chain puts, pins, the
+without freezing the port, a Put holding one reservation at a time, a trickling peer ended, chain puts, pins, the
 eviction policy switch and the extended tier stats, through the client and kvctl."""
 from __future__ import annotations
 
@@ -228,6 +228,88 @@ def test_stalled_streams_end_at_the_idle_limit_and_never_freeze_the_port(make_dr
         release.set()
         for ch in channels:
             ch.close()
+        server.stop(grace=None).wait()
+        pool.close()
+
+
+def test_a_put_holds_one_reservation_at_a_time_and_refuses_empty_chunks(make_dram) -> None:
+    """A header before the previous block's bytes are all in (each header reserved its
+    block's size, so four header-only chunks emptied the tier), and a chunk with neither
+    key nor data (an idle writer's keep-alive), end the Put INVALID_ARGUMENT naming the
+    block; nothing of it is stored or left reserved."""
+    pool = KVPool([make_dram(16 * MIB)])
+    server, port = serve_store(pool)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.KVStoreStub(channel)
+    try:
+        with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
+            kept = [(_key(50 + i), bytes([i]) * MIB) for i in range(8)]
+            assert all(r.ok for r in client.put_blocks(kept))
+        headers_only = [pb.PutChunk(key=_key(i), size=12 * MIB, checksum=1) for i in range(4)]
+        empty_chunk = [pb.PutChunk(key=_key(9), size=MIB, checksum=1, data=b"\1" * 10), pb.PutChunk()]
+        for chunks, words in ((headers_only, "a header came after 0 of its 12582912 bytes"),
+                              (empty_chunk, "neither a key nor data")):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Put(iter(chunks), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert words in info.value.details() and chunks[0].key.hex()[:16] in info.value.details()
+        deadline = time.monotonic() + 5
+        while _used(pool)[1] and time.monotonic() < deadline:   # the reservation aborted as the call ends
+            time.sleep(0.05)
+        assert _used(pool)[1] == 0 and not any(pool.contains(_key(i)) for i in (0, 1, 2, 3, 9))
+        pool.check_integrity()
+        with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:   # the node takes puts again
+            assert all(r.ok for r in client.put_blocks(kept)) and client.get(kept[0][0]) == kept[0][1]
+    finally:
+        channel.close()
+        server.stop(grace=None).wait()
+        pool.close()
+
+
+def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch) -> None:
+    """A writer sending a chunk every 0.5 s, and a reader taking a message every 0.25 s —
+    each wait within the (shortened) idle limit of 3 s, so the idle limit alone held them
+    for good — are ended DEADLINE_EXCEEDED once their waits add up to more than 3 s plus
+    0.02 s per message, naming STREAM_WAIT_PER_MESSAGE_S; the Put's reservation is aborted."""
+    monkeypatch.setattr(kvstore.service, "STREAM_IDLE_S", 3.0)
+    monkeypatch.setattr(kvstore.service, "STREAM_WAIT_PER_MESSAGE_S", 0.02)
+    pool = KVPool([make_dram(64 * MIB)])
+    server, port = serve_store(pool)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.KVStoreStub(channel)
+    big = bytes(range(256)) * (32 * 1024)   # 8 MiB
+
+    def trickle():
+        yield pb.PutChunk(key=_key(1), size=32 * MIB, checksum=1, data=b"\1" * 1024)
+        for _ in range(30):
+            time.sleep(0.5)
+            yield pb.PutChunk(data=b"\1" * 1024)
+
+    try:
+        with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
+            assert client.put(_key(2), big).ok
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Put(trickle(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+        assert "STREAM_WAIT_PER_MESSAGE_S" in info.value.details()
+        assert time.monotonic() - t0 < 10   # 30 chunks would take 15 s
+        reader = stub.Get(pb.GetRequest(keys=[_key(2)] * 16), timeout=60)   # 128 MiB: past any window
+        taken = 0
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in reader:
+                taken += 1
+                time.sleep(0.25)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+        assert "STREAM_WAIT_PER_MESSAGE_S" in info.value.details()
+        assert taken < 128 and time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 5
+        while _used(pool)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _used(pool) == (len(big), 0) and not pool.contains(_key(1))
+    finally:
+        channel.close()
         server.stop(grace=None).wait()
         pool.close()
 
