@@ -32,8 +32,8 @@ How long one stream may hold the store node's gRPC port (kvstore/service.py ``gr
   block's reservation at a time (a header before the previous block is whole, or a chunk
   with neither key nor data, is ``INVALID_ARGUMENT``).
 - At most :data:`MAX_OPEN_STREAMS` streams are open at once (running, or queued for a stream
-  thread); one more is refused at once, ``RESOURCE_EXHAUSTED`` (a ``CapacityError``), rather
-  than queued behind stalled ones.
+  thread while their caller still waits); one more is refused at once,
+  ``RESOURCE_EXHAUSTED`` (a ``CapacityError``), rather than queued behind stalled ones.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ kvstore/wire/errors.py. Block bytes travel in chunks of ``kvstore.wire.channel.C
 :class:`kvstore.node.StoreNode` serves this with the same-host control socket beside it."""
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -325,28 +326,45 @@ class _StreamParseGuard(grpc.ServerInterceptor):
 
 
 class _StreamLane(futures.ThreadPoolExecutor):
-    """The threads streamed calls run on; :attr:`open`: the streams handed to it and not yet
-    done (running, or queued for a thread)."""
+    """The threads streamed calls run on. :meth:`open`: the streams handed to it and not yet
+    done — running, or queued for a thread while their caller still waits (a queued call
+    whose caller cancelled or timed out does not count: it ends as soon as a thread takes
+    it, and counting it refused new streams for as long as slow ones held every thread)."""
 
     def __init__(self, workers: int) -> None:
         super().__init__(max_workers=workers, thread_name_prefix="kvstore-stream")
-        self.open = 0
+        self.running = 0
+        self._queued: dict[int, Any] = {}    # id -> the call's gRPC state (``client``: open or not)
+        self._ids = itertools.count()
         self._count = threading.Lock()
 
+    def open(self) -> int:
+        with self._count:
+            return self.running + sum(1 for state in self._queued.values()
+                                      if getattr(state, "client", "open") == "open")
+
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        # gRPC submits (context.run, handler-in-pool, rpc_event, state, ...): its private
+        # _RPCState says whether the caller is still there (grpc 1.85's _server.py).
+        state = args[2] if len(args) > 2 else None
+        call_id = next(self._ids)
+
         def run() -> Any:
+            with self._count:
+                self._queued.pop(call_id, None)
+                self.running += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 with self._count:
-                    self.open -= 1
+                    self.running -= 1
         with self._count:
-            self.open += 1
+            self._queued[call_id] = state
         try:
             return super().submit(run)
         except BaseException:
             with self._count:
-                self.open -= 1
+                self._queued.pop(call_id, None)
             raise
 
 
@@ -431,7 +449,7 @@ class _StreamGuard(grpc.ServerInterceptor):
         if handler is None or not (handler.request_streaming or handler.response_streaming):
             return handler
         method = handler_call_details.method
-        if self.lane.open >= self.max_open:
+        if self.lane.open() >= self.max_open:
             return self._refusal(handler, method)
         if handler.stream_unary is not None:
             stream_unary = handler.stream_unary

@@ -314,6 +314,56 @@ def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch)
         pool.close()
 
 
+def test_streams_whose_callers_gave_up_in_the_queue_leave_room_for_new_ones(make_dram, monkeypatch) -> None:
+    """Stalled streams hold both stream threads; Gets queued behind them whose callers' 0.5 s
+    deadlines passed no longer count toward MAX_OPEN_STREAMS, so a new Get is queued, not
+    refused (it was RESOURCE_EXHAUSTED for as long as the slow streams held the threads),
+    and is served once the threads are free."""
+    monkeypatch.setattr(kvstore.service, "STREAM_WORKERS", 2)
+    monkeypatch.setattr(kvstore.service, "MAX_OPEN_STREAMS", 4)
+    pool = KVPool([make_dram(16 * MIB)])
+    server, port = serve_store(pool)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.KVStoreStub(channel)
+    release = threading.Event()
+
+    def stalled_put(key: bytes):
+        yield pb.PutChunk(key=key, size=1000, checksum=1, data=b"\1" * 10)
+        release.wait(30)
+
+    try:
+        with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
+            assert client.put(_key(7), b"\7" * 4096).ok
+        puts = [stub.Put.future(stalled_put(_key(i)), timeout=30) for i in range(2)]
+        time.sleep(0.3)
+        for _ in range(2):   # queued behind the two stalled Puts until their callers give up
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Get(pb.GetRequest(keys=[_key(7)]), timeout=0.5))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+        got: dict[str, object] = {}
+
+        def read() -> None:
+            try:
+                with StoreClient(f"127.0.0.1:{port}", timeout_s=20, data_path="grpc") as reader_client:
+                    got["bytes"] = reader_client.get(_key(7))
+            except CapacityError as exc:
+                got["error"] = exc
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.5)
+        assert "error" not in got, got   # queued: 2 running + 1 caller still waiting < 4
+        release.set()
+        reader.join(20)
+        assert got == {"bytes": b"\7" * 4096}, got
+        for f in puts:
+            f.exception(timeout=10)
+    finally:
+        release.set()
+        channel.close()
+        server.stop(grace=None).wait()
+        pool.close()
+
+
 def test_chain_put_over_the_wire_evicts_the_tail_first(make_dram) -> None:
     pool = KVPool([make_dram(3 * 4096)], settings=PoolSettings(high_watermark=1.0, low_watermark=1.0))
     server, port = serve_store(pool)
