@@ -66,6 +66,7 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
         self._growing = False
         self._cv = threading.Condition()
         self._fd = -1
+        self._lock_fd = -1           # the flock on kvstore.lock, held from open to close
         self._need = 0               # bytes of data.mdb that LMDB's pages use
         self._wlock = threading.RLock()      # one LMDB write transaction (or map change) at a time
         self._dlock = threading.Lock()
@@ -75,9 +76,13 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
         self.owner_of: Callable[[bytes], str] | None = None   # key -> namespace ("": none), at write
         self.recovered_owners: dict[bytes, str] = {}
         try:
-            self._open(load=True)
-        except _Damaged as exc:
-            self._quarantine(str(exc), lost=None)
+            try:
+                self._open(load=True)
+            except _Damaged as exc:
+                self._quarantine(str(exc), lost=None)
+        except BaseException:
+            self._unlock()    # a tier that did not open holds no directory
+            raise
 
     @property
     def map_bytes(self) -> int:
@@ -271,3 +276,4 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
         with self._wlock:
             if self._fd >= 0:
                 self._close_env()
+            self._unlock()

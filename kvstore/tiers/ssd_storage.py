@@ -10,7 +10,16 @@ corruption errors the same way; at open, a child process first reads every recor
 intact, and its death by a signal is damage. A damaged environment is moved aside
 (``ssd.damaged-<unix time>``) and an empty one opened in its place; the blocks it held are
 reported to the pool (``on_lost``) as lost, one log line says what happened and
-``quarantines`` counts it.
+``quarantines`` counts it. A ``data.mdb`` or ``lock.mdb`` that is not a regular file (a
+symbolic link, a FIFO, a device, a directory) is damage too, found with ``lstat`` before
+anything opens or probes it: LMDB would follow a link and write outside the directory, and
+a FIFO would hang the probe.
+
+The directory is this user's alone: made 0700, and one that is another user's or writable
+by group or others is refused (another user could plant such links there). The tier holds
+an exclusive ``flock`` on ``kvstore.lock`` in it (its holder's pid written in it) from open
+to close, so a second node on the same directory fails at once instead of sharing the LMDB
+environment (their books diverge and reads fail with MDB_MAP_RESIZED).
 
 The third database, ``owners`` (key → the tenant's namespace, utf-8; kvstore/tenants.py),
 keeps a block's tenant across a restart: read at open into ``recovered_owners``. A row that
@@ -19,10 +28,12 @@ is not a namespace is left out (the block is then unattributed, ``""``) with one
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -43,6 +54,25 @@ _MIN_MAP = 64 << 20
 # unusable, an OSError for the caller).
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
            lmdb.VersionMismatchError, lmdb.BadTxnError)
+
+
+LOCK_FILE = "kvstore.lock"   # the tier's own lock in its directory (flock; the holder's pid in it)
+_LMDB_FILES = ("data.mdb", "lock.mdb")
+
+
+def _what(path: str, mode: int) -> str:
+    """What the entry at ``path`` (of ``lstat`` mode ``mode``) is, when not a regular file."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"of file type {stat.S_IFMT(mode):o}"
 
 
 _META_PAGE = struct.Struct("<II")   # a meta page's magic and data version, after its 16-byte page header
@@ -120,6 +150,7 @@ class SsdStorage:
     _dlock: threading.Lock
     _doomed: list[bytes]
     _fd: int
+    _lock_fd: int
     _need: int
     _env: lmdb.Environment
     _data: Any
@@ -136,15 +167,39 @@ class SsdStorage:
     # -- opening, damage and quarantine ----------------------------------------------------
     def _open(self, load: bool) -> None:
         """Open (creating) the environment at :attr:`path`; with ``load``, read the books
-        of what it holds. Raises OSError (one line) when the directory cannot be used and
-        _Damaged when the file is damaged."""
+        of what it holds. Raises OSError (one line) when the directory cannot be used (not
+        this user's alone, or another tier holds its lock) and _Damaged when the file is
+        damaged or data.mdb / lock.mdb is not a regular file (checked before anything opens
+        them, the lock held first)."""
         data = os.path.join(self.path, "data.mdb")
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)   # every tenant's blocks: this user only
+            st = os.stat(self.path)
+            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "permission denied")
+        except OSError as exc:
+            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
+                                     f"{exc.strerror or exc}") from None
+        self._check_private(st)
+        self._take_lock()
+        odd = []   # data.mdb / lock.mdb that are not regular files: LMDB would follow or block on them
+        for name in _LMDB_FILES:
+            entry = os.path.join(self.path, name)
+            try:
+                mode = os.lstat(entry).st_mode
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: {name}: "
+                                         f"{exc.strerror or exc}") from None
+            if not stat.S_ISREG(mode):
+                odd.append(f"{name} is {_what(entry, mode)}, not a regular file")
+        if odd:
+            raise _Damaged("; ".join(odd))
+        try:
             exists = os.path.exists(data)
             on_disk = os.path.getsize(data) if exists else 0
-            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK) or (
-                    exists and not os.access(data, os.R_OK | os.W_OK)):
+            if exists and not os.access(data, os.R_OK | os.W_OK):
                 raise PermissionError(errno.EACCES, "permission denied")
         except OSError as exc:
             raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
@@ -170,7 +225,7 @@ class SsdStorage:
             if exists and not _metas_valid(data):   # LMDB says so in a plain Error (e.g. a bad version)
                 raise _Damaged(f"its meta pages are damaged ({exc})") from None
             raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
-        self._fd = os.open(data, os.O_RDONLY)
+        self._fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             self._measure()
             self._check()
@@ -191,6 +246,73 @@ class SsdStorage:
         except _Damaged:
             self._close_env()
             raise
+
+    def _check_private(self, st: os.stat_result) -> None:
+        """Refuse a directory (``st``: its ``stat``) that is not this user's alone: another
+        user's, or writable by group or others (anyone who can write it can put a link to
+        their choice of file where LMDB's files go). Raises OSError naming the fix."""
+        uid, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+        if st.st_uid != uid:
+            raise OSError(errno.EACCES, f"ssd tier: refusing data directory {self.path}: it is owned by uid "
+                                        f"{st.st_uid}, not this process's uid {uid} (mode {mode:04o}); it must be "
+                                        f"this user's alone: chown {uid} {self.path} && chmod 700 {self.path}")
+        if mode & 0o022:
+            raise OSError(errno.EACCES, f"ssd tier: refusing data directory {self.path}: mode {mode:04o} lets "
+                                        f"group or others write to it; it must be this user's alone: "
+                                        f"chmod 700 {self.path}")
+
+    def _take_lock(self) -> None:
+        """Hold an exclusive ``flock`` on :data:`LOCK_FILE` in the directory (made 0600, never
+        through a link) until :meth:`_unlock`, and write this process's pid into it. Kept
+        when the one held is that file already; after a quarantine (the directory moved aside
+        with the lock in it) the new directory's is taken, then the old one let go. Raises
+        OSError when another holder has it (naming its pid) or it cannot be made."""
+        lock = os.path.join(self.path, LOCK_FILE)
+        if self._lock_fd >= 0:
+            try:
+                here, held = os.lstat(lock), os.fstat(self._lock_fd)
+                if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+                    return
+            except FileNotFoundError:
+                pass
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: {LOCK_FILE}: "
+                                     f"{reason}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EINVAL, f"ssd tier: cannot use data directory {self.path}: {LOCK_FILE} is "
+                                            f"{_what(lock, mode)}, not a regular file; remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                who = (("this process, " if pid == str(os.getpid()) else "") + f"pid {pid}") if pid.isdigit() \
+                    else "its pid not recorded"
+                raise OSError(errno.EBUSY, f"ssd tier: data directory {self.path} is in use by another SSD tier "
+                                           f"({who}): two nodes cannot share one; stop that one or give this node "
+                                           f"another data directory") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self._lock_fd = self._lock_fd, fd
+        if old >= 0:
+            os.close(old)
+
+    def _unlock(self) -> None:
+        """Let go of the directory's lock (at close, or when opening failed)."""
+        if self._lock_fd >= 0:
+            try:
+                os.ftruncate(self._lock_fd, 0)   # no stale pid left behind
+            except OSError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _read_books(self) -> list[tuple[tuple[int, int, int], bytes]]:
         """The ``meta`` rows ((size, checksum, write sequence), key) whose block is stored
@@ -287,10 +409,10 @@ class SsdStorage:
                     self._close_env()
                 aside = f"{self.path}.damaged-{int(time.time())}"
                 n = 1
-                while os.path.exists(aside):
+                while os.path.lexists(aside):   # a name taken, even by a link, is never renamed over
                     aside, n = f"{self.path}.damaged-{int(time.time())}-{n}", n + 1
                 try:
-                    os.rename(self.path, aside)
+                    os.rename(self.path, aside)   # the entry itself: a link is moved, never its target
                 except OSError as exc:
                     raise OSError(exc.errno, f"ssd tier: {self.path} is damaged ({reason}) and cannot "
                                              f"be moved aside: {exc.strerror}") from None
