@@ -5,11 +5,13 @@ without freezing the port, a Put holding one reservation at a time, a trickling 
 eviction policy switch and the extended tier stats, through the client and kvctl."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -232,16 +234,27 @@ def test_stalled_streams_end_at_the_idle_limit_and_never_freeze_the_port(make_dr
         pool.close()
 
 
+@contextlib.contextmanager
+def _raw_node(tier) -> Iterator[tuple[KVPool, int, pb_grpc.KVStoreStub]]:
+    """A store node on ``tier`` and a raw stub of its gRPC port (to send what StoreClient
+    never would); all closed after."""
+    pool = KVPool([tier])
+    server, port = serve_store(pool)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pool, port, pb_grpc.KVStoreStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=None).wait()
+        pool.close()
+
+
 def test_a_put_holds_one_reservation_at_a_time_and_refuses_empty_chunks(make_dram) -> None:
     """A header before the previous block's bytes are all in (each header reserved its
     block's size, so four header-only chunks emptied the tier), and a chunk with neither
     key nor data (an idle writer's keep-alive), end the Put INVALID_ARGUMENT naming the
     block; nothing of it is stored or left reserved."""
-    pool = KVPool([make_dram(16 * MIB)])
-    server, port = serve_store(pool)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.KVStoreStub(channel)
-    try:
+    with _raw_node(make_dram(16 * MIB)) as (pool, port, stub):
         with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
             kept = [(_key(50 + i), bytes([i]) * MIB) for i in range(8)]
             assert all(r.ok for r in client.put_blocks(kept))
@@ -260,10 +273,6 @@ def test_a_put_holds_one_reservation_at_a_time_and_refuses_empty_chunks(make_dra
         pool.check_integrity()
         with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:   # the node takes puts again
             assert all(r.ok for r in client.put_blocks(kept)) and client.get(kept[0][0]) == kept[0][1]
-    finally:
-        channel.close()
-        server.stop(grace=None).wait()
-        pool.close()
 
 
 def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch) -> None:
@@ -273,10 +282,6 @@ def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch)
     0.02 s per message, naming STREAM_WAIT_PER_MESSAGE_S; the Put's reservation is aborted."""
     monkeypatch.setattr(kvstore.service, "STREAM_IDLE_S", 3.0)
     monkeypatch.setattr(kvstore.service, "STREAM_WAIT_PER_MESSAGE_S", 0.02)
-    pool = KVPool([make_dram(64 * MIB)])
-    server, port = serve_store(pool)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.KVStoreStub(channel)
     big = bytes(range(256)) * (32 * 1024)   # 8 MiB
 
     def trickle():
@@ -285,7 +290,7 @@ def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch)
             time.sleep(0.5)
             yield pb.PutChunk(data=b"\1" * 1024)
 
-    try:
+    with _raw_node(make_dram(64 * MIB)) as (pool, port, stub):
         with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
             assert client.put(_key(2), big).ok
         t0 = time.monotonic()
@@ -308,10 +313,6 @@ def test_a_peer_that_trickles_is_ended_by_its_total_wait(make_dram, monkeypatch)
         while _used(pool)[1] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _used(pool) == (len(big), 0) and not pool.contains(_key(1))
-    finally:
-        channel.close()
-        server.stop(grace=None).wait()
-        pool.close()
 
 
 def test_streams_whose_callers_gave_up_in_the_queue_leave_room_for_new_ones(make_dram, monkeypatch) -> None:
@@ -321,47 +322,41 @@ def test_streams_whose_callers_gave_up_in_the_queue_leave_room_for_new_ones(make
     and is served once the threads are free."""
     monkeypatch.setattr(kvstore.service, "STREAM_WORKERS", 2)
     monkeypatch.setattr(kvstore.service, "MAX_OPEN_STREAMS", 4)
-    pool = KVPool([make_dram(16 * MIB)])
-    server, port = serve_store(pool)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.KVStoreStub(channel)
     release = threading.Event()
 
     def stalled_put(key: bytes):
         yield pb.PutChunk(key=key, size=1000, checksum=1, data=b"\1" * 10)
         release.wait(30)
 
-    try:
-        with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
-            assert client.put(_key(7), b"\7" * 4096).ok
-        puts = [stub.Put.future(stalled_put(_key(i)), timeout=30) for i in range(2)]
-        time.sleep(0.3)
-        for _ in range(2):   # queued behind the two stalled Puts until their callers give up
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Get(pb.GetRequest(keys=[_key(7)]), timeout=0.5))
-            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
-        got: dict[str, object] = {}
+    with _raw_node(make_dram(16 * MIB)) as (pool, port, stub):
+        try:
+            with StoreClient(f"127.0.0.1:{port}", data_path="grpc") as client:
+                assert client.put(_key(7), b"\7" * 4096).ok
+            puts = [stub.Put.future(stalled_put(_key(i)), timeout=30) for i in range(2)]
+            time.sleep(0.3)
+            for _ in range(2):   # queued behind the two stalled Puts until their callers give up
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Get(pb.GetRequest(keys=[_key(7)]), timeout=0.5))
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            got: dict[str, object] = {}
 
-        def read() -> None:
-            try:
-                with StoreClient(f"127.0.0.1:{port}", timeout_s=20, data_path="grpc") as reader_client:
-                    got["bytes"] = reader_client.get(_key(7))
-            except CapacityError as exc:
-                got["error"] = exc
-        reader = threading.Thread(target=read)
-        reader.start()
-        time.sleep(0.5)
-        assert "error" not in got, got   # queued: 2 running + 1 caller still waiting < 4
-        release.set()
-        reader.join(20)
-        assert got == {"bytes": b"\7" * 4096}, got
-        for f in puts:
-            f.exception(timeout=10)
-    finally:
-        release.set()
-        channel.close()
-        server.stop(grace=None).wait()
-        pool.close()
+            def read() -> None:
+                try:
+                    with StoreClient(f"127.0.0.1:{port}", timeout_s=20, data_path="grpc") as reader_client:
+                        got["bytes"] = reader_client.get(_key(7))
+                except CapacityError as exc:
+                    got["error"] = exc
+            reader = threading.Thread(target=read)
+            reader.start()
+            time.sleep(0.5)
+            assert "error" not in got, got   # queued: 2 running + 1 caller still waiting < 4
+            release.set()
+            reader.join(20)
+            assert got == {"bytes": b"\7" * 4096}, got
+            for f in puts:
+                f.exception(timeout=10)
+        finally:
+            release.set()   # the stalled Puts' writers end, whatever failed
 
 
 def test_chain_put_over_the_wire_evicts_the_tail_first(make_dram) -> None:
