@@ -34,7 +34,7 @@ from kvstore.limits import (
 from kvstore.pool import KVPool, PutResult
 from kvstore.tiers.buffers import to_bytes
 from kvstore.wire import proto_codec as codec
-from kvstore.wire.channel import SERVER_OPTIONS, listen
+from kvstore.wire.channel import CHUNK_BYTES, SERVER_OPTIONS, listen
 from kvstore.wire.errors import grpc_abort, refusing
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -417,7 +417,8 @@ class _Watch:
         if self.waited + (now - self.since) > idle_s + per_message_s * self.moved:
             return (f"waited {self.waited + now - self.since:.1f} s on its peer over {self.moved} messages; a stream "
                     f"may wait {idle_s:g} s plus {per_message_s:g} s per message in all (STREAM_IDLE_S, "
-                    f"STREAM_WAIT_PER_MESSAGE_S: a peer slower than about 1 MiB/s)")
+                    f"STREAM_WAIT_PER_MESSAGE_S: a peer slower than about "
+                    f"{CHUNK_BYTES / per_message_s / (1 << 20):.3g} MiB/s)")
         return None
 
 
@@ -431,8 +432,8 @@ class _StreamGuard(grpc.ServerInterceptor):
     call. A stream waiting on its peer for more than ``idle_s`` at once, or for more than
     ``idle_s`` plus ``per_message_s`` per message moved in all (a peer that trickles), is
     ended by a watchdog thread (running while any stream is): ``DEADLINE_EXCEEDED`` naming
-    the limit; a Put's
-    request iterator then raises and the Put aborts its open reservation. A server-streamed
+    the limit; a Put's request iterator then raises and the Put aborts its open
+    reservation. A server-streamed
     call takes its request through the stream (handled as stream-stream), so a request that
     never comes is timed too. With ``max_open`` streams open, one more is refused at once
     (``RESOURCE_EXHAUSTED``). Limits: kvstore/limits.py."""
