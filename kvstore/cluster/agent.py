@@ -64,7 +64,7 @@ class ClusterAgent:
             except OSError:
                 self.node_te.close()
                 raise
-        self.registry = registry_for(cfg.redis_url)
+        self.registry = registry_for(cfg.redis_url, cfg.auth_token)
         self.heartbeat: Heartbeat | None = None
         self.port = 0
         self.draining = False   # set by the Admin service (kvctl drain); announced at each beat

@@ -48,7 +48,7 @@ class ClusterClient:
                  refresh_s: float = 0.5, suspect_s: float = 5.0, timeout_s: float = 30.0) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
-        self.registry = registry or registry_for(redis_url)
+        self.registry = registry or registry_for(redis_url, auth_token)
         self.auth_token, self.transport, self.replicas = auth_token, transport, replicas
         self.refresh_s, self.suspect_s, self.timeout_s = refresh_s, suspect_s, timeout_s
         self._lock = threading.Lock()

@@ -1,8 +1,21 @@
 """Cluster membership: each store node keeps a record ``kvstore:nodes:<node_id>`` (JSON) alive
 with a TTL heartbeat; a node that stops heartbeating disappears within the TTL. With no Redis
-an embedded in-process registry stands in (one process, one host) and says so."""
+an embedded in-process registry stands in (one process, one host) and says so.
+
+Records are sealed with the store token. Every reader of the registry (engines, the
+scheduler, the vLLM connector, kvctl) sends the store token to the addresses it lists, so a
+record anyone who can write to Redis could forge would hand them the token. A node with a
+token therefore writes ``{"info": ..., "sealed_at": unix s, "mac": hex}``, the MAC an
+HMAC-SHA256 under the token over the record's key and its ``info`` and ``sealed_at``; a
+reader with a token lists only records whose MAC it can verify, sealed within
+:data:`RECORD_MAX_AGE_S` (a replayed record of a node that died goes stale), and logs the
+rest once per record. A reader without a token sends none, so it takes every well-formed
+record. (A node without a token writes an unsealed record; a reader with one refuses it.)
+"""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -10,9 +23,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvstore:nodes:"
+# How old a sealed record may be (seconds since the node wrote it; also how far ahead of this
+# host's clock): a heartbeat rewrites it every second, so this is the hosts' clock skew allowed.
+RECORD_MAX_AGE_S = 30.0
+_MAC_CONTEXT = b"kvstore membership record v1\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +54,60 @@ class NodeInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> NodeInfo:
-        d = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeInfo:
+        d = dict(d)
         d["tiers"] = tuple(tuple(t) for t in d.get("tiers", ()))
         return cls(**d)
+
+
+def _mac(token: str, key: str, body: str) -> str:
+    return hmac.new(token.encode(), _MAC_CONTEXT + key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def seal(info: NodeInfo, token: str | None, now: float | None = None) -> str:
+    """The registry value announcing ``info``: sealed (MAC under ``token``, dated ``now``,
+    unix seconds) when there is a token, else the bare record."""
+    if not token:
+        return json.dumps({"info": asdict(info)}, separators=(",", ":"))
+    body = json.dumps({"info": asdict(info), "sealed_at": time.time() if now is None else now},
+                      separators=(",", ":"), sort_keys=True)
+    return json.dumps({"body": body, "mac": _mac(token, KEY_PREFIX + info.node_id, body)},
+                      separators=(",", ":"))
+
+
+def unseal(key: str, value: str | bytes, token: str | None, now: float | None = None) -> NodeInfo:
+    """The node announced at registry ``key`` by ``value``. With a token, the value must be
+    sealed under it, less than :data:`RECORD_MAX_AGE_S` old and name the node its key does.
+    Raises ValueError saying what is wrong (a forged, stale, unsealed or malformed record)."""
+    try:
+        doc = json.loads(value)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        if "body" in doc:
+            body = doc["body"]
+            if not isinstance(body, str):
+                raise ValueError("body is not a string")
+            if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
+                raise ValueError("its seal does not verify under this store token (forged, or another cluster's)")
+            inner = json.loads(body)
+            sealed_at = float(inner["sealed_at"])
+            age = (time.time() if now is None else now) - sealed_at
+            if token and not -RECORD_MAX_AGE_S <= age <= RECORD_MAX_AGE_S:
+                raise ValueError(f"sealed {age:.0f} s ago (more than {RECORD_MAX_AGE_S:.0f} s apart: replayed, "
+                                 "or the hosts' clocks disagree)")
+            info = NodeInfo.from_dict(inner["info"])
+        elif token:
+            raise ValueError("unsealed: its node runs without the store token this reader holds")
+        else:
+            info = NodeInfo.from_dict(doc["info"])
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"malformed ({type(exc).__name__}: {exc})") from None
+    if KEY_PREFIX + info.node_id != key:
+        raise ValueError(f"names node {info.node_id!r}")
+    return info
 
 
 class Registry(ABC):
@@ -63,17 +132,20 @@ class Registry(ABC):
 
 
 class RedisRegistry(Registry):
-    """Records under ``kvstore:nodes:`` in the Redis at ``url``, each with a TTL (``SET PX``)."""
+    """Records under ``kvstore:nodes:`` in the Redis at ``url``, each with a TTL (``SET PX``),
+    sealed with ``token`` (the store token) when given: see the module's docstring. A record
+    :meth:`nodes` refuses is logged once (per key and reason) and left out."""
 
     kind = "redis"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         import redis
-        self.url = url
+        self.url, self._token = url, token or None
         self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._refused: set[tuple[str, str]] = set()
 
     def register(self, info: NodeInfo, ttl_s: float) -> None:
-        self._r.set(KEY_PREFIX + info.node_id, info.to_json(), px=max(1, int(ttl_s * 1000)))
+        self._r.set(KEY_PREFIX + info.node_id, seal(info, self._token), px=max(1, int(ttl_s * 1000)))
 
     def deregister(self, node_id: str) -> None:
         self._r.delete(KEY_PREFIX + node_id)
@@ -82,7 +154,18 @@ class RedisRegistry(Registry):
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
         if not keys:
             return []
-        return [NodeInfo.from_json(v) for v in self._r.mget(keys) if v is not None]
+        out = []
+        for raw_key, value in zip(keys, self._r.mget(keys), strict=True):
+            if value is None:
+                continue
+            key = raw_key.decode(errors="replace")
+            try:
+                out.append(unseal(key, value, self._token))
+            except ValueError as exc:
+                if (key, str(exc)) not in self._refused:
+                    self._refused.add((key, str(exc)))
+                    log.warning("membership record %s left out: %s", key, exc)
+        return out
 
     def close(self) -> None:
         self._r.close()
@@ -114,10 +197,11 @@ class LocalRegistry(Registry):
 EMBEDDED = LocalRegistry()
 
 
-def registry_for(redis_url: str | None) -> Registry:
-    """The Redis registry at ``redis_url``; with None, this process's embedded one (logged)."""
+def registry_for(redis_url: str | None, token: str | None = None) -> Registry:
+    """The Redis registry at ``redis_url``, its records sealed with ``token`` (the store
+    token); with None, this process's embedded one (logged)."""
     if redis_url:
-        return RedisRegistry(redis_url)
+        return RedisRegistry(redis_url, token)
     log.info("no Redis configured: single-host membership in an embedded in-process registry")
     return EMBEDDED
 

@@ -24,7 +24,7 @@ from kvstore.kvctl.common import (
 
 
 def _admin(t: Target, address: str | None = None) -> AdminClient:
-    return AdminClient(address or t.store, t.token, t.timeout_s)
+    return AdminClient(address or t.store, t.token_for(address or t.store), t.timeout_s)
 
 
 def _short(key_hex: str) -> str:

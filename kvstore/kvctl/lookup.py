@@ -86,7 +86,7 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
     for node in nodes:
-        with AdminClient(node.address, t.token, t.timeout_s) as admin:
+        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
             for i, key in enumerate(keys):
                 r = admin.inspect(key)
                 if r["found"]:

@@ -34,7 +34,7 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
     lines: list[str] = []
     found_any = False
     for node in pick_nodes(t, args.node):
-        with AdminClient(node.address, t.token, t.timeout_s) as admin:
+        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
             if args.action == "list":
                 quotas = admin.list_quotas()["quotas"]
                 docs.append({"node": node.node_id, "quotas": quotas})
@@ -66,7 +66,7 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
 def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
     docs, rows = [], []
     for node in pick_nodes(t, args.node):
-        with AdminClient(node.address, t.token, t.timeout_s) as admin:
+        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
             s = admin.stats()
         docs.append({"node": node.node_id, **s})
         for n in s["namespaces"]:

@@ -26,7 +26,7 @@ from kvstore.kvctl.common import (
 
 
 def _store(t: Target) -> StoreClient:
-    return StoreClient(t.store, auth_token=t.token, timeout_s=t.timeout_s, data_path="grpc")
+    return StoreClient(t.store, auth_token=t.token_for(t.store), timeout_s=t.timeout_s, data_path="grpc")
 
 
 def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
 
 def cmd_evict(t: Target, args: argparse.Namespace) -> int:
     asked = bytes_flag(args.bytes, "an eviction")
-    with AdminClient(t.store, t.token, t.timeout_s) as admin:
+    with AdminClient(t.store, t.token_for(t.store), t.timeout_s) as admin:
         r = admin.evict(args.tier, asked)
     blocks = r["demoted"] + r["dropped"]
     short = r["freed_bytes"] < asked

@@ -148,23 +148,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(addresses: Sequence[str], token: str | None | Callable[[str], str | None], timeout_s: float,
         args: argparse.Namespace,
-        redis_url: str | None = None) -> int:
+        redis_url: str | None = None, seal_token: str | None = None) -> int:
     """``kvctl watch`` over ``addresses`` and the ``--node``s — with ``redis_url``, over every
-    node registered in the cluster at each refresh instead of ``addresses``."""
+    node registered in the cluster at each refresh instead of ``addresses`` (the records
+    sealed with ``seal_token``, the store token: see :mod:`kvstore.cluster.membership`)."""
     extra = list(args.node or [])
     per_call = min(timeout_s, max(args.interval, 1.0))
 
     def read() -> list[NodeReading]:
-        listed = _registered(redis_url) if redis_url else list(addresses)
+        listed = _registered(redis_url, seal_token) if redis_url else list(addresses)
         return read_nodes(list(dict.fromkeys([*listed, *extra])), token, per_call)
     return watch(read, args.interval, args.count, args.json)
 
 
-def _registered(redis_url: str) -> list[str]:
-    """The addresses of the nodes in the membership registry. Raises KVStoreError when it
-    cannot be read."""
+def _registered(redis_url: str, seal_token: str | None) -> list[str]:
+    """The addresses of the nodes in the membership registry (records sealed with
+    ``seal_token``). Raises KVStoreError when it cannot be read."""
     from kvstore.cluster.membership import RedisRegistry
-    reg = RedisRegistry(redis_url)
+    reg = RedisRegistry(redis_url, seal_token)
     try:
         return sorted(n.address for n in reg.nodes())
     except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
@@ -180,7 +181,7 @@ def cmd_watch(target: Any, args: argparse.Namespace) -> int:
     if own is not None and args.node:   # a stack's node by its own address, not localhost's
         args.node = [own(a) for a in args.node]
     return run([target.store], getattr(target, "token_for", target.token), target.timeout_s, args,
-               getattr(target, "redis_url", None))
+               getattr(target, "redis_url", None), target.token)
 
 
 def add_commands(sub: Any) -> None:
