@@ -211,21 +211,27 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return n
 
 
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    """Whether a value is one of ``values``, a boolean only as a boolean: ``True == 1`` and
+    ``0 == False`` in Python, so ``"best_of": true`` or ``"echo": 0`` passed a bare ``in``."""
+    return lambda v: any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in values)
+
+
 # Fields that change the answer and that no front door here applies: a value other than the
 # neutral one is refused (400), never ignored. (name -> is the value neutral?)
 NEVER_APPLIED: dict[str, Callable[[Any], bool]] = {
-    "echo": lambda v: v in (None, False), "suffix": lambda v: v in (None, ""),
-    "best_of": lambda v: v in (None, 1), "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []), "tool_choice": lambda v: v in (None, "none"),
+    "echo": _neutral(None, False), "suffix": _neutral(None, ""),
+    "best_of": _neutral(None, 1), "tools": _neutral(None, []),
+    "functions": _neutral(None, []), "tool_choice": _neutral(None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 # Fields the vLLM engines apply (scheduler/vllm_frontdoor.py passes them on) and the built-in
 # engines do not: refused by the built-in front door.
 NOT_BUILT_IN: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: v in (None, {}), "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0), "repetition_penalty": lambda v: v in (None, 1, 1.0),
-    "top_k": lambda v: v in (None, 0, -1), "min_p": lambda v: v in (None, 0, 0.0),
-    "min_tokens": lambda v: v in (None, 0), "stop_token_ids": lambda v: v in (None, []),
+    "logit_bias": _neutral(None, {}), "presence_penalty": _neutral(None, 0),
+    "frequency_penalty": _neutral(None, 0), "repetition_penalty": _neutral(None, 1),
+    "top_k": _neutral(None, 0, -1), "min_p": _neutral(None, 0),
+    "min_tokens": _neutral(None, 0), "stop_token_ids": _neutral(None, []),
 }
 
 

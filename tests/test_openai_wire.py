@@ -78,6 +78,10 @@ def test_chat_ids_and_objects_whole_and_streamed(url):
     ({"prompt": "hi", "seed": 2 ** 64}, "seed"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "best_of": True}, "best_of"),      # True == 1 and 0 == False passed as neutral
+    ({"prompt": "hi", "echo": 0}, "echo"),
+    ({"prompt": "hi", "repetition_penalty": True}, "repetition_penalty"),
+    ({"prompt": "hi", "min_tokens": False}, "min_tokens"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
@@ -114,6 +118,7 @@ def test_a_chat_content_part_the_model_cannot_take_is_named(url):
 def test_neutral_values_of_unapplied_fields_are_served(url):
     got = complete(url, {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "presence_penalty": 0,
                          "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "seed": -5,
+                         "top_k": -1, "repetition_penalty": 1.0, "min_tokens": 0,
                          "temperature": 0.7, "top_p": 0.9})
     assert len(got["choices"][0]["token_ids"]) == 2 and got["choices"][0]["logprobs"] is None
 
