@@ -3,7 +3,7 @@ model, the engine and its server in one call."""
 from __future__ import annotations
 
 import logging
-import uuid
+import socket
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -160,6 +160,15 @@ def logprobs_pb(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
     return pb.TokenLogprobs(logprob=lp.logprob, top_ids=[i for i, _ in lp.top], top_logprobs=[v for _, v in lp.top])
 
 
+def default_engine_id(role: str, port: int) -> str:
+    """``<role>-<host name>-<port>``: the same for an engine restarted on the same host and
+    port, so the front door, which knows its engines by the id they gave when it connected,
+    and the KV events of its new life (a new epoch) still name it (a random id made a
+    restarted engine a stranger: logs and /health named its previous life, and the router
+    took its cache's events for the pool's blocks); different for every engine of a host."""
+    return f"{role}-{socket.gethostname()}-{port}"
+
+
 def start_engine(role: str, store_address: str | None, *, model_dir: str | None = None,
                  block_size: int = 16, address: str = "127.0.0.1:0", engine_id: str | None = None,
                  dtype: str = "float32", device: str = "auto", local_cache_blocks: int = 4096,
@@ -197,16 +206,16 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
         store = ClusterClient(store_redis, auth_token=store_token)
     elif store_address:
         store = StoreClient(store_address, auth_token=store_token)
-    engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:6]}"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+                         interceptors=interceptors_for(auth_token))
+    port = listen(server, address, "engine")
+    engine_id = engine_id or default_engine_id(role, port)
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks,
                       make_channel(kv_events) if kv_events else None) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
-                         interceptors=interceptors_for(auth_token))
     metrics = EngineMetrics(engine) if metrics_port is not None else None
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
-    port = listen(server, address, "engine")
     if metrics is not None:
         _METRICS[id(server)] = MetricsServer(metrics.registry, address.rpartition(":")[0] or "127.0.0.1",
                                              metrics_port or 0, auth_token, f"{role} engine {engine_id}")

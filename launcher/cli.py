@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_number, default=0, help="gRPC port (0 picks a free one)")
-    p.add_argument("--engine-id", help="engine id (default <role>-<random>)")
+    p.add_argument("--engine-id", help="engine id: how the front door, metrics and KV events name it "
+                   "(default <role>-<host name>-<port>, the same across restarts)")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],

@@ -57,7 +57,7 @@ class Cluster:
         self.loop = LoopThread()
         self.doors: list[RunningFrontdoor] = []
 
-    def engine(self, role: str, engine_id: str) -> str:
+    def engine(self, role: str, engine_id: str | None) -> str:
         server, port = start_engine(role, self.store, block_size=BS, engine_id=engine_id)
         self.servers.append(server)
         return f"127.0.0.1:{port}"

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from engines.server import start_engine
+from engines.client import engine_snapshot
+from engines.server import default_engine_id, start_engine
 from scheduler.config import FrontdoorConfig
 from tests.frontdoor_cluster import BS, Cluster, call, prompt_of, sse_events
 
@@ -37,11 +38,13 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_a_dead_prefill_engine_is_routed_around_and_comes_back(cluster):
-    second = cluster.engine("prefill", "prefill-1")
+    second = cluster.engine("prefill", None)       # no --engine-id: named after its host and port
     port = int(second.rsplit(":", 1)[1])
+    name = default_engine_id("prefill", port)
     door = cluster.start(FAST, prefill=[cluster.prefill, second])
+    assert name in door.frontdoor.router.prefill
     assert health(door.url)[1]["status"] == "ok"
-    cluster.servers.pop().stop(None).wait()                       # prefill-1 dies
+    cluster.servers.pop().stop(None).wait()                       # it dies
     # Requests keep succeeding: a prefill routed to the dead engine moves to prefill-0.
     for seed in range(6):
         status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(40 + seed, 2 * BS + 1),
@@ -49,13 +52,16 @@ def test_a_dead_prefill_engine_is_routed_around_and_comes_back(cluster):
         assert status == 200, data
     wait_for(lambda: health(door.url)[1]["status"] == "degraded")
     status, body = health(door.url)        # 503 with the reason, though requests are still served
-    assert status == 503 and any("prefill-1" in r for r in body["reasons"])
-    assert "prefill-1" in door.frontdoor.router.down
-    server, _ = start_engine("prefill", cluster.store, block_size=BS, engine_id="prefill-1",
-                             address=f"127.0.0.1:{port}")             # it comes back on its port
+    assert status == 503 and any(name in r for r in body["reasons"])
+    assert name in door.frontdoor.router.down
+    server, _ = start_engine("prefill", cluster.store, block_size=BS,
+                             address=f"127.0.0.1:{port}")             # it comes back on its port, as itself
     cluster.servers.append(server)
+    assert engine_snapshot(second).node == name                  # the same id as its first life
     wait_for(lambda: health(door.url)[1]["status"] == "ok", 15)
     assert door.frontdoor.router.down == {}
+    status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(50, 2 * BS + 1), "max_tokens": 3})
+    assert status == 200, data
 
 
 def test_a_failed_prefill_moves_to_another_instance_before_anything_is_sent(cluster):
