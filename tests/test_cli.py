@@ -70,7 +70,7 @@ def test_kvctl_tiers_and_evict(store_node):
     assert stats["dram"]["blocks"] + stats["ssd"]["blocks"] >= 6
     assert stats["dram"]["demotions"] >= 2                      # 6 MiB through a 4 MiB DRAM tier
     evict = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "dram", "--bytes", "1MiB")
-    assert evict.returncode == 0 and "evicted 1 blocks" in evict.stdout, evict.stdout + evict.stderr
+    assert evict.returncode == 0 and "evicted 1 block," in evict.stdout, evict.stdout + evict.stderr
     table = run("kvstore.kvctl", "--store", store_node, "tiers")
     assert table.returncode == 0 and "dram" in table.stdout and "evictions" in table.stdout
     bad = run("kvstore.kvctl", "--store", store_node, "evict", "--tier", "tape", "--bytes", "1")

@@ -56,6 +56,12 @@ def test_ls_inspect_demote_promote(node):
     copy = doc["copies"][0]
     assert copy["tiers"] == ["dram"] and copy["size"] == BLOCK and copy["namespace"] == "key-aaaa"
     assert copy["parent"] == a[0][0].hex()                      # put as one chain
+    rc, doc, err = kvctl(env, "--store", address, "inspect", key[:16])   # the key as ls prints it
+    assert rc == 0 and doc["key"] == key and doc["copies"][0]["size"] == BLOCK, err
+    rc, _, err = kvctl(env, "--store", address, "inspect", b"a-".hex(), json_out=False)   # four keys start so
+    assert rc == 1 and "block keys start with '612d'" in err and "give more of the key" in err, err
+    rc, doc, _ = kvctl(env, "--store", address, "inspect", "ffff")
+    assert rc == 3 and not doc["found"] and doc["copies"] == []
 
     rc, doc, _ = kvctl(env, "--store", address, "demote", key)
     assert rc == 0 and doc["demoted"] == [key]
@@ -98,7 +104,7 @@ def test_flush_with_a_hard_pin_exits_non_zero_naming_it(node):
     assert doc["left_blocks"] == 1 and doc["left"] == {"hard-pinned": 1} and "hard-pinned" in doc["reason"]
     assert doc["nodes"][0]["tiers"] == ["dram", "ssd"] and doc["nodes"][0]["dropped_blocks"] == 4
     rc, text, _ = kvctl(env, "--store", address, "flush", json_out=False)
-    assert rc == 3 and "1 blocks left behind (1 hard-pinned)" in text and "--force" in text
+    assert rc == 3 and "1 block left behind (1 hard-pinned)" in text and "--force" in text
     rc, doc, _ = kvctl(env, "--store", address, "flush", "--force")
     assert rc == 0 and doc["success"] and doc["nodes"][0]["dropped_blocks"] == 1
     assert kvctl(env, "--store", address, "ls")[1]["matched"] == 0

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from kvstore.admin.client import AdminClient
 from kvstore.errors import InvalidArgument
-from kvstore.kvctl.cluster import pick_nodes
+from kvstore.kvctl.cluster import NodeRef, pick_nodes
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
     EXIT_OK,
@@ -19,6 +19,7 @@ from kvstore.kvctl.common import (
     list_limit,
     namespace_arg,
     parse_keys,
+    plural,
     size_text,
 )
 
@@ -50,15 +51,37 @@ def cmd_ls(t: Target, args: argparse.Namespace) -> int:
     rows = [[b["key"] if args.full_keys else _short(b["key"]), b["node"], ",".join(b["tiers"]), b["size"],
              b["namespace"] or "-", _pin_text(b), "yes" if b["leased"] else ""] for b in out]
     text = tabulate(rows, headers=["key", "node", "tiers", "bytes", "namespace", "pin", "leased"])
-    text += f"\n{len(out)} of {matched} matching blocks on {len(nodes)} node(s)"
+    text += f"\n{len(out)} of {plural(matched, 'matching block')} on {plural(len(nodes), 'node')}"
     emit(args, {"blocks": out, "listed": len(out), "matched": matched, "nodes": [n.node_id for n in nodes]}, text)
     return EXIT_OK
 
 
+def _whole_key(t: Target, nodes: list[NodeRef], text: str) -> bytes | None:
+    """The block key ``text`` names: itself when whole (64 or 32 hex digits), else the one
+    key on ``nodes`` that starts with it (what ``ls`` prints is its first 16 digits); None
+    when no block's does. Raises InvalidArgument when it is not hex or several keys start
+    with it."""
+    if len(text) in (32, 64) or not text or any(c not in "0123456789abcdefABCDEF" for c in text):
+        return parse_keys([text])[0]
+    keys: set[str] = set()
+    for node in nodes:
+        with _admin(t, node.address) as admin:
+            keys.update(b["key"] for b in admin.list_blocks(key_prefix=text.lower(), limit=2)["blocks"])
+    if len(keys) > 1:
+        raise InvalidArgument(f"{len(keys)}+ block keys start with {text!r} ({', '.join(sorted(keys)[:2])}, ...): "
+                              "give more of the key (kvctl ls --full-keys prints whole keys)")
+    return bytes.fromhex(keys.pop()) if keys else None
+
+
 def cmd_inspect(t: Target, args: argparse.Namespace) -> int:
-    key = parse_keys([args.key])[0]
-    found: list[dict[str, Any]] = []
     nodes = pick_nodes(t, args.node)
+    whole = _whole_key(t, nodes, args.key)
+    if whole is None:
+        text = f"no block key starts with {args.key} on {', '.join(n.node_id for n in nodes)}"
+        emit(args, {"success": False, "key": args.key.lower(), "found": False, "copies": []}, text)
+        return EXIT_INCOMPLETE
+    key = whole
+    found: list[dict[str, Any]] = []
     for node in nodes:
         with _admin(t, node.address) as admin:
             r = admin.inspect(key)
@@ -101,7 +124,7 @@ def _keys_command(t: Target, args: argparse.Namespace, method: str, verb: str) -
     # A prefix no block starts with is left undone as a key not held is (exit 3 either way).
     seen = done | set(failures)
     unmatched = [p for p in prefixes if not any(k.startswith(p.lower()) for k in seen)]
-    lines = [f"{verb} {len(done)} block(s)" + (f", {size_text(freed)} freed" if method == "Remove" else "")]
+    lines = [f"{verb} {plural(len(done), 'block')}" + (f", {size_text(freed)} freed" if method == "Remove" else "")]
     lines += [f"  {_short(k)}: not {verb}: {'; '.join(why)}" for k, why in sorted(failed.items())]
     lines += [f"  no block starts with {p}" for p in unmatched]
     ok = not failed and not unmatched
@@ -135,12 +158,12 @@ def cmd_flush(t: Target, args: argparse.Namespace) -> int:
             left[reason] = left.get(reason, 0) + n
     success = all(r["success"] for r in reports)
     scope = f" of namespace {args.namespace!r}" if args.namespace is not None else ""
-    lines = [f"{r['node']}: reset {', '.join(r['tiers'])}: dropped {r['dropped_blocks']} blocks{scope}, "
+    lines = [f"{r['node']}: reset {', '.join(r['tiers'])}: dropped {plural(r['dropped_blocks'], 'block')}{scope}, "
              f"{size_text(r['freed_bytes'])}" for r in reports]
     if not success:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(left.items()))
         hint = "; unpin them or give --force" if any("pinned" in k for k in left) else ""
-        lines.append(f"not flushed: {sum(left.values())} blocks left behind ({why}){hint}")
+        lines.append(f"not flushed: {plural(sum(left.values()), 'block')} left behind ({why}){hint}")
     emit(args, {"success": success, "left_blocks": sum(left.values()), "left": left,
                 "reason": "" if success else "blocks left behind: " + ", ".join(f"{n} {r}" for r, n in left.items()),
                 "nodes": reports}, "\n".join(lines))
@@ -160,7 +183,8 @@ def add_commands(sub: Any) -> None:
     add_json(p)
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("inspect", help="one block: copies, size, namespace, pin, lease, parent")
-    p.add_argument("key", metavar="KEY", help="block key in hex")
+    p.add_argument("key", metavar="KEY", help="block key in hex, or its start as kvctl ls prints it "
+                   "(when one block's key starts so)")
     p.add_argument("--node", help=node_help)
     add_json(p)
     p.set_defaults(func=cmd_inspect)

@@ -21,6 +21,7 @@ from kvstore.kvctl.common import (
     add_json,
     emit,
     mib,
+    plural,
     size_text,
 )
 
@@ -184,14 +185,14 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
                         failed[f["key"]] = f"copied, but not removed from {source.node_id}: {f['reason']}"
                     moved += len(r["done"])
                     moved_bytes += r["freed_bytes"]
-                _progress(args, f"  moved {moved} of {total} blocks ({size_text(moved_bytes)}), "
+                _progress(args, f"  moved {moved} of {plural(total, 'block')} ({size_text(moved_bytes)}), "
                                 f"{len(failed)} could not move, {time.monotonic() - t0:.1f} s")
         finally:
             for client, _ in targets.values():
                 client.close()
         left = admin.list_blocks(limit=1)["matched"]
     success = not failed and left == 0
-    lines = [(f"{source.node_id}: moved {moved} blocks ({size_text(moved_bytes)}) to "
+    lines = [(f"{source.node_id}: moved {plural(moved, 'block')} ({size_text(moved_bytes)}) to "
               f"{', '.join(targets)}; {left} left on it; it stays draining (kvctl drain {source.node_id} --cancel "
               f"takes new blocks again)")]
     lines += [f"  {k[:16]}: {why}" for k, why in sorted(failed.items())]

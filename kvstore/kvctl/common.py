@@ -233,6 +233,11 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, with an "s" unless ``n`` is 1: "1 block", "3 blocks"."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def mib(n: int) -> str:
     """Bytes in MiB for a table or message: one decimal from 0.1 MiB up, four below (8,192
     bytes: ``0.0078``, not ``0.0``), ``<0.0001`` for fewer than 53 bytes, ``0`` for none."""
@@ -276,7 +281,8 @@ def parse_keys(hexes: list[str]) -> list[bytes]:
     for h, key in zip(hexes, keys):
         if len(key) not in (16, 32):
             raise ValueError(f"{h!r} is not a block key: keys are 64 hex digits (SHA-256) or 32 (XXH3-128); "
-                             "kvctl ls prints their first 16, kvctl ls --full-keys whole keys")
+                             "kvctl ls prints their first 16 (which inspect takes, and rm, demote and promote "
+                             "with --prefix), kvctl ls --full-keys whole keys")
     return keys
 
 

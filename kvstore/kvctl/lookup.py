@@ -26,7 +26,7 @@ from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
 from kvstore.kvctl.cluster import cluster_nodes
-from kvstore.kvctl.common import EXIT_OK, Target, add_json, emit, namespace_arg
+from kvstore.kvctl.common import EXIT_OK, Target, add_json, emit, namespace_arg, plural
 
 PUBLIC_NAMESPACE = "public"
 BYTE_TOKEN_OFFSET = 3       # the byte tokenizer: id = byte + 3 (0 pad, 1 bos, 2 eos)
@@ -101,8 +101,9 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
              ";".join(",".join(c["tiers"]) for c in b["copies"]) or "miss",
              ";".join(str(c["size"]) for c in b["copies"]), ";".join(c["pin"] for c in b["copies"] if c["pin"])]
             for b in blocks]
-    text = (f"{len(tokens)} tokens, {len(keys)} full blocks of {block_size} (key spec from {source}; "
-            f"model {model!r}, namespace {namespace!r}); the pool holds a prefix of {held} blocks\n"
+    text = (f"{plural(len(tokens), 'token')}, {plural(len(keys), 'full block')} of {block_size} (key spec from "
+            f"{source}; model {model!r}, namespace {namespace!r}); the pool holds a prefix of "
+            f"{plural(held, 'block')}\n"
             + tabulate(rows, headers=["block", "key", "node", "tier", "bytes", "pin"]))
     if held == 0 and args.namespace is None and not args.tenant:
         text += (f"\n(namespace {PUBLIC_NAMESPACE!r}: the front door's tenant for a caller without a key; one "

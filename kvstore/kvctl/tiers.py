@@ -20,6 +20,7 @@ from kvstore.kvctl.common import (
     emit,
     mib,
     parse_keys,
+    plural,
     positive,
     size_text,
 )
@@ -50,7 +51,7 @@ def cmd_evict(t: Target, args: argparse.Namespace) -> int:
     blocks = r["demoted"] + r["dropped"]
     short = r["freed_bytes"] < asked
     doc: dict[str, Any] = {"success": not short, **r}
-    text = (f"evicted {blocks} blocks, {size_text(r['freed_bytes'])} from {r['tier']}: "
+    text = (f"evicted {plural(blocks, 'block')}, {size_text(r['freed_bytes'])} from {r['tier']}: "
             f"{r['demoted']} demoted to the next tier (still served from there), "
             f"{r['dropped']} dropped from the node")
     if short:
@@ -68,7 +69,7 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
     # --prefix pins the chain's held prefix, whatever its length; none held (its head is
     # not there) is the incomplete case, as for rm/demote/promote --prefix
     done = n > 0 if args.prefix else n == asked
-    text = f"pinned {n} of {asked} blocks, {kind}"
+    text = f"pinned {n} of {plural(asked, 'block')}, {kind}"
     doc: dict[str, Any] = {"success": done, "pinned": n, "asked": asked, "kind": kind}
     if args.prefix and not n:
         doc["reason"] = "the node holds no block of the chain's head"
@@ -83,7 +84,7 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
     with _store(t) as client:
         n = client.unpin(parse_keys(args.keys), prefix=args.prefix)
-    emit(args, {"success": True, "unpinned": n}, f"unpinned {n} blocks")
+    emit(args, {"success": True, "unpinned": n}, f"unpinned {plural(n, 'block')}")
     return EXIT_OK
 
 
