@@ -22,6 +22,10 @@ from kvstore.transfer import BlockTransport, open_transport
 from kvstore.wire.types import LookupResult
 
 log = logging.getLogger(__name__)
+# How long a client keeps using its last listing of the nodes while the registry cannot be
+# read, seconds: a Redis blip changes nothing, but a node that stopped meanwhile must not stay
+# listed for good (its port may be someone else's by then, and the client sends it the token).
+STALE_LISTING_S = 30.0
 
 
 class ClusterClient:
@@ -39,7 +43,8 @@ class ClusterClient:
     Args:
         redis_url: membership registry (None: this process's embedded registry).
         registry: a registry object instead of ``redis_url``.
-        refresh_s: how long a listing of live nodes is reused.
+        refresh_s: how long a listing of live nodes is reused (while the registry cannot be
+            read, the last one is kept, for :data:`STALE_LISTING_S` at most).
         suspect_s: how long a node that failed a call is skipped.
     """
 
@@ -53,7 +58,7 @@ class ClusterClient:
         self.refresh_s, self.suspect_s, self.timeout_s = refresh_s, suspect_s, timeout_s
         self._lock = threading.Lock()
         self._listed: list[NodeInfo] = []
-        self._listed_at = 0.0
+        self._listed_at = self._listed_ok_at = 0.0   # when last asked / last read (monotonic s)
         self._suspect: dict[str, float] = {}
         self._clients: dict[tuple[str, int], StoreClient] = {}
         self._transports: dict[tuple[str, int], BlockTransport] = {}
@@ -68,8 +73,14 @@ class ClusterClient:
             if now - self._listed_at > self.refresh_s:
                 try:
                     self._listed = self.registry.nodes()
-                except Exception as exc:  # noqa: BLE001 - registry down: keep the last listing
-                    log.warning("membership registry unavailable: %s", exc)
+                    self._listed_ok_at = now
+                except Exception as exc:  # noqa: BLE001 - registry down: keep the last listing a while
+                    if self._listed and now - self._listed_ok_at > STALE_LISTING_S:
+                        log.warning("membership registry unreadable for %.0f s: no node is listed until it "
+                                    "answers (their blocks are misses): %s", now - self._listed_ok_at, exc)
+                        self._listed = []
+                    else:
+                        log.warning("membership registry unavailable: %s", exc)
                 self._listed_at = now
             return [n for n in self._listed if self._suspect.get(n.node_id, 0.0) < now]
 

@@ -5,12 +5,16 @@ an embedded in-process registry stands in (one process, one host) and says so.
 Records are sealed with the store token. Every reader of the registry (engines, the
 scheduler, the vLLM connector, kvctl) sends the store token to the addresses it lists, so a
 record anyone who can write to Redis could forge would hand them the token. A node with a
-token therefore writes ``{"info": ..., "sealed_at": unix s, "mac": hex}``, the MAC an
-HMAC-SHA256 under the token over the record's key and its ``info`` and ``sealed_at``; a
-reader with a token lists only records whose MAC it can verify, sealed within
-:data:`RECORD_MAX_AGE_S` (a replayed record of a node that died goes stale), and logs the
-rest once per record. A reader without a token sends none, so it takes every well-formed
-record. (A node without a token writes an unsealed record; a reader with one refuses it.)
+token therefore writes ``{"body": ..., "mac": hex}``: the body holds the record, when it was
+sealed and its TTL, and the MAC is an HMAC-SHA256 under the token over the record's key and
+the body. Both sides read the time off the Redis server (``TIME``), so no two hosts' clocks
+are compared. A reader with a token lists only records whose MAC verifies, sealed no longer
+ago than their TTL (+ :data:`CLOCK_SLACK_S`: a record replayed after its node stopped is as
+dead as the node within the same TTL) and no older than a record of that node it has
+already listed (an earlier life, or an earlier beat, written back over the live one). A
+reader without a token sends none, so it takes every well-formed record. (A node without a
+token writes an unsealed record; a reader with one refuses it.) Whatever a record holds, it
+is left out (and logged) or listed: never an exception that would stop the listing.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,9 +32,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvstore:nodes:"
-# How old a sealed record may be (seconds since the node wrote it; also how far ahead of this
-# host's clock): a heartbeat rewrites it every second, so this is the hosts' clock skew allowed.
-RECORD_MAX_AGE_S = 30.0
+# How far past its TTL a sealed record may be read, seconds (by the Redis server's clock: the
+# round trips between reading the clock and writing or reading the record).
+CLOCK_SLACK_S = 2.0
+MAX_RECORD_BYTES = 64 << 10      # a record is a few hundred bytes; a larger value is not one
+WARN_AGAIN_S = 60.0              # a record still refused is logged again after this long
 _MAC_CONTEXT = b"kvstore membership record v1\0"
 
 
@@ -57,57 +64,91 @@ class NodeInfo:
         return cls.from_dict(json.loads(text))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> NodeInfo:
+    def from_dict(cls, d: Any) -> NodeInfo:
+        """The record ``d`` (a decoded JSON object). Raises ValueError naming the field that
+        is missing or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError("the record is not a JSON object")
         d = dict(d)
-        d["tiers"] = tuple(tuple(t) for t in d.get("tiers", ()))
-        return cls(**d)
+        tiers = d.get("tiers", ())
+        if not isinstance(tiers, list | tuple) or not all(
+                isinstance(t, list | tuple) and len(t) == 3 and isinstance(t[0], str)
+                and all(_whole(x) for x in t[1:]) for t in tiers):
+            raise ValueError("tiers: not a list of [name, capacity_bytes, used_bytes]")
+        d["tiers"] = tuple(tuple(t) for t in tiers)
+        types = {"node_id": str, "address": str, "free_bytes": int, "te_endpoint": str, "epoch": int, "draining": bool}
+        for name, kind in types.items():
+            if name in d and not (isinstance(d[name], kind) and (kind is bool or not isinstance(d[name], bool))):
+                raise ValueError(f"{name}: not a {kind.__name__}")
+        try:
+            return cls(**d)
+        except TypeError as exc:   # a field missing or unknown
+            raise ValueError(str(exc)) from None
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _mac(token: str, key: str, body: str) -> str:
     return hmac.new(token.encode(), _MAC_CONTEXT + key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest()
 
 
-def seal(info: NodeInfo, token: str | None, now: float | None = None) -> str:
-    """The registry value announcing ``info``: sealed (MAC under ``token``, dated ``now``,
-    unix seconds) when there is a token, else the bare record."""
+def _json(text: str | bytes) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def seal(info: NodeInfo, token: str | None, now: float, ttl_s: float) -> str:
+    """The registry value announcing ``info`` for ``ttl_s`` seconds: sealed (MAC under
+    ``token``, dated ``now``: the Redis server's time, unix seconds) when there is a token,
+    else the bare record."""
     if not token:
         return json.dumps({"info": asdict(info)}, separators=(",", ":"))
-    body = json.dumps({"info": asdict(info), "sealed_at": time.time() if now is None else now},
-                      separators=(",", ":"), sort_keys=True)
+    body = json.dumps({"info": asdict(info), "sealed_at": now, "ttl_s": ttl_s}, separators=(",", ":"), sort_keys=True)
     return json.dumps({"body": body, "mac": _mac(token, KEY_PREFIX + info.node_id, body)},
                       separators=(",", ":"))
 
 
-def unseal(key: str, value: str | bytes, token: str | None, now: float | None = None) -> NodeInfo:
-    """The node announced at registry ``key`` by ``value``. With a token, the value must be
-    sealed under it, less than :data:`RECORD_MAX_AGE_S` old and name the node its key does.
-    Raises ValueError saying what is wrong (a forged, stale, unsealed or malformed record)."""
-    try:
-        doc = json.loads(value)
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-        if "body" in doc:
-            body = doc["body"]
-            if not isinstance(body, str):
-                raise ValueError("body is not a string")
-            if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
-                raise ValueError("its seal does not verify under this store token (forged, or another cluster's)")
-            inner = json.loads(body)
-            sealed_at = float(inner["sealed_at"])
-            age = (time.time() if now is None else now) - sealed_at
-            if token and not -RECORD_MAX_AGE_S <= age <= RECORD_MAX_AGE_S:
-                raise ValueError(f"sealed {age:.0f} s ago (more than {RECORD_MAX_AGE_S:.0f} s apart: replayed, "
-                                 "or the hosts' clocks disagree)")
-            info = NodeInfo.from_dict(inner["info"])
-        elif token:
-            raise ValueError("unsealed: its node runs without the store token this reader holds")
-        else:
-            info = NodeInfo.from_dict(doc["info"])
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"malformed ({type(exc).__name__}: {exc})") from None
+def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple[NodeInfo, float | None]:
+    """The node announced at registry ``key`` by ``value``, and when the record was sealed
+    (None for an unsealed one), at ``now`` (the Redis server's time). With a token, the value
+    must be sealed under it, no older than its TTL + :data:`CLOCK_SLACK_S`, and name the node
+    its key does. Raises ValueError saying what is wrong (a forged, stale, unsealed or
+    malformed record), and nothing else whatever the value holds."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise ValueError(f"{len(value):,} bytes, over {MAX_RECORD_BYTES:,}")
+    doc = _json(value)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    sealed_at: float | None = None
+    if "body" in doc:
+        body = doc["body"]
+        if not isinstance(body, str):
+            raise ValueError("body is not a string")
+        if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
+            raise ValueError("its seal does not verify under this store token (forged, or another cluster's)")
+        inner = _json(body)
+        if not isinstance(inner, dict) or not _number(inner.get("sealed_at")) or not _number(inner.get("ttl_s")):
+            raise ValueError("body: not an object with a record, sealed_at and ttl_s")
+        sealed_at = float(inner["sealed_at"])
+        age, ttl_s = now - sealed_at, float(inner["ttl_s"])
+        if token and not -CLOCK_SLACK_S <= age <= ttl_s + CLOCK_SLACK_S:
+            raise ValueError(f"sealed {age:.1f} s ago, its TTL {ttl_s:g} s (replayed after its node stopped)")
+        info = NodeInfo.from_dict(inner.get("info"))
+    elif token:
+        raise ValueError("unsealed: its node runs without the store token this reader holds")
+    else:
+        info = NodeInfo.from_dict(doc.get("info"))
     if KEY_PREFIX + info.node_id != key:
         raise ValueError(f"names node {info.node_id!r}")
-    return info
+    return info, sealed_at
 
 
 class Registry(ABC):
@@ -134,7 +175,8 @@ class Registry(ABC):
 class RedisRegistry(Registry):
     """Records under ``kvstore:nodes:`` in the Redis at ``url``, each with a TTL (``SET PX``),
     sealed with ``token`` (the store token) when given: see the module's docstring. A record
-    :meth:`nodes` refuses is logged once (per key and reason) and left out."""
+    :meth:`nodes` refuses is left out and logged (its key as ``repr``; again after
+    :data:`WARN_AGAIN_S` if it is still refused then)."""
 
     kind = "redis"
 
@@ -142,10 +184,16 @@ class RedisRegistry(Registry):
         import redis
         self.url, self._token = url, token or None
         self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._refused: set[tuple[str, str]] = set()
+        self._warned: dict[str, float] = {}   # key -> when its refusal was last logged (monotonic s)
+        self._newest: dict[str, float] = {}   # node id -> the latest sealed_at listed
+
+    def _server_time(self) -> float:
+        seconds, micros = self._r.time()
+        return seconds + micros * 1e-6
 
     def register(self, info: NodeInfo, ttl_s: float) -> None:
-        self._r.set(KEY_PREFIX + info.node_id, seal(info, self._token), px=max(1, int(ttl_s * 1000)))
+        value = seal(info, self._token, self._server_time(), ttl_s)
+        self._r.set(KEY_PREFIX + info.node_id, value, px=max(1, int(ttl_s * 1000)))
 
     def deregister(self, node_id: str) -> None:
         self._r.delete(KEY_PREFIX + node_id)
@@ -154,18 +202,36 @@ class RedisRegistry(Registry):
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
         if not keys:
             return []
+        pipe = self._r.pipeline(transaction=False)
+        pipe.mget(keys)
+        pipe.time()
+        values, (seconds, micros) = pipe.execute()
+        now = seconds + micros * 1e-6
         out = []
-        for raw_key, value in zip(keys, self._r.mget(keys), strict=True):
+        for raw_key, value in zip(keys, values, strict=True):
             if value is None:
                 continue
             key = raw_key.decode(errors="replace")
             try:
-                out.append(unseal(key, value, self._token))
+                info, sealed_at = unseal(key, value, self._token, now)
+                if self._token and sealed_at is not None:
+                    if sealed_at < self._newest.get(info.node_id, sealed_at):
+                        raise ValueError("older than a record of this node already listed (an earlier beat or "
+                                         "life written back over the live one)")
+                    self._newest[info.node_id] = sealed_at
+                out.append(info)
             except ValueError as exc:
-                if (key, str(exc)) not in self._refused:
-                    self._refused.add((key, str(exc)))
-                    log.warning("membership record %s left out: %s", key, exc)
+                self._warn(key, exc)
         return out
+
+    def _warn(self, key: str, exc: ValueError) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(key, -WARN_AGAIN_S) < WARN_AGAIN_S:
+            return
+        if len(self._warned) >= 1024:   # keys are the writer's choice: keep the table bounded
+            self._warned.clear()
+        self._warned[key] = now
+        log.warning("membership record %r left out: %s", key, exc)
 
     def close(self) -> None:
         self._r.close()
