@@ -212,7 +212,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     engine_id = engine_id or default_engine_id(role, port)
     engine: PrefillEngine | DecodeEngine = (
         PrefillEngine(lm, store, engine_id, local_cache_blocks,
-                      make_channel(kv_events) if kv_events else None) if role == "prefill"
+                      make_channel(kv_events, token=store_token) if kv_events else None) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
     metrics = EngineMetrics(engine) if metrics_port is not None else None
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)

@@ -33,7 +33,7 @@ def build_pool(cfg: StoreConfig) -> KVPool:
     tier (logged); a damaged one is moved aside by the tier itself (kvstore/tiers/ssd.py)."""
     tiers = build_tiers(cfg)
     # The index publishes KV events (to Redis at cfg.redis_url, else in-process).
-    index = PublishingIndex(cfg.node_id, make_channel(cfg.redis_url))
+    index = PublishingIndex(cfg.node_id, make_channel(cfg.redis_url, token=cfg.auth_token))
     return KVPool(tiers, node_id=cfg.node_id, index=index, settings=cfg.pool_settings())
 
 

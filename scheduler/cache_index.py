@@ -72,7 +72,8 @@ def start_replica(redis_url: str, engines: Mapping[str, str], engine_token: str 
                   stores: StoreAddress, store_token: str | None) -> IndexReplica:
     """A running replica of every node publishing to the Redis Stream at ``redis_url`` (read
     from its oldest kept event, so what was published before the router started counts)."""
-    replica = IndexReplica(make_channel(redis_url), snapshot_source(engines, engine_token, stores, store_token))
+    replica = IndexReplica(make_channel(redis_url, token=store_token),   # entries sealed with the store token
+                           snapshot_source(engines, engine_token, stores, store_token))
     log.info("index replica over KV events in %s (%d engines)", replica.channel.description, len(engines))
     return replica.start()
 
