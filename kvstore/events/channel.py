@@ -6,7 +6,7 @@ the oldest events, which the replica detects as a sequence gap and repairs from 
 
 Redis entries are sealed with the store token, as membership records are
 (:mod:`kvstore.cluster.membership`): a publisher with a token adds ``mac``, an HMAC-SHA256
-under it over the stream's name and every other field; a reader with a token skips (and
+under it over the stream's name and the event's fields (:class:`EventSeal`); a reader with a token skips (and
 logs) an entry without a valid one, so whoever can write to the Redis but holds no token
 cannot make the router count hits that are not there. A replayed genuine entry is a stale
 sequence number to the replica. Publishers and readers must share the token: a reader with
@@ -93,15 +93,28 @@ class LocalEventChannel(EventChannel):
             return start + len(events), events
 
 
-def event_mac(token: str, stream: str, fields: dict[bytes, bytes]) -> bytes:
-    """The seal of a stream entry: HMAC-SHA256 under ``token`` over the stream's name and
-    every field but ``mac`` (each name and value length-prefixed), as hex bytes."""
-    mac = hmac.new(token.encode(), _MAC_CONTEXT + stream.encode() + b"\0", hashlib.sha256)
-    for name in sorted(fields):
-        if name != b"mac":
-            value = fields[name]
-            mac.update(b"%d:%s%d:%s" % (len(name), name, len(value), value))
-    return mac.hexdigest().encode()
+# The fields a seal covers, in this order; the key (binary) last, the others are text that
+# holds no NUL (ids from the command line, enum values, numbers), so NUL-joined they are one
+# unambiguous message. A field not listed (a later wire version's) is not covered.
+_SEALED_FIELDS = (b"v", b"node", b"epoch", b"seq", b"kind", b"tier", b"size", b"ts", b"key")
+
+
+class EventSeal:
+    """Seals a stream's entries with ``token``: :meth:`of` is HMAC-SHA256 under the token
+    over the stream's name and the entry's :data:`_SEALED_FIELDS` (32 bytes). The keyed
+    state is computed once, each entry's costs a copy (about 3 us here, not 16)."""
+
+    def __init__(self, token: str, stream: str) -> None:
+        self._base = hmac.new(token.encode(), _MAC_CONTEXT + stream.encode() + b"\0", hashlib.sha256)
+
+    def of(self, fields: dict[bytes, bytes]) -> bytes:
+        mac = self._base.copy()
+        mac.update(b"\0".join([fields.get(name, b"") for name in _SEALED_FIELDS]))
+        return mac.digest()
+
+    def holds(self, fields: dict[bytes, bytes]) -> bool:
+        """Whether ``fields`` carry a valid ``mac`` (compared in constant time)."""
+        return hmac.compare_digest(fields.get(b"mac", b""), self.of(fields))
 
 
 class RedisEventChannel(EventChannel):
@@ -114,7 +127,8 @@ class RedisEventChannel(EventChannel):
                  token: str | None = None) -> None:
         import redis  # imported here: single-host runs need no Redis client
 
-        self.url, self.stream, self.maxlen, self._token = url, stream, maxlen, token or None
+        self.url, self.stream, self.maxlen = url, stream, maxlen
+        self._seal = EventSeal(token, stream) if token else None
         self._skipped, self._warned_at = 0, -WARN_AGAIN_S
         from kvstore.cluster.redis_server import redact_url
         self.description = f"Redis stream {stream!r} at {redact_url(url)}"   # logged: no password
@@ -124,8 +138,8 @@ class RedisEventChannel(EventChannel):
         pipe = self._redis.pipeline(transaction=False)
         for event in events:
             fields = event.to_fields()
-            if self._token:
-                fields[b"mac"] = event_mac(self._token, self.stream, fields)
+            if self._seal is not None:
+                fields[b"mac"] = self._seal.of(fields)
             # redis-py types the fields as a dict of its own key and value unions (a dict is
             # invariant, so dict[bytes, bytes] is not one); bytes are what it sends.
             pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
@@ -147,8 +161,7 @@ class RedisEventChannel(EventChannel):
         for _, entries in reply or ():
             for entry_id, fields in entries:
                 cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                if self._token and not hmac.compare_digest(
-                        fields.get(b"mac", b""), event_mac(self._token, self.stream, fields)):
+                if self._seal is not None and not self._seal.holds(fields):
                     self._skipped, skipped_id = self._skipped + 1, cursor
                     continue
                 try:
