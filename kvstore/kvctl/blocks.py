@@ -7,7 +7,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.admin.client import AdminClient
 from kvstore.errors import InvalidArgument
 from kvstore.kvctl.cluster import NodeRef, pick_nodes
 from kvstore.kvctl.common import (
@@ -22,10 +21,6 @@ from kvstore.kvctl.common import (
     plural,
     size_text,
 )
-
-
-def _admin(t: Target, address: str | None = None) -> AdminClient:
-    return AdminClient(address or t.store, t.token_for(address or t.store), t.timeout_s)
 
 
 def _short(key_hex: str) -> str:
@@ -43,7 +38,7 @@ def cmd_ls(t: Target, args: argparse.Namespace) -> int:
     for node in nodes:
         left = args.limit - len(out) if args.limit else 0
         full = args.limit and left <= 0   # still asked, for its count of matches (one block, dropped)
-        with _admin(t, node.address) as admin:
+        with t.admin_client(node.address) as admin:
             r = admin.list_blocks(args.tier, args.namespace, args.key_prefix or "", 1 if full else left)
         matched += r["matched"]
         if not full:
@@ -65,7 +60,7 @@ def _whole_key(t: Target, nodes: list[NodeRef], text: str) -> bytes | None:
         return parse_keys([text])[0]
     keys: set[str] = set()
     for node in nodes:
-        with _admin(t, node.address) as admin:
+        with t.admin_client(node.address) as admin:
             keys.update(b["key"] for b in admin.list_blocks(key_prefix=text.lower(), limit=2)["blocks"])
     if len(keys) > 1:
         raise InvalidArgument(f"{len(keys)}+ block keys start with {text!r} ({', '.join(sorted(keys)[:2])}, ...): "
@@ -83,7 +78,7 @@ def cmd_inspect(t: Target, args: argparse.Namespace) -> int:
     key = whole
     found: list[dict[str, Any]] = []
     for node in nodes:
-        with _admin(t, node.address) as admin:
+        with t.admin_client(node.address) as admin:
             r = admin.inspect(key)
         if r["found"]:
             found.append({"node": node.node_id, **r["block"]})
@@ -111,7 +106,7 @@ def _keys_command(t: Target, args: argparse.Namespace, method: str, verb: str) -
     failures: dict[str, list[str]] = {}
     freed = 0
     for node in pick_nodes(t, args.node):
-        with _admin(t, node.address) as admin:
+        with t.admin_client(node.address) as admin:
             r = admin.keys_call(method, keys, prefixes)
         per_node.append({"node": node.node_id, **r})
         done.update(r["done"])
@@ -150,7 +145,7 @@ def cmd_flush(t: Target, args: argparse.Namespace) -> int:
     nodes = pick_nodes(t, args.node)
     reports = []
     for node in nodes:
-        with _admin(t, node.address) as admin:
+        with t.admin_client(node.address) as admin:
             reports.append({"node": node.node_id, **admin.flush(args.tier, args.namespace, args.force)})
     left: dict[str, int] = {}
     for r in reports:

@@ -10,8 +10,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.admin.client import AdminClient
-from kvstore.client import StoreClient
 from kvstore.cluster.membership import NodeInfo, RedisRegistry
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.kvctl.common import (
@@ -37,12 +35,6 @@ class NodeRef:
     info: NodeInfo | None = None
 
 
-def _store(t: Target, address: str, timeout_s: float | None = None) -> StoreClient:
-    """A gRPC client of the node at ``address``, with the token kvctl may send it."""
-    return StoreClient(address, auth_token=t.token_for(address), timeout_s=timeout_s or t.timeout_s,
-                       data_path="grpc")
-
-
 def cluster_nodes(t: Target) -> list[NodeRef]:
     """The live nodes in the registry (``--redis``), else the ``--store`` node alone."""
     if t.redis_url:
@@ -53,7 +45,7 @@ def cluster_nodes(t: Target) -> list[NodeRef]:
             raise KVStoreError(f"membership registry (Redis): {exc}") from None
         finally:
             reg.close()
-    with _store(t, t.store) as client:
+    with t.store_client() as client:
         node_id, _ = client.stats()
     return [NodeRef(node_id, t.store)]
 
@@ -72,7 +64,7 @@ def pick_nodes(t: Target, which: str | None) -> list[NodeRef]:
 
 def _health(t: Target, address: str) -> str:
     try:
-        with _store(t, address, min(t.timeout_s, 3.0)) as c:
+        with t.store_client(address, min(t.timeout_s, 3.0)) as c:
             return c.health()
     except KVStoreError as exc:
         return f"unreachable ({exc})"
@@ -87,10 +79,10 @@ def cmd_nodes(t: Target, args: argparse.Namespace) -> int:
             tiers = [{"name": a, "capacity_bytes": c, "used_bytes": u} for a, c, u in n.info.tiers]
             epoch, draining, free = n.info.epoch, n.info.draining, n.info.free_bytes
         else:
-            with _store(t, n.address) as c:
+            with t.store_client(n.address) as c:
                 tiers = [{"name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes}
                          for s in c.stats()[1]]
-            with AdminClient(n.address, t.token_for(n.address), t.timeout_s) as admin:
+            with t.admin_client(n.address) as admin:
                 draining = bool(admin.stats()["draining"])
             epoch, free = 0, 0
         docs.append({"node_id": n.node_id, "address": n.address, "health": health, "epoch": epoch,
@@ -116,7 +108,7 @@ def _move_batch(t: Target, source: NodeRef, blocks: list[dict[str, Any]], target
     its parent went (``placed``: key hex -> node id, filled in here) while that node has
     room, else to the roomiest. Returns the keys now safe to remove from ``source``."""
     keys = [bytes.fromhex(b["key"]) for b in blocks]
-    with _store(t, source.address) as src:
+    with t.store_client(source.address) as src:
         data = src.get_blocks(keys)
     moved: list[bytes] = []
     for b, key, d in zip(blocks, keys, data):
@@ -152,7 +144,7 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
     source = next((n for n in nodes if args.node in (n.node_id, n.address)), None)
     if source is None:
         raise InvalidArgument(f"no live node {args.node!r}; live: {', '.join(n.node_id for n in nodes) or 'none'}")
-    with AdminClient(source.address, t.token_for(source.address), t.timeout_s) as admin:
+    with t.admin_client(source.address) as admin:
         if args.cancel:
             admin.set_draining(False)
             emit(args, {"success": True, "node": source.node_id, "draining": False},
@@ -165,7 +157,7 @@ def cmd_drain(t: Target, args: argparse.Namespace) -> int:
         _progress(args, f"{source.node_id}: draining (placement puts no new blocks there); moving its blocks to "
                         f"{', '.join(n.node_id for n in others)}")
         targets: dict[str, list[Any]] = {
-            n.node_id: [_store(t, n.address),
+            n.node_id: [t.store_client(n.address),
                         n.info.free_bytes if n.info else 0] for n in others}
         failed: dict[str, str] = {}
         placed: dict[str, str] = {}

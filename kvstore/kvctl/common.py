@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.admin.client import AdminClient
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+from kvstore.client import StoreClient
 from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.quotas import check_namespace
@@ -174,6 +176,19 @@ class Target:
         if self.token_from_stack and not any(same_address(address, s) for s in self.stores):
             return None
         return self.token
+
+    def store_client(self, address: str | None = None, timeout_s: float | None = None) -> StoreClient:
+        """A gRPC client of the node at ``address`` (default ``store``), carrying the token
+        :meth:`token_for` allows there."""
+        address = address or self.store
+        return StoreClient(address, auth_token=self.token_for(address), timeout_s=timeout_s or self.timeout_s,
+                           data_path="grpc")
+
+    def admin_client(self, address: str | None = None) -> AdminClient:
+        """An Admin API client of the node at ``address`` (default ``store``), carrying the
+        token :meth:`token_for` allows there."""
+        address = address or self.store
+        return AdminClient(address, self.token_for(address), self.timeout_s)
 
     def engine_token_for(self, address: str) -> str | None:
         """The engines' token to send ``address``: a stack's only to the exact address of

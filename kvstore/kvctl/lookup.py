@@ -21,7 +21,6 @@ from typing import Any
 import grpc
 from tabulate import tabulate
 
-from kvstore.admin.client import AdminClient
 from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
@@ -86,7 +85,7 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
     for node in nodes:
-        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
+        with t.admin_client(node.address) as admin:
             for i, key in enumerate(keys):
                 r = admin.inspect(key)
                 if r["found"]:

@@ -8,7 +8,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.admin.client import AdminClient
 from kvstore.errors import InvalidArgument
 from kvstore.kvctl.cluster import pick_nodes
 from kvstore.kvctl.common import (
@@ -34,7 +33,7 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
     lines: list[str] = []
     found_any = False
     for node in pick_nodes(t, args.node):
-        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
+        with t.admin_client(node.address) as admin:
             if args.action == "list":
                 quotas = admin.list_quotas()["quotas"]
                 docs.append({"node": node.node_id, "quotas": quotas})
@@ -66,7 +65,7 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
 def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
     docs, rows = [], []
     for node in pick_nodes(t, args.node):
-        with AdminClient(node.address, t.token_for(node.address), t.timeout_s) as admin:
+        with t.admin_client(node.address) as admin:
             s = admin.stats()
         docs.append({"node": node.node_id, **s})
         for n in s["namespaces"]:

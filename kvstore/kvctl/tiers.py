@@ -8,8 +8,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.admin.client import AdminClient
-from kvstore.client import StoreClient
 from kvstore.eviction import POLICIES
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
@@ -26,12 +24,8 @@ from kvstore.kvctl.common import (
 )
 
 
-def _store(t: Target) -> StoreClient:
-    return StoreClient(t.store, auth_token=t.token_for(t.store), timeout_s=t.timeout_s, data_path="grpc")
-
-
 def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
-    with _store(t) as client:
+    with t.store_client() as client:
         node, stats = client.stats()
     rows = [[s.name, s.device, s.policy, mib(s.capacity_bytes), mib(s.used_bytes),
              f"{100 * s.used_bytes / s.capacity_bytes:.1f}" if s.capacity_bytes else "-",
@@ -46,7 +40,7 @@ def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
 
 def cmd_evict(t: Target, args: argparse.Namespace) -> int:
     asked = bytes_flag(args.bytes, "an eviction")
-    with AdminClient(t.store, t.token_for(t.store), t.timeout_s) as admin:
+    with t.admin_client() as admin:
         r = admin.evict(args.tier, asked)
     blocks = r["demoted"] + r["dropped"]
     short = r["freed_bytes"] < asked
@@ -62,7 +56,7 @@ def cmd_evict(t: Target, args: argparse.Namespace) -> int:
 
 def cmd_pin(t: Target, args: argparse.Namespace) -> int:
     keys = parse_keys(args.keys)
-    with _store(t) as client:
+    with t.store_client() as client:
         n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
     asked = len(set(keys))   # the node counts distinct blocks
     kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
@@ -82,14 +76,14 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
-    with _store(t) as client:
+    with t.store_client() as client:
         n = client.unpin(parse_keys(args.keys), prefix=args.prefix)
     emit(args, {"success": True, "unpinned": n}, f"unpinned {plural(n, 'block')}")
     return EXIT_OK
 
 
 def cmd_policy(t: Target, args: argparse.Namespace) -> int:
-    with _store(t) as client:
+    with t.store_client() as client:
         previous = client.set_policy(args.name, args.tier)
     emit(args, {"success": True, "policy": args.name, "previous": previous},
          "\n".join(f"{tier}: {old} -> {args.name}" for tier, old in sorted(previous.items())))
@@ -97,7 +91,7 @@ def cmd_policy(t: Target, args: argparse.Namespace) -> int:
 
 
 def cmd_health(t: Target, args: argparse.Namespace) -> int:
-    with _store(t) as client:
+    with t.store_client() as client:
         status = client.health()
     emit(args, {"address": t.store, "status": status}, status)
     return EXIT_OK
