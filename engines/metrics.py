@@ -138,6 +138,10 @@ class EngineMetrics:
         self.stored_blocks.inc(r.stored_blocks)
         self.requests.labels(e, "ok").inc()
 
+    def cancelled(self) -> None:
+        """Count one request whose caller left before the engine began it."""
+        self.requests.labels(self.engine_id, "cancelled").inc()
+
     def failed(self) -> None:
         """Count one request that ended in an error."""
         self.requests.labels(self.engine_id, "error").inc()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from engines.model import LoadedModel
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.block_store import BlockStore
-from kvstore.errors import InvalidArgument, KVStoreError, QuotaExceeded
+from kvstore.errors import Cancelled, InvalidArgument, KVStoreError, QuotaExceeded
 from kvstore.events.channel import EventChannel
 from kvstore.events.publisher import PublishingIndex
 from kvstore.identity import IdentityCheck, block_tags, seal
@@ -24,6 +24,7 @@ from kvstore.index.keys import block_keys, usable_prefix_tokens
 from kvstore.quotas import accounting_namespace
 
 log = logging.getLogger(__name__)
+CANCEL_POLL_S = 0.05   # how often a prefill waiting for the model asks whether its caller is still there
 
 
 def validate_prompt(prompt: Sequence[int], lm: LoadedModel, extra_tokens: int = 0) -> None:
@@ -83,7 +84,8 @@ class PrefillEngine:
 
     def prefill(self, request_id: str, prompt: Sequence[int], namespace: str,
                 max_load_blocks: int | None = None, sampling: SamplingParams = GREEDY,
-                top_logprobs: int | None = None, recompute: bool = False) -> PrefillResult:
+                top_logprobs: int | None = None, recompute: bool = False,
+                cancelled: Callable[[], bool] | None = None) -> PrefillResult:
         """Prefill ``prompt``, loading from the pool at most the prefix of ``max_load_blocks``
         blocks (the scheduler's decision to recompute the rest; None: any hit — the
         engine's own cache is never limited); the first token is chosen as ``sampling``
@@ -92,14 +94,25 @@ class PrefillEngine:
         computed, neither this engine's own cache nor the pool is read or written, and the
         whole prompt's KV goes to decode in ``tail_kv`` (``cached_tokens`` is 0). Raises
         InvalidArgument for a bad prompt. A pool that cannot be reached is a miss (the
-        prefix is recomputed), never a failed request."""
+        prefix is recomputed), never a failed request. ``cancelled``: polled while the
+        request waits for the model (every :data:`CANCEL_POLL_S`) and once more when it gets
+        it; True there raises :class:`Cancelled` and nothing is computed, so a queue of
+        prefills whose callers hung up drains at once (a prefill already on the model runs
+        to its end)."""
         if max_load_blocks is not None and max_load_blocks < 0:
             raise InvalidArgument(f"max_load_blocks must be >= 0, got {max_load_blocks}")
         validate_prompt(prompt, self.lm)
         with self._stats_lock:
             self._queued += 1
             self._queued_tokens += len(prompt)
-        with self._lock:
+        try:
+            self._take_model(request_id, cancelled)
+        except BaseException:
+            with self._stats_lock:
+                self._queued -= 1
+                self._queued_tokens -= len(prompt)
+            raise
+        try:
             with self._stats_lock:
                 self._queued -= 1
                 self._queued_tokens -= len(prompt)
@@ -112,6 +125,20 @@ class PrefillEngine:
             finally:
                 with self._stats_lock:
                     self._running -= 1
+        finally:
+            self._lock.release()
+
+    def _take_model(self, request_id: str, cancelled: Callable[[], bool] | None) -> None:
+        """Acquire the model's lock; raises Cancelled (the lock not held) once ``cancelled()``."""
+        if cancelled is None:
+            self._lock.acquire()
+            return
+        while not self._lock.acquire(timeout=CANCEL_POLL_S):
+            if cancelled():
+                raise Cancelled(f"prefill {request_id}: the caller left while it waited for the model")
+        if cancelled():
+            self._lock.release()
+            raise Cancelled(f"prefill {request_id}: the caller left before it began")
 
     def _prefill(self, request_id: str, prompt: list[int], namespace: str,
                  max_load_blocks: int | None, sampling: SamplingParams,

@@ -19,7 +19,7 @@ from engines.types import GREEDY, ROLES, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import Cancelled, InvalidArgument, KVStoreError
 from kvstore.events.channel import make_channel
 from kvstore.limits import check_keys
 from kvstore.metrics_http import MetricsServer
@@ -65,7 +65,11 @@ class EngineServicer(pb_grpc.EngineServicer):
             limit = request.max_load_blocks if request.HasField("max_load_blocks") else None
             r = self.engine.prefill(request.request_id, list(request.prompt), request.namespace, limit,
                                     sampling_from_pb(request), top_logprobs_from_pb(request),
-                                    recompute=request.recompute)
+                                    recompute=request.recompute, cancelled=lambda: not context.is_active())
+        except Cancelled as exc:
+            if self.metrics is not None:
+                self.metrics.cancelled()
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except InvalidArgument as exc:
             self._failed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

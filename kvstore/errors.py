@@ -28,6 +28,11 @@ class InvalidArgument(KVStoreError):
     """A caller passed a value outside what the API accepts; the message says which."""
 
 
+class Cancelled(KVStoreError):
+    """The caller went away (its call was cancelled) before the work began; nothing was
+    done for it. Mapped to gRPC CANCELLED."""
+
+
 class Unavailable(KVStoreError):
     """A service kvstore depends on (a store node, an engine) cannot be reached."""
 
