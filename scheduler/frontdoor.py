@@ -17,10 +17,12 @@ come from the engines: each token's log-softmax under the model (scheduler/opena
 Errors map to statuses here and only here: bad request 400 (fields the built-in engines do
 not apply, :data:`~scheduler.openai_api.NOT_BUILT_IN`, included), unknown
 model or path 404, wrong method 405, a prompt over the model's limit 400 too
-(``context_length_exceeded``), a body not whole 30 s after the head 408, a body over 32
-MiB 413, a body not sent as JSON 415 (:func:`~scheduler.request_parts.read_json_body`),
-admission 429 (with ``Retry-After``), engine or store failure 503; bodies are OpenAI's
-error shape.
+(``context_length_exceeded``), a body not whole 30 s after the head 408, a body over
+:func:`~scheduler.request_parts.body_limit` (64 bytes a token of context, 1-32 MiB) 413, a
+body not sent as JSON 415 (:func:`~scheduler.request_parts.parse_json_body`), admission 429
+(with ``Retry-After``; also ``tenant_parse_waiting``, :mod:`scheduler.parse_slots`), engine
+or store failure 503; bodies are OpenAI's error shape. A large or compressed body is parsed
+in a worker thread, one at a time per tenant (scheduler/parse_slots.py).
 
 A request with ``"prefix_cache": false`` is served with the pool off: the router plans it
 as a full prefill (no pool lookup, no local hit) and the prefill engine is asked to
@@ -57,7 +59,8 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.request_parts import MAX_BODY_BYTES, StreamWriter, TokenClock, json_errors, read_json_body, sampling_of
+from scheduler.parse_slots import REASON_PARSE_WAITING, ParseSlots
+from scheduler.request_parts import StreamWriter, TokenClock, body_limit, json_errors, parse_json_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
 from scheduler.tenancy import namespace_from_authorization
@@ -68,6 +71,12 @@ log = logging.getLogger(__name__)
 # (token id, its logprobs when asked) -> True: a stop string appeared, end the generation
 Emit = Callable[[int, TokenLogprobs | None], Awaitable[bool]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def tenant_of(request: web.Request) -> str:
+    """The request's tenant namespace, from its ``Authorization`` header only
+    (:func:`scheduler.tenancy.namespace_from_authorization`)."""
+    return namespace_from_authorization(request.headers.get("Authorization"))
 
 
 class Frontdoor:
@@ -88,6 +97,8 @@ class Frontdoor:
         self.limits = ModelLimits(self.info.vocab_size, min(engines_limit, config.max_model_len or engines_limit),
                                   names)
         self.health_checks = HealthChecker(router, config.health_interval_s)
+        self.body_limit = body_limit(self.limits.max_model_len)    # bytes, as sent and as decoded
+        self.parse_slots = ParseSlots(refused=self.metrics.rejected.labels(reason=REASON_PARSE_WAITING).inc)
 
     def routes(self) -> list[web.RouteDef]:
         """The route table (add a route here, or extend the list in a subclass)."""
@@ -102,7 +113,7 @@ class Frontdoor:
         middlewares: list[Any] = [json_errors]
         if self.config.api_keys:
             middlewares.append(api_key_middleware(self.config.api_keys))
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+        app = web.Application(client_max_size=self.body_limit, middlewares=middlewares)
         app.add_routes(self.routes())
         install_status_page(app, self)     # /status, /status.json (scheduler/status_page.py)
         return app
@@ -145,10 +156,13 @@ class Frontdoor:
 
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
-        try:
-            body = await read_json_body(request)
+
+        def parsed(body: Any) -> GenerationRequest:
             req = parse(body, self.tokenizer, self.limits, self.config.default_max_tokens)
             refuse_fields(body, NOT_BUILT_IN, "the built-in engines")
+            return req
+        try:
+            req = await parse_json_body(request, parsed, self.parse_slots, tenant_of(request), limit=self.body_limit)
             plan = await self._admit(request, req)
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
@@ -173,7 +187,7 @@ class Frontdoor:
     async def _admit(self, request: web.Request, req: GenerationRequest, sequences: int = 1) -> RoutePlan:
         """The request's plan (``sequences``: OpenAI's ``n``, each admitted as a sequence);
         raises APIError 400, 429 (admission) or 503 (no instance up for a role)."""
-        namespace = namespace_from_authorization(request.headers.get("Authorization"))
+        namespace = tenant_of(request)
         rid = request_id(req.chat, uuid.uuid4().hex)
         try:
             plan = await self.router.plan(rid, req.prompt, namespace, req.max_tokens, reuse=req.prefix_cache,

@@ -27,7 +27,8 @@ class FrontdoorMetrics:
         self.tbt = Histogram(p + "tbt_seconds", "Time between tokens sent to a client",
                              buckets=TBT_BUCKETS, registry=r)
         self.admitted = Counter(p + "requests_admitted", "Requests admitted", registry=r)
-        self.rejected = Counter(p + "requests_rejected", "Requests rejected by admission",
+        self.rejected = Counter(p + "requests_rejected", "Requests rejected with a 429, by reason: admission's "
+                                "(bounds, SLOs) or tenant_parse_waiting (scheduler/parse_slots.py)",
                                 ["reason"], registry=r)
         self.finished = Counter(p + "requests_finished", "Admitted requests by outcome",
                                 ["outcome"], registry=r)

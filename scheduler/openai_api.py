@@ -341,6 +341,8 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages", "messages")
+    if len(messages) > limits.max_model_len:    # every message takes a token of the template at least
+        raise _too_long(len(messages), "messages", limits)
     turns = []
     for i, m in enumerate(messages):
         text = message_text(m.get("content")) if isinstance(m, dict) else None

@@ -1,8 +1,9 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
 request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
-OpenAI's error shape, reading a request's body within a deadline (:func:`read_body`), the engines' sampling
-parameters of a request, the JSON body (:func:`read_json_body`), the clock that observes TTFT and TBT as tokens
-are sent, and the writer that keeps a slow client from slowing its engine
+OpenAI's error shape, reading a request's body within a deadline (:func:`read_body`) and
+parsing it as JSON (:func:`parse_json_body`: within :func:`body_limit`, large ones off the
+event loop), the engines' sampling parameters of a request, the clock that observes TTFT and
+TBT as tokens are sent, and the writer that keeps a slow client from slowing its engine
 (:class:`StreamWriter`)."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -21,11 +22,15 @@ from engines.types import SamplingParams
 from scheduler.content_encoding import IDENTITY, decode_body
 from scheduler.metrics import FrontdoorMetrics
 from scheduler.openai_api import APIError, GenerationRequest, read_json
+from scheduler.parse_slots import LARGE_BODY_BYTES, ParseSlots
 from scheduler.router import RoutePlan, Router
 from scheduler.tasks import cancel_and_wait
 
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY_BYTES = 32 << 20       # a request body's limit, as sent and as decoded
+MAX_BODY_BYTES = 32 << 20       # the most a request body's limit can be, as sent and as decoded
+MIN_BODY_BYTES = 1 << 20        # the least it is, whatever the context
+BODY_BYTES_PER_TOKEN = 64       # a body's limit per token of context (see body_limit)
 log = logging.getLogger(__name__)
 CLIENT_WRITE_TIMEOUT_S = 30.0   # a streaming client that accepts no bytes for this long is dropped
 BODY_TIMEOUT_S = 30.0           # a request body not whole this long after its head is a 408
@@ -54,17 +59,40 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return web.json_response(err.body(), status=exc.status, headers=headers)
 
 
-async def read_body(request: web.Request, timeout_s: float | None = None) -> bytes:
+def body_limit(max_model_len: int) -> int:
+    """A request body's limit in bytes, as sent and as decoded, for a model whose context
+    is ``max_model_len`` tokens: :data:`BODY_BYTES_PER_TOKEN` per token, at least
+    :data:`MIN_BODY_BYTES` and at most :data:`MAX_BODY_BYTES` (1 MiB up to a 16,384-token
+    context, 8 MiB at 131,072). A prompt that fits the context takes a few bytes of JSON a
+    token (ids: up to 7; text: 4 characters a token on average, 6 bytes a character escaped
+    as ``\\uXXXX``); the limit bounds what a body costs to parse, which ``json.loads`` does
+    holding the GIL (1 MiB of the smallest objects: 50 ms here; 29 MiB, a million empty
+    chat messages: 0.9 s, during which no other request was served)."""
+    return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len))
+
+
+async def read_body(request: web.Request, timeout_s: float | None = None,
+                    limit: int = MAX_BODY_BYTES) -> bytes:
     """The request's body, decoded as its ``Content-Encoding`` says
-    (:func:`scheduler.content_encoding.decode_body`: the front doors run aiohttp with
-    ``auto_decompress=False``). It must arrive whole within ``timeout_s`` (None:
-    :data:`BODY_TIMEOUT_S`) of the handler asking for it, which the front doors do as soon as
-    the head is whole: a client that sent a head and part of its body, then waited, used to
-    hold its connection for good (the connection guard never closes one with a request in
-    progress). Raises APIError: 400 when it cannot be read (a body that is not the encoding it
-    claims, a connection cut mid-body), 408 ``request_timeout`` past the deadline (with
-    ``Connection: close``: the connection is closed once that answer is sent), 413 over
-    :data:`MAX_BODY_BYTES` (sent or decoded), 415 for an encoding not supported."""
+    (:func:`scheduler.content_encoding.decode_body`, in a worker thread: the front doors run
+    aiohttp with ``auto_decompress=False``). Raises APIError as :func:`receive_body`, and
+    413 when the decoded body passes ``limit`` bytes, 415 for an encoding not supported."""
+    raw, coding = await receive_body(request, timeout_s)
+    if coding is None:
+        return raw
+    # zlib lets go of the GIL while it inflates: in a thread, the event loop runs meanwhile
+    return await asyncio.to_thread(decode_body, raw, coding, limit)
+
+
+async def receive_body(request: web.Request, timeout_s: float | None = None) -> tuple[bytes, str | None]:
+    """The request's body as sent, and its ``Content-Encoding`` (None: identity). It must
+    arrive whole within ``timeout_s`` (None: :data:`BODY_TIMEOUT_S`) of the handler asking
+    for it, which the front doors do as soon as the head is whole: a client that sent a head
+    and part of its body, then waited, used to hold its connection for good (the connection
+    guard never closes one with a request in progress). Raises APIError: 400 when it cannot
+    be read (a connection cut mid-body), 408 ``request_timeout`` past the deadline (with
+    ``Connection: close``: the connection is closed once that answer is sent), 413 over the
+    application's ``client_max_size`` as sent."""
     timeout_s = BODY_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         async with asyncio.timeout(timeout_s):
@@ -80,16 +108,13 @@ async def read_body(request: web.Request, timeout_s: float | None = None) -> byt
     # Several header lines are one list (RFC 9110 §5.3): "gzip" then "br" is "gzip, br".
     coding = ", ".join(request.headers.getall("Content-Encoding", [])) or None
     if coding is None or coding.strip().lower() in IDENTITY:
-        return raw
-    # zlib lets go of the GIL while it inflates: in a thread, the event loop runs meanwhile
-    return await asyncio.to_thread(decode_body, raw, coding, MAX_BODY_BYTES)
+        return raw, None
+    return raw, coding
 
 
-async def read_json_body(request: web.Request, timeout_s: float | None = None) -> Any:
-    """The request's body (:func:`read_body`, within ``timeout_s``) parsed as JSON
-    (:func:`scheduler.openai_api.read_json`). Its
-    ``Content-Type`` must be JSON (``application/json``, ``application/*+json``) or absent:
-    any other is a 415 ``unsupported_media_type`` before the body is read. Browsers send
+def check_media_type(request: web.Request) -> None:
+    """Raises APIError 415 ``unsupported_media_type`` unless the request's ``Content-Type``
+    is JSON (``application/json``, ``application/*+json``) or absent. Browsers send
     ``text/plain``, form and multipart bodies to any origin without asking it first (CORS
     "simple requests"), so a web page could otherwise spend a key-less front door's
     engines; vLLM's server (FastAPI) refuses those types too, with a 422."""
@@ -100,7 +125,45 @@ async def read_json_body(request: web.Request, timeout_s: float | None = None) -
         if major != "application" or not (minor == "json" or minor.endswith("+json")):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got Content-Type {declared!r}", code="unsupported_media_type")
-    return read_json(await read_body(request, timeout_s))
+
+
+async def parse_json_body(request: web.Request, parse: Callable[[Any], T], slots: ParseSlots | None = None,
+                          tenant: str = "", timeout_s: float | None = None, limit: int = MAX_BODY_BYTES) -> T:
+    """``parse`` of the request's JSON body (:func:`check_media_type` first, before the body
+    is read; then :func:`receive_body` within ``timeout_s``). A body sent compressed or of
+    :data:`~scheduler.parse_slots.LARGE_BODY_BYTES` or more is decoded, parsed and given to
+    ``parse`` in a worker thread, holding ``tenant``'s slot in ``slots``
+    (scheduler/parse_slots.py; None: no slot); a smaller one on the event loop. Raises
+    APIError as those do, 413 for a body over ``limit`` bytes as sent or decoded
+    (:func:`body_limit`), 400 for one that is not JSON (:func:`~scheduler.openai_api.read_json`),
+    and whatever ``parse`` raises."""
+    check_media_type(request)
+    raw, coding = await receive_body(request, timeout_s)
+    if len(raw) > limit:
+        raise too_large(len(raw), limit)
+    if coding is None and len(raw) < LARGE_BODY_BYTES:
+        return parse(read_json(raw))
+
+    def work() -> T:
+        return parse(read_json(decode_body(raw, coding, limit)))
+    if slots is None:
+        return await asyncio.to_thread(work)
+    return await slots.run(tenant, work)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    """The 413 of a body of ``size`` bytes over ``limit``."""
+    return APIError(413, f"the request body is {size} bytes, over this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+async def read_json_body(request: web.Request, timeout_s: float | None = None) -> Any:
+    """The request's body parsed as JSON (:func:`parse_json_body` with no slots)."""
+    return await parse_json_body(request, _as_is, timeout_s=timeout_s)
+
+
+def _as_is(body: Any) -> Any:
+    return body
 
 
 def sampling_of(req: GenerationRequest) -> SamplingParams:

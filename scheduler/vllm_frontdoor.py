@@ -38,10 +38,10 @@ from aiohttp import web
 from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
-from scheduler.frontdoor import Frontdoor
+from scheduler.frontdoor import Frontdoor, tenant_of
 from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat
-from scheduler.request_parts import StreamWriter, TokenClock, read_json_body
+from scheduler.request_parts import StreamWriter, TokenClock, parse_json_body
 from scheduler.router import RoutePlan
 from scheduler.vllm_router import VLLMRouter
 
@@ -68,8 +68,8 @@ class VLLMFrontdoor(Frontdoor):
     async def _handle(self, request: web.Request, parse: Callable[..., GenerationRequest]) -> web.StreamResponse:
         t0 = time.perf_counter()
         chat = parse is parse_chat
-        try:
-            body = await read_json_body(request)
+
+        def parsed(body: Any) -> tuple[Any, int, GenerationRequest]:
             n = 1
             if isinstance(body, dict):
                 n = body.get("n", 1)
@@ -80,7 +80,10 @@ class VLLMFrontdoor(Frontdoor):
                     n, body = 1, body_n
             else:
                 body_n = body
-            req = parse(body_n, self.tokenizer, self.limits, self.config.default_max_tokens)
+            return body, n, parse(body_n, self.tokenizer, self.limits, self.config.default_max_tokens)
+        try:
+            body, n, req = await parse_json_body(request, parsed, self.parse_slots, tenant_of(request),
+                                                  limit=self.body_limit)
             if not req.prefix_cache:
                 raise APIError(400, "'prefix_cache': false is not supported over vLLM instances (their "
                                     "connector always reuses the pool)", code="unsupported_value")

@@ -74,12 +74,15 @@ def test_prompt_over_the_limit_is_400_context_length_exceeded(url):
 
 
 def test_a_text_too_long_for_any_tokenization_is_400_before_tokenizing(url):
-    """30 MB of text cannot fit 4096 tokens: refused on its length, so it never holds the event
-    loop (the health checks and other requests) while a tokenizer runs over it."""
+    """500 kB of text cannot fit 4096 tokens: refused on its length, so it never holds the event
+    loop (the health checks and other requests) while a tokenizer runs over it; 30 MB is over
+    the body limit (64 bytes a token of context, 1 MiB at least) and refused unparsed."""
     t0 = time.monotonic()
-    status, _, data = call(url, "/v1/completions", {"prompt": "a" * 30_000_000, "max_tokens": 2})
+    status, _, data = call(url, "/v1/completions", {"prompt": "a" * 500_000, "max_tokens": 2})
     err = json.loads(data)["error"]
     assert status == 400 and "characters" in err["message"] and err["code"] == "context_length_exceeded"
+    status, _, data = call(url, "/v1/completions", {"prompt": "a" * 30_000_000, "max_tokens": 2})
+    assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
     status, _, _ = call(url, "/v1/completions", {"prompt": [7] * 100_000, "max_tokens": 2})
     assert status == 400
     assert time.monotonic() - t0 < 30

@@ -145,9 +145,9 @@ def test_a_body_that_cannot_be_read_is_a_json_400_and_one_too_large_a_json_413(u
         err = error_of(status, data, 400)
         assert err["code"] == "invalid_body" and encoding in err["message"]
         assert headers["Content-Type"].startswith("application/json")
-    status, _, data = call(url, "/v1/completions", raw=b" " * (33 << 20))
+    status, _, data = call(url, "/v1/completions", raw=b" " * (2 << 20))     # the limit: 1 MiB at 4096 tokens
     err = error_of(status, data, 413)
-    assert err["code"] == "request_too_large" and "33554432" in err["message"]
+    assert err["code"] == "request_too_large" and "1048576" in err["message"]
     assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]   # and it serves on
 
 
@@ -164,7 +164,7 @@ def test_a_compressed_body_is_decoded_and_a_bomb_stops_at_the_limit(url):
         assert status == 200 and json.loads(data)["choices"], (encoding, data)
     bomb = gzip.compress(b" " * (40 << 20))              # 40 KiB sent, 40 MiB decoded
     err = error_of(*call(url, "/v1/completions", raw=bomb, headers={"Content-Encoding": "gzip"})[::2], 413)
-    assert err["code"] == "request_too_large" and str(32 << 20) in err["message"]
+    assert err["code"] == "request_too_large" and str(1 << 20) in err["message"]
     cut = gzip.compress(body)[:-12]
     err = error_of(*call(url, "/v1/completions", raw=cut, headers={"Content-Encoding": "gzip"})[::2], 400)
     assert err["code"] == "invalid_body" and "ends before" in err["message"]
@@ -182,7 +182,7 @@ def test_many_gzip_members_are_refused_at_once_and_the_door_answers_meanwhile(ur
     assert call(url, "/v1/completions", raw=sixteen, headers={"Content-Encoding": "gzip"})[0] == 200
     gz = {"Content-Encoding": "gzip"}
     assert call(url, "/v1/completions", raw=sixteen + gzip.compress(b""), headers=gz)[0] == 400
-    many = gzip.compress(body) + gzip.compress(b"") * 150_000
+    many = gzip.compress(body) + gzip.compress(b"") * 45_000     # 0.9 MB: under the 1 MiB limit as sent
     answers: list[float] = []
 
     def health() -> None:
@@ -198,6 +198,33 @@ def test_many_gzip_members_are_refused_at_once_and_the_door_answers_meanwhile(ur
     err = error_of(status, data, 400)
     assert err["code"] == "invalid_body" and "more than 16 gzip members" in err["message"]
     assert time.perf_counter() - t0 < 5 and answers and answers[0] < 5
+
+
+def test_the_body_limit_follows_the_context_and_a_large_body_is_parsed_off_the_event_loop(url):
+    """Attack review: a 74 kB gzip body of a million empty chat messages (29 MiB of JSON) held
+    the event loop 2.2 s (json.loads, then the messages' checks) — every tenant's streams and
+    the store's health check with it. The body limit is now 64 bytes a token of context (1
+    MiB at least: this door's 4096 tokens), a large or compressed body is parsed in a worker
+    thread, one per tenant at a time (scheduler/parse_slots.py), and more messages than the
+    context has tokens are refused before any is looked at."""
+    import gzip
+    bomb = gzip.compress(b'{"messages": [' + b",".join([b'{"role":"user","content":""}'] * 1_000_000) + b"]}")
+    err = error_of(*call(url, "/v1/chat/completions", raw=bomb, headers={"Content-Encoding": "gzip"})[::2], 413)
+    assert err["code"] == "request_too_large" and "1048576" in err["message"], err
+    # under the limit, a large body that is valid is served from the worker thread
+    padded = b'{"prompt": [1, 2, 3], "max_tokens": 1' + b" " * (900 << 10) + b"}"
+    status, _, data = call(url, "/v1/completions", raw=padded)
+    assert status == 200 and json.loads(data)["usage"]["prompt_tokens"] == 3, data
+    status, _, data = call(url, "/v1/completions", raw=gzip.compress(padded), headers={"Content-Encoding": "gzip"})
+    assert status == 200 and json.loads(data)["usage"]["prompt_tokens"] == 3, data
+    for messages, raw in ((5000, None),            # on the event loop (small), then the thread (compressed)
+                          (30_000, gzip.compress(json.dumps({"messages": [{"role": "user", "content": ""}] * 30_000})
+                                                 .encode()))):
+        body = {"messages": [{"role": "user", "content": ""}] * messages, "max_tokens": 1}
+        extra = {"headers": {"Content-Encoding": "gzip"}, "raw": raw} if raw else {}
+        err = error_of(*call(url, "/v1/chat/completions", None if raw else body, **extra)[::2], 400)
+        assert err["code"] == "context_length_exceeded" and f"{messages} messages" in err["message"], err
+    assert call(url, "/health")[0] == 200
 
 
 def test_content_encoding_on_several_lines_is_one_list(url):
