@@ -253,6 +253,12 @@ def test_kvctl_with_several_stacks_running_asks_which(spawn_store_node, tmp_path
         rc, doc, err = kvctl(env, "--stack", str(other.pid), "tiers")
         assert rc == 0 and doc["node_id"] == "stack-b-node", err
         assert kvctl(env, "--stack", str(other.pid), "ls")[0] == 0            # stack b's token, from its auth.env
+        # --stack names the stack acted on, whatever the environment holds (a shell that had
+        # sourced stack a's auth.env sent `--stack B` commands with a's settings: to a's cluster)
+        sourced_a = {**env, "KVSTORE_STORE_TOKEN": TOKEN}
+        rc, doc, err = kvctl(sourced_a, "--stack", str(other.pid), "tiers")
+        assert rc == 0 and doc["node_id"] == "stack-b-node", err
+        assert "using that stack's auth.env, not KVSTORE_STORE_TOKEN from the environment" in err, err
         rc, _, err = kvctl(env, "--store", nodes["stack-a-node"], "ls")       # the stack holding the node
         assert rc == 0, err
         rc, _, err = kvctl(env, "--stack", "999999999", "tiers", json_out=False)

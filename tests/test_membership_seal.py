@@ -147,3 +147,25 @@ def test_a_forged_node_gets_no_token_from_kvctl_or_the_cluster_client(spawn_stor
         beat.join()
         server.stop(0)
         r.close()
+
+
+def test_kvctl_with_a_wrong_token_is_unauthenticated_not_an_empty_cluster(spawn_store_node, redis_url, tmp_path):
+    """New-user review: with a wrong or stale store token every record was left out, so ``ls``
+    listed no block, ``namespaces`` none and ``flush --force`` flushed nothing — each exit 0.
+    Every record of the registry left out for its seal is now exit 1 UNAUTHENTICATED, and
+    ``--json`` says so on stdout too."""
+    spawn_store_node("sealed", "--dram", "8MiB", "--ssd", "0", "--auth-token", TOKEN, "--redis",
+                     redis_url, "--transfer-engine", "off", "--heartbeat", "0.2", "--node-ttl", "2")
+    right = kvctl_env(tmp_path, redis_url=redis_url)
+    deadline = time.monotonic() + 30
+    while kvctl(right, "nodes")[1]["nodes"] == []:
+        assert time.monotonic() < deadline, "the node never registered"
+        time.sleep(0.2)
+    wrong = kvctl_env(tmp_path, token="a-stale-token-0123456789", redis_url=redis_url)
+    for argv in (("ls",), ("namespaces",), ("nodes",), ("flush", "--force")):
+        rc, out, err = kvctl(wrong, *argv)
+        assert rc == 1, (argv, out, err)
+        assert "UNAUTHENTICATED" in err and "1 node record" in err and "wrong or stale" in err, err
+        assert out["success"] is False and "UNAUTHENTICATED" in out["error"], out
+    rc, doc, err = kvctl(right, "ls")
+    assert rc == 0 and doc["nodes"] == ["sealed"], err

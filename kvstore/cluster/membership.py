@@ -40,6 +40,12 @@ WARN_AGAIN_S = 60.0              # a record still refused is logged again after 
 _MAC_CONTEXT = b"kvstore membership record v1\0"
 
 
+class NotSealedForThisToken(ValueError):
+    """A record whose seal does not verify under the reader's store token, or that is not
+    sealed while the reader holds one: another cluster's, a forgery, or the reader's token
+    is wrong or stale."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A live store node as announced. ``tiers``: (name, capacity_bytes, used_bytes) each;
@@ -133,7 +139,8 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
         if not isinstance(body, str):
             raise ValueError("body is not a string")
         if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
-            raise ValueError("its seal does not verify under this store token (forged, or another cluster's)")
+            raise NotSealedForThisToken("its seal does not verify under this store token (forged, or another "
+                                        "cluster's, or the token is wrong)")
         inner = _json(body)
         if not isinstance(inner, dict) or not _number(inner.get("sealed_at")) or not _number(inner.get("ttl_s")):
             raise ValueError("body: not an object with a record, sealed_at and ttl_s")
@@ -143,7 +150,7 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
             raise ValueError(f"sealed {age:.1f} s ago, its TTL {ttl_s:g} s (replayed after its node stopped)")
         info = NodeInfo.from_dict(inner.get("info"))
     elif token:
-        raise ValueError("unsealed: its node runs without the store token this reader holds")
+        raise NotSealedForThisToken("unsealed: its node runs without the store token this reader holds")
     else:
         info = NodeInfo.from_dict(doc.get("info"))
     if KEY_PREFIX + info.node_id != key:
@@ -176,7 +183,10 @@ class RedisRegistry(Registry):
     """Records under ``kvstore:nodes:`` in the Redis at ``url``, each with a TTL (``SET PX``),
     sealed with ``token`` (the store token) when given: see the module's docstring. A record
     :meth:`nodes` refuses is left out and logged (its key as ``repr``; again after
-    :data:`WARN_AGAIN_S` if it is still refused then)."""
+    :data:`WARN_AGAIN_S` if it is still refused then); ``unverified`` counts the records of
+    the last listing left out because they are not sealed under ``token``
+    (:class:`NotSealedForThisToken`): all of them and none listed means a wrong token more
+    likely than an empty cluster."""
 
     kind = "redis"
 
@@ -186,6 +196,7 @@ class RedisRegistry(Registry):
         self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._warned: dict[str, float] = {}   # key -> when its refusal was last logged (monotonic s)
         self._newest: dict[str, float] = {}   # node id -> the latest sealed_at listed
+        self.unverified = 0                   # records of the last listing not sealed under the token
 
     def _server_time(self) -> float:
         seconds, micros = self._r.time()
@@ -200,6 +211,7 @@ class RedisRegistry(Registry):
 
     def nodes(self) -> list[NodeInfo]:
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
+        self.unverified = 0
         if not keys:
             return []
         pipe = self._r.pipeline(transaction=False)
@@ -221,6 +233,7 @@ class RedisRegistry(Registry):
                     self._newest[info.node_id] = sealed_at
                 out.append(info)
             except ValueError as exc:
+                self.unverified += isinstance(exc, NotSealedForThisToken)
                 self._warn(key, exc)
         return out
 

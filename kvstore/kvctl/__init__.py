@@ -23,6 +23,7 @@ store, engines and tokens by itself (flags win).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(target, args))
     except (KVStoreError, ValueError) as exc:
         print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):      # a script reading stdout gets the failure as JSON too
+            print(json.dumps({"success": False, "error": str(exc)}))
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. `kvctl ls | head -1`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

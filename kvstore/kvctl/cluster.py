@@ -11,7 +11,8 @@ from typing import Any
 from tabulate import tabulate
 
 from kvstore.cluster.membership import NodeInfo, RedisRegistry
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.auth import STORE_TOKEN_ENV
+from kvstore.errors import InvalidArgument, KVStoreError, Unauthenticated
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
     EXIT_OK,
@@ -40,11 +41,19 @@ def cluster_nodes(t: Target) -> list[NodeRef]:
     if t.redis_url:
         reg = RedisRegistry(t.redis_url, t.token)
         try:
-            return [NodeRef(n.node_id, n.address, n) for n in reg.nodes()]
+            listed = reg.nodes()
         except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
             raise KVStoreError(f"membership registry (Redis): {exc}") from None
         finally:
             reg.close()
+        if not listed and reg.unverified:
+            # Every node left out for its seal: a wrong or stale token, not an empty cluster
+            # (an empty listing let ls, namespaces and flush report nothing done, exit 0).
+            raise Unauthenticated(
+                f"UNAUTHENTICATED: the membership registry holds {plural(reg.unverified, 'node record')} and none is "
+                f"sealed under the store token kvctl sends: it is wrong or stale (kvctl takes it from --token, then "
+                f"{STORE_TOKEN_ENV}, then the stack's auth.env)")
+        return [NodeRef(n.node_id, n.address, n) for n in listed]
     with t.store_client() as client:
         node_id, _ = client.stats()
     return [NodeRef(node_id, t.store)]

@@ -2,7 +2,8 @@
 results are printed (a table, or ``--json``), block-key arguments and exit codes.
 
 Where the store is, first found wins: ``--store`` / ``--token`` / ``--redis``; then the
-environment (``KVSTORE_STORE_TOKEN``, ``KVSTORE_REDIS_URL``); then the file ``kvstore up``
+environment (``KVSTORE_STORE_TOKEN``, ``KVSTORE_REDIS_URL``), except with ``--stack``, which
+names the stack acted on; then the file ``kvstore up``
 writes for its stack (:func:`up_file`: the store nodes' addresses, the engines', and the
 path of the stack's ``auth.env``, which holds the tokens and a private Redis's URL; not read
 for a ``--store`` that no running stack holds); then 127.0.0.1:50051.
@@ -223,10 +224,11 @@ def resolve_target(args: argparse.Namespace) -> Target:
         store, source = up["stores"][0], up["path"]
     if not store:
         store, source = DEFAULT_STORE, "default"
-    given = args.token or os.environ.get(STORE_TOKEN_ENV)
+    env = _environment(args, up)
+    given = args.token or env.get(STORE_TOKEN_ENV)
     token = given or auth.get(STORE_TOKEN_ENV) or None
-    redis_url = getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV) or auth.get(REDIS_URL_ENV) or None
-    given_engine = getattr(args, "engine_token", None) or os.environ.get(ENGINE_TOKEN_ENV)
+    redis_url = getattr(args, "redis", None) or env.get(REDIS_URL_ENV) or auth.get(REDIS_URL_ENV) or None
+    given_engine = getattr(args, "engine_token", None) or env.get(ENGINE_TOKEN_ENV)
     engine_token = given_engine or auth.get(ENGINE_TOKEN_ENV) or None
     target = Target(store, token, redis_url, engine_token, args.timeout, source,
                     list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
@@ -234,6 +236,20 @@ def resolve_target(args: argparse.Namespace) -> Target:
                     engine_token_from_stack=not given_engine and engine_token is not None)
     target.store = target.own(store)   # the stack's own address of it: localhost may resolve to someone's [::1]
     return target
+
+
+def _environment(args: argparse.Namespace, up: dict[str, Any] | None) -> dict[str, str]:
+    """The kvctl settings taken from the environment: none with ``--stack`` (the stack named
+    is the one acted on: a shell that sourced another stack's auth.env had sent ``--stack A
+    flush`` to that other stack), and a note on stderr for each one so ignored."""
+    names = (STORE_TOKEN_ENV, REDIS_URL_ENV, ENGINE_TOKEN_ENV)
+    env = {name: os.environ[name] for name in names if os.environ.get(name)}
+    if getattr(args, "stack", None) is None or up is None:
+        return env
+    if env:
+        print(f"kvctl: --stack {args.stack}: using that stack's auth.env, not {', '.join(sorted(env))} from the "
+              "environment", file=sys.stderr)
+    return {}
 
 
 def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
