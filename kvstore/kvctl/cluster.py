@@ -10,8 +10,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.cluster.membership import NodeInfo, RedisRegistry
 from kvstore.auth import STORE_TOKEN_ENV
+from kvstore.cluster.membership import NodeInfo, RedisRegistry
 from kvstore.errors import InvalidArgument, KVStoreError, Unauthenticated
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
