@@ -20,7 +20,7 @@ from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
 from kvstore.errors import Unavailable
 from launcher.flags import connection_flags
 from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port
-from launcher.up import preflight, stack_tokens, write_api_keys
+from launcher.up import forget_stack, preflight, record_stack, stack_tokens, write_api_keys
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
@@ -95,6 +95,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
                             kind != "decode" else None)
              for name, (kind, role) in zip(names, roles)]
     servers = []
+    up_record: str | None = None
     t0 = time.monotonic()
     try:
         metrics_port = free_port(host)
@@ -130,6 +131,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         url = f"http://{host}:{http_port}"
         _wait_http(stack, f"{url}/health", 120)
         print(f"front door     {url}  over vLLM ({args.topology}; GET /metrics, GET /status)", flush=True)
+        up_record = record_stack([store], [], url, args.data_dir, None)   # kvctl finds the store node here
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)
@@ -148,6 +150,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         print(f"kvstore up: {exc}", file=sys.stderr)
         return 1
     finally:
+        forget_stack(up_record)
         stack.stop()
         for server in servers:
             server.stop(grace_s=10)
