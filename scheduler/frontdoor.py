@@ -110,7 +110,7 @@ class Frontdoor:
                 web.get("/metrics", self.metrics_text)]
 
     def app(self) -> web.Application:
-        middlewares: list[Any] = [json_errors]
+        middlewares: list[Any] = [self.metrics.middleware(), json_errors]
         if self.config.api_keys:
             middlewares.append(api_key_middleware(self.config.api_keys))
         app = web.Application(client_max_size=self.body_limit, middlewares=middlewares)
@@ -143,6 +143,10 @@ class Frontdoor:
         return web.json_response(self._model_card())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        r = self.router
+        self.metrics.set_up([*((role, e, e not in r.down) for role, pool in (("prefill", r.prefill),
+                                                                                ("decode", r.decode)) for e in pool),
+                             ("store", "store", not self.health_checks.store_down)])
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
                                    self.router.inflight, self.router.replica,
                                    self.router.policy.prefill_model.log_error)

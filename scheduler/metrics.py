@@ -2,6 +2,11 @@
 several front doors can live in one process)."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -57,9 +62,44 @@ class FrontdoorMetrics:
                                    "The Conductor's T_prefill predictor against the engines: mean and sd "
                                    "of ln(observed / predicted) prefill seconds over every observed prefill",
                                    ["stat"], registry=r)
+        self.up = Gauge(p + "up", "1 while a part the front door depends on answers its health checks, else 0 "
+                        "(role: prefill, decode or store)", ["role", "instance"], registry=r)
+        self.http = Counter(p + "http_responses", "HTTP responses by route and status, refusals before "
+                            "admission included (401, 400, 413, 429, 503; 499: the client left first)",
+                            ["route", "status"], registry=r)
         self.kv_index = Gauge(p + "kv_index_replica", "The router's replica of the store's index over KV "
                               "events (scheduler/cache_index.py): events applied, gaps, snapshots applied",
                               ["what"], registry=r)
+
+    def set_up(self, parts: Iterable[tuple[str, str, bool]]) -> None:
+        """``kvstore_scheduler_up`` from (role, instance, up) of every part; a part no longer
+        listed drops out."""
+        self.up.clear()
+        for role, instance, up in parts:
+            self.up.labels(role=role, instance=instance).set(1 if up else 0)
+
+    def middleware(self) -> Any:
+        """An aiohttp middleware counting every response in ``kvstore_scheduler_http_responses``
+        by route (the route's pattern, ``unmatched`` for none: a bounded label) and status.
+        Put it first, so that the answers of the middlewares after it (401) count too."""
+        @web.middleware
+        async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+            status = 500
+            try:
+                resp = await handler(request)
+                status = resp.status
+                return resp
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except asyncio.CancelledError:
+                status = 499
+                raise
+            finally:
+                resource = request.match_info.route.resource
+                route = resource.canonical if resource is not None else "unmatched"
+                self.http.labels(route=route, status=str(status)).inc()
+        return count
 
     def count_prompt(self, tokens: int) -> None:
         self._prompt += tokens

@@ -201,6 +201,12 @@ def test_front_door_serves_each_key_and_keeps_health_open(keyed_url):
         assert status == 200 and b"# TYPE" in data
     status, _, data = call(keyed_url, "/health")
     assert status == 200 and json.loads(data)["status"]
+    # refused keys are counted too (the counting middleware runs before the key check)
+    assert call(keyed_url, "/v1/models", None, {"Authorization": "Bearer sk-nobody"})[0] == 401
+    _, _, data = call(keyed_url, "/metrics", None, {"Authorization": f"Bearer {KEYS[0]}"})
+    counted = [line for line in data.decode().splitlines()
+               if line.startswith('kvstore_scheduler_http_responses_total{route="/v1/models",status="401"}')]
+    assert counted and float(counted[0].split()[-1]) >= 1, data
 
 
 def test_a_key_that_is_not_utf8_is_a_401_and_without_keys_a_tenant(stack, keyed_url):

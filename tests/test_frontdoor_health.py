@@ -135,6 +135,14 @@ def test_nothing_left_to_serve_is_a_clean_503_and_health_says_unavailable(cluste
     status, headers, data = call(door.url, "/v1/completions", {"prompt": "hello again", "max_tokens": 4})
     assert status == 503 and headers.get("Retry-After") == "1"
     assert "no decode instance is up" in json.loads(data)["error"]["message"]
+    # the outage shows in the metrics too (new-user review: 503s were in no series)
+    _, _, metrics = call(door.url, "/metrics")
+    text = metrics.decode()
+    assert 'kvstore_scheduler_up{instance="decode-0",role="decode"} 0.0' in text
+    assert 'kvstore_scheduler_up{instance="prefill-0",role="prefill"} 1.0' in text
+    assert 'kvstore_scheduler_up{instance="store",role="store"} 1.0' in text
+    assert 'kvstore_scheduler_http_responses_total{route="/v1/completions",status="503"} 2.0' in text
+    assert 'kvstore_scheduler_http_responses_total{route="/health",status="503"}' in text
 
 
 def test_a_store_node_that_is_down_is_503_with_the_reason_and_requests_are_still_served(cluster):
@@ -146,6 +154,7 @@ def test_a_store_node_that_is_down_is_503_with_the_reason_and_requests_are_still
     assert status == 503 and any(r.startswith("store:") for r in body["reasons"])
     status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(70, 2 * BS + 3), "max_tokens": 3})
     assert status == 200, data                                          # recomputed, not failed
+    assert 'kvstore_scheduler_up{instance="store",role="store"} 0.0' in call(door.url, "/metrics")[2].decode()
 
 
 def test_a_busy_engine_missing_one_check_stays_in_routing_but_one_silent_for_three_is_out(cluster):
