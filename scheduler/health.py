@@ -121,7 +121,8 @@ class HealthChecker:
         reasons = [f"{role} {e}: {r.down[e]}" for role, pool in (("prefill", r.prefill), ("decode", r.decode))
                    for e in pool if e in r.down]
         if self.store_down:
-            reasons.append(f"store: {self.store_down} (prompts are recomputed)")
+            effect = getattr(r.store, "down_effect", "prompts are recomputed")
+            reasons.append(f"store: {self.store_down} ({effect})")
         if not r.serving("prefill") or not r.serving("decode"):
             return HealthReport("unavailable", tuple(reasons))
         return HealthReport("degraded" if reasons else "ok", tuple(reasons))

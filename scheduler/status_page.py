@@ -160,6 +160,10 @@ class StatusFeed:
             except KVStoreError as exc:
                 return [{"node_id": "?", "address": "", "state": f"registry unreachable: {exc}", "tiers": []}]
             addresses = [(n.node_id, n.address) for n in listed]
+            listed_ids = {n.node_id for n in listed}
+            lost = [{"node_id": p.node_id, "address": p.address, "state": f"down: {p.why}", "tiers": []}
+                    for p in store.problems if p.node_id not in listed_ids]     # gone without a clean stop
+            return [*(await asyncio.gather(*(self._read_node(i, a) for i, a in addresses))), *lost]
         elif isinstance(store, StoreClient):
             addresses = [("", store.address)]
         else:

@@ -1,6 +1,7 @@
 """The status feed of a front door over a cluster: three store node processes registered in
 a real Redis, engines and the front door in cluster mode; ``/status.json`` lists every
-registered node with its own tier figures, and stops listing one that left."""
+registered node with its own tier figures, and stops listing one that left cleanly; one that
+died is down by name in ``/health`` and on the page."""
 from __future__ import annotations
 
 import json
@@ -54,6 +55,24 @@ def test_status_feed_lists_every_registered_node(redis_url, spawn_store_node):
             time.sleep(0.2)
             listed = {n["node_id"] for n in feed()["nodes"]}
         assert listed == {"n0", "n1"}
+        assert call(door.url, "/health")[0] == 200           # a clean stop leaves no problem behind
+
+        procs["n1"][0].kill()                 # no clean stop: down by name, not forgotten
+        procs["n1"][0].wait(timeout=15)
+        deadline = time.monotonic() + 15
+        while (health := call(door.url, "/health"))[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, _, body = health
+        reasons = json.loads(body)["reasons"]
+        assert status == 503 and json.loads(body)["status"] == "degraded", body
+        assert len(reasons) == 1 and reasons[0].startswith("store: ") and "store node n1" in reasons[0], reasons
+        assert reasons[0].endswith("(its blocks are misses; the other nodes serve)"), reasons
+        deadline = time.monotonic() + 15
+        while "gone from the registry" not in json.dumps(nodes := feed()["nodes"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        states = {n["node_id"]: n["state"] for n in nodes}
+        assert states["n0"] == "up" and "gone from the registry" in states["n1"] and "n2" not in states, states
+        complete(door.url, {"prompt": "still served by n0 " * 4, "max_tokens": 2})
     finally:
         if door is not None:
             loop.run(door.stop())

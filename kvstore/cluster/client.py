@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.client import StoreClient
+from kvstore.cluster.health import ClusterHealth, NodeProblem
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
-from kvstore.errors import KVStoreError, QuotaExceeded
+from kvstore.errors import KVStoreError, QuotaExceeded, Unavailable
 from kvstore.pool import PutResult
 from kvstore.tiers.slab import page_footprint
 from kvstore.transfer import BlockTransport, open_transport
@@ -64,6 +65,11 @@ class ClusterClient:
         self._transports: dict[tuple[str, int], BlockTransport] = {}
         self._placed: dict[str, tuple[int, int]] = {}   # node -> (free seen, bytes placed since)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-cluster")
+        self._health: ClusterHealth | None = None
+        self._health_lock = threading.Lock()
+        self.problems: list[NodeProblem] = []      # the nodes down at the last health()
+        # what a node down means to a request (the front door's /health says it)
+        self.down_effect = "its blocks are misses; the other nodes serve"
 
     # -- membership ------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -83,6 +89,28 @@ class ClusterClient:
                         log.warning("membership registry unavailable: %s", exc)
                 self._listed_at = now
             return [n for n in self._listed if self._suspect.get(n.node_id, 0.0) < now]
+
+    def health(self) -> str:
+        """``SERVING`` when every node the registry lists answers its health check and none
+        left the registry without a clean stop in the last
+        :data:`~kvstore.cluster.health.LOST_NODE_S` (kvstore/cluster/health.py). Raises
+        Unavailable naming each node that is down and how, or saying that no node is
+        registered or that the registry cannot be read; :attr:`problems` keeps the last
+        check's nodes down."""
+        with self._health_lock:
+            if self._health is None:
+                self._health = ClusterHealth(self.registry, self.auth_token)
+            try:
+                serving, problems = self._health.check()
+            except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
+                raise Unavailable(f"membership registry unreadable: {exc}") from None
+            self.problems = problems
+        if problems:
+            raise Unavailable("; ".join(map(str, problems)) + f" ({serving} {'node' if serving == 1 else 'nodes'} "
+                              "serving)")
+        if not serving:
+            raise Unavailable("no store node is registered")
+        return "SERVING"
 
     def wait_for_nodes(self, count: int, timeout_s: float = 30.0) -> list[NodeInfo]:
         """Block until ``count`` nodes are live; raises TimeoutError."""
@@ -311,6 +339,8 @@ class ClusterClient:
             t.close()
         for c in clients:
             c.close()
+        if self._health is not None:
+            self._health.close()
         self._pool.shutdown(wait=False)
 
     def __enter__(self) -> ClusterClient:

@@ -32,6 +32,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvstore:nodes:"
+LEFT_PREFIX = "kvstore:left:"    # a node's clean stop: <node id> -> its epoch, kept LEFT_TTL_S
+LEFT_TTL_S = 3600.0
 # How far past its TTL a sealed record may be read, seconds (by the Redis server's clock: the
 # round trips between reading the clock and writing or reading the record).
 CLOCK_SLACK_S = 2.0
@@ -168,8 +170,15 @@ class Registry(ABC):
         """Announce (or refresh) ``info`` for ``ttl_s`` seconds."""
 
     @abstractmethod
-    def deregister(self, node_id: str) -> None:
-        """Withdraw a node at once (a clean stop)."""
+    def deregister(self, node_id: str, epoch: int = 0) -> None:
+        """Withdraw a node at once (a clean stop), and note that its life ``epoch`` left
+        cleanly (:meth:`left`)."""
+
+    @abstractmethod
+    def left(self, node_id: str) -> int | None:
+        """The epoch of ``node_id``'s last clean stop within :data:`LEFT_TTL_S`, else None
+        (never stopped cleanly, or so long ago): a node that vanished from the listing
+        without one crashed, stopped answering or was cut off."""
 
     @abstractmethod
     def nodes(self) -> list[NodeInfo]:
@@ -206,8 +215,32 @@ class RedisRegistry(Registry):
         value = seal(info, self._token, self._server_time(), ttl_s)
         self._r.set(KEY_PREFIX + info.node_id, value, px=max(1, int(ttl_s * 1000)))
 
-    def deregister(self, node_id: str) -> None:
-        self._r.delete(KEY_PREFIX + node_id)
+    def deregister(self, node_id: str, epoch: int = 0) -> None:
+        key = LEFT_PREFIX + node_id
+        body = json.dumps({"node_id": node_id, "epoch": int(epoch)})
+        value = json.dumps({"body": body, "mac": _mac(self._token, key, body) if self._token else ""})
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(KEY_PREFIX + node_id)
+        pipe.set(key, value, px=int(LEFT_TTL_S * 1000))
+        pipe.execute()
+
+    def left(self, node_id: str) -> int | None:
+        key = LEFT_PREFIX + node_id
+        value = self._r.get(key)
+        if value is None or len(value) > MAX_RECORD_BYTES:
+            return None
+        try:
+            doc = _json(value)
+            body = doc["body"] if isinstance(doc, dict) else None
+            if not isinstance(body, str) or (
+                    self._token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(self._token, key, body))):
+                return None
+            inner = _json(body)
+        except ValueError:
+            return None
+        if not isinstance(inner, dict) or inner.get("node_id") != node_id or not _whole(inner.get("epoch")):
+            return None
+        return int(inner["epoch"])
 
     def nodes(self) -> list[NodeInfo]:
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
@@ -257,15 +290,21 @@ class LocalRegistry(Registry):
 
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
+        self._left: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def register(self, info: NodeInfo, ttl_s: float) -> None:
         with self._lock:
             self._nodes[info.node_id] = (info, time.monotonic() + ttl_s)
 
-    def deregister(self, node_id: str) -> None:
+    def deregister(self, node_id: str, epoch: int = 0) -> None:
         with self._lock:
             self._nodes.pop(node_id, None)
+            self._left[node_id] = epoch
+
+    def left(self, node_id: str) -> int | None:
+        with self._lock:
+            return self._left.get(node_id)
 
     def nodes(self) -> list[NodeInfo]:
         now = time.monotonic()
@@ -298,6 +337,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-heartbeat", daemon=True)
         self.node_id: str | None = None
+        self.epoch = 0
 
     def start(self) -> Heartbeat:
         self._beat()
@@ -311,7 +351,7 @@ class Heartbeat:
     def _beat(self) -> None:
         try:
             info = self.info()
-            self.node_id = info.node_id
+            self.node_id, self.epoch = info.node_id, info.epoch
             self.registry.register(info, self.ttl_s)
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
@@ -326,6 +366,6 @@ class Heartbeat:
             self._thread.join(timeout=5)
         if self.node_id is not None:
             try:
-                self.registry.deregister(self.node_id)
+                self.registry.deregister(self.node_id, self.epoch)
             except Exception as exc:  # noqa: BLE001
                 log.warning("membership deregister failed: %s", exc)
