@@ -411,7 +411,9 @@ def test_pins_policy_and_stats_through_client_and_kvctl(node, capsys) -> None:
 
     base = ["--store", client.address]
     assert kvctl.main(base + ["pin", keys[0].hex(), keys[1].hex(), "--hard"]) == 0
-    assert "pinned 2 of 2 blocks, hard" in capsys.readouterr().out
+    assert f"{client.address}: pinned 2 of 2 blocks, hard" in capsys.readouterr().out
+    assert kvctl.main(base + ["pin", keys[0].hex(), "--ttl", "5"]) == 0     # a soft pin over a hard one: still hard
+    assert "soft, TTL 5.0 s (a block pinned hard stays hard: unpin it first)" in capsys.readouterr().out
     assert kvctl.main(base + ["unpin", "--prefix"] + [k.hex() for k in keys]) == 0
     assert "unpinned 2 blocks" in capsys.readouterr().out
     assert kvctl.main(base + ["pin", "--prefix"] + [k.hex() for k in keys]) == 0    # the held 3 of 4

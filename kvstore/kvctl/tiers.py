@@ -44,8 +44,8 @@ def cmd_evict(t: Target, args: argparse.Namespace) -> int:
         r = admin.evict(args.tier, asked)
     blocks = r["demoted"] + r["dropped"]
     short = r["freed_bytes"] < asked
-    doc: dict[str, Any] = {"success": not short, **r}
-    text = (f"evicted {plural(blocks, 'block')}, {size_text(r['freed_bytes'])} from {r['tier']}: "
+    doc: dict[str, Any] = {"success": not short, "address": t.store, **r}
+    text = (f"{t.store}: evicted {plural(blocks, 'block')}, {size_text(r['freed_bytes'])} from {r['tier']}: "
             f"{r['demoted']} demoted to the next tier (still served from there), "
             f"{r['dropped']} dropped from the node")
     if short:
@@ -60,11 +60,13 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
         n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
     asked = len(set(keys))   # the node counts distinct blocks
     kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
+    if not args.hard:
+        kind += " (a block pinned hard stays hard: unpin it first)"
     # --prefix pins the chain's held prefix, whatever its length; none held (its head is
     # not there) is the incomplete case, as for rm/demote/promote --prefix
     done = n > 0 if args.prefix else n == asked
-    text = f"pinned {n} of {plural(asked, 'block')}, {kind}"
-    doc: dict[str, Any] = {"success": done, "pinned": n, "asked": asked, "kind": kind}
+    text = f"{t.store}: pinned {n} of {plural(asked, 'block')}, {kind}"
+    doc: dict[str, Any] = {"success": done, "address": t.store, "pinned": n, "asked": asked, "kind": kind}
     if args.prefix and not n:
         doc["reason"] = "the node holds no block of the chain's head"
     elif not done:
@@ -78,15 +80,15 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
     with t.store_client() as client:
         n = client.unpin(parse_keys(args.keys), prefix=args.prefix)
-    emit(args, {"success": True, "unpinned": n}, f"unpinned {plural(n, 'block')}")
+    emit(args, {"success": True, "address": t.store, "unpinned": n}, f"{t.store}: unpinned {plural(n, 'block')}")
     return EXIT_OK
 
 
 def cmd_policy(t: Target, args: argparse.Namespace) -> int:
     with t.store_client() as client:
         previous = client.set_policy(args.name, args.tier)
-    emit(args, {"success": True, "policy": args.name, "previous": previous},
-         "\n".join(f"{tier}: {old} -> {args.name}" for tier, old in sorted(previous.items())))
+    emit(args, {"success": True, "address": t.store, "policy": args.name, "previous": previous},
+         "\n".join(f"{t.store} {tier}: {old} -> {args.name}" for tier, old in sorted(previous.items())))
     return EXIT_OK
 
 
