@@ -116,8 +116,9 @@ class PoolLink:
         self.failures += 1
         with self._lock:
             self._down_until = time.monotonic() + self._backoff
-            log.warning("kvstore connector: %s failed (%s: %s); recomputing, pool skipped for %.0f s",
-                        what, type(exc).__name__, exc, self._backoff)
+            effect = "its blocks are not stored" if what.startswith("save") else "recomputing"
+            log.warning("kvstore connector: %s failed (%s: %s); %s, pool skipped for %.0f s",
+                        what, type(exc).__name__, exc, effect, self._backoff)
             self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
 
     def _ok(self) -> None:
