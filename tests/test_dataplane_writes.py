@@ -69,7 +69,11 @@ def test_repeated_puts_of_one_size_use_spare_slots_and_survive_their_timeout(sla
     plane.spares.stock(plane.control.take_spares(wait=True))  # granted just after the commit's reply
     assert plane.spares.by_size.get(64 << 10), "a commit hands out spare slots for the next put"
     assert client.put(key_of(2), block_of(2)).ok  # written into a spare: one round trip
+    host = slab_node.nodes[id(pool)].dataplane
+    assert host.lent()[1] > 0                  # the spares lent out (kvstore_reservations)
     time.sleep(0.8)                            # the spares time out in the pool
+    pool.stats()                               # a scrape reads the pool's stats: it frees expired reservations
+    assert host.lent()[1] == 0                 # the gauge drops with them (it stayed up until 256 operations)
     assert client.put(key_of(3), block_of(3)).ok  # put again through a fresh reservation
     assert client.get_blocks([key_of(1), key_of(2), key_of(3)]) == [block_of(1), block_of(2), block_of(3)]
     client.close()                             # the session's spares are given back

@@ -279,6 +279,10 @@ class DataPlaneHost:
             self.pool.abort(res)
 
     def lent(self) -> tuple[int, int]:
-        """(leases, reservations) currently lent out."""
+        """(leases, reservations) currently lent out: those not expired, still open in the
+        pool (the table itself is swept every 256 operations only, so a gauge read from its
+        size stayed up once a writer's spare slots had timed out)."""
+        now = time.monotonic()
         with self._lock:
-            return len(self._leases), len(self._slots)
+            return (sum(not lease.expired(now) for lease in self._leases.values()),
+                    sum(res.open for res in self._slots.values()))
