@@ -105,8 +105,10 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
             f"{plural(held, 'block')}\n"
             + tabulate(rows, headers=["block", "key", "node", "tier", "bytes", "pin"]))
     if held == 0 and args.namespace is None and not args.tenant:
-        text += (f"\n(namespace {PUBLIC_NAMESPACE!r}: the front door's tenant for a caller without a key; one "
-                 "with API keys keys each caller by its key: give --tenant KEY or --namespace key-<16 hex>)")
+        text += (f"\n(namespace {PUBLIC_NAMESPACE!r}: the front door's tenant for a caller that sends no "
+                 "'Authorization: Bearer' token. One that sends one is keyed by it, with API keys or without "
+                 "(the OpenAI SDK always sends its api_key, 'none' or 'EMPTY' included): give --tenant KEY or "
+                 "--namespace key-<16 hex>; kvctl namespaces lists those the node holds)")
     emit(args, {"namespace": namespace, "model": model, "revision": revision, "block_size": block_size,
                 "tokens": len(tokens), "key_spec_from": source, "held_prefix_blocks": held, "blocks": blocks}, text)
     return EXIT_OK
