@@ -1,6 +1,6 @@
 """API keys of the front door: which callers it serves. Without keys every caller is served
 (the tenant is then named by whatever bearer token the caller sends, ``public`` without
-one); with keys, a request to anything but ``/health`` and the status page's HTML and script
+one); with keys, a request to anything but ``/health``, ``/ping`` and the status page's HTML and script
 must carry ``Authorization: Bearer
 <key>`` of one of them, else HTTP 401 in OpenAI's error shape. The tenant stays the key's
 hash (scheduler/tenancy.py), so each key is one tenant."""
@@ -16,7 +16,7 @@ from kvstore.auth import METRICS_TOKEN_ENV, token_from
 
 # Liveness probes and supervisors carry no key; the status page's HTML and script hold no
 # data (its feed, /status.json, takes a key: scheduler/status_page.py).
-OPEN_PATHS = frozenset({"/health", "/status", "/status.js"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/status", "/status.js"})
 METRICS_PATH = "/metrics"
 
 

@@ -46,6 +46,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.admission import Rejection
 from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
+from scheduler.extra_routes import extra_routes
 from scheduler.health import HealthChecker
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (
@@ -107,7 +108,8 @@ class Frontdoor:
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{model:.+}", self.model),
                 web.get("/health", self.health),
-                web.get("/metrics", self.metrics_text)]
+                web.get("/metrics", self.metrics_text),
+                *extra_routes(self)]      # /tokenize, /detokenize, /version, /ping (scheduler/extra_routes.py)
 
     def app(self) -> web.Application:
         middlewares: list[Any] = [self.metrics.middleware(), json_errors]

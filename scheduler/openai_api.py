@@ -338,6 +338,13 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
     the tokenizer's chat template of them. Raises APIError 400 or 404 as
     :func:`parse_completion`."""
     _common(body, limits)
+    text = chat_text(body, tokenizer, limits)
+    return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)
+
+
+def chat_text(body: dict[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -> str:
+    """The prompt text of a chat body's ``messages``: the tokenizer's chat template of them.
+    Raises APIError 400 as :func:`parse_chat`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages", "messages")
@@ -360,5 +367,33 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
                        "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",
                        "messages")
         turns.append({"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": text})
-    text = tokenizer.apply_chat_template(turns)
-    return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)
+    return tokenizer.apply_chat_template(turns)
+
+
+def parse_tokenize(body: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
+    """The token ids of a ``/tokenize`` body (vLLM's: ``{"prompt": str}`` or
+    ``{"messages": [...]}``, chat-templated as :func:`parse_chat` does; ``model`` optional).
+    Raises APIError 400 (what is wrong; ``context_length_exceeded`` for text no tokenization
+    could fit in the context) or 404 (``model`` is not the served model)."""
+    _common(body, limits)
+    if "messages" in body:
+        return _encode(tokenizer, chat_text(body, tokenizer, limits), "messages", limits)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("'prompt' (a string) or 'messages' is required", "missing_prompt", "prompt")
+    return _encode(tokenizer, prompt, "prompt", limits)
+
+
+def parse_detokenize(body: Any, limits: ModelLimits) -> list[int]:
+    """The token ids of a ``/detokenize`` body (vLLM's: ``{"tokens": [int, ...]}``), each
+    in ``[0, vocab_size)``, at most ``max_model_len`` of them. Raises APIError 400 or 404."""
+    _common(body, limits)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise _bad("'tokens' must be a list of integer token ids", "invalid_type", "tokens")
+    if len(tokens) > limits.max_model_len:
+        raise _too_long(len(tokens), "tokens", limits)
+    bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise _bad(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "invalid_value", "tokens")
+    return tokens

@@ -331,3 +331,24 @@ def test_a_batch_of_one_that_is_not_a_prompt_names_the_token_ids():
         parse_completion({"prompt": [["x"]]}, load_tokenizer(None, 256 + 16), limits, 16)
     assert exc.value.status == 400 and "integer token ids" in str(exc.value)
     assert parse_completion({"prompt": [[5, 6]]}, load_tokenizer(None, 256 + 16), limits, 16).prompt == (5, 6)
+
+
+def test_tokenize_detokenize_version_and_ping_as_vllm_serves_them(url):
+    """vLLM's /tokenize, /detokenize, /version and /ping (new-user review: each was a 404)."""
+    status, _, data = call(url, "/tokenize", {"prompt": "hi there"})
+    body = json.loads(data)
+    assert status == 200 and body["count"] == len(body["tokens"]) == 8 and body["max_model_len"] == 4096, body
+    status, _, data = call(url, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and json.loads(data) == {"prompt": "hi there"}
+    chat = json.loads(call(url, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})[2])
+    served = complete(url, {"prompt": chat["tokens"], "max_tokens": 1})     # the chat template's tokens
+    assert served["usage"]["prompt_tokens"] == chat["count"] > 2
+    for path, bad, code in (("/tokenize", {}, "missing_prompt"), ("/tokenize", {"prompt": 3}, "missing_prompt"),
+                            ("/detokenize", {"tokens": [1, "a"]}, "invalid_type"),
+                            ("/detokenize", {"tokens": [10 ** 9]}, "invalid_value"),
+                            ("/tokenize", {"prompt": "x", "model": "nope"}, "model_not_found")):
+        status, _, data = call(url, path, bad)
+        assert status in (400, 404) and json.loads(data)["error"]["code"] == code, (path, bad, data)
+    status, _, data = call(url, "/version")
+    assert status == 200 and json.loads(data)["version"]
+    assert call(url, "/ping")[0] == 200 and call(url, "/ping", {})[0] == 200
