@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -68,6 +69,12 @@ class Child:
     respawn: Callable[[], subprocess.Popen] | None = None   # starts it again (None: it cannot be)
     crashes: list[float] = field(default_factory=list)   # monotonic instants of recent crashes
     restart_at: float | None = None
+
+
+# resource_tracker's lines about a killed process's shared memory: "...resource_tracker.py:NNN:
+# UserWarning: resource_tracker: There appear to be N leaked shared_memory objects ..." and the
+# "warnings.warn(" line after it
+_TRACKER_NOTE = re.compile(r"resource_tracker|^\s*warnings\.warn\(")
 
 
 @dataclass
@@ -145,9 +152,14 @@ class Stack:
                   f"{self.max_restarts} in {delay:.1f} s (log: {self.log_dir}/{child.name}.log)", flush=True)
 
     def log_tail(self, name: str, lines: int = 15) -> str:
+        """The last ``lines`` lines of a child's log, without Python's resource_tracker
+        notes: a killed node's tracker reports the slab it then unlinks as "leaked", once
+        per kill, which is its cleanup, not a fault (it had filled the tail an operator
+        reads when ``kvstore up`` gives up)."""
         try:
             with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
+                kept = [line for line in f.readlines() if not _TRACKER_NOTE.search(line)]
+            return "".join(kept[-lines:])
         except OSError:
             return "(no log)"
 

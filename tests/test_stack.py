@@ -185,3 +185,29 @@ def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
     assert not port_is_free("127.0.0.1", port)       # still listening
     server.close()
     assert port_is_free("127.0.0.1", port)
+
+
+def test_the_log_tail_leaves_out_the_resource_tracker_notes_of_a_killed_child(tmp_path):
+    """A killed node's resource tracker reports the slab it unlinks as "leaked" (its cleanup,
+    once per kill); those lines filled the tail shown when ``kvstore up`` gives up."""
+    import os
+    import signal
+    import time
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    os.makedirs(stack.log_dir)
+    code = ("from multiprocessing import shared_memory; import time; "
+            "s = shared_memory.SharedMemory(create=True, size=4096); print('node serving', flush=True); time.sleep(60)")
+    with open(os.path.join(stack.log_dir, "store.log"), "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    log_path = os.path.join(stack.log_dir, "store.log")
+    deadline = time.monotonic() + 30
+    while "node serving" not in open(log_path).read():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    while "resource_tracker" not in open(log_path).read():   # the tracker notices and cleans up
+        assert time.monotonic() < deadline, open(log_path).read()
+        time.sleep(0.05)
+    tail = stack.log_tail("store")
+    assert "node serving" in tail and "resource_tracker" not in tail and "warnings.warn" not in tail, tail
