@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=port_number, default=8000, help="front door port (0 picks a free one)")
+    p.add_argument("--service-ports", type=port_number, default=0, metavar="FIRST",
+                   help="the ports of the store nodes, engines (or vLLM instances) and their metrics, in that "
+                        "order from FIRST up, each of which must be free, so a Prometheus config or a firewall "
+                        "can name them (0, the default: free ones, new at each start); the banner prints each")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
     p.add_argument("--max-model-len", type=positive_int, default=UP_MAX_MODEL_LEN, metavar="TOKENS",
                    help="the engines' and the front door's limit on prompt + generation (tokens); a longer "

@@ -37,6 +37,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_taker(host: str, first: int = 0) -> Callable[[], int]:
+    """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
+    ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``). Each call raises
+    RuntimeError naming a port that is not free on ``host`` or past 65535."""
+    if not first:
+        return lambda: free_port(host)
+    nxt = [first]
+
+    def take() -> int:
+        port = nxt[0]
+        nxt[0] += 1
+        if port > 65535:
+            raise RuntimeError(f"--service-ports {first}: ran past port 65535")
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free ({exc.strerror})") \
+                    from None
+        return port
+    return take
+
+
 MAX_RESTARTS = 5          # per child within RESTART_WINDOW_S; one more crash stops the stack
 RESTART_WINDOW_S = 300.0
 BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second

@@ -28,6 +28,7 @@ from launcher.supervisor import (
     _wait_http,
     free_port,
     port_is_free,
+    port_taker,
 )
 
 STACK_MARK = ".kvstore-up"   # in a data directory kvstore up made, so it may wipe it
@@ -161,12 +162,13 @@ def run_up(args: argparse.Namespace) -> int:
     n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
     n_store = getattr(args, "store_nodes", 1)
     redis_url = getattr(args, "redis", None)
-    store_ports = [free_port(host) for _ in range(n_store)]
+    take_port = port_taker(host, getattr(args, "service_ports", 0))
+    store_ports = [take_port() for _ in range(n_store)]
     store_port = store_ports[0]
-    engines = [(f"prefill-{i}", "prefill", free_port(host)) for i in range(n_prefill)]
-    engines += [(f"decode-{i}", "decode", free_port(host)) for i in range(n_decode)]
+    engines = [(f"prefill-{i}", "prefill", take_port()) for i in range(n_prefill)]
+    engines += [(f"decode-{i}", "decode", take_port()) for i in range(n_decode)]
     # Prometheus metrics of every store node and engine (the front door has its /metrics).
-    metrics_ports = {name: free_port(host) for name in
+    metrics_ports = {name: take_port() for name in
                      [("store" if n_store == 1 else f"store-{i}") for i in range(n_store)] + [e[0] for e in engines]}
     store = f"{host}:{store_port}"
     model = ["--model", args.model] if args.model else []

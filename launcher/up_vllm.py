@@ -19,7 +19,7 @@ import time
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
 from kvstore.errors import Unavailable
 from launcher.flags import connection_flags
-from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, free_port
+from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, port_taker
 from launcher.up import forget_stack, preflight, record_stack, stack_tokens, write_api_keys
 
 
@@ -76,7 +76,8 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     # request's cache_salt, its tenant), both through the environment.
     stack.env.update(stack_tokens(args.data_dir))
     keys_file = write_api_keys(args)
-    store_port = free_port(host)
+    take_port = port_taker(host, getattr(args, "service_ports", 0))
+    store_port = take_port()
     store = f"{host}:{store_port}"
     if args.topology == "colocated":
         roles = [("colocated", "kv_both")] * (n_prefill + n_decode)
@@ -87,7 +88,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     if args.vllm_prefix_caching:
         os.makedirs(events_dir, mode=0o700, exist_ok=True)
         os.chmod(events_dir, 0o700)
-    specs = [VLLMServerSpec(model, free_port(host), role, store, host=host,
+    specs = [VLLMServerSpec(model, take_port(), role, store, host=host,
                             kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len,
                             store_token=stack.env[STORE_TOKEN_ENV], api_key=stack.env[ENGINE_TOKEN_ENV],
                             prefix_caching=args.vllm_prefix_caching,
@@ -98,7 +99,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     up_record: str | None = None
     t0 = time.monotonic()
     try:
-        metrics_port = free_port(host)
+        metrics_port = take_port()
         stack.start("store", "serve", "--host", host, "--port", str(store_port), "--dram", args.dram,
                     "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"), "--node-id", "store",
                     "--metrics-port", str(metrics_port))

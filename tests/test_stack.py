@@ -211,3 +211,21 @@ def test_the_log_tail_leaves_out_the_resource_tracker_notes_of_a_killed_child(tm
         time.sleep(0.05)
     tail = stack.log_tail("store")
     assert "node serving" in tail and "resource_tracker" not in tail and "warnings.warn" not in tail, tail
+
+
+def test_service_ports_are_taken_in_order_and_a_busy_one_is_named(tmp_path):
+    import socket
+
+    from launcher.supervisor import free_port, port_taker
+    first = free_port()
+    take = port_taker("127.0.0.1", first)
+    assert take() == first
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", first + 1))
+        except OSError:
+            pytest.skip(f"port {first + 1} is in use already")
+        busy.listen()
+        with pytest.raises(RuntimeError, match=rf"--service-ports {first}: port {first + 1} on 127.0.0.1 is not free"):
+            take()
+    assert port_taker("127.0.0.1")() > 0                 # 0: a free port the system picks

@@ -26,6 +26,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports on 127.0.0.1 (for ``--service-ports``)."""
+    import random
+    for _ in range(200):
+        first = random.randrange(20000, 30000)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
 def _metric(url: str, what: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -36,13 +56,14 @@ def _metric(url: str, what: str) -> float:
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path: Path) -> None:
     port = _free_port()
+    first = _free_run(6)      # --service-ports: store, prefill, decode, then their 3 metrics ports
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     for name in ("KVSTORE_REDIS_URL", "KVSTORE_EVENTS_URL"):
         env.pop(name, None)
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--host", "127.0.0.1",
                              "--port", str(port), "--data-dir", str(tmp_path / "up"), "--dram", "64MiB",
-                             "--ssd", "64MiB"], cwd=root, env=env, stdout=subprocess.PIPE,
+                             "--ssd", "64MiB", "--service-ports", str(first)], cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -58,6 +79,10 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
     try:
         assert ready.wait(300), "".join(lines[-40:])
         assert any(line.startswith("redis ") and "KV events" in line for line in lines), "".join(lines)
+        banner = "".join(lines)
+        assert f"store node     127.0.0.1:{first}  " in banner and f"127.0.0.1:{first + 3}/metrics" in banner
+        assert f"prefill engine prefill-0 127.0.0.1:{first + 1}" in banner, banner
+        assert f"decode engine decode-0 127.0.0.1:{first + 2}" in banner, banner
         body = json.dumps({"prompt": list(range(1, 70)), "max_tokens": 2}).encode()
         req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         for _ in range(2):
