@@ -136,7 +136,12 @@ class PrefillEngine:
         while not self._lock.acquire(timeout=CANCEL_POLL_S):
             if cancelled():
                 raise Cancelled(f"prefill {request_id}: the caller left while it waited for the model")
-        if cancelled():
+        try:
+            gone = cancelled()
+        except BaseException:
+            self._lock.release()      # never leave the model locked, whatever cancelled() raised
+            raise
+        if gone:
             self._lock.release()
             raise Cancelled(f"prefill {request_id}: the caller left before it began")
 

@@ -37,25 +37,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def port_taker(host: str, first: int = 0) -> Callable[[], int]:
+def port_taker(host: str, first: int = 0, skip: frozenset[int] = frozenset()) -> Callable[[], int]:
     """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
-    ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``). Each call raises
-    RuntimeError naming a port that is not free on ``host`` or past 65535."""
+    ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``), passing over the
+    ports in ``skip`` (the front door's). Each call raises RuntimeError naming a port that is
+    not free on ``host`` (:func:`port_is_free`) or past 65535."""
     if not first:
         return lambda: free_port(host)
     nxt = [first]
 
     def take() -> int:
+        while nxt[0] in skip:
+            nxt[0] += 1
         port = nxt[0]
         nxt[0] += 1
         if port > 65535:
             raise RuntimeError(f"--service-ports {first}: ran past port 65535")
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free ({exc.strerror})") \
-                    from None
+        if not port_is_free(host, port):
+            raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
         return port
     return take
 
@@ -97,7 +96,8 @@ class Child:
 # resource_tracker's lines about a killed process's shared memory: "...resource_tracker.py:NNN:
 # UserWarning: resource_tracker: There appear to be N leaked shared_memory objects ..." and the
 # "warnings.warn(" line after it
-_TRACKER_NOTE = re.compile(r"resource_tracker|^\s*warnings\.warn\(")
+_TRACKER_NOTE = re.compile(r"resource_tracker\.py:\d+: UserWarning: resource_tracker: |"
+                           r"^\s*warnings\.warn\('resource_tracker: ")
 
 
 @dataclass

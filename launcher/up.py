@@ -162,7 +162,7 @@ def run_up(args: argparse.Namespace) -> int:
     n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
     n_store = getattr(args, "store_nodes", 1)
     redis_url = getattr(args, "redis", None)
-    take_port = port_taker(host, getattr(args, "service_ports", 0))
+    take_port = port_taker(host, getattr(args, "service_ports", 0), frozenset({http_port}))
     store_ports = [take_port() for _ in range(n_store)]
     store_port = store_ports[0]
     engines = [(f"prefill-{i}", "prefill", take_port()) for i in range(n_prefill)]

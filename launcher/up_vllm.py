@@ -76,7 +76,7 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     # request's cache_salt, its tenant), both through the environment.
     stack.env.update(stack_tokens(args.data_dir))
     keys_file = write_api_keys(args)
-    take_port = port_taker(host, getattr(args, "service_ports", 0))
+    take_port = port_taker(host, getattr(args, "service_ports", 0), frozenset({http_port}))
     store_port = take_port()
     store = f"{host}:{store_port}"
     if args.topology == "colocated":

@@ -83,6 +83,7 @@ class RunningFrontdoor:
         """Stop serving, then close the engine and store clients."""
         await self.frontdoor.health_checks.stop()
         await self.runner.cleanup()
+        self.frontdoor.parse_slots.close()
         await self.frontdoor.router.close()
 
 

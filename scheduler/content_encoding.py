@@ -15,7 +15,7 @@ it), ``identity``. Any other, or more than one (on one header line or several), 
 bytes it is 413 ``request_too_large``, found while decompressing (a small bomb never grows
 past the limit in memory). Decoding takes up to ~0.2 s for a 32 MiB body; zlib releases
 the GIL while it inflates, so the caller runs it in a thread and the event loop goes on
-(:func:`scheduler.request_parts.read_body`).
+(:func:`scheduler.request_parts.parse_json_body`).
 """
 from __future__ import annotations
 

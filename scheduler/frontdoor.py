@@ -60,7 +60,7 @@ from scheduler.openai_api import (
     refuse_fields,
 )
 from scheduler.openai_shapes import LogprobsShape, chunk_body, request_id, response_body, usage, usage_chunk
-from scheduler.parse_slots import REASON_PARSE_WAITING, ParseSlots
+from scheduler.parse_slots import ParseSlots
 from scheduler.request_parts import StreamWriter, TokenClock, body_limit, json_errors, parse_json_body, sampling_of
 from scheduler.router import RoutePlan, Router
 from scheduler.status_page import install_status_page
@@ -99,7 +99,7 @@ class Frontdoor:
                                   names)
         self.health_checks = HealthChecker(router, config.health_interval_s)
         self.body_limit = body_limit(self.limits.max_model_len)    # bytes, as sent and as decoded
-        self.parse_slots = ParseSlots(refused=self.metrics.rejected.labels(reason=REASON_PARSE_WAITING).inc)
+        self.parse_slots = ParseSlots(refused=lambda reason: self.metrics.rejected.labels(reason=reason).inc())
 
     def routes(self) -> list[web.RouteDef]:
         """The route table (add a route here, or extend the list in a subclass)."""
@@ -146,9 +146,10 @@ class Frontdoor:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         r = self.router
+        store = [("store", "store", not self.health_checks.store_down)] if r.store is not None else []
         self.metrics.set_up([*((role, e, e not in r.down) for role, pool in (("prefill", r.prefill),
                                                                                 ("decode", r.decode)) for e in pool),
-                             ("store", "store", not self.health_checks.store_down)])
+                             *store])
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
                                    self.router.inflight, self.router.replica,
                                    self.router.policy.prefill_model.log_error)

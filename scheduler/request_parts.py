@@ -1,6 +1,6 @@
 """What the front doors (scheduler/frontdoor.py, scheduler/vllm_frontdoor.py) share around a
 request: the HTTP middleware that answers aiohttp's own errors (404, 405, 413, ...) in
-OpenAI's error shape, reading a request's body within a deadline (:func:`read_body`) and
+OpenAI's error shape, reading a request's body within a deadline (:func:`receive_body`) and
 parsing it as JSON (:func:`parse_json_body`: within :func:`body_limit`, large ones off the
 event loop), the engines' sampling parameters of a request, the clock that observes TTFT and
 TBT as tokens are sent, and the writer that keeps a slow client from slowing its engine
@@ -69,19 +69,6 @@ def body_limit(max_model_len: int) -> int:
     holding the GIL (1 MiB of the smallest objects: 50 ms here; 29 MiB, a million empty
     chat messages: 0.9 s, during which no other request was served)."""
     return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len))
-
-
-async def read_body(request: web.Request, timeout_s: float | None = None,
-                    limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request's body, decoded as its ``Content-Encoding`` says
-    (:func:`scheduler.content_encoding.decode_body`, in a worker thread: the front doors run
-    aiohttp with ``auto_decompress=False``). Raises APIError as :func:`receive_body`, and
-    413 when the decoded body passes ``limit`` bytes, 415 for an encoding not supported."""
-    raw, coding = await receive_body(request, timeout_s)
-    if coding is None:
-        return raw
-    # zlib lets go of the GIL while it inflates: in a thread, the event loop runs meanwhile
-    return await asyncio.to_thread(decode_body, raw, coding, limit)
 
 
 async def receive_body(request: web.Request, timeout_s: float | None = None) -> tuple[bytes, str | None]:

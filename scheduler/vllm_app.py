@@ -37,6 +37,7 @@ class RunningVLLMFrontdoor:
         await self.frontdoor.health_checks.stop()
         await cancel_and_wait(self.watcher)
         await self.runner.cleanup()
+        self.frontdoor.parse_slots.close()
         await self.frontdoor.router.close()
 
 

@@ -104,3 +104,17 @@ def test_a_caller_gone_before_the_model_frees_is_never_computed(served):
         engine._lock.release()
     assert engine.load() == EngineLoad(0, 0, 0)
     assert len(engine.local.snapshot().entries) == held       # no block of it was computed or cached
+
+
+def test_a_caller_gone_as_the_model_frees_leaves_it_free_and_a_failing_check_too(served):
+    engine, _, _ = served
+    with pytest.raises(Cancelled, match="before it began"):    # the model is free: checked once, gone
+        engine.prefill("gone-at-once", prompt_of(8, BS), "t", cancelled=lambda: True)
+
+    def broken() -> bool:
+        raise RuntimeError("the check itself failed")
+    with pytest.raises(RuntimeError, match="the check itself failed"):
+        engine.prefill("broken-check", prompt_of(9, BS), "t", cancelled=broken)
+    assert engine._lock.acquire(timeout=1), "the model's lock was left held"
+    engine._lock.release()
+    assert engine.load() == EngineLoad(0, 0, 0)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from scheduler.openai_api import APIError
-from scheduler.parse_slots import REASON_PARSE_WAITING, ParseSlots
+from scheduler.parse_slots import REASON_PARSE_FULL, REASON_PARSE_WAITING, ParseSlots
 
 
 def blocked(release: threading.Event, started: threading.Event, value: str):
@@ -52,7 +52,7 @@ def test_one_parse_per_tenant_and_other_tenants_do_not_wait():
 def test_past_max_waiting_a_tenant_gets_a_429_and_the_metric_counts_it():
     async def go():
         refused = []
-        slots = ParseSlots(max_waiting=2, refused=lambda: refused.append(1))
+        slots = ParseSlots(max_waiting=2, refused=refused.append)
         release, started = threading.Event(), threading.Event()
         tasks = [asyncio.create_task(slots.run("a", blocked(release, started, f"a{i}"))) for i in range(3)]
         await until(lambda: slots.users("a") == 3, "one parse and two waiting")
@@ -60,7 +60,7 @@ def test_past_max_waiting_a_tenant_gets_a_429_and_the_metric_counts_it():
             await slots.run("a", lambda: "too many")
         assert err.value.status == 429 and err.value.code == REASON_PARSE_WAITING
         assert err.value.headers.get("Retry-After") == "1" and "3 large request bodies" in str(err.value)
-        assert refused == [1]
+        assert refused == [REASON_PARSE_WAITING]
         assert await slots.run("b", lambda: "b") == "b"          # another tenant is not refused
         release.set()
         assert await asyncio.gather(*tasks) == ["a0", "a1", "a2"]
@@ -99,4 +99,29 @@ def test_errors_of_the_work_reach_the_caller_and_free_the_slot():
             await slots.run("a", bad)
         assert slots.users("a") == 0
         assert await slots.run("a", lambda: "ok") == "ok"
+    asyncio.run(go())
+
+
+def test_a_caller_cancelled_while_it_waits_gives_its_place_back_and_the_total_is_bounded():
+    async def go():
+        refused = []
+        slots = ParseSlots(max_total=3, refused=refused.append)
+        release, started = threading.Event(), threading.Event()
+        first = asyncio.create_task(slots.run("a", blocked(release, started, "a1")))
+        await until(started.is_set, "a's parse started")
+        waiting = asyncio.create_task(slots.run("a", lambda: "never"))
+        other = asyncio.create_task(slots.run("b", blocked(release, threading.Event(), "b1")))
+        await until(lambda: slots.users("a") == 2 and slots.users("b") == 1, "three bodies in")
+        with pytest.raises(APIError) as err:                     # a third tenant: the total is full
+            await slots.run("c", lambda: "c")
+        assert err.value.status == 429 and err.value.code == REASON_PARSE_FULL and refused == [REASON_PARSE_FULL]
+        waiting.cancel()                                         # its client left while it waited
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert slots.users("a") == 1
+        release.set()
+        assert await first == "a1" and await other == "b1"
+        assert await slots.run("c", lambda: "c") == "c"           # room again
+        assert slots.users("a") == slots.users("b") == slots.users("c") == 0
+        slots.close()
     asyncio.run(go())

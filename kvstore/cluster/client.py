@@ -109,7 +109,9 @@ class ClusterClient:
             raise Unavailable("; ".join(map(str, problems)) + f" ({serving} {'node' if serving == 1 else 'nodes'} "
                               "serving)")
         if not serving:
-            raise Unavailable("no store node is registered")
+            unverified = getattr(self.registry, "unverified", 0)
+            raise Unavailable(f"no store node is registered under this store token ({unverified} records are "
+                              "sealed under another: a wrong token?)" if unverified else "no store node is registered")
         return "SERVING"
 
     def wait_for_nodes(self, count: int, timeout_s: float = 30.0) -> list[NodeInfo]:

@@ -20,6 +20,7 @@ from kvstore.errors import KVStoreError
 
 LOST_NODE_S = 600.0      # a node gone without a clean stop is reported down this long (or until it is back)
 PROBE_TIMEOUT_S = 0.5    # a node's health check (the front door gives the whole check 1 s)
+PROBE_THREADS = 32       # nodes probed at once: a cluster of up to 32 is checked in one 0.5 s round
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class ClusterHealth:
         self.registry, self.token = registry, token
         self._known: dict[str, tuple[NodeInfo, float]] = {}   # node id -> (its record, last listed, monotonic s)
         self._clients: dict[tuple[str, int], StoreClient] = {}
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-cluster-health")
+        self._pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="kvstore-cluster-health")
 
     def check(self) -> tuple[int, list[NodeProblem]]:
         """(nodes that answered, the problems): each listed node that does not answer ``SERVING``

@@ -206,6 +206,10 @@ class RedisRegistry(Registry):
         self._warned: dict[str, float] = {}   # key -> when its refusal was last logged (monotonic s)
         self._newest: dict[str, float] = {}   # node id -> the latest sealed_at listed
         self.unverified = 0                   # records of the last listing not sealed under the token
+        # One listing at a time: two readers of one registry (a client's listing and its health
+        # check) each check a node's record against _newest and then set it, so the one that
+        # read the older beat, finishing second, refused a live node as a replay.
+        self._listing = threading.Lock()
 
     def _server_time(self) -> float:
         seconds, micros = self._r.time()
@@ -243,6 +247,10 @@ class RedisRegistry(Registry):
         return int(inner["epoch"])
 
     def nodes(self) -> list[NodeInfo]:
+        with self._listing:
+            return self._nodes()
+
+    def _nodes(self) -> list[NodeInfo]:
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
         self.unverified = 0
         if not keys:

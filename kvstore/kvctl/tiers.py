@@ -60,13 +60,14 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
         n = client.pin(keys, hard=args.hard, ttl_s=args.ttl, prefix=args.prefix)
     asked = len(set(keys))   # the node counts distinct blocks
     kind = "hard" if args.hard else (f"soft, TTL {args.ttl} s" if args.ttl else "soft, the node's default TTL")
-    if not args.hard:
-        kind += " (a block pinned hard stays hard: unpin it first)"
+    note = "" if args.hard else "a block pinned hard stays hard: unpin it first"
     # --prefix pins the chain's held prefix, whatever its length; none held (its head is
     # not there) is the incomplete case, as for rm/demote/promote --prefix
     done = n > 0 if args.prefix else n == asked
-    text = f"{t.store}: pinned {n} of {plural(asked, 'block')}, {kind}"
+    text = f"{t.store}: pinned {n} of {plural(asked, 'block')}, {kind}" + (f" ({note})" if note else "")
     doc: dict[str, Any] = {"success": done, "address": t.store, "pinned": n, "asked": asked, "kind": kind}
+    if note:
+        doc["note"] = note
     if args.prefix and not n:
         doc["reason"] = "the node holds no block of the chain's head"
     elif not done:
