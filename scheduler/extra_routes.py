@@ -4,6 +4,7 @@ with the served model's tokenizer, ``GET /version``, and ``GET``/``POST /ping`` 
 health check's status code, as vLLM's SageMaker-style ``/ping``)."""
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -23,13 +24,16 @@ def extra_routes(door: Frontdoor) -> list[web.RouteDef]:
     async def tokenize(request: web.Request) -> web.Response:
         """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len",
         "tokens", "token_strs": null}``."""
+        def answer(body: object) -> bytes:     # the answer too is built where the body is parsed
+            tokens = parse_tokenize(body, door.tokenizer, door.limits)
+            return json.dumps({"count": len(tokens), "max_model_len": door.limits.max_model_len,
+                               "tokens": tokens, "token_strs": None}).encode()
         try:
-            tokens = await parse_json_body(request, lambda b: parse_tokenize(b, door.tokenizer, door.limits),
-                                           door.parse_slots, tenant_of(request), limit=door.body_limit)
+            data = await parse_json_body(request, answer, door.parse_slots, tenant_of(request),
+                                         limit=door.body_limit)
         except APIError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-        return web.json_response({"count": len(tokens), "max_model_len": door.limits.max_model_len,
-                                  "tokens": tokens, "token_strs": None})
+        return web.Response(body=data, content_type="application/json")
 
     async def detokenize(request: web.Request) -> web.Response:
         """``{"tokens": [int, ...]}`` -> ``{"prompt": str}``."""

@@ -57,16 +57,11 @@ class ParseSlots:
         ``max_waiting`` of the tenant's bodies already wait, ``parse_queue_full`` when
         ``max_total`` bodies are parsed or waiting. Cancelled while the thread runs, it
         returns at once and the slot is let go when the thread ends."""
-        if self._total >= self.max_total:
-            raise self._refuse(REASON_PARSE_FULL, f"the server already has {self._total} large request bodies "
-                                                  "being parsed or waiting to be; retry shortly")
+        self.check(tenant)
         entry = self._tenants.get(tenant)
         if entry is None:
             entry = self._tenants[tenant] = (asyncio.Lock(), [0])
         lock, users = entry
-        if users[0] > self.max_waiting:
-            raise self._refuse(REASON_PARSE_WAITING, f"this API key already has {users[0]} large request bodies "
-                                                     "being parsed or waiting to be; send fewer at once")
         users[0] += 1
         self._total += 1
         try:
@@ -82,6 +77,18 @@ class ParseSlots:
             raise
         future.add_done_callback(lambda f: self._done(tenant, entry, f))
         return await asyncio.shield(future)
+
+    def check(self, tenant: str) -> None:
+        """Raises the APIError 429 :meth:`run` would raise for one more of ``tenant``'s
+        bodies now (the front doors ask before reading a body whose ``Content-Length`` is
+        large, so a refusal does not cost the read)."""
+        if self._total >= self.max_total:
+            raise self._refuse(REASON_PARSE_FULL, f"the server already has {self._total} large request bodies "
+                                                  "being parsed or waiting to be; retry shortly")
+        users = self.users(tenant)
+        if users > self.max_waiting:
+            raise self._refuse(REASON_PARSE_WAITING, f"this API key already has {users} large request bodies "
+                                                     "being parsed or waiting to be; send fewer at once")
 
     def _refuse(self, reason: str, message: str) -> APIError:
         if self._refused is not None:

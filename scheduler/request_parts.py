@@ -117,25 +117,43 @@ def check_media_type(request: web.Request) -> None:
 async def parse_json_body(request: web.Request, parse: Callable[[Any], T], slots: ParseSlots | None = None,
                           tenant: str = "", timeout_s: float | None = None, limit: int = MAX_BODY_BYTES) -> T:
     """``parse`` of the request's JSON body (:func:`check_media_type` first, before the body
-    is read; then :func:`receive_body` within ``timeout_s``). A body sent compressed or of
-    :data:`~scheduler.parse_slots.LARGE_BODY_BYTES` or more is decoded, parsed and given to
-    ``parse`` in a worker thread, holding ``tenant``'s slot in ``slots``
-    (scheduler/parse_slots.py; None: no slot); a smaller one on the event loop. Raises
+    is read; then :func:`receive_body` within ``timeout_s``). A body of
+    :data:`~scheduler.parse_slots.LARGE_BODY_BYTES` or more, sent or decoded, is decoded,
+    parsed and given to ``parse`` in a worker thread, holding ``tenant``'s slot in ``slots``
+    (scheduler/parse_slots.py; None: no slot, and no check of ``Content-Length`` against a
+    full slot before the body is read); a smaller one on the event loop. Raises
     APIError as those do, 413 for a body over ``limit`` bytes as sent or decoded
     (:func:`body_limit`), 400 for one that is not JSON (:func:`~scheduler.openai_api.read_json`),
     and whatever ``parse`` raises."""
     check_media_type(request)
+    declared = request.content_length
+    if slots is not None and declared is not None and declared >= LARGE_BODY_BYTES:
+        slots.check(tenant)              # a 429 before the body is read, when it would be one after
     raw, coding = await receive_body(request, timeout_s)
     if len(raw) > limit:
         raise too_large(len(raw), limit)
-    if coding is None and len(raw) < LARGE_BODY_BYTES:
-        return parse(read_json(raw))
+    if len(raw) < LARGE_BODY_BYTES:
+        # a small body, or a small compressed one that decodes small: on the event loop
+        # (a compressed one that decodes large is decoded again in the thread, up to limit)
+        small = raw if coding is None else _decode_small(raw, coding)
+        if small is not None:
+            return parse(read_json(small))
 
     def work() -> T:
         return parse(read_json(decode_body(raw, coding, limit)))
     if slots is None:
         return await asyncio.to_thread(work)
     return await slots.run(tenant, work)
+
+
+def _decode_small(raw: bytes, coding: str) -> bytes | None:
+    """``raw`` decoded when it decodes to less than LARGE_BODY_BYTES, else None."""
+    try:
+        return decode_body(raw, coding, LARGE_BODY_BYTES - 1)
+    except APIError as exc:
+        if exc.status == 413:
+            return None
+        raise
 
 
 def too_large(size: int, limit: int) -> APIError:

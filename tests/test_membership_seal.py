@@ -162,7 +162,7 @@ def test_kvctl_with_a_wrong_token_is_unauthenticated_not_an_empty_cluster(spawn_
         assert time.monotonic() < deadline, "the node never registered"
         time.sleep(0.2)
     wrong = kvctl_env(tmp_path, token="a-stale-token-0123456789", redis_url=redis_url)
-    for argv in (("ls",), ("namespaces",), ("nodes",), ("flush", "--force")):
+    for argv in (("ls",), ("namespaces",), ("nodes",), ("flush", "--force"), ("watch", "--count", "1")):
         rc, out, err = kvctl(wrong, *argv)
         assert rc == 1, (argv, out, err)
         assert "UNAUTHENTICATED" in err and "1 node record" in err and "wrong or stale" in err, err

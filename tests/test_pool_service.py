@@ -415,7 +415,9 @@ def test_pins_policy_and_stats_through_client_and_kvctl(node, capsys) -> None:
     assert kvctl.main(base + ["pin", keys[0].hex(), "--ttl", "5"]) == 0     # a soft pin over a hard one: still hard
     assert "soft, TTL 5.0 s (a block pinned hard stays hard: unpin it first)" in capsys.readouterr().out
     assert kvctl.main(base + ["unpin", "--prefix"] + [k.hex() for k in keys]) == 0
-    assert "unpinned 2 blocks" in capsys.readouterr().out
+    assert "unpinned 2 of 4 blocks" in capsys.readouterr().out
+    assert kvctl.main(base + ["unpin", keys[3].hex()]) == 3       # a pin not on this node: nothing done
+    assert "unpinned 0 of 1 block: 1 of the named blocks are not pinned on this node" in capsys.readouterr().out
     assert kvctl.main(base + ["pin", "--prefix"] + [k.hex() for k in keys]) == 0    # the held 3 of 4
     assert "pinned 3 of 4 blocks" in capsys.readouterr().out
     assert kvctl.main(base + ["pin", "--prefix", keys[3].hex()]) == 3                # its head is not held

@@ -39,24 +39,31 @@ class NodeRef:
 def cluster_nodes(t: Target) -> list[NodeRef]:
     """The live nodes in the registry (``--redis``), else the ``--store`` node alone."""
     if t.redis_url:
-        reg = RedisRegistry(t.redis_url, t.token)
-        try:
-            listed = reg.nodes()
-        except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
-            raise KVStoreError(f"membership registry (Redis): {exc}") from None
-        finally:
-            reg.close()
-        if not listed and reg.unverified:
-            # Every node left out for its seal: a wrong or stale token, not an empty cluster
-            # (an empty listing let ls, namespaces and flush report nothing done, exit 0).
-            raise Unauthenticated(
-                f"UNAUTHENTICATED: the membership registry holds {plural(reg.unverified, 'node record')} and none is "
-                f"sealed under the store token kvctl sends: it is wrong or stale (kvctl takes it from --token, then "
-                f"{STORE_TOKEN_ENV}, then the stack's auth.env)")
-        return [NodeRef(n.node_id, n.address, n) for n in listed]
+        return [NodeRef(n.node_id, n.address, n) for n in registry_nodes(t.redis_url, t.token)]
     with t.store_client() as client:
         node_id, _ = client.stats()
     return [NodeRef(node_id, t.store)]
+
+
+def registry_nodes(redis_url: str, token: str | None) -> list[NodeInfo]:
+    """The nodes registered in the Redis at ``redis_url`` whose records are sealed under
+    ``token``. Raises KVStoreError when the registry cannot be read, and Unauthenticated
+    when it holds records and none is sealed under ``token`` — a wrong or stale token, not
+    an empty cluster (an empty listing let ls, namespaces and flush report nothing done,
+    exit 0)."""
+    reg = RedisRegistry(redis_url, token)
+    try:
+        listed = reg.nodes()
+    except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
+        raise KVStoreError(f"membership registry (Redis): {exc}") from None
+    finally:
+        reg.close()
+    if not listed and reg.unverified:
+        raise Unauthenticated(
+            f"UNAUTHENTICATED: the membership registry holds {plural(reg.unverified, 'node record')} and none is "
+            f"sealed under the store token kvctl sends: it is wrong or stale (kvctl takes it from --token, then "
+            f"{STORE_TOKEN_ENV}, then the stack's auth.env)")
+    return listed
 
 
 def pick_nodes(t: Target, which: str | None) -> list[NodeRef]:

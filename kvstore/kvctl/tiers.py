@@ -79,10 +79,19 @@ def cmd_pin(t: Target, args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(t: Target, args: argparse.Namespace) -> int:
+    keys = parse_keys(args.keys)
     with t.store_client() as client:
-        n = client.unpin(parse_keys(args.keys), prefix=args.prefix)
-    emit(args, {"success": True, "address": t.store, "unpinned": n}, f"{t.store}: unpinned {plural(n, 'block')}")
-    return EXIT_OK
+        n = client.unpin(keys, prefix=args.prefix)
+    asked = len(set(keys))
+    done = n > 0 if args.prefix else n == asked
+    doc: dict[str, Any] = {"success": done, "address": t.store, "unpinned": n, "asked": asked}
+    text = f"{t.store}: unpinned {n} of {plural(asked, 'block')}"
+    if not done:   # a pin it did not find may be on another node (--store picks the node)
+        doc["reason"] = (f"{asked - n if not args.prefix else asked} of the named blocks are not pinned on this "
+                         "node (not held here, or not pinned)")
+        text += f": {doc['reason']}"
+    emit(args, doc, text)
+    return EXIT_OK if done else EXIT_INCOMPLETE
 
 
 def cmd_policy(t: Target, args: argparse.Namespace) -> int:

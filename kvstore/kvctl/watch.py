@@ -163,15 +163,10 @@ def run(addresses: Sequence[str], token: str | None | Callable[[str], str | None
 
 def _registered(redis_url: str, seal_token: str | None) -> list[str]:
     """The addresses of the nodes in the membership registry (records sealed with
-    ``seal_token``). Raises KVStoreError when it cannot be read."""
-    from kvstore.cluster.membership import RedisRegistry
-    reg = RedisRegistry(redis_url, seal_token)
-    try:
-        return sorted(n.address for n in reg.nodes())
-    except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
-        raise KVStoreError(f"membership registry (Redis): {exc}") from None
-    finally:
-        reg.close()
+    ``seal_token``). Raises KVStoreError when it cannot be read, Unauthenticated when none
+    of its records is sealed under ``seal_token``."""
+    from kvstore.kvctl.cluster import registry_nodes
+    return sorted(n.address for n in registry_nodes(redis_url, seal_token))
 
 
 def cmd_watch(target: Any, args: argparse.Namespace) -> int:
