@@ -4,7 +4,7 @@ Decoding, ``json.loads``, validating and tokenizing a body are CPU work: on the 
 29 MiB body of a million empty chat messages (74 kB gzipped) held every other tenant's streams
 and the store's health check for 2.2 s. A body that is large (:data:`LARGE_BODY_BYTES` or
 more) or sent compressed is therefore parsed in a worker thread of the front door's own
-(:data:`PARSE_THREADS`: never the event loop's default executor, which the router's pool
+(:data:`PARSE_THREADS`, never the event loop's default executor, which the router's pool
 lookups and the store's health check use), and each tenant has one such parse at a time
 (:class:`ParseSlots`): one tenant's large bodies wait for each other, not other tenants'
 requests. A tenant's slot is held until its worker thread returns, even when the client
@@ -25,26 +25,29 @@ T = TypeVar("T")
 LARGE_BODY_BYTES = 256 << 10   # a body of this many bytes or more (as sent) is parsed off the event loop
 MAX_PARSE_WAITING = 8          # a tenant's large bodies waiting for its parse slot; one more is a 429
 MAX_PARSE_TOTAL = 64           # large bodies parsed or waiting, all tenants; one more is a 429
-PARSE_THREADS = 2              # worker threads parsing large bodies (json.loads holds the GIL anyway)
+# Threads parsing large bodies: one, since json.loads holds the GIL and a second only took it
+# from the event loop more (README: another caller's median 2.8 s with two, 1.5 s with one).
+PARSE_THREADS = 1
 REASON_PARSE_WAITING = "tenant_parse_waiting"
 REASON_PARSE_FULL = "parse_queue_full"
 
 
 class ParseSlots:
     """One worker-thread parse at a time per tenant, at most ``max_waiting`` waiting behind
-    it, at most ``max_total`` parsed or waiting in all, on :data:`PARSE_THREADS` threads of
-    its own. ``refused``: called with the reason of each body refused (for a metric).
+    it, at most ``max_total`` parsed or waiting in all, on ``threads`` threads of its own
+    (:data:`PARSE_THREADS`; with one, a tenant's next body queues behind every other
+    tenant's already queued: one each at most). ``refused``: called with the reason of each body refused (for a metric).
     Event-loop only."""
 
     def __init__(self, max_waiting: int = MAX_PARSE_WAITING, refused: Callable[[str], None] | None = None,
-                 max_total: int = MAX_PARSE_TOTAL) -> None:
+                 max_total: int = MAX_PARSE_TOTAL, threads: int = PARSE_THREADS) -> None:
         if max_waiting < 0 or max_total < 1:
             raise ValueError(f"max_waiting must be >= 0 and max_total >= 1, got {max_waiting}, {max_total}")
         self.max_waiting, self.max_total = max_waiting, max_total
         self._refused = refused
         self._tenants: dict[str, tuple[asyncio.Lock, list[int]]] = {}   # tenant -> (slot, [users])
         self._total = 0
-        self._executor = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="kvstore-parse")
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-parse")
 
     def users(self, tenant: str) -> int:
         """Bodies of ``tenant`` being parsed or waiting (0 or 1 being parsed)."""

@@ -30,7 +30,7 @@ async def until(predicate, what: str) -> None:
 
 def test_one_parse_per_tenant_and_other_tenants_do_not_wait():
     async def go():
-        slots = ParseSlots()
+        slots = ParseSlots(threads=2)
         release, started = threading.Event(), threading.Event()
         first = asyncio.create_task(slots.run("a", blocked(release, started, "a1")))
         await until(started.is_set, "a's first parse started")
@@ -52,7 +52,7 @@ def test_one_parse_per_tenant_and_other_tenants_do_not_wait():
 def test_past_max_waiting_a_tenant_gets_a_429_and_the_metric_counts_it():
     async def go():
         refused = []
-        slots = ParseSlots(max_waiting=2, refused=refused.append)
+        slots = ParseSlots(max_waiting=2, refused=refused.append, threads=2)
         release, started = threading.Event(), threading.Event()
         tasks = [asyncio.create_task(slots.run("a", blocked(release, started, f"a{i}"))) for i in range(3)]
         await until(lambda: slots.users("a") == 3, "one parse and two waiting")
@@ -105,7 +105,7 @@ def test_errors_of_the_work_reach_the_caller_and_free_the_slot():
 def test_a_caller_cancelled_while_it_waits_gives_its_place_back_and_the_total_is_bounded():
     async def go():
         refused = []
-        slots = ParseSlots(max_total=3, refused=refused.append)
+        slots = ParseSlots(max_total=3, refused=refused.append, threads=2)
         release, started = threading.Event(), threading.Event()
         first = asyncio.create_task(slots.run("a", blocked(release, started, "a1")))
         await until(started.is_set, "a's parse started")
@@ -123,5 +123,30 @@ def test_a_caller_cancelled_while_it_waits_gives_its_place_back_and_the_total_is
         assert await first == "a1" and await other == "b1"
         assert await slots.run("c", lambda: "c") == "c"           # room again
         assert slots.users("a") == slots.users("b") == slots.users("c") == 0
+        slots.close()
+    asyncio.run(go())
+
+
+def test_with_one_thread_a_tenants_next_body_queues_behind_the_others():
+    async def go():
+        slots = ParseSlots()                                     # the front door's: one parse thread
+        order: list[str] = []
+        release, started = threading.Event(), threading.Event()
+
+        def then(name: str, work=None):
+            def run() -> str:
+                if work is not None:
+                    work()
+                order.append(name)
+                return name
+            return run
+        a1 = asyncio.create_task(slots.run("a", then("a1", blocked(release, started, "a1"))))
+        await until(started.is_set, "a's first parse started")
+        a2 = asyncio.create_task(slots.run("a", then("a2")))     # waits for a's slot
+        b1 = asyncio.create_task(slots.run("b", then("b1")))     # waits for the thread
+        await until(lambda: slots.users("a") == 2 and slots.users("b") == 1, "all three in")
+        release.set()
+        assert await asyncio.gather(a1, a2, b1) == ["a1", "a2", "b1"]
+        assert order == ["a1", "b1", "a2"]                       # b did not wait behind a's second
         slots.close()
     asyncio.run(go())
