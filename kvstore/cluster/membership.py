@@ -130,21 +130,11 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
     must be sealed under it, no older than its TTL + :data:`CLOCK_SLACK_S`, and name the node
     its key does. Raises ValueError saying what is wrong (a forged, stale, unsealed or
     malformed record), and nothing else whatever the value holds."""
-    if len(value) > MAX_RECORD_BYTES:
-        raise ValueError(f"{len(value):,} bytes, over {MAX_RECORD_BYTES:,}")
-    doc = _json(value)
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
+    doc = _document(value)
     sealed_at: float | None = None
     if "body" in doc:
-        body = doc["body"]
-        if not isinstance(body, str):
-            raise ValueError("body is not a string")
-        if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
-            raise NotSealedForThisToken("its seal does not verify under this store token (forged, or another "
-                                        "cluster's, or the token is wrong)")
-        inner = _json(body)
-        if not isinstance(inner, dict) or not _number(inner.get("sealed_at")) or not _number(inner.get("ttl_s")):
+        inner = _opened(key, doc, token)
+        if not _number(inner.get("sealed_at")) or not _number(inner.get("ttl_s")):
             raise ValueError("body: not an object with a record, sealed_at and ttl_s")
         sealed_at = float(inner["sealed_at"])
         age, ttl_s = now - sealed_at, float(inner["ttl_s"])
@@ -158,6 +148,32 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
     if KEY_PREFIX + info.node_id != key:
         raise ValueError(f"names node {info.node_id!r}")
     return info, sealed_at
+
+
+def _document(value: str | bytes) -> dict[str, Any]:
+    """A registry value as a JSON object; ValueError when it is too large or not one."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise ValueError(f"{len(value):,} bytes, over {MAX_RECORD_BYTES:,}")
+    doc = _json(value)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    return doc
+
+
+def _opened(key: str, doc: dict[str, Any], token: str | None) -> dict[str, Any]:
+    """The object sealed in ``doc`` (``{"body": JSON text, "mac": hex}``) at ``key``, its MAC
+    checked under ``token`` when there is one. Raises NotSealedForThisToken when it does not
+    verify, ValueError when the body is not a JSON object."""
+    body = doc.get("body")
+    if not isinstance(body, str):
+        raise ValueError("body is not a string")
+    if token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(token, key, body)):
+        raise NotSealedForThisToken("its seal does not verify under this store token (forged, or another "
+                                    "cluster's, or the token is wrong)")
+    inner = _json(body)
+    if not isinstance(inner, dict):
+        raise ValueError("body: not a JSON object")
+    return inner
 
 
 class Registry(ABC):
@@ -231,18 +247,13 @@ class RedisRegistry(Registry):
     def left(self, node_id: str) -> int | None:
         key = LEFT_PREFIX + node_id
         value = self._r.get(key)
-        if value is None or len(value) > MAX_RECORD_BYTES:
+        if value is None:
             return None
         try:
-            doc = _json(value)
-            body = doc["body"] if isinstance(doc, dict) else None
-            if not isinstance(body, str) or (
-                    self._token and not hmac.compare_digest(str(doc.get("mac", "")), _mac(self._token, key, body))):
-                return None
-            inner = _json(body)
+            inner = _opened(key, _document(value), self._token)
         except ValueError:
             return None
-        if not isinstance(inner, dict) or inner.get("node_id") != node_id or not _whole(inner.get("epoch")):
+        if inner.get("node_id") != node_id or not _whole(inner.get("epoch")):
             return None
         return int(inner["epoch"])
 
