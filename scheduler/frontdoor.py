@@ -145,11 +145,7 @@ class Frontdoor:
         return web.json_response(self._model_card())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        r = self.router
-        store = [("store", "store", not self.health_checks.store_down)] if r.store is not None else []
-        self.metrics.set_up([*((role, e, e not in r.down) for role, pool in (("prefill", r.prefill),
-                                                                                ("decode", r.decode)) for e in pool),
-                             *store])
+        self.metrics.set_up(self.health_checks.parts())
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
                                    self.router.inflight, self.router.replica,
                                    self.router.policy.prefill_model.log_error)

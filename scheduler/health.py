@@ -116,10 +116,20 @@ class HealthChecker:
             log.info("store is up again")
         self.store_down = reason
 
+    def engines(self) -> list[tuple[str, str]]:
+        """(role, engine id) of every prefill and decode instance the router knows."""
+        r = self.router
+        return [(role, e) for role, pool in (("prefill", r.prefill), ("decode", r.decode)) for e in pool]
+
+    def parts(self) -> list[tuple[str, str, bool]]:
+        """(role, instance, up) of every engine and of the store (when there is one), as the
+        last checks found them (``kvstore_scheduler_up``)."""
+        store = [("store", "store", not self.store_down)] if self.router.store is not None else []
+        return [*((role, e, e not in self.router.down) for role, e in self.engines()), *store]
+
     def report(self) -> HealthReport:
         r = self.router
-        reasons = [f"{role} {e}: {r.down[e]}" for role, pool in (("prefill", r.prefill), ("decode", r.decode))
-                   for e in pool if e in r.down]
+        reasons = [f"{role} {e}: {r.down[e]}" for role, e in self.engines() if e in r.down]
         if self.store_down:
             effect = getattr(r.store, "down_effect", "prompts are recomputed")
             reasons.append(f"store: {self.store_down} ({effect})")
