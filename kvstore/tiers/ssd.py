@@ -173,7 +173,7 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
                             txn.put(key, owner.encode(), db=self._owners)
                         else:
                             txn.delete(key, db=self._owners)
-                self._measure()
+                self._measure(cover=True)
                 return
             except lmdb.MapFullError:
                 if not self._grow():

@@ -371,9 +371,21 @@ class SsdStorage:
                         self.path, bad)
         return out
 
-    def _measure(self) -> None:
-        """Record the bytes of data.mdb LMDB's pages use (after opening and every write)."""
+    def _measure(self, cover: bool = False) -> None:
+        """Record the bytes of data.mdb LMDB's pages use (after opening and every write).
+        ``cover`` (right after this tier's own write transaction): extend the file to them.
+        LMDB counts in ``last_pgno`` the pages a transaction copied and freed again before
+        its commit ("loose" pages, e.g. of a transaction deleting many rows) but never writes
+        them, so the file can end short of that count with nothing damaged; the size check
+        then took a healthy environment for a truncated one and moved it aside. The pages
+        added are free ones (zeros), which LMDB writes in full before it reads them."""
         self._need = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        if cover and os.fstat(self._fd).st_size < self._need:
+            fd = os.open(os.path.join(self.path, "data.mdb"), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(self._need, os.fstat(fd).st_size))
+            finally:
+                os.close(fd)
 
     def _check(self) -> None:
         """Raises _Damaged when data.mdb is shorter than LMDB's pages (a read there would
