@@ -314,6 +314,9 @@ class Reservations:
             out, todo = self._admissible(batch)
             if not todo:
                 return out  # type: ignore[return-value]
+            if place.tenants is not None:   # each block is its committing writer's tenant's
+                for _, res, _ in todo:
+                    place.tenants.committing(res.id)
             if not tier.slow_commit:  # the books only: no I/O, all under the lock
                 return self._publish(out, todo, self._tier_commit(todo))
             for _, res, _ in todo:

@@ -211,6 +211,15 @@ class TenantBooks:
         self.settled(res_id)
         self.reserved(res_id, key, namespace, size)
 
+    def committing(self, res_id: int) -> None:
+        """The reservation ``res_id`` commits its key now: the block belongs to its tenant,
+        not to that of another put of the same key reserved earlier (which may still be
+        open, or be aborted: the block was booked to a tenant that never stored it, and that
+        tenant's quota could then evict it)."""
+        entry = self.pending.get(res_id)
+        if entry is not None:
+            self._claims[entry[0]] = entry[1]
+
     def settled(self, res_id: int) -> None:
         """A reservation committed, aborted or expired: its bytes are no longer pending."""
         entry = self.pending.pop(res_id, None)

@@ -246,3 +246,50 @@ def test_a_tenants_ssd_blocks_stay_its_own_across_a_restart(make_dram, make_ssd,
     stats = namespace_stats(again)
     assert (stats["key-dram"].blocks, stats["key-ssd"].blocks, stats[""].blocks) == (8, 1, 3)
     again.close()
+
+
+def test_a_block_is_its_committing_writers_even_when_another_tenant_reserved_it_first(store_node):
+    """Tenant A's Put of a key stops mid-block (its reservation open, then cancelled) while
+    tenant B puts the same key whole: the block is B's, so A's quota never evicts it and B's
+    books count it (it was booked to A, who never stored it, and A's next put under its quota
+    evicted B's block)."""
+    import threading
+    import time
+
+    import grpc
+
+    from kvstore.integrity import checksum_of
+    from protos import kvstore_pb2 as pb
+    from protos import kvstore_pb2_grpc as pb_grpc
+
+    pool, address = store_node
+    books = attach(pool)
+    books.quotas.set("tenant-a", BLOCK)
+    shared, data = block(1, b"shared"), os.urandom(BLOCK)
+    stop = threading.Event()
+
+    def stalled():      # A: the header and half the bytes, then nothing until cancelled
+        yield pb.PutChunk(key=shared, size=BLOCK, checksum=checksum_of(data), data=data[:BLOCK // 2])
+        stop.wait(10)
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        a_call = stub.Put.future(stalled(), metadata=[("kvstore-namespace", "tenant-a")])
+        deadline = time.monotonic() + 5
+        while not any(s.reserved_bytes for s in pool.stats()):
+            assert time.monotonic() < deadline, "A's reservation never opened"
+            time.sleep(0.01)
+        b = stub.Put(iter([pb.PutChunk(key=shared, size=BLOCK, checksum=checksum_of(data), data=data)]),
+                     metadata=[("kvstore-namespace", "tenant-b")])
+        assert b.results[0].ok and not b.results[0].existed
+        a_call.cancel()
+        stop.set()
+        assert books.namespace_of(shared) == "tenant-b"
+        own = block(2, b"a-own")   # A at its quota of one block: evicts its own only
+        a = stub.Put(iter([pb.PutChunk(key=own, size=BLOCK, checksum=checksum_of(data), data=data)]),
+                     metadata=[("kvstore-namespace", "tenant-a")])
+        assert a.results[0].ok
+    assert pool.contains(shared) and pool.get(shared) == data
+    stats = namespace_stats(pool)
+    assert stats["tenant-b"].blocks == 1 and stats["tenant-a"].blocks == 1 and stats["tenant-a"].evictions == 0
+    pool.check_integrity()
