@@ -21,8 +21,8 @@ model or path 404, wrong method 405, a prompt over the model's limit 400 too
 :func:`~scheduler.request_parts.body_limit` (64 bytes a token of context, 1-32 MiB) 413, a
 body not sent as JSON 415 (:func:`~scheduler.request_parts.parse_json_body`), admission 429
 (with ``Retry-After``; also ``tenant_parse_waiting``, :mod:`scheduler.parse_slots`), engine
-or store failure 503; bodies are OpenAI's error shape. A large or compressed body is parsed
-in a worker thread, one at a time per tenant (scheduler/parse_slots.py).
+or store failure 503; bodies are OpenAI's error shape. A large body (as sent or as decoded) is
+parsed in a worker thread, one at a time per tenant (scheduler/parse_slots.py).
 
 A request with ``"prefix_cache": false`` is served with the pool off: the router plans it
 as a full prefill (no pool lookup, no local hit) and the prefill engine is asked to

@@ -3,7 +3,7 @@
 Decoding, ``json.loads``, validating and tokenizing a body are CPU work: on the event loop a
 29 MiB body of a million empty chat messages (74 kB gzipped) held every other tenant's streams
 and the store's health check for 2.2 s. A body that is large (:data:`LARGE_BODY_BYTES` or
-more) or sent compressed is therefore parsed in a worker thread of the front door's own
+more, as sent or as decoded) is therefore parsed in a worker thread of the front door's own
 (:data:`PARSE_THREADS`, never the event loop's default executor, which the router's pool
 lookups and the store's health check use), and each tenant has one such parse at a time
 (:class:`ParseSlots`): one tenant's large bodies wait for each other, not other tenants'
