@@ -265,14 +265,14 @@ def test_control_channel_polling_is_only_a_latency_choice(make_dram, node_poll_s
 
 
 def test_a_connection_releases_only_its_own_leases(slab_node) -> None:
-    """Lease ids are small integers, not secrets: a RELEASE of another connection's
-    lease is ignored (the lease keeps its blocks until its holder lets go)."""
+    """A RELEASE of another connection's lease is ignored (the lease keeps its blocks
+    until its holder lets go), whatever the id."""
     pool, _, path = slab_node()
     pool.put(key_of(1), block_of(1))
     a, b = UdsControl(path), UdsControl(path)
     grant = a.lease([key_of(1)], ttl_s=60)
     assert grant.lease_id and pool.stats()[0].leased_bytes == len(block_of(1))
-    for lid in range(1, grant.lease_id + 5):
+    for lid in (grant.lease_id, grant.lease_id - 1, grant.lease_id + 1, 1, 2):
         b.release(lid)
     assert b.lookup([key_of(1)])[0] == 1                     # b's releases were all read
     assert pool.stats()[0].leased_bytes == len(block_of(1))  # a's lease stands
@@ -419,3 +419,42 @@ def test_a_socket_path_too_long_goes_to_a_directory_of_this_users_alone(make_dra
     monkeypatch.delenv("XDG_RUNTIME_DIR")             # none: a private directory under <tmp>
     path = StoreConfig(data_dir=deep, node_id="n-1").dataplane_socket_path()
     assert path is not None and os.path.basename(os.path.dirname(path)) == f"kvstore-{os.getuid()}"
+
+
+def test_grpc_control_calls_cannot_reach_another_clients_lease_or_reservation(slab_node) -> None:
+    """Over gRPC there is no connection to check an id against: ids are random, so a gRPC
+    caller that names ids near its own (sequential ids let it) releases, commits or aborts
+    nothing of a socket client's. A commit of another's reservation before its bytes were
+    written published the slot's stale bytes (a former block's) under the new key, with a
+    checksum the node took of them."""
+    import grpc
+
+    from protos import kvstore_pb2 as pb
+    from protos import kvstore_pb2_grpc as pb_grpc
+
+    pool, address, path = slab_node()
+    pool.put(key_of(1), block_of(1))
+    owner = UdsControl(path)
+    grant = owner.lease([key_of(1)], ttl_s=60)
+    slot = owner.reserve([(key_of(2), MIB)])[0]
+    assert grant.lease_id and slot.res_id
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        mine = stub.ReserveBlocks(pb.ReserveBlocksRequest(keys=[key_of(3)], sizes=[MIB])).slots[0].reservation_id
+        own_lease = stub.LeaseBlocks(pb.LeaseBlocksRequest(keys=[key_of(1)], ttl_s=60)).lease_id
+        near = [i for base in (mine, own_lease) for i in range(max(1, base - 8), base + 9) if i != base]
+        near += list(range(1, 17))
+        for lid in near:
+            stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lid))
+        stub.CommitBlocks(pb.CommitBlocksRequest(reservation_ids=[i for i in near if i != mine]))
+        stub.AbortBlocks(pb.AbortBlocksRequest(reservation_ids=[i for i in near if i != mine]))
+        assert stub.Lookup(pb.LookupRequest(keys=[key_of(2)])).prefix_blocks == 0   # nothing committed
+        assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=own_lease)).released
+        stub.AbortBlocks(pb.AbortBlocksRequest(reservation_ids=[mine]))
+    assert pool.stats()[0].leased_bytes == len(block_of(1))              # the socket client's lease stands
+    owner.release(grant.lease_id)
+    assert owner.lookup([key_of(1)])[0] == 1
+    assert pool.stats()[0].leased_bytes == 0
+    assert owner.commit([slot.res_id], [key_of(2)])[0].ok                             # its reservation is still its own
+    assert pool.contains(key_of(2))
+    owner.close()

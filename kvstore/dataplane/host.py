@@ -4,6 +4,7 @@ themselves. The gRPC servicer and the Unix-socket server both call this one obje
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Container, Sequence
@@ -107,9 +108,10 @@ class DataPlaneHost:
             self.pool.release(lease)
             return 0, lease.deadline, flat
         with self._lock:
-            self._leases[lease.id] = lease
+            lease_id = self._handle(self._leases)
+            self._leases[lease_id] = lease
             self._tick()
-        return lease.id, lease.deadline, flat
+        return lease_id, lease.deadline, flat
 
     def lease_for(self, req: LeaseRequest) -> LeaseGrant:
         """:meth:`lease` of a decoded request (what the gRPC servicer calls)."""
@@ -134,7 +136,7 @@ class DataPlaneHost:
         refuses, and every block after it, SLOT_QUOTA with the reason (the writer commits
         the ones before and raises QuotaExceeded, as a gRPC Put stream ends there)."""
         out: list[SlotGrant | None] = [None] * len(items)
-        made: list[Reservation] = []
+        made: list[tuple[int, Reservation]] = []
         links = chain_parents([k for k, _ in items], chain, parent)
         todo: list[int] = []
         for i, (key, size) in enumerate(items):
@@ -156,15 +158,16 @@ class DataPlaneHost:
             elif res.existed:
                 out[i] = SlotGrant(SLOT_EXISTED)
             else:
-                made.append(res)
-                out[i] = SlotGrant(SLOT_OPEN, res.id, res.slot.offset, write_by=res.deadline - self.grace_s)
+                made.append((i, res))
         if refused:   # malformed items after the refused block are refused with it, as before
             first = next(i for i, g in zip(todo, got) if isinstance(g, QuotaExceeded))
             out[first:] = [SlotGrant(SLOT_QUOTA, error=refused)] * (len(items) - first)
         if made:
             with self._lock:
-                for res in made:
-                    self._slots[res.id] = res
+                for i, res in made:
+                    rid = self._handle(self._slots)
+                    self._slots[rid] = res
+                    out[i] = SlotGrant(SLOT_OPEN, rid, res.slot.offset, write_by=res.deadline - self.grace_s)
                 self._tick()
         return out  # type: ignore[return-value]
 
@@ -255,6 +258,19 @@ class DataPlaneHost:
                 self.pool.abort(res)
 
     # -- housekeeping ----------------------------------------------------------------------
+    @staticmethod
+    def _handle(table: Container[int]) -> int:
+        """A fresh id for a lease or reservation lent out (the lock held): random 63 bits,
+        not a counter, so an id a client got wrong — another client's, one from before the
+        node restarted, a neighbour's — names nothing. The Unix socket checks a connection's
+        ids against its own; gRPC calls carry no connection to check them against, and
+        sequential ids let one gRPC client release, commit (unwritten) or abort another
+        client's (even a same-host socket client's)."""
+        while True:
+            handle = secrets.randbits(63)
+            if handle and handle not in table:
+                return handle
+
     def _tick(self) -> None:
         """Every 256 operations (lock held): release expired leases and forget reservations
         the pool has closed, so clients that vanish leave nothing behind for long."""
