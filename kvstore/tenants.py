@@ -23,6 +23,12 @@ Accounting rules:
   heads, never a leased or pinned one, every copy of each); when that cannot make room the put fails with
   :class:`QuotaExceeded`. Another namespace's blocks are never touched.
 
+A namespace holding nothing (no block, no put in flight) and without a quota is forgotten,
+its counters with it, once the node knows more than :data:`IDLE_NAMESPACES` namespaces: a
+client naming a namespace per request (``req-0``, ``req-1``, ...) would otherwise grow the
+books and every ``/metrics`` page without bound (3,000 such namespaces, their blocks
+evicted, had left 24,000 series). A namespace that holds blocks is never forgotten.
+
 Every method runs under the pool's lock (the pool calls them; :func:`namespace_stats`
 takes the lock itself).
 """
@@ -47,6 +53,7 @@ charge = page_footprint
 NAMESPACE_METADATA = "kvstore-namespace"   # gRPC metadata naming the tenant of a Put's blocks
 UNATTRIBUTED = ""
 GONE_KEYS = 65536
+IDLE_NAMESPACES = 1024   # namespaces kept beyond which those holding nothing are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +100,27 @@ class TenantBooks:
         self._claims: dict[bytes, _Tenant] = {}                    # key being written -> its tenant
         self._claim_count = Counter[bytes]()
         self._gone: OrderedDict[bytes, _Tenant] = OrderedDict()
+        self._sweep_at = IDLE_NAMESPACES
 
     def _tenant(self, namespace: str | None) -> _Tenant:
         if not namespace:
             return self._none
         t = self.tenants.get(namespace)
         if t is None:
+            if len(self.tenants) >= self._sweep_at:
+                self._forget_idle()
             t = self.tenants[namespace] = _Tenant(namespace)
         return t
+
+    def _forget_idle(self) -> None:
+        """Forget the namespaces holding nothing that have no quota (module docstring); the
+        next sweep waits until the books have doubled, so sweeps cost O(1) a new namespace."""
+        quotas = self.quotas.all()
+        idle = [ns for ns, t in self.tenants.items()
+                if ns != UNATTRIBUTED and not t.keys and not t.pending and ns not in quotas]
+        for ns in idle:
+            del self.tenants[ns]
+        self._sweep_at = max(IDLE_NAMESPACES, 2 * len(self.tenants))
 
     def writer_of(self, key: bytes) -> str:
         """The namespace a block being written to a tier belongs to: its owner, else the
@@ -148,7 +168,8 @@ class TenantBooks:
         (self.owner.get(key) or self._none).hits += 1
 
     def miss(self, key: bytes) -> None:
-        self._gone.get(key, self._none).misses += 1
+        t = self._gone.get(key, self._none)
+        (self.tenants.get(t.name) or t).misses += 1   # t forgotten while idle: its namespace's books now
 
     # -- hooks of Reservations (kvstore/reservations.py) ------------------------------------
     def before_reserve(self, place: Placement, key: bytes, size: int, namespace: str | None) -> None:

@@ -293,3 +293,31 @@ def test_a_block_is_its_committing_writers_even_when_another_tenant_reserved_it_
     stats = namespace_stats(pool)
     assert stats["tenant-b"].blocks == 1 and stats["tenant-a"].blocks == 1 and stats["tenant-a"].evictions == 0
     pool.check_integrity()
+
+
+def test_namespaces_holding_nothing_are_forgotten_not_kept_forever(pool):
+    """A client naming a namespace per request: once their blocks are gone, the books (and
+    /metrics, which reads them) keep at most about IDLE_NAMESPACES namespaces, while every
+    namespace that holds a block, or has a quota, stays with its figures."""
+    from prometheus_client import generate_latest
+
+    from kvstore.metrics import StoreMetrics
+    from kvstore.tenants import IDLE_NAMESPACES
+
+    attach(pool)
+    pool._place.tenants.quotas.set("quotad", 1 << 20)
+    kept = block(0, b"keep")
+    assert pool.put(kept, os.urandom(BLOCK), namespace="keeper").ok
+    n = 3 * IDLE_NAMESPACES
+    for i in range(n):
+        key = block(i, b"req")
+        assert pool.put(key, b"x" * 64, namespace=f"req-{i}").ok
+        assert pool.get(key) is not None
+        assert pool.remove(key) > 0
+    stats = namespace_stats(pool)
+    assert len(stats) <= 2 * IDLE_NAMESPACES + 3, len(stats)
+    assert stats["keeper"].blocks == 1 and stats["quotad"].quota_bytes == 1 << 20
+    assert f"req-{n - 1}" in stats                    # the newest are still there
+    text = generate_latest(StoreMetrics(pool).registry).decode()
+    assert text.count('namespace="req-') <= 16 * IDLE_NAMESPACES
+    assert 'namespace="keeper"' in text

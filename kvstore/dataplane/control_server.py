@@ -138,7 +138,7 @@ class ControlServer:
                     except InvalidArgument as exc:
                         log.warning("%s; closing the connection", exc)
                         return
-                    if lid in leases:  # its own only: lease ids are not secrets
+                    if lid in leases:  # its own only (random handles, but a guess must not free another's)
                         leases.discard(lid)
                         self.host.release(lid)
                     continue
