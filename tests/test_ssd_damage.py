@@ -546,3 +546,32 @@ def test_removing_many_blocks_is_not_taken_for_damage(tmp_path: Path, caplog) ->
         assert reopened.quarantines == 0 and reopened.read(_key(5000), bytes) == _block(5000)
     finally:
         reopened.close()
+
+
+def test_only_the_newest_damaged_environments_are_kept(tmp_path: Path, caplog) -> None:
+    """A disk damaging the tier again and again does not fill itself with moved-aside
+    copies: the newest KEEP_DAMAGED stay for a post-mortem, older ones are removed with a
+    line each, and a link of such a name is neither removed nor followed."""
+    from kvstore.tiers.ssd_storage import KEEP_DAMAGED
+    path = tmp_path / "ssd"
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("not the tier's")
+    os.symlink(target, f"{path}.damaged-1")
+    kept_marks = []
+    for round_ in range(KEEP_DAMAGED + 3):
+        _fill_ssd(path, 2)
+        (path / f"round-{round_}").write_text("")
+        os.truncate(path / "data.mdb", 4096)
+        with caplog.at_level(logging.WARNING, logger="kvstore.tiers.ssd"):
+            tier = SsdTier(64 << 20, str(path))
+        assert tier.quarantines == 1
+        tier.close()
+        kept_marks.append(f"round-{round_}")
+    aside = [p for p in glob.glob(f"{path}.damaged-*") if not os.path.islink(p)]
+    assert len(aside) == KEEP_DAMAGED
+    marks = sorted(m for p in aside for m in os.listdir(p) if m.startswith("round-"))
+    assert marks == sorted(kept_marks[-KEEP_DAMAGED:])       # the newest ones
+    removed = [r for r in caplog.records if "an older damaged environment" in r.getMessage()]
+    assert len(removed) == 3
+    assert os.path.islink(f"{path}.damaged-1") and (target / "keep.txt").read_text() == "not the tier's"

@@ -8,7 +8,8 @@ size``) when it opens and before every read and write (one ``fstat``), and treat
 corruption errors the same way; at open, a child process first reads every record
 (``_PROBE``), since a damaged page can also lead LMDB outside the file with the size
 intact, and its death by a signal is damage. A damaged environment is moved aside
-(``ssd.damaged-<unix time>``) and an empty one opened in its place; the blocks it held are
+(``ssd.damaged-<unix time>``; the newest :data:`KEEP_DAMAGED` are kept, older ones removed)
+and an empty one opened in its place; the blocks it held are
 reported to the pool (``on_lost``) as lost, one log line says what happened and
 ``quarantines`` counts it. A ``data.mdb`` or ``lock.mdb`` that is not a regular file (a
 symbolic link, a FIFO, a device, a directory) is damage too, found with ``lstat`` before
@@ -32,6 +33,7 @@ import fcntl
 import logging
 import mmap
 import os
+import shutil
 import signal
 import stat
 import struct
@@ -56,6 +58,7 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
            lmdb.VersionMismatchError, lmdb.BadTxnError)
 
 
+KEEP_DAMAGED = 2   # moved-aside environments kept (the newest) for a post-mortem; older ones are removed
 LOCK_FILE = "kvstore.lock"   # the tier's own lock in its directory (flock; the holder's pid in it)
 _LMDB_FILES = ("data.mdb", "lock.mdb")
 
@@ -419,10 +422,7 @@ class SsdStorage:
             try:
                 if self._fd >= 0:
                     self._close_env()
-                aside = f"{self.path}.damaged-{int(time.time())}"
-                n = 1
-                while os.path.lexists(aside):   # a name taken, even by a link, is never renamed over
-                    aside, n = f"{self.path}.damaged-{int(time.time())}-{n}", n + 1
+                aside = self._aside_name()
                 try:
                     os.rename(self.path, aside)   # the entry itself: a link is moved, never its target
                 except OSError as exc:
@@ -445,8 +445,55 @@ class SsdStorage:
             finally:
                 self._growing = False
                 self._cv.notify_all()
+        self._drop_old_damaged(aside)
         if lost and self.on_lost is not None:
             self.on_lost(lost)
+
+    def _aside_name(self) -> str:
+        """A free name to move the environment to: ``<path>.damaged-<unix time>``, or with
+        ``-<n>`` past every ``n`` already used in that second (a removed older one's name is
+        never reused, so names sort as the environments were moved). A name taken, even by a
+        link, is never renamed over."""
+        t = int(time.time())
+        first = f"{self.path}.damaged-{t}"
+        parent, base = os.path.split(os.path.abspath(first))
+        used = [n for n in os.listdir(parent) if n == base or n.startswith(base + "-")]
+        if not used:
+            return first
+        n = 1 + max((int(u[len(base) + 1:]) for u in used if u[len(base) + 1:].isdigit()), default=0)
+        while os.path.lexists(f"{first}-{n}"):
+            n += 1
+        return f"{first}-{n}"
+
+    def _drop_old_damaged(self, aside: str) -> None:
+        """Remove this tier's moved-aside environments beyond the newest :data:`KEEP_DAMAGED`
+        (``aside``, the one just made, and the newest others by the time in their names): a
+        failing disk quarantining again and again would otherwise fill itself, each copy up
+        to the tier's size. Only directories are removed (a link or file of that name is
+        left, never followed), each with a log line; a failure to remove is logged."""
+        parent, base = os.path.split(os.path.abspath(self.path))
+        prefix = base + ".damaged-"
+
+        def made(name: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(part) for part in name[len(prefix):].split("-"))
+            except ValueError:
+                return (-1,)
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(prefix)
+                     and os.path.join(parent, n) != os.path.abspath(aside)
+                     and stat.S_ISDIR(os.lstat(os.path.join(parent, n)).st_mode)]
+        except OSError as exc:
+            log.warning("ssd tier at %s: cannot list moved-aside environments: %s", self.path, exc)
+            return
+        for name in sorted(names, key=made, reverse=True)[KEEP_DAMAGED - 1:]:
+            old = os.path.join(parent, name)
+            try:
+                shutil.rmtree(old)
+                log.warning("ssd tier at %s: removed %s, an older damaged environment (the newest %d are kept)",
+                            self.path, old, KEEP_DAMAGED)
+            except OSError as exc:
+                log.warning("ssd tier at %s: cannot remove %s: %s", self.path, old, exc)
 
     def _guard(self) -> None:
         """Before touching LMDB: quarantine a damaged environment. Raises OSError when it
