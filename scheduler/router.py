@@ -313,14 +313,18 @@ class Router(Generic[C]):
 
     def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
         """The prefill is over (``result`` None: it failed or was cancelled). On success the
-        T_prefill fit learns from it (the replica hears of the blocks from the engine's own
-        events) and the request's decode work is re-timed from now."""
+        T_prefill fit learns from its compute seconds (the engine's less its pool read,
+        which the policy predicts apart as T_transfer and the bandwidth estimate learns
+        from; the simulator's fit sees the same, ``SimRequest.compute_s``), the replica
+        hears of the blocks from the engine's own events, and the request's decode work is
+        re-timed from now."""
         backlog = self.prefill[plan.prefill_id].backlog
         backlog.remove(plan.request_id)
         self._advance(backlog, time.monotonic())      # the next one queued there starts
         if result is None:
             return
-        self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, result.prefill_s)
+        self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens,
+                                    result.prefill_s - min(result.load_s, result.prefill_s))
         if result.load_bytes > 0 and result.load_s > 0:
             # A measured read from the pool: the tier's bandwidth estimate moves towards it
             # (seeded from the configured defaults until then).

@@ -16,7 +16,7 @@ from kvstore.pool import KVPool
 from kvstore.service import serve_store
 from kvstore.tiers import TIERS
 from scheduler.conductor import ConductorConfig
-from scheduler.costing import Bandwidths
+from scheduler.costing import Bandwidths, PrefillModel
 from scheduler.router import Router
 
 BS = 16
@@ -125,3 +125,38 @@ def test_real_prefill_engine_has_the_backend_interface():
     from engines.prefill import PrefillEngine
 
     assert isinstance(PrefillEngine(load_model(ModelConfig(block_size=BS)), None), PrefillBackend)
+
+
+def test_the_prefill_fit_learns_compute_seconds_not_the_pool_read(stack):
+    """T_prefill is predicted apart from T_transfer, so the fit learns the engine's seconds
+    less its pool read (as the simulator's does); fed the whole, it counted each fetch twice."""
+    store, (prefill, decode) = stack
+    prompt = prompt_of(4, 6 * BS + 1)
+
+    async def go():
+        router = await Router.connect([prefill], [decode], store, policy="conductor")
+        try:
+            await router.prefill[router.info.engine_id].client.prefill("seed", prompt, "public")
+            results = []
+            for i in range(2):
+                plan = await router.plan(f"r{i}", prompt, "public", max_tokens=2)
+                router.begin(plan)
+                result = await router.prefill_client(plan).prefill(plan.request_id, prompt, plan.namespace,
+                                                                   plan.max_load_blocks)
+                router.prefill_finished(plan, result)
+                router.finished(plan)
+                results.append(result)
+            return router.policy.prefill_model.log_error, results
+        finally:
+            await router.close()
+
+    learned, results = asyncio.run(go())
+    assert all(r.loaded_blocks == 6 and r.load_s > 0 for r in results)
+    reference = PrefillModel(ConductorConfig().prefill)        # the same seed, fed compute seconds
+    for r in results:
+        reference.observe(len(prompt), r.cached_tokens, r.prefill_s - r.load_s)
+    whole = PrefillModel(ConductorConfig().prefill)
+    for r in results:
+        whole.observe(len(prompt), r.cached_tokens, r.prefill_s)
+    assert learned == pytest.approx(reference.log_error, rel=1e-9)
+    assert learned[0] < whole.log_error[0]
