@@ -4,7 +4,9 @@
 * ``random``: a uniformly random prefill instance;
 * ``least_loaded`` (the paper's load-balancing scheduler): ``argmin_i T_queue_i``;
 * ``local_cache_aware``: ``argmin_i T_queue_i + T_prefill(n, local_prefix_i)`` — the queue
-  plus the prefill with the instance's *own* cached prefix, no transfer considered;
+  plus the prefill with the instance's *own* cached prefix (with the read of its blocks in the
+  node's own DRAM tier, ``read_s``, as the engine pays it), no transfer from another holder
+  considered;
 * ``round_robin``: instances in turn (not in the paper; a sanity floor).
 
 ``T_queue`` is :mod:`scheduler.backlog`'s and ``T_prefill`` the Conductor's learned
@@ -85,7 +87,8 @@ class LeastLoadedPolicy(_Baseline):
 
 class LocalCacheAwarePolicy(_Baseline):
     """The prefill instance with the least ``T_queue + T_prefill(n, its local prefix)``
-    (Mooncake FAST'25 §4.1); ties: longer local prefix, fewer requests, listed order."""
+    (Mooncake FAST'25 §4.1), the read of that prefix's blocks in the node's own DRAM tier
+    (``read_s``) included; ties: longer local prefix, fewer requests, listed order."""
 
     name = "local_cache_aware"
 

@@ -5,13 +5,15 @@ and the simulator share: the running prefill's remaining predicted seconds plus 
 ones' full predicted seconds."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvstore.index.keys import usable_prefix_tokens
 from scheduler.backlog import PrefillBacklog
 from scheduler.baselines import make_policy
 from scheduler.conductor import ConductorConfig
-from scheduler.costing import PrefillProfile
+from scheduler.costing import Bandwidths, PrefillProfile
 from scheduler.views import ClusterView, Decision, DecodeView, PrefillView, RequestView, TierHit
 
 BS = 16
@@ -46,6 +48,19 @@ def test_local_cache_aware_ignores_the_pool_and_peers_as_the_paper_defines_it():
     # p1's queue is shorter, but p0's own prefix is worth more; a pool hit would help anyone.
     views = (PrefillView("p0", 0.3, 1, TierHit.uniform(32, "hbm")), PrefillView("p1", 0.0, 0))
     assert decide("local_cache_aware", views).prefill_id == "p0"
+
+
+def test_local_cache_aware_counts_the_read_of_its_own_dram_blocks():
+    # Both hold the same 48 blocks, p0 in its HBM (free), p1 in its node's DRAM, read back
+    # at 48 blocks a second: p1's shorter queue (0.4 s less) does not pay for that 1 s read.
+    slow_dram = dataclasses.replace(SLOW, bandwidths=Bandwidths(dram=48 * BLOCK_BYTES))
+    views = (PrefillView("p0", 0.5, 1, TierHit.uniform(48, "hbm")),
+             PrefillView("p1", 0.1, 1, TierHit.uniform(48, "dram")))
+    req = RequestView("r", 64 * BS, tuple(i.to_bytes(4, "big") for i in range(64)), 4, BS)
+    policy = make_policy("local_cache_aware", BLOCK_BYTES, slow_dram)
+    d = policy.decide(req, ClusterView(0.0, views, (DecodeView("d0"),)))
+    assert isinstance(d, Decision) and d.prefill_id == "p0"
+    assert decide("local_cache_aware", views).prefill_id == "p1"     # DRAM as fast as the default: p1
 
 
 def test_load_balancing_is_argmin_queue_whatever_the_cache():
