@@ -107,10 +107,11 @@ class RequestView:
 
 
 class PrefillView(NamedTuple):
-    """A prefill instance. ``queue_s``: the sum of the predicted prefill seconds of the
-    requests routed to it whose prefill has not finished (T_queue, Algorithm 1);
-    ``queued``: how many they are; ``hit``: its own cache's prefix hit for this request
-    (usually all ``hbm``)."""
+    """A prefill instance. ``queue_s``: T_queue (Algorithm 1; its one definition is
+    :mod:`scheduler.backlog`'s): the remaining predicted seconds of the prefill running
+    there plus the predicted seconds of every request queued there; ``queued``: how many
+    requests routed to it have not finished their prefill; ``hit``: its own cache's
+    prefix hit for this request (usually all ``hbm``)."""
 
     instance_id: str
     queue_s: float = 0.0
