@@ -2,7 +2,6 @@
 seeded random weights (no download), or a local Hugging Face checkpoint (``model_dir``)."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from engines.vllm.layout import model_identity
 from kvstore.index.keys import KVLayout
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.model_dir:
         check_checkpoint_dir(cfg.model_dir)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype, local_files_only=True)
-        model_id = os.path.basename(os.path.normpath(cfg.model_dir))
-        with open(os.path.join(cfg.model_dir, "config.json"), "rb") as f:
-            revision = hashlib.sha256(f.read()).hexdigest()[:16]
+        # its name, and a digest of its config.json and weights (two fine-tunes saved under
+        # one directory name with one config.json must not share keys)
+        model_id, revision = model_identity(cfg.model_dir, None)
         max_len = min(cfg.max_model_len, getattr(model.config, "max_position_embeddings", cfg.max_model_len))
     else:
         torch.manual_seed(cfg.seed)

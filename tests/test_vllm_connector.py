@@ -226,6 +226,32 @@ def test_a_block_of_other_tokens_under_a_colliding_key_is_recomputed(engines, st
     assert after["load_errors"] >= before["load_errors"] + 3
 
 
+def test_a_fine_tune_with_the_same_directory_name_and_config_loads_none_of_the_others_kv(
+        engines, store, model_dir, tmp_path) -> None:
+    """Two checkpoints saved as ``.../tiny-llama`` with one config.json but other weights (two
+    fine-tunes of one base, each saved as ``checkpoint-1000``): their keys differ, so the second
+    computes its own KV (it used to load the first's, cached 4 blocks, and answer other tokens)."""
+    from engines.vllm.checkpoint import write_checkpoint
+    pool, address = store
+    other = write_checkpoint(str(tmp_path / "fine-tune" / "tiny-llama"), "tiny", seed=1, max_model_len=1024)
+    assert Path(other, "config.json").read_bytes() == Path(model_dir, "config.json").read_bytes()
+    assert model_identity(other, None) != model_identity(model_dir, None)
+    prompt = prompt_of(31, 4 * BS + 5)
+    engines("both_a").generate(prompt)
+    assert held(pool, model_dir, prompt, want=4) == 4
+    tuned = Engine(other, tmp_path / "fine-tune.log", kv_transfer_config=connector(address, "kv_both"))
+    try:
+        tokens, cached = tuned.generate(prompt)
+        assert cached == 0 and tuned.stats()["loaded_blocks"] == 0
+    finally:
+        tuned.close()
+    plain = Engine(other, tmp_path / "fine-tune-plain.log")
+    try:
+        assert tokens == plain.generate(prompt)[0]
+    finally:
+        plain.close()
+
+
 def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_node, engines, tmp_path) -> None:
     proc, address = spawn_store_node("node-stop", "--dram", "64MiB", "--ssd", "64MiB", "--transfer-engine", "off")
     engine = Engine(model_dir, tmp_path / "stop.log", kv_transfer_config=connector(address, "kv_both"))

@@ -39,14 +39,46 @@ _FRONT_DOOR_TENANT = re.compile(r"key-[0-9a-f]{16}|public")
 BLOCK_FORMAT = "vllm-paged-v2: layers back to back, each its paged tensor's [block] slice, then the 8-byte identity tag"
 
 
+# Files whose bytes are a checkpoint's weights (Hugging Face, PyTorch, GGUF): their content
+# goes into the model's revision, so two checkpoints with the same directory name and the same
+# config.json (two fine-tunes, each saved as ``checkpoint-1000``) never share a key.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CHUNK = 16 << 20
+_weights_digests: dict[tuple, str] = {}
+
+
+def _weights_digest(model: str) -> str:
+    """xxh3-128 of the names, sizes and bytes of the weight files in ``model`` (sorted; its
+    subdirectories are not read, as loaders do not); one read of the weights per process,
+    remembered by path, size and mtime."""
+    import xxhash
+    files = []
+    for name in sorted(os.listdir(model)):
+        path = os.path.join(model, name)
+        if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(path):
+            st = os.stat(path)
+            files.append((name, st.st_size, st.st_mtime_ns, path))
+    memo = (os.path.realpath(model), tuple(f[:3] for f in files))
+    if memo not in _weights_digests:
+        h = xxhash.xxh3_128()
+        for name, size, _, path in files:
+            h.update(f"{name}\0{size}\0".encode())
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+        _weights_digests[memo] = h.hexdigest()
+    return _weights_digests[memo]
+
+
 def model_identity(model: str, revision: str | None) -> tuple[str, str]:
     """(model id, revision) of a vLLM model argument: for a local directory its base name and
-    the first 16 hex digits of the SHA-256 of its ``config.json`` (as engines/model.py names
-    a checkpoint), else the name and the configured revision (``""`` when none)."""
+    the first 16 hex digits of the SHA-256 of its ``config.json`` and of its weight files'
+    content (:func:`_weights_digest`: one read of them per process), else the name and the
+    configured revision (``""`` when none)."""
     config = os.path.join(model, "config.json")
     if os.path.isfile(config):
         with open(config, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            digest = hashlib.sha256(f.read() + b"\0weights " + _weights_digest(model).encode()).hexdigest()[:16]
         return os.path.basename(os.path.normpath(model)), digest
     return model, revision or ""
 
