@@ -252,6 +252,21 @@ def test_a_fine_tune_with_the_same_directory_name_and_config_loads_none_of_the_o
         plain.close()
 
 
+def test_a_wrong_token_or_a_block_no_tier_holds_stops_vllm_at_start_with_its_cause(
+        model_dir, spawn_store_node, tmp_path) -> None:
+    """Each used to start and serve with every request a miss (a warning per request): the
+    connector asks the node once at start."""
+    _, guarded = spawn_store_node("node-token", "--dram", "8MiB", "--ssd", "0", "--transfer-engine", "off",
+                                  "--auth-token", "right-token")
+    wrong = connector(guarded, "kv_both")
+    wrong["kv_connector_extra_config"]["kvstore.store_token"] = "wrong-token"
+    with pytest.raises(RuntimeError, match="refused the store token"):
+        Engine(model_dir, tmp_path / "token.log", kv_transfer_config=wrong)
+    _, small = spawn_store_node("node-small", "--dram", "48KiB", "--ssd", "0", "--transfer-engine", "off")
+    with pytest.raises(RuntimeError, match="more than the largest tier"):   # a block is 64 KiB and its tag
+        Engine(model_dir, tmp_path / "small.log", kv_transfer_config=connector(small, "kv_both"))
+
+
 def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_node, engines, tmp_path) -> None:
     proc, address = spawn_store_node("node-stop", "--dram", "64MiB", "--ssd", "64MiB", "--transfer-engine", "off")
     engine = Engine(model_dir, tmp_path / "stop.log", kv_transfer_config=connector(address, "kv_both"))

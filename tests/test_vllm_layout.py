@@ -27,6 +27,10 @@ def test_settings_come_from_the_extra_config_and_bad_ones_are_named(monkeypatch)
         ConnectorConfig.from_extra({"kvstore.timeout_s": float("nan")})
     with pytest.raises(InvalidArgument, match="host:port"):
         ConnectorConfig.from_extra({"kvstore.store": "nowhere"})
+    with pytest.raises(InvalidArgument, match="timeout_s"):          # not a bare ValueError
+        ConnectorConfig.from_extra({"kvstore.timeout_s": "abc"})
+    with pytest.raises(InvalidArgument, match="did you mean 'kvstore.store'"):   # was ignored: the default store
+        ConnectorConfig.from_extra({"store": "10.0.0.5:50051"})
 
 
 def test_a_block_is_its_slice_of_every_layer_in_order() -> None:

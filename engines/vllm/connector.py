@@ -42,12 +42,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
-from kvstore.identity import IdentityCheck, seal, tag_buffer
+from kvstore.identity import TAG_BYTES, IdentityCheck, seal, tag_buffer
 from kvstore.index.keys import usable_prefix_tokens
 from kvstore.tiers.buffers import Segments
 
@@ -135,6 +136,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         # A failed load must be recomputed, not fail the request (vLLM's default is "fail").
         tc.kv_load_failure_policy = self.cfg.on_load_error
         self.link = PoolLink(self.cfg)
+        if role == KVConnectorRole.SCHEDULER:   # one probe per instance: a wrong token stops vLLM here
+            lay = self.paged.layout
+            dtype = getattr(torch, lay.dtype, None)   # an fp8 cache dtype name: 1 byte
+            itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+            self.link.probe(lay.num_layers * 2 * lay.num_kv_heads * lay.block_size * lay.head_dim * itemsize
+                            + TAG_BYTES)
         self.stats = ConnectorStats()
         self.identity = IdentityCheck("kvstore connector")
         # scheduler side

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded, Unauthenticated
 from kvstore.tiers.buffers import Segments
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,21 @@ class ConnectorConfig:
         kw: dict[str, Any] = {}
         for key, value in (extra or {}).items():
             if not key.startswith("kvstore."):
+                if key in fields:   # "store" for "kvstore.store": ignored, the pool would be the default one
+                    raise InvalidArgument(f"connector setting {key!r} has no 'kvstore.' prefix (did you mean "
+                                          f"'kvstore.{key}'?); valid: {sorted('kvstore.' + f for f in fields)}")
                 continue
             name = key.removeprefix("kvstore.")
             if name not in fields:
                 raise InvalidArgument(f"unknown connector setting {key!r}; valid: "
                                       f"{sorted('kvstore.' + f for f in fields)}")
-            kw[name] = float(value) if name == "timeout_s" and isinstance(value, (int, str)) else value
+            if name == "timeout_s" and isinstance(value, (int, str)) and not isinstance(value, bool):
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise InvalidArgument(f"kvstore.timeout_s must be a number of seconds > 0, "
+                                          f"got {value!r}") from None
+            kw[name] = value
         kw.setdefault("store_token", os.environ.get("KVSTORE_STORE_TOKEN") or None)
         return cls(**kw)
 
@@ -111,6 +120,35 @@ class PoolLink:
                     self._client = StoreClient(self.cfg.store, auth_token=self.cfg.store_token,
                                                timeout_s=self.cfg.timeout_s)
             return self._client
+
+    def probe(self, block_bytes: int) -> None:
+        """One call to a store node at start, so that a misconfiguration stops vLLM there with
+        its cause named rather than making every request a miss: raises InvalidArgument when
+        the node refuses the token, or when a block of ``block_bytes`` fits none of its tiers.
+        A node that cannot be reached is logged (vLLM recomputes until it answers). A cluster
+        (``redis``) is not probed."""
+        if self.cfg.redis:
+            return
+        client = self._get_client()
+        try:
+            node, tiers = client.stats()
+        except Unauthenticated as exc:
+            given = "none was given" if not self.cfg.store_token else "kvstore.store_token / KVSTORE_STORE_TOKEN"
+            raise InvalidArgument(f"kvstore connector: the store node at {self.cfg.store} refused the store token "
+                                  f"({given}): {exc}") from None
+        except (KVStoreError, OSError) as exc:
+            log.warning("kvstore connector: the store node at %s cannot be reached at start (%s: %s); vLLM "
+                        "serves, recomputing every prefix, until it answers", self.cfg.store,
+                        type(exc).__name__, exc)
+            return
+        largest = max((t.capacity_bytes for t in tiers), default=0)
+        if block_bytes > largest:
+            raise InvalidArgument(f"kvstore connector: a KV block of this vLLM instance is {block_bytes} bytes "
+                                  f"(--block-size and the model's KV layout), more than the largest tier of store "
+                                  f"node {node} at {self.cfg.store} holds ({largest} bytes): no block could be "
+                                  "stored; give the node a larger tier or vLLM a smaller --block-size")
+        log.info("kvstore connector: store node %s at %s answers (tiers %s)", node, self.cfg.store,
+                 ", ".join(f"{t.name} {t.capacity_bytes >> 20} MiB" for t in tiers))
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.failures += 1
