@@ -189,7 +189,8 @@ class Variance:
       probability and then takes ``straggler_factor`` times as long — a throttled or
       faulty GPU, a preempted host thread, an NCCL or NIC hiccup (the slow tail every
       large cluster reports).
-    * ``seed``: of the generators (each engine's is derived from it and its id).
+    * ``seed``: of the draws (a prefill's from it and the request's id, a decode segment's
+      from the engine's generator, derived from it and the engine's id).
     """
 
     prefill_cv: float = 0.0
@@ -216,7 +217,12 @@ NO_VARIANCE = Variance()
 
 
 class _Noise:
-    """Seeded lognormal factors of mean 1 (``σ = sqrt(ln(1 + cv²))``)."""
+    """Seeded lognormal factors of mean 1 (``σ = sqrt(ln(1 + cv²))``). A prefill's factor
+    (straggler or not) is drawn from the seed and the request's id alone — common random
+    numbers: one request gets the same factor whichever engine runs it and whatever ran
+    before, so policies compared on one seed see the same noise (drawn per engine in run
+    order, only 109 of fig5's first 1,500 requests had had the same factor under two
+    policies). A decode segment's factor comes from the engine's own stream."""
 
     def __init__(self, variance: Variance, name: str) -> None:
         self.v = variance
@@ -224,9 +230,12 @@ class _Noise:
         self._sp = math.sqrt(math.log1p(variance.prefill_cv ** 2))
         self._sd = math.sqrt(math.log1p(variance.decode_cv ** 2))
 
-    def prefill(self) -> float:
-        f = math.exp(self.rng.gauss(-self._sp * self._sp / 2, self._sp)) if self._sp else 1.0
-        if self.v.straggler_prob and self.rng.random() < self.v.straggler_prob:
+    def prefill(self, request_id: str) -> float:
+        if not (self._sp or self.v.straggler_prob):
+            return 1.0
+        rng = random.Random(f"{self.v.seed}/prefill/{request_id}")
+        f = math.exp(rng.gauss(-self._sp * self._sp / 2, self._sp)) if self._sp else 1.0
+        if self.v.straggler_prob and rng.random() < self.v.straggler_prob:
             f *= self.v.straggler_factor
         return f
 
@@ -306,7 +315,7 @@ class CostModelEngine:
         share = (blocks - local) / fetchable if fetchable > 0 else 0.0
         load_s, load_bytes = prefix.load_s * share, int(prefix.load_bytes * share)
         cached = usable_prefix_tokens(blocks, bs, n)
-        compute_s = self.cost.prefill_s(n, cached) * self.noise.prefill()
+        compute_s = self.cost.prefill_s(n, cached) * self.noise.prefill(request_id)
         return PrefillResult(request_id, 0, tuple(block_keys), cached, n - cached, b"", n % bs,
                              load_s + compute_s, blocks, n // bs - blocks, load_s, load_bytes,
                              prefix.tier if load_bytes else "")

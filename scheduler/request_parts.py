@@ -184,7 +184,9 @@ def sampling_of(req: GenerationRequest) -> SamplingParams:
 
 class TokenClock:
     """Called at each token sent (``tick()``): observes TTFT and the error of its prediction
-    once, then TBT; ``done()`` after the last token feeds the mean TBT to the router's fit."""
+    once, then TBT, and from the second token re-times the request's decode work at its pace
+    so far (``Router.decode_progress``); ``done()`` after the last token feeds the mean TBT
+    to the router's fit."""
 
     def __init__(self, metrics: FrontdoorMetrics, router: Router, t0: float, plan: RoutePlan) -> None:
         self.metrics, self.router, self.plan = metrics, router, plan
@@ -203,6 +205,8 @@ class TokenClock:
         self.last = now
         self.tokens += 1
         self.metrics.generated_tokens.inc()
+        if self.tokens >= 2:    # its decode work re-timed at its pace so far
+            self.router.decode_progress(self.plan, self.tokens, (now - self.first) / (self.tokens - 1))
 
     def done(self) -> None:
         if self.tokens >= 2:

@@ -55,6 +55,8 @@ from scheduler.views import (
     PrefillView,
     RequestView,
     TierHit,
+    decoding_finish,
+    held_work,
     load_limit,
 )
 
@@ -218,7 +220,8 @@ class Router(Generic[C]):
         now = time.monotonic() if now_s is None else now_s
         prefill = tuple(PrefillView(engine_id, inst.queue_s(now), len(inst.backlog), own.get(engine_id, NO_HIT))
                         for engine_id, inst in self.prefill.items() if engine_id not in self.down)
-        decode = tuple(DecodeView(engine_id, tuple(inst.work.values()), self.decode_max_running,
+        decode = tuple(DecodeView(engine_id, tuple(held_work(w, now) for w in inst.work.values()),
+                                  self.decode_max_running,
                                   self.decode_kv_capacity_tokens)
                        for engine_id, inst in self.decode.items() if engine_id not in self.down)
         return ClusterView(now, prefill, decode, NO_HIT if pool_hit is None else pool_hit, self.inflight)
@@ -336,6 +339,20 @@ class Router(Generic[C]):
             now = time.monotonic()
             span = plan.decision.decode_finish_s - plan.decision.decode_start_s
             work[plan.request_id] = work[plan.request_id]._replace(start_s=now, finish_s=now + span)
+
+    def decode_progress(self, plan: RoutePlan, tokens: int, mean_tbt_s: float) -> None:
+        """The request has streamed ``tokens`` tokens (every sequence's), ``mean_tbt_s``
+        seconds apart on average: its booked decode finish becomes its tokens still to come at
+        that pace from now (:func:`scheduler.views.decoding_finish`; the simulator re-times a
+        running request the same way), so the decode load predicted for later arrivals
+        follows the instance's real pace, not the decision's guess."""
+        work = self.decode[plan.decode_id].work
+        w = work.get(plan.request_id)
+        if w is not None:
+            now = time.monotonic()
+            work[plan.request_id] = w._replace(
+                start_s=min(w.start_s, now),
+                finish_s=decoding_finish(now, plan.max_tokens, tokens // max(1, plan.sequences), mean_tbt_s))
 
     def observe_decode(self, plan: RoutePlan, mean_tbt_s: float) -> None:
         """A decode finished with ``mean_tbt_s`` between its tokens: feed the TBT fit with the

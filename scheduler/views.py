@@ -132,6 +132,30 @@ class DecodeWork(NamedTuple):
     sequences: int = 1
 
 
+def decoding_finish(now: float, max_tokens: int, tokens: int, mean_tbt_s: float) -> float:
+    """When a request decoding since its first token ends, predicted from its progress:
+    ``max_tokens - tokens`` more tokens (``tokens``: those it has produced, the first,
+    from prefill, included), each ``mean_tbt_s`` seconds after the last (its mean gap so
+    far), from ``now``. The live router re-times a streaming request's decode work with
+    it (:meth:`scheduler.router.Router.decode_progress`), the simulator its running
+    requests'."""
+    return now + max(0, max_tokens - tokens) * mean_tbt_s
+
+
+OVERDUE_S = 1e-3   # a request held past its predicted finish is shown ending this long after now
+
+
+def held_work(work: DecodeWork, now: float) -> DecodeWork:
+    """``work`` as a decode view shows it at ``now``: a request the instance still holds
+    past its predicted finish (it decodes slower than predicted, or its prefill ran long)
+    is still there, so it is shown ending :data:`OVERDUE_S` after ``now`` — counted in the
+    load at ``now``, gone for a request arriving later — not vanished from the load while
+    it holds its slot. The live router and the simulator build their views through this."""
+    if work.finish_s > now:
+        return work
+    return work._replace(finish_s=now + OVERDUE_S, start_s=min(work.start_s, now))
+
+
 class DecodeView(NamedTuple):
     """A decode instance: its ``work`` (running and incoming requests), and its limits:
     ``max_running`` (batch size) and ``kv_capacity_tokens`` (KV it can hold)."""

@@ -27,8 +27,8 @@ COST = CostModel(load_model("llama3-70b"), load_profile("8xA800"))
 def prefill_seconds(variance: Variance, n: int = 200, name: str = "P0") -> list[float]:
     engine = CostModelEngine(COST, name, "prefill", 512, variance)
     out = []
-    for _ in range(n):
-        out.append(engine.prefill("r", range(8192)).prefill_s)
+    for i in range(n):
+        out.append(engine.prefill(f"r{i}", range(8192)).prefill_s)
         engine.prefill_done()
     return out
 
@@ -38,7 +38,14 @@ def test_variance_is_seeded_has_the_cost_models_mean_and_stragglers_as_documente
     a, b = prefill_seconds(noisy), prefill_seconds(noisy)
     assert a == b                                             # seeded: a run is reproducible
     assert prefill_seconds(Variance(prefill_cv=0.1, seed=8)) != a
-    assert prefill_seconds(noisy, name="P1") != a             # each engine draws its own
+    # common random numbers: a request's prefill factor is its own, whichever engine runs it
+    # and whatever that engine ran before (policies compared on one seed see the same noise)
+    assert prefill_seconds(noisy, name="P1") == a
+    other = CostModelEngine(COST, "P2", "prefill", 512, noisy)
+    for i in (5, 3):                                           # another order, other requests first
+        other.prefill(f"x{i}", range(100))
+        assert other.prefill(f"r{i}", range(8192)).prefill_s == a[i]
+    assert len(set(a)) == len(a)                               # and requests differ
     mean = COST.prefill_s(8192)
     assert statistics.fmean(a) == pytest.approx(mean, rel=0.03)
     assert statistics.pstdev(a) / mean == pytest.approx(0.1, rel=0.25)
@@ -170,3 +177,57 @@ def test_a_preset_sweeps_its_own_cluster_and_names_every_flag_it_sets(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "launcher", "simulate", flag, value], cwd=ROOT,
                              capture_output=True, text=True, timeout=120, check=False)
         assert bad.returncode == 2 and f"argument {flag}: {value!r}" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_policy_sees_decode_work_as_the_router_books_it_never_the_engines_true_finish():
+    """As live (``Router.cluster_view``, ``Router.decode_progress``), a decode instance's
+    requests are shown at the span their decision predicted, re-timed as their prefill ran;
+    a running one, from its first decode token, at its tokens to come at its mean pace since
+    its first token; one held past its finish shown just ending (``held_work``), counted now
+    and gone for a later arrival. Never the engine's finish step at its current step time."""
+    from scheduler.tbt import load_at
+    from scheduler.views import OVERDUE_S, DecodeView, DecodeWork, decoding_finish, held_work
+
+    w = DecodeWork(100, 0.0, 5.0)
+    assert held_work(w, 4.0) is w
+    late = held_work(w, 7.0)
+    view = DecodeView("d", (late,))
+    assert late.finish_s == pytest.approx(7.0 + OVERDUE_S)
+    assert load_at(view, 7.0).running == 1 and load_at(view, 8.0).running == 0
+    assert decoding_finish(10.0, 100, 40, 0.05) == pytest.approx(13.0)
+
+    cfg = preset_runs("overload")[-1]                     # predictive admission reads the view
+    assert cfg.predicts_decode_load
+    trace, keys = load_workload(TRACE, 1500)
+    sim = Simulator(cfg, make_requests(trace, keys, cfg.speed))
+    seen = {"running": 0, "paced": 0, "differs": 0, "overdue": 0}
+    real = sim._decode_view
+
+    def checked(inst, now):
+        v = real(inst, now)
+        step = inst.step_at(now)
+        expected = []
+        for rid, (kv, start, finish) in inst.incoming.items():
+            req = inst.running.get(rid)
+            if req is not None:
+                seen["running"] += 1
+                f = req.join_step + req.output - 1
+                last = min(step, f)
+                done = last - req.join_step
+                if done >= 1:
+                    seen["paced"] += 1
+                    at = inst.time_of(last)
+                    finish = at + (f - last) * (at - req.first_token_s) / done
+                    seen["differs"] += abs(finish - inst.finish_time(f)) > 1e-6
+            seen["overdue"] += finish <= now
+            expected.append(held_work(DecodeWork(kv, start, finish), now))
+        got = sorted(v.work)
+        assert [(x.kv_tokens, x.start_s) for x in got] == [(x.kv_tokens, x.start_s) for x in sorted(expected)]
+        assert [x.finish_s for x in got] == pytest.approx([x.finish_s for x in sorted(expected)], abs=2 * OVERDUE_S)
+        return v
+
+    sim._decode_view = checked
+    sim.run()
+    assert seen["paced"] > 10_000 and seen["paced"] > 0.9 * seen["running"]
+    assert seen["differs"] > 0.5 * seen["paced"]            # its pace so far, not the engine's step now
+    assert seen["overdue"] > 0

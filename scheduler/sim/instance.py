@@ -53,7 +53,12 @@ class Instance:
         self.heap: list[tuple[int, int]] = []
         self.joiners: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
-        self.incoming: dict[int, tuple[int, float, float]] = {}   # rid → (kv tokens, start, finish)
+        # rid → (kv tokens, start, finish) as the router books it: the decision's prediction,
+        # re-timed as its prefill starts and ends; kept while it runs here, as live (its true
+        # finish, on the heap, is never shown to the policy)
+        self.incoming: dict[int, tuple[int, float, float]] = {}
+        self.view_expires = math.inf     # the first booked finish: then an overdue one is shown anew
+        self.view_step = -1              # the decode step the view was built at
         self.sum_prompt = 0
         self.sum_join = 0
         self.k, self.t, self.dt = 0, 0.0, 0.0
@@ -114,6 +119,7 @@ class Instance:
         while heap and heap[0][0] <= step:
             f, rid = heapq.heappop(heap)
             req = running.pop(rid)
+            self.incoming.pop(rid, None)
             self.sum_prompt -= req.prompt
             self.sum_join -= req.join_step
             req.finish_s = self.finish_time(f)
@@ -128,9 +134,9 @@ class Instance:
         """Put ``req`` in the batch at boundary ``step``; False (and nothing done) when it
         has a single token, which needs no decode step."""
         req.join_step = step
-        self.incoming.pop(req.rid, None)
         self.view_dirty = True
         if req.output <= 1:
+            self.incoming.pop(req.rid, None)
             req.finish_s = now
             return False
         self.running[req.rid] = req

@@ -53,8 +53,8 @@ def profiled(cost: CostModel, variance: Variance) -> tuple[PrefillProfile, Decod
     engine = CostModelEngine(cost, "profiler", "colocated", 512, variance)
     pre = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
     for n in PROFILE_PROMPTS:
-        for _ in range(PROFILE_REPEATS):
-            r = engine.prefill("profile", range(n))
+        for i in range(PROFILE_REPEATS):
+            r = engine.prefill(f"profile-{n}-{i}", range(n))   # its own noise (keyed by request)
             engine.prefill_done()
             pre.observe(PrefillModel.features(n, 0), r.prefill_s, 1.0 / r.prefill_s ** 2)   # relative error
     dec = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
