@@ -60,8 +60,9 @@ class Engine:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, prompt: list[int], salt: str | None = "tenant-a", max_tokens: int = 8) -> tuple[list[int], int]:
-        out = self._ask(op="generate", prompt=prompt, salt=salt, max_tokens=max_tokens)
+    def generate(self, prompt: list[int], salt: str | None = "tenant-a", max_tokens: int = 8,
+                 lora: str | None = None) -> tuple[list[int], int]:
+        out = self._ask(op="generate", prompt=prompt, salt=salt, max_tokens=max_tokens, lora=lora)
         return out["tokens"], out["cached"]
 
     def stats(self) -> dict:
@@ -250,6 +251,52 @@ def test_a_fine_tune_with_the_same_directory_name_and_config_loads_none_of_the_o
         assert tokens == plain.generate(prompt)[0]
     finally:
         plain.close()
+
+
+def _write_lora_adapter(path: Path) -> str:
+    """A rank-8 LoRA adapter of the tiny checkpoint on k_proj and v_proj (its KV is not the
+    base model's), as PEFT saves one."""
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir(parents=True)
+    g = torch.Generator().manual_seed(5)
+    weights = {}
+    for i in range(2):
+        for m in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{i}.self_attn.{m}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(8, 128, generator=g) / 2
+            weights[f"{name}.lora_B.weight"] = torch.randn(128, 8, generator=g) / 2
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["k_proj", "v_proj"], "bias": "none",
+        "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False, "modules_to_save": None}))
+    return str(path)
+
+
+def test_a_lora_requests_kv_is_keyed_apart_from_the_base_models(model_dir, store, tmp_path) -> None:
+    """A request under a LoRA adapter saved its KV under the base model's keys, and the next
+    request of the same prompt without the adapter loaded it (cached 128, other tokens)."""
+    from vllm.lora.request import LoRARequest
+
+    from engines.vllm.layout import adapter_identity
+    pool, address = store
+    adapter = _write_lora_adapter(tmp_path / "adapter")
+    engine = Engine(model_dir, tmp_path / "lora.log", kv_transfer_config=connector(address, "kv_both"),
+                    enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        prompt = prompt_of(41, 4 * BS + 3)
+        base, _ = engine.generate(prompt, salt="lora-reference")
+        tuned, cached = engine.generate(prompt, salt="lora-tenant", lora=adapter)
+        assert cached == 0 and tuned != base
+        paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+        keys = paged.keys(prompt, "lora-tenant", adapter=adapter_identity(LoRARequest("adapter", 1, adapter)))
+        deadline = time.monotonic() + 10
+        while pool.lookup(keys)[0] < 4 and time.monotonic() < deadline:   # kv_both saves in the background
+            time.sleep(0.02)
+        assert engine.generate(prompt, salt="lora-tenant", lora=adapter) == (tuned, 4 * BS)   # the adapter's own hit
+        assert engine.generate(prompt, salt="lora-tenant") == (base, 0)   # the base model: none of the adapter's KV
+    finally:
+        engine.close()
 
 
 def test_a_wrong_token_or_a_block_no_tier_holds_stops_vllm_at_start_with_its_cause(

@@ -8,7 +8,7 @@ among it), so every engine a test needs runs here.
 among them). Requests come as JSON lines on stdin and answers go to stdout as lines starting
 with ``@@ `` (vLLM logs to the same streams):
 
-    {"op": "generate", "prompt": [ids], "salt": "A" | null, "max_tokens": 8}
+    {"op": "generate", "prompt": [ids], "salt": "A" | null, "max_tokens": 8, "lora": DIR (optional)}
         -> {"tokens": [ids], "cached": num_cached_tokens}
     {"op": "stats"}  -> the worker-side connector's ConnectorStats as a dict (or {})
     {"op": "quit"}
@@ -39,7 +39,11 @@ def main() -> None:
             if req.get("salt"):
                 prompt["cache_salt"] = req["salt"]
             sp = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0, ignore_eos=True)
-            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            lora = None
+            if req.get("lora"):   # a LoRA adapter's directory (the engine needs enable_lora)
+                from vllm.lora.request import LoRARequest
+                lora = LoRARequest("adapter", 1, req["lora"])
+            out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
             say({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0})
         elif req["op"] == "stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from engines.vllm.layout import PagedBlocks, PagedLayout
+from engines.vllm.layout import PagedBlocks, PagedLayout, adapter_identity
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
 from kvstore.identity import TAG_BYTES, IdentityCheck, seal, tag_buffer
@@ -162,10 +162,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         tr = self._tracked.get(request.request_id)
         if tr is None:
             prompt = request.prompt_token_ids
-            if not prompt:
-                return None  # prompt embeddings: nothing to key
-            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt)),
-                          self.paged.tags(prompt, request.cache_salt), len(prompt),
+            if not prompt or getattr(request, "mm_features", None):
+                return None  # prompt embeddings, or images whose placeholder tokens are alike: not keyed
+            adapter = adapter_identity(getattr(request, "lora_request", None))   # a LoRA's KV is its own
+            tr = _Tracked(list(self.paged.keys(prompt, request.cache_salt, adapter=adapter)),
+                          self.paged.tags(prompt, request.cache_salt, adapter), len(prompt),
                           self.paged.namespace(request.cache_salt))
             self._tracked[request.request_id] = tr
         return tr

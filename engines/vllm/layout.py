@@ -83,6 +83,20 @@ def model_identity(model: str, revision: str | None) -> tuple[str, str]:
     return model, revision or ""
 
 
+def adapter_identity(lora_request: Any) -> str | None:
+    """What a request's LoRA adapter adds to its keys (its KV is not the base model's): for a
+    local adapter directory a digest of its files (as :func:`model_identity`), else its name
+    and path; None without an adapter."""
+    if lora_request is None:
+        return None
+    path = getattr(lora_request, "lora_path", "") or ""
+    config = os.path.join(path, "adapter_config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            return "lora " + hashlib.sha256(f.read() + b"\0weights " + _weights_digest(path).encode()).hexdigest()[:16]
+    return f"lora {lora_request.lora_name} {path}"
+
+
 @dataclass(frozen=True, slots=True)
 class PagedLayout:
     """The layout of one vLLM instance's KV blocks: ``layout`` (dtype, layers, KV heads, head
@@ -117,11 +131,13 @@ class PagedLayout:
     def block_size(self) -> int:
         return self.layout.block_size
 
-    def extras(self, cache_salt: str | None) -> KeyExtras:
+    def extras(self, cache_salt: str | None, adapter: str | None = None) -> KeyExtras:
         """The key extras of a request: its namespace is its ``cache_salt`` (set by the
-        front door from the caller's identity), ``default`` without one."""
+        front door from the caller's identity), ``default`` without one; ``adapter``: its
+        LoRA adapter's :func:`adapter_identity`."""
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
-                         namespace=cache_salt or DEFAULT_NAMESPACE, other=(BLOCK_FORMAT,))
+                         namespace=cache_salt or DEFAULT_NAMESPACE,
+                         other=(BLOCK_FORMAT,) if adapter is None else (BLOCK_FORMAT, adapter))
 
     def namespace(self, cache_salt: str | None) -> str:
         """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books,
@@ -135,15 +151,16 @@ class PagedLayout:
             return accounting_namespace(salt)
         return salt_namespace(salt)
 
-    def keys(self, tokens: Sequence[int], cache_salt: str | None, parent: bytes | None = None) -> list[bytes]:
+    def keys(self, tokens: Sequence[int], cache_salt: str | None, parent: bytes | None = None,
+             adapter: str | None = None) -> list[bytes]:
         """Block keys of the full blocks of ``tokens`` (the key spec, kvstore/index/keys.py);
         ``parent``: the key of the block before them, when they do not start the prompt."""
-        return block_keys(tokens, self.block_size, self.extras(cache_salt), parent)
+        return block_keys(tokens, self.block_size, self.extras(cache_salt, adapter), parent)
 
-    def tags(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
+    def tags(self, tokens: Sequence[int], cache_salt: str | None, adapter: str | None = None) -> list[bytes]:
         """Identity tags of the full blocks of ``tokens`` (kvstore/identity.py): each stored
         block ends with its tag, checked on every load."""
-        return block_tags(tokens, self.block_size, self.extras(cache_salt))
+        return block_tags(tokens, self.block_size, self.extras(cache_salt, adapter))
 
 
 class PagedBlocks:
