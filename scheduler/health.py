@@ -8,7 +8,13 @@ answers: ``ok`` (HTTP 200), or HTTP 503 with the reasons (one line per part that
 and a status saying what that means: ``degraded`` (an engine or the store is down; requests
 are still served — by the other instances, or recomputed without the pool) or
 ``unavailable`` (no prefill or no decode instance is up). The front door over vLLM checks
-only the store here (``probe_engines=False``): its router watches the instances itself."""
+only the store here (``probe_engines=False``): its router watches the instances itself.
+
+Over a cluster (a :class:`kvstore.cluster.ClusterClient` store), a store node the check finds
+down — no answer, an error, gone from the registry without a clean stop — is dropped from
+the router's index replica at once (:meth:`IndexReplica.drop_node`): its blocks stop
+counting as hits, so no prefill is planned on a fetch that cannot happen. It is dropped once
+per outage; an event from it when it is back resynchronises it from its snapshot."""
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +59,7 @@ class HealthChecker:
         self.rounds = 0          # checks completed
         self._task: asyncio.Task[None] | None = None
         self._store_probe: asyncio.Future[Any] | None = None
+        self.nodes_down: set[str] = set()   # store nodes of a cluster down at the last check
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="health-checks")
@@ -108,6 +115,18 @@ class HealthChecker:
             self._mark_store(f"health check failed: {exc}")
         else:
             self._mark_store("" if str(status).upper() in ("SERVING", "OK") else f"health {status}")
+        if self._store_probe.done():
+            self._forget_nodes_down(getattr(store, "problems", ()))
+
+    def _forget_nodes_down(self, problems: Any) -> None:
+        """Drop each store node newly down from the router's replica (module docstring)."""
+        down = {p.node_id for p in problems}
+        replica = self.router.replica
+        for node in down - self.nodes_down:
+            if replica is not None:
+                blocks = replica.drop_node(node)
+                log.warning("store node %s is down: its %d blocks are no longer hits until it is back", node, blocks)
+        self.nodes_down = down
 
     def _mark_store(self, reason: str) -> None:
         if reason and not self.store_down:

@@ -10,6 +10,7 @@ import time
 from engines.server import start_engine
 from kvstore.client import StoreClient
 from scheduler.app import start_frontdoor
+from scheduler.config import FrontdoorConfig
 from tests.frontdoor_cluster import LoopThread, call, complete
 
 FLAGS = ("--dram", "8MiB", "--ssd", "0", "--heartbeat", "0.2", "--node-ttl", "1", "--transfer-engine", "off")
@@ -24,9 +25,10 @@ def test_status_feed_lists_every_registered_node(redis_url, spawn_store_node):
             server, port = start_engine(role, None, block_size=16, engine_id=f"{role}-0", store_redis=redis_url)
             servers.append(server)
             engines[role] = f"127.0.0.1:{port}"
-        door = loop.run(start_frontdoor([engines["prefill"]], [engines["decode"]], None, store_redis=redis_url))
-        for _ in range(2):
-            complete(door.url, {"prompt": "a prompt long enough for a few KV blocks " * 3, "max_tokens": 3})
+        door = loop.run(start_frontdoor([engines["prefill"]], [engines["decode"]], None, store_redis=redis_url,
+                                        config=FrontdoorConfig(kv_events=redis_url)))   # as `--redis` does
+        for i in range(10):   # blocks on every node (a prompt's chain is placed by its keys)
+            complete(door.url, {"prompt": f"prompt {i}: long enough for a few KV blocks " * 3, "max_tokens": 3})
         after = time.time()
 
         def feed() -> dict:
@@ -57,6 +59,12 @@ def test_status_feed_lists_every_registered_node(redis_url, spawn_store_node):
         assert listed == {"n0", "n1"}
         assert call(door.url, "/health")[0] == 200           # a clean stop leaves no problem behind
 
+        replica = door.frontdoor.router.replica
+        assert replica is not None
+        deadline = time.monotonic() + 15
+        while not replica.index.node_blocks("n1") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert replica.index.node_blocks("n1") > 0
         procs["n1"][0].kill()                 # no clean stop: down by name, not forgotten
         procs["n1"][0].wait(timeout=15)
         deadline = time.monotonic() + 15
@@ -67,6 +75,8 @@ def test_status_feed_lists_every_registered_node(redis_url, spawn_store_node):
         assert status == 503 and json.loads(body)["status"] == "degraded", body
         assert len(reasons) == 1 and reasons[0].startswith("store: ") and "store node n1" in reasons[0], reasons
         assert reasons[0].endswith("(its blocks are misses; the other nodes serve)"), reasons
+        assert replica.index.node_blocks("n1") == 0           # no longer hits in the router's replica
+        assert replica.index.node_blocks("n0") > 0
         deadline = time.monotonic() + 15
         while "gone from the registry" not in json.dumps(nodes := feed()["nodes"]) and time.monotonic() < deadline:
             time.sleep(0.2)
