@@ -27,7 +27,7 @@ import aiohttp
 
 from engines.types import EngineInfo, PrefillResult
 from engines.vllm.launch import SERVED_MODEL_NAME
-from engines.vllm.layout import PagedLayout, model_identity
+from engines.vllm.layout import WEIGHT_SUFFIXES, PagedLayout, model_identity
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 
@@ -46,7 +46,8 @@ class VLLMModel:
     @classmethod
     def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> VLLMModel:
         """``dtype``: the instances' ``--dtype`` (default: the checkpoint's). Raises
-        InvalidArgument when ``model_dir`` holds no ``config.json``."""
+        InvalidArgument when ``model_dir`` holds no ``config.json`` or no weight files (the
+        connector's keys hash them: :func:`engines.vllm.layout.model_identity`)."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise InvalidArgument(f"{model_dir} is not a local checkpoint (no config.json): the front door "
@@ -59,6 +60,11 @@ class VLLMModel:
         layout = KVLayout(dtype=dtype, num_layers=int(cfg["num_hidden_layers"]),
                           num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
                           block_size=block_size)
+        if not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(model_dir)):
+            raise InvalidArgument(
+                f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): the connector keys blocks by "
+                "the checkpoint's config.json and weights, so the front door needs the same directory the vLLM "
+                "instances serve, weights included (read once, at start), or its keys would match none of theirs")
         eos = cfg.get("eos_token_id", 0)
         eos = eos[0] if isinstance(eos, list) else eos
         return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout), int(cfg["vocab_size"]),

@@ -139,3 +139,23 @@ def test_a_request_of_n_sequences_is_admitted_and_counted_as_n(tmp_path: Path) -
     n=16 ran past a bound of 4)."""
     model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
     asyncio.run(_sequences(model))
+
+
+def test_a_checkpoint_directory_without_its_weights_is_refused_naming_why(tmp_path: Path) -> None:
+    """The connector's keys hash the checkpoint's weights: a front door given the directory
+    without them (config and tokenizer only) would key every prompt apart from vLLM's, so
+    it refuses to start, saying so."""
+    import os
+
+    import pytest
+
+    from engines.vllm.layout import WEIGHT_SUFFIXES
+    from kvstore.errors import InvalidArgument
+
+    model_dir = write_checkpoint(str(tmp_path / "checkpoint"))
+    assert VLLMModel.from_dir(model_dir, block_size=16).paged.revision
+    for name in os.listdir(model_dir):
+        if name.endswith(WEIGHT_SUFFIXES):
+            os.remove(os.path.join(model_dir, name))
+    with pytest.raises(InvalidArgument, match=r"holds no weight files .* would match none of theirs"):
+        VLLMModel.from_dir(model_dir, block_size=16)
