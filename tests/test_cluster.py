@@ -141,3 +141,40 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
         steps = decode.decode("r2", prompt, r2.first_token, r2.block_keys, r2.tail_kv, 8, namespace="t")
         tokens = [s.token for s in steps]
         assert tokens == want
+
+
+# -- two live nodes given one node id ------------------------------------------------------------
+def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_stands_aside(
+        redis_url, spawn_store_node, tmp_path):
+    """Each used to overwrite the other's record every beat: readers saw the id flip between
+    two addresses, and half of either node's blocks missed. The node started first keeps the
+    id; the later one stays out until the first stops, then registers."""
+    first, first_addr = spawn_store_node("twin", "--redis", redis_url, *NODE_FLAGS)
+    registry = RedisRegistry(redis_url)
+    deadline = time.monotonic() + 10
+    while [n.address for n in registry.nodes()] != [first_addr]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    second, second_addr = spawn_store_node("twin", "--redis", redis_url, *NODE_FLAGS,
+                                           "--data-dir", str(tmp_path / "other"))
+    time.sleep(4 * BEAT_S)   # the later node's first beat may take the record once; both have beaten since
+    seen = set()
+    for _ in range(int(3 * TTL_S / 0.05)):
+        seen |= {n.address for n in registry.nodes()}
+        time.sleep(0.05)
+    assert seen == {first_addr}, f"the id flipped between {sorted(seen)}"
+    with ClusterClient(redis_url, refresh_s=0.1) as cluster:
+        blocks = [(i.to_bytes(16, "big"), os.urandom(4096)) for i in range(8)]
+        assert all(r.ok for r in cluster.put_blocks(blocks, chain=True))
+        for _ in range(10):   # every read finds them: the id stays on the node that holds them
+            cluster._listed_at = 0.0
+            assert cluster.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
+            time.sleep(BEAT_S / 2)
+    first.terminate()          # a clean stop: the id is free, and the later node takes it
+    first.wait(10)
+    deadline = time.monotonic() + TTL_S + 5 * BEAT_S
+    while [n.address for n in registry.nodes()] != [second_addr]:
+        assert time.monotonic() < deadline, "the node that stood aside did not register once the id was free"
+        time.sleep(0.05)
+    assert second.poll() is None
+    registry.close()

@@ -200,6 +200,12 @@ class Registry(ABC):
     def nodes(self) -> list[NodeInfo]:
         """The live nodes, sorted by node id."""
 
+    @abstractmethod
+    def holder(self, node_id: str) -> NodeInfo | None:
+        """The node whose live record is at ``node_id``'s key now (one that verifies under
+        this registry's token), else None: what a heartbeat checks before it writes, so that
+        two live nodes given one node id do not overwrite each other's record in turn."""
+
     def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release connections."""
 
@@ -260,6 +266,19 @@ class RedisRegistry(Registry):
     def nodes(self) -> list[NodeInfo]:
         with self._listing:
             return self._nodes()
+
+    def holder(self, node_id: str) -> NodeInfo | None:
+        key = KEY_PREFIX + node_id
+        pipe = self._r.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.time()
+        value, (seconds, micros) = pipe.execute()
+        if value is None:
+            return None
+        try:
+            return unseal(key, value, self._token, seconds + micros * 1e-6)[0]
+        except ValueError:   # not one this token's holders wrote (or stale): it does not count
+            return None
 
     def _nodes(self) -> list[NodeInfo]:
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
@@ -325,6 +344,11 @@ class LocalRegistry(Registry):
         with self._lock:
             return self._left.get(node_id)
 
+    def holder(self, node_id: str) -> NodeInfo | None:
+        with self._lock:
+            info, until = self._nodes.get(node_id, (None, 0.0))
+        return info if until > time.monotonic() else None
+
     def nodes(self) -> list[NodeInfo]:
         now = time.monotonic()
         with self._lock:
@@ -346,7 +370,17 @@ def registry_for(redis_url: str | None, token: str | None = None) -> Registry:
 class Heartbeat:
     """Re-announces ``info()`` every ``interval_s`` with ``ttl_s`` (interval < TTL), on a
     daemon thread; :meth:`stop` withdraws the record. A failed announce is logged and retried
-    at the next beat (the record may lapse meanwhile: the node looks dead, never wrong)."""
+    at the next beat (the record may lapse meanwhile: the node looks dead, never wrong).
+
+    Two live nodes given one node id: each beat first reads the record there
+    (:meth:`Registry.holder`). A record of another life (epoch) found after this one has
+    written or stood aside was written since by a node that is alive; the node started later
+    (larger epoch) then stands aside — it writes nothing, :attr:`conflict` says why, and an
+    error is logged once a minute — until the other's record is gone, and the earlier one
+    keeps its record, logging the same. (They used to overwrite each other's record every
+    beat: readers saw the id flip between the two addresses and half of either node's blocks
+    missed.) The first beat of a life writes over another epoch's record: that of a previous
+    life of the node, restarted within the TTL."""
 
     def __init__(self, registry: Registry, info: Callable[[], NodeInfo], ttl_s: float = 3.0,
                  interval_s: float = 1.0) -> None:
@@ -357,6 +391,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="kvstore-heartbeat", daemon=True)
         self.node_id: str | None = None
         self.epoch = 0
+        self.conflict: str | None = None   # why this node stands aside (another live node has its id)
+        self._wrote = False                # this life has written its record (and not stood aside since)
+        self._warned_at = -WARN_AGAIN_S
 
     def start(self) -> Heartbeat:
         self._beat()
@@ -371,9 +408,35 @@ class Heartbeat:
         try:
             info = self.info()
             self.node_id, self.epoch = info.node_id, info.epoch
+            other = self.registry.holder(info.node_id)
+            if other is not None and other.epoch != info.epoch and (self._wrote or self.conflict):
+                # written since this node's last beat by another live node of the same id
+                self._duplicate(info, other)
+                if other.epoch < info.epoch:   # the earlier node keeps the id
+                    self._wrote = False
+                    return
+            elif self.conflict and other is None:
+                log.warning("membership: node id %r is free again; this node (%s) registers", info.node_id,
+                            info.address)
+                self.conflict = None
             self.registry.register(info, self.ttl_s)
+            self._wrote = True
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
+
+    def _duplicate(self, info: NodeInfo, other: NodeInfo) -> None:
+        yields = other.epoch < info.epoch
+        why = (f"node id {info.node_id!r} is also used by the live node at {other.address} (epoch {other.epoch}), "
+               f"this one at {info.address} (epoch {info.epoch}); "
+               + ("it started first: this node stays out of the cluster (its blocks are not listed) until that "
+                  "one stops" if yields else "this node started first and keeps the id; the other stays out")
+               + ". Give each node its own --node-id")
+        if yields:
+            self.conflict = why
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_AGAIN_S:
+            self._warned_at = now
+            log.error("membership: %s", why)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -383,7 +446,7 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        if self.node_id is not None:
+        if self.node_id is not None and not self.conflict:   # a node standing aside holds no record
             try:
                 self.registry.deregister(self.node_id, self.epoch)
             except Exception as exc:  # noqa: BLE001
