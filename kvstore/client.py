@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -189,16 +190,19 @@ class StoreClient:
                 check_namespace(namespace)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"the put's namespace ({NAMESPACE_METADATA}): {exc}") from None
+        started, why = time.monotonic(), ""
         plane = self._local()
         if plane is not None:
             try:
                 return plane.put_blocks(blocks, chain, parent, namespace)
             except Unavailable as exc:  # puts are idempotent: the stream redoes the whole batch
                 self._drop_plane(exc)
+                why = str(exc)
+        timeout_s = self._time_left(started, why)
         blocks = [(k, to_bytes(d) if isinstance(d, Segments) else d) for k, d in blocks]
         meta = self._meta + codec.namespace_metadata(namespace)
         try:
-            resp = self._stub.Put(codec.put_chunks(blocks, chain, parent), timeout=self.timeout_s, metadata=meta)
+            resp = self._stub.Put(codec.put_chunks(blocks, chain, parent), timeout=timeout_s, metadata=meta)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         return codec.put_results_of(resp.results)
@@ -216,15 +220,17 @@ class StoreClient:
         if len(keys) > MAX_KEYS_PER_CALL:
             return self._in_parts(lambda lo, hi: self.get_blocks(keys[lo:hi], stop_at_miss), len(keys),
                                   stop_at_miss)
+        started, why = time.monotonic(), ""
         plane = self._local()
         if plane is not None:
             try:
                 return plane.get_blocks(keys, stop_at_miss)
             except Unavailable as exc:
                 self._drop_plane(exc)
+                why = str(exc)
             except LeaseExpired:
                 log.info("store client -> %s: a slab copy outlived its lease; reading over gRPC", self.address)
-        return self._grpc_get_blocks(keys, stop_at_miss)
+        return self._grpc_get_blocks(keys, stop_at_miss, self._time_left(started, why))
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[Any], stop_at_miss: bool = False) -> list[int | None]:
         """Copy block i into ``outs[i]`` (a contiguous numpy array or torch tensor on any
@@ -235,15 +241,30 @@ class StoreClient:
         if len(keys) > MAX_KEYS_PER_CALL:
             return self._in_parts(lambda lo, hi: self.get_into(keys[lo:hi], outs[lo:hi], stop_at_miss), len(keys),
                                   stop_at_miss)
+        started, why = time.monotonic(), ""
         plane = self._local()
         if plane is not None:
             try:
                 return plane.get_into(keys, outs, stop_at_miss)
             except Unavailable as exc:
                 self._drop_plane(exc)
+                why = str(exc)
+        timeout_s = self._time_left(started, why)
         from kvstore.tiers.buffers import copy_into
         return [None if d is None else copy_into(o, np.frombuffer(d, dtype=np.uint8))
-                for d, o in zip(self._grpc_get_blocks(keys, stop_at_miss), outs)]
+                for d, o in zip(self._grpc_get_blocks(keys, stop_at_miss, timeout_s), outs)]
+
+    def _time_left(self, started: float, why: str = "") -> float:
+        """What is left of a call's ``timeout_s`` (begun at ``started``) for its gRPC part,
+        after the same-host path was tried (and failed: ``why``) or asked for (the node's
+        ``DataPlaneInfo``). Raises Unavailable when nothing is: on a node that hangs (stopped,
+        not dead) the same-host attempt waits out the whole timeout, and a gRPC retry with the
+        whole timeout again made a call take twice its timeout."""
+        left = self.timeout_s - (time.monotonic() - started)
+        if left <= 0.05:
+            raise Unavailable(f"store node at {self.address}: no answer within {self.timeout_s:g} s"
+                              + (f" ({why})" if why else ""))
+        return left
 
     @staticmethod
     def _in_parts(read: Callable[[int, int], list[Any]], n: int, stop_at_miss: bool) -> list[Any]:
@@ -258,14 +279,15 @@ class StoreClient:
                 break
         return out
 
-    def _grpc_get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
-        """:meth:`get_blocks` over the gRPC stream."""
+    def _grpc_get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False,
+                         timeout_s: float | None = None) -> list[bytes | None]:
+        """:meth:`get_blocks` over the gRPC stream (within ``timeout_s``, default the client's)."""
         if not keys:
             return []
         bad: list[bytes] = []
         try:
             out = codec.blocks_of(self._stub.Get(pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss),
-                                                 timeout=self.timeout_s, metadata=self._meta), bad)
+                                                 timeout=timeout_s or self.timeout_s, metadata=self._meta), bad)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         if bad:

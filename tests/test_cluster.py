@@ -178,3 +178,32 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
         time.sleep(0.05)
     assert second.poll() is None
     registry.close()
+
+
+# -- a node that hangs (stopped, not dead) ---------------------------------------------------------
+def test_a_call_to_a_hung_node_gives_up_within_its_timeout_and_the_node_serves_again_after(spawn_store_node):
+    """A same-host call that waited out its whole timeout on a stopped node was retried over
+    gRPC with the whole timeout again: twice the timeout (the vLLM connector's 5 s per pool
+    call took 10 s). The retry gets what is left, and a call with nothing left fails at once."""
+    from kvstore.client import StoreClient
+    from kvstore.errors import Unavailable
+
+    proc, address = spawn_store_node("hung", "--ssd", "0", "--dram", "16MiB")
+    timeout_s = 1.5
+    blocks = [(i.to_bytes(16, "big"), os.urandom(8192)) for i in range(4)]
+    with StoreClient(address, timeout_s=timeout_s) as client:
+        assert all(r.ok for r in client.put_blocks(blocks))
+        assert client.data_path_in_use.startswith("same-host")
+        proc.send_signal(signal.SIGSTOP)
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)   # stopped for good before the first call
+        try:   # the put fails on the same-host path; the get first asks the node for that path again
+            for call in (lambda: client.put_blocks([(b"\x07" * 16, b"x" * 8192)]),
+                         lambda: client.get_blocks([k for k, _ in blocks])):
+                t0 = time.monotonic()
+                with pytest.raises(Unavailable, match=address):
+                    call()
+                assert time.monotonic() - t0 < timeout_s + 0.6, f"took {time.monotonic() - t0:.2f} s"
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert client.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
