@@ -345,14 +345,16 @@ class Router(Generic[C]):
         seconds apart on average: its booked decode finish becomes its tokens still to come at
         that pace from now (:func:`scheduler.views.decoding_finish`; the simulator re-times a
         running request the same way), so the decode load predicted for later arrivals
-        follows the instance's real pace, not the decision's guess."""
+        follows the instance's real pace, not the decision's guess. Each of its ``sequences``
+        gets one token a step, so a step of each sequence spans ``sequences`` such gaps."""
         work = self.decode[plan.decode_id].work
         w = work.get(plan.request_id)
         if w is not None:
             now = time.monotonic()
+            n = max(1, plan.sequences)   # n tokens a decode step: a sequence's pace is n gaps
             work[plan.request_id] = w._replace(
                 start_s=min(w.start_s, now),
-                finish_s=decoding_finish(now, plan.max_tokens, tokens // max(1, plan.sequences), mean_tbt_s))
+                finish_s=decoding_finish(now, plan.max_tokens, tokens // n, mean_tbt_s * n))
 
     def observe_decode(self, plan: RoutePlan, mean_tbt_s: float) -> None:
         """A decode finished with ``mean_tbt_s`` between its tokens: feed the TBT fit with the

@@ -198,3 +198,38 @@ def test_a_streaming_request_s_decode_work_follows_its_pace(stack):
     gap = (paced.finish_s - now) / (40 - 4)
     assert 0.04 < gap < 0.2                                   # 36 tokens to come at ~50 ms each
     assert paced.finish_s > booked.finish_s and paced.kv_tokens == booked.kv_tokens
+
+
+def test_a_request_of_n_sequences_is_paced_per_step_not_per_token(stack):
+    """A request of ``n`` sequences streams ``n`` tokens a decode step: ``decode_progress``
+    hears every sequence's tokens and their mean gap, a step is ``n`` such gaps, so its
+    finish is its steps to come at ``n`` gaps each (it was one gap each: ``n`` times early,
+    freeing its batch slots in the load predicted for later arrivals before it ends)."""
+    import time
+
+    from scheduler.metrics import FrontdoorMetrics
+    from scheduler.request_parts import TokenClock
+
+    store, (prefill, decode) = stack
+    prompt = prompt_of(8, 3 * BS)
+
+    async def go():
+        router = await Router.connect([prefill], [decode], store, policy="conductor")
+        try:
+            plan = await router.plan("paced-n", prompt, "public", max_tokens=40, sequences=2)
+            router.begin(plan)
+            clock = TokenClock(FrontdoorMetrics(), router, time.perf_counter(), plan)
+            for _ in range(4):      # two steps of two sequences, 25 ms apart a token: 50 ms a step
+                clock()
+                time.sleep(0.025)
+            clock()
+            now = time.monotonic()
+            paced = router.decode[plan.decode_id].work[plan.request_id]
+            router.finished(plan)
+            return paced, now
+        finally:
+            await router.close()
+
+    paced, now = asyncio.run(go())
+    step = (paced.finish_s - now) / (40 - 5 // 2)          # 38 steps to come for each sequence
+    assert 0.04 < step < 0.2, step                          # ~50 ms a step, not ~25 ms
