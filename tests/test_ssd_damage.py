@@ -575,3 +575,28 @@ def test_only_the_newest_damaged_environments_are_kept(tmp_path: Path, caplog) -
     removed = [r for r in caplog.records if "an older damaged environment" in r.getMessage()]
     assert len(removed) == 3
     assert os.path.islink(f"{path}.damaged-1") and (target / "keep.txt").read_text() == "not the tier's"
+
+
+def test_a_moved_aside_copy_a_person_renamed_is_never_removed(tmp_path: Path, caplog) -> None:
+    """Only the names the tier gives its moved-aside environments (``.damaged-<time>`` and
+    ``-<n>``) are removed when older than the newest KEEP_DAMAGED: a directory a person
+    renamed to keep for a post-mortem (``ssd.damaged-<time>.keep``, ``ssd.damaged-old``)
+    is not the tier's (it was taken for the oldest, and removed)."""
+    from kvstore.tiers.ssd_storage import KEEP_DAMAGED
+    path = tmp_path / "ssd"
+    kept = [tmp_path / "ssd.damaged-1700000000.keep", tmp_path / "ssd.damaged-old"]
+    for d in kept:
+        d.mkdir()
+        (d / "data.mdb").write_text("a person's copy")
+    for _ in range(KEEP_DAMAGED + 1):
+        _fill_ssd(path, 2)
+        os.truncate(path / "data.mdb", 4096)
+        with caplog.at_level(logging.WARNING, logger="kvstore.tiers.ssd"):
+            tier = SsdTier(64 << 20, str(path))
+        assert tier.quarantines == 1
+        tier.close()
+    for d in kept:
+        assert (d / "data.mdb").read_text() == "a person's copy"
+    ours = [p for p in glob.glob(f"{path}.damaged-*") if Path(p) not in kept]
+    assert len(ours) == KEEP_DAMAGED
+    assert len([r for r in caplog.records if "an older damaged environment" in r.getMessage()]) == 1

@@ -33,6 +33,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import shutil
 import signal
 import stat
@@ -59,6 +60,7 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
 
 
 KEEP_DAMAGED = 2   # moved-aside environments kept (the newest) for a post-mortem; older ones are removed
+_ASIDE = re.compile(r"[0-9]+(-[0-9]+)?")   # what follows ``.damaged-`` in a name _aside_name makes
 LOCK_FILE = "kvstore.lock"   # the tier's own lock in its directory (flock; the holder's pid in it)
 _LMDB_FILES = ("data.mdb", "lock.mdb")
 
@@ -469,18 +471,17 @@ class SsdStorage:
         """Remove this tier's moved-aside environments beyond the newest :data:`KEEP_DAMAGED`
         (``aside``, the one just made, and the newest others by the time in their names): a
         failing disk quarantining again and again would otherwise fill itself, each copy up
-        to the tier's size. Only directories are removed (a link or file of that name is
-        left, never followed), each with a log line; a failure to remove is logged."""
+        to the tier's size. Only directories named as :meth:`_aside_name` names them are
+        removed (a link or file of that name is left, never followed; another name, e.g. a
+        copy a person renamed to keep, is never touched), each with a log line; a failure
+        to remove is logged."""
         parent, base = os.path.split(os.path.abspath(self.path))
         prefix = base + ".damaged-"
 
         def made(name: str) -> tuple[int, ...]:
-            try:
-                return tuple(int(part) for part in name[len(prefix):].split("-"))
-            except ValueError:
-                return (-1,)
+            return tuple(int(part) for part in name[len(prefix):].split("-"))
         try:
-            names = [n for n in os.listdir(parent) if n.startswith(prefix)
+            names = [n for n in os.listdir(parent) if n.startswith(prefix) and _ASIDE.fullmatch(n[len(prefix):])
                      and os.path.join(parent, n) != os.path.abspath(aside)
                      and stat.S_ISDIR(os.lstat(os.path.join(parent, n)).st_mode)]
         except OSError as exc:
