@@ -111,3 +111,30 @@ def test_a_save_names_the_requests_namespace_to_the_pool(make_dram) -> None:
     finally:
         link.close()
         node.stop(grace_s=None)
+
+
+def test_a_trainer_checkpoints_optimizer_state_is_not_in_the_model_identity(tmp_path) -> None:
+    """A checkpoint saved by a Trainer (``checkpoint-1000``: model.safetensors beside
+    optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin) is keyed by the weights
+    vLLM loads, its safetensors: the optimizer state (several times the weights) was read at
+    every start and keyed alike weights apart. Without safetensors the other weight files
+    count."""
+    from engines.vllm.layout import model_identity
+
+    ckpt = tmp_path / "checkpoint-1000"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    (ckpt / "model.safetensors").write_bytes(b"weights" * 1000)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        (ckpt / name).write_bytes(b"state one")
+    before = model_identity(str(ckpt), None)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        (ckpt / name).write_bytes(b"another state")
+    assert model_identity(str(ckpt), None) == before
+    (ckpt / "model.safetensors").write_bytes(b"weights" * 999 + b"other")   # another size (memo: size, mtime)
+    assert model_identity(str(ckpt), None) != before
+    (ckpt / "model.safetensors").unlink()                  # a .bin checkpoint: its .bin is hashed
+    (ckpt / "pytorch_model.bin").write_bytes(b"bin weights")
+    bin_one = model_identity(str(ckpt), None)
+    (ckpt / "pytorch_model.bin").write_bytes(b"other bin weights")
+    assert model_identity(str(ckpt), None) != bin_one

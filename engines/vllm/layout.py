@@ -49,7 +49,8 @@ _weights_digests: dict[tuple, str] = {}
 
 def _weights_digest(model: str) -> str:
     """xxh3-128 of the names, sizes and bytes of the weight files in ``model`` (sorted; its
-    subdirectories are not read, as loaders do not); one read of the weights per process,
+    subdirectories are not read, as loaders do not; its ``.safetensors`` files alone when
+    it has any, as loaders then read no other); one read of the weights per process,
     remembered by path, size and mtime."""
     import xxhash
     files = []
@@ -58,6 +59,11 @@ def _weights_digest(model: str) -> str:
         if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(path):
             st = os.stat(path)
             files.append((name, st.st_size, st.st_mtime_ns, path))
+    if any(f[0].endswith(".safetensors") for f in files):
+        # what vLLM and transformers load when there are any; a Trainer checkpoint's
+        # optimizer.pt (several times the weights), scheduler.pt, rng_state*.pth and
+        # training_args.bin are no weights and are not read
+        files = [f for f in files if f[0].endswith(".safetensors")]
     memo = (os.path.realpath(model), tuple(f[:3] for f in files))
     if memo not in _weights_digests:
         h = xxhash.xxh3_128()
