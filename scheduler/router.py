@@ -357,12 +357,14 @@ class Router(Generic[C]):
                 finish_s=decoding_finish(now, plan.max_tokens, tokens // n, mean_tbt_s * n))
 
     def observe_decode(self, plan: RoutePlan, mean_tbt_s: float) -> None:
-        """A decode finished with ``mean_tbt_s`` between its tokens: feed the TBT fit with the
-        batch and KV it shared the instance with."""
+        """A decode finished with ``mean_tbt_s`` between the tokens it streamed (every
+        sequence's: a step of each of its ``sequences`` spans that many gaps): feed the TBT
+        fit a step's seconds with the batch (sequences) and KV it shared the instance with."""
         inst = self.decode[plan.decode_id]
         now = time.monotonic()
         live = [w for w in inst.work.values() if w.start_s <= now]
-        self.policy.observe_decode(max(1, len(live)), sum(w.kv_tokens for w in live), mean_tbt_s)
+        self.policy.observe_decode(max(1, sum(w.sequences for w in live)), sum(w.kv_tokens for w in live),
+                                   mean_tbt_s * max(1, plan.sequences))
 
     def finished(self, plan: RoutePlan) -> None:
         """The request is over, whatever the outcome; call exactly once per ``begin``. Aborts

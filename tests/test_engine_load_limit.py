@@ -225,11 +225,17 @@ def test_a_request_of_n_sequences_is_paced_per_step_not_per_token(stack):
             clock()
             now = time.monotonic()
             paced = router.decode[plan.decode_id].work[plan.request_id]
+            seen = []                                        # what the TBT fit is fed at its end
+            observe = router.policy.observe_decode
+            router.policy.observe_decode = lambda *a: (seen.append(a), observe(*a))
+            clock.done()
             router.finished(plan)
-            return paced, now
+            return paced, now, seen
         finally:
             await router.close()
 
-    paced, now = asyncio.run(go())
+    paced, now, seen = asyncio.run(go())
     step = (paced.finish_s - now) / (40 - 5 // 2)          # 38 steps to come for each sequence
     assert 0.04 < step < 0.2, step                          # ~50 ms a step, not ~25 ms
+    (batch, _, tbt), = seen
+    assert batch == 2 and 0.04 < tbt < 0.2, seen            # a step of two sequences, not a token gap
