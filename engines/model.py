@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from engines.vllm.layout import model_identity
+from engines.checkpoint_identity import model_identity
 from kvstore.index.keys import KVLayout
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,10 @@ from typing import Any
 
 import aiohttp
 
+from engines.checkpoint_identity import WEIGHT_SUFFIXES, model_identity
 from engines.types import EngineInfo, PrefillResult
 from engines.vllm.launch import SERVED_MODEL_NAME
-from engines.vllm.layout import WEIGHT_SUFFIXES, PagedLayout, model_identity
+from engines.vllm.layout import PagedLayout
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 
@@ -47,7 +48,7 @@ class VLLMModel:
     def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> VLLMModel:
         """``dtype``: the instances' ``--dtype`` (default: the checkpoint's). Raises
         InvalidArgument when ``model_dir`` holds no ``config.json`` or no weight files (the
-        connector's keys hash them: :func:`engines.vllm.layout.model_identity`)."""
+        connector's keys hash them: :func:`engines.checkpoint_identity.model_identity`)."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise InvalidArgument(f"{model_dir} is not a local checkpoint (no config.json): the front door "

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engines.vllm.layout import PagedLayout, model_identity  # noqa: E402
+from engines.checkpoint_identity import model_identity  # noqa: E402
+from engines.vllm.layout import PagedLayout  # noqa: E402
 from kvstore.index.keys import KVLayout  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -278,7 +279,7 @@ def test_a_lora_requests_kv_is_keyed_apart_from_the_base_models(model_dir, store
     request of the same prompt without the adapter loaded it (cached 128, other tokens)."""
     from vllm.lora.request import LoRARequest
 
-    from engines.vllm.layout import adapter_identity
+    from engines.checkpoint_identity import adapter_identity
     pool, address = store
     adapter = _write_lora_adapter(tmp_path / "adapter")
     engine = Engine(model_dir, tmp_path / "lora.log", kv_transfer_config=connector(address, "kv_both"),

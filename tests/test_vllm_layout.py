@@ -119,7 +119,7 @@ def test_a_trainer_checkpoints_optimizer_state_is_not_in_the_model_identity(tmp_
     vLLM loads, its safetensors: the optimizer state (several times the weights) was read at
     every start and keyed alike weights apart. Without safetensors the other weight files
     count."""
-    from engines.vllm.layout import model_identity
+    from engines.checkpoint_identity import model_identity
 
     ckpt = tmp_path / "checkpoint-1000"
     ckpt.mkdir()

@@ -149,7 +149,7 @@ def test_a_checkpoint_directory_without_its_weights_is_refused_naming_why(tmp_pa
 
     import pytest
 
-    from engines.vllm.layout import WEIGHT_SUFFIXES
+    from engines.checkpoint_identity import WEIGHT_SUFFIXES
     from kvstore.errors import InvalidArgument
 
     model_dir = write_checkpoint(str(tmp_path / "checkpoint"))

@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from engines.vllm.layout import PagedBlocks, PagedLayout, adapter_identity
+from engines.checkpoint_identity import adapter_identity
+from engines.kv import block_bytes
+from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
 from kvstore.identity import TAG_BYTES, IdentityCheck, seal, tag_buffer
@@ -140,8 +142,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             lay = self.paged.layout
             dtype = getattr(torch, lay.dtype, None)   # an fp8 cache dtype name: 1 byte
             itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
-            self.link.probe(lay.num_layers * 2 * lay.num_kv_heads * lay.block_size * lay.head_dim * itemsize
-                            + TAG_BYTES)
+            self.link.probe(block_bytes(lay, lay.block_size, itemsize) + TAG_BYTES)
         self.stats = ConnectorStats()
         self.identity = IdentityCheck("kvstore connector")
         # scheduler side

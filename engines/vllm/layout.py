@@ -15,13 +15,12 @@ shape goes into the key extras, so instances whose layouts differ never share a 
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engines.checkpoint_identity import model_identity
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
@@ -37,70 +36,6 @@ DEFAULT_NAMESPACE = "default"
 _FRONT_DOOR_TENANT = re.compile(r"key-[0-9a-f]{16}|public")
 # The block format, in the extras: a change of it must change every key.
 BLOCK_FORMAT = "vllm-paged-v2: layers back to back, each its paged tensor's [block] slice, then the 8-byte identity tag"
-
-
-# Files whose bytes are a checkpoint's weights (Hugging Face, PyTorch, GGUF): their content
-# goes into the model's revision, so two checkpoints with the same directory name and the same
-# config.json (two fine-tunes, each saved as ``checkpoint-1000``) never share a key.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_CHUNK = 16 << 20
-_weights_digests: dict[tuple, str] = {}
-
-
-def _weights_digest(model: str) -> str:
-    """xxh3-128 of the names, sizes and bytes of the weight files in ``model`` (sorted; its
-    subdirectories are not read, as loaders do not; its ``.safetensors`` files alone when
-    it has any, as loaders then read no other); one read of the weights per process,
-    remembered by path, size and mtime."""
-    import xxhash
-    files = []
-    for name in sorted(os.listdir(model)):
-        path = os.path.join(model, name)
-        if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(path):
-            st = os.stat(path)
-            files.append((name, st.st_size, st.st_mtime_ns, path))
-    if any(f[0].endswith(".safetensors") for f in files):
-        # what vLLM and transformers load when there are any; a Trainer checkpoint's
-        # optimizer.pt (several times the weights), scheduler.pt, rng_state*.pth and
-        # training_args.bin are no weights and are not read
-        files = [f for f in files if f[0].endswith(".safetensors")]
-    memo = (os.path.realpath(model), tuple(f[:3] for f in files))
-    if memo not in _weights_digests:
-        h = xxhash.xxh3_128()
-        for name, size, _, path in files:
-            h.update(f"{name}\0{size}\0".encode())
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-        _weights_digests[memo] = h.hexdigest()
-    return _weights_digests[memo]
-
-
-def model_identity(model: str, revision: str | None) -> tuple[str, str]:
-    """(model id, revision) of a vLLM model argument: for a local directory its base name and
-    the first 16 hex digits of the SHA-256 of its ``config.json`` and of its weight files'
-    content (:func:`_weights_digest`: one read of them per process), else the name and the
-    configured revision (``""`` when none)."""
-    config = os.path.join(model, "config.json")
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            digest = hashlib.sha256(f.read() + b"\0weights " + _weights_digest(model).encode()).hexdigest()[:16]
-        return os.path.basename(os.path.normpath(model)), digest
-    return model, revision or ""
-
-
-def adapter_identity(lora_request: Any) -> str | None:
-    """What a request's LoRA adapter adds to its keys (its KV is not the base model's): for a
-    local adapter directory a digest of its files (as :func:`model_identity`), else its name
-    and path; None without an adapter."""
-    if lora_request is None:
-        return None
-    path = getattr(lora_request, "lora_path", "") or ""
-    config = os.path.join(path, "adapter_config.json")
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            return "lora " + hashlib.sha256(f.read() + b"\0weights " + _weights_digest(path).encode()).hexdigest()[:16]
-    return f"lora {lora_request.lora_name} {path}"
 
 
 @dataclass(frozen=True, slots=True)
