@@ -451,6 +451,15 @@ class SsdStorage:
         if lost and self.on_lost is not None:
             self.on_lost(lost)
 
+    def _asides(self) -> tuple[str, dict[str, tuple[int, ...]]]:
+        """This tier's parent directory and the names in it that :meth:`_aside_name` makes
+        (``<dir>.damaged-<time>[-<n>]``, whatever they are now), each with its order key
+        ``(time, n)`` (``(time,)`` for the first of a second). Raises OSError."""
+        parent, base = os.path.split(os.path.abspath(self.path))
+        prefix = base + ".damaged-"
+        return parent, {n: tuple(int(part) for part in n[len(prefix):].split("-")) for n in os.listdir(parent)
+                        if n.startswith(prefix) and _ASIDE.fullmatch(n[len(prefix):])}
+
     def _aside_name(self) -> str:
         """A free name to move the environment to: ``<path>.damaged-<unix time>``, or with
         ``-<n>`` past every ``n`` already used in that second (a removed older one's name is
@@ -458,11 +467,11 @@ class SsdStorage:
         link, is never renamed over."""
         t = int(time.time())
         first = f"{self.path}.damaged-{t}"
-        parent, base = os.path.split(os.path.abspath(first))
-        used = [n for n in os.listdir(parent) if n == base or n.startswith(base + "-")]
-        if not used:
+        _, names = self._asides()
+        used = [order[1] if len(order) > 1 else 0 for order in names.values() if order[0] == t]
+        if not used and not os.path.lexists(first):
             return first
-        n = 1 + max((int(u[len(base) + 1:]) for u in used if u[len(base) + 1:].isdigit()), default=0)
+        n = 1 + max(used, default=0)
         while os.path.lexists(f"{first}-{n}"):
             n += 1
         return f"{first}-{n}"
@@ -475,19 +484,14 @@ class SsdStorage:
         removed (a link or file of that name is left, never followed; another name, e.g. a
         copy a person renamed to keep, is never touched), each with a log line; a failure
         to remove is logged."""
-        parent, base = os.path.split(os.path.abspath(self.path))
-        prefix = base + ".damaged-"
-
-        def made(name: str) -> tuple[int, ...]:
-            return tuple(int(part) for part in name[len(prefix):].split("-"))
         try:
-            names = [n for n in os.listdir(parent) if n.startswith(prefix) and _ASIDE.fullmatch(n[len(prefix):])
-                     and os.path.join(parent, n) != os.path.abspath(aside)
-                     and stat.S_ISDIR(os.lstat(os.path.join(parent, n)).st_mode)]
+            parent, names = self._asides()
+            older = {n: order for n, order in names.items() if os.path.join(parent, n) != os.path.abspath(aside)
+                     and stat.S_ISDIR(os.lstat(os.path.join(parent, n)).st_mode)}
         except OSError as exc:
             log.warning("ssd tier at %s: cannot list moved-aside environments: %s", self.path, exc)
             return
-        for name in sorted(names, key=made, reverse=True)[KEEP_DAMAGED - 1:]:
+        for name in sorted(older, key=older.__getitem__, reverse=True)[KEEP_DAMAGED - 1:]:
             old = os.path.join(parent, name)
             try:
                 shutil.rmtree(old)
