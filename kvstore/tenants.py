@@ -24,7 +24,7 @@ Accounting rules:
   :class:`QuotaExceeded`. Another namespace's blocks are never touched.
 
 A namespace holding nothing (no block, no put in flight) and without a quota is forgotten,
-its counters with it, once the node knows more than :data:`IDLE_NAMESPACES` namespaces: a
+its counters with it, once the node knows :data:`IDLE_NAMESPACES` namespaces: a
 client naming a namespace per request (``req-0``, ``req-1``, ...) would otherwise grow the
 books and every ``/metrics`` page without bound (3,000 such namespaces, their blocks
 evicted, had left 24,000 series). A namespace that holds blocks is never forgotten.
@@ -53,7 +53,7 @@ charge = page_footprint
 NAMESPACE_METADATA = "kvstore-namespace"   # gRPC metadata naming the tenant of a Put's blocks
 UNATTRIBUTED = ""
 GONE_KEYS = 65536
-IDLE_NAMESPACES = 1024   # namespaces kept beyond which those holding nothing are forgotten
+IDLE_NAMESPACES = 1024   # namespaces known at which those holding nothing are forgotten
 
 
 @dataclass(frozen=True, slots=True)
