@@ -55,6 +55,25 @@ def test_membership_expires_without_heartbeat_and_leaves_on_stop(make, request):
         Heartbeat(registry, lambda: info, ttl_s=1.0, interval_s=1.0)
 
 
+@pytest.mark.parametrize("make,token", [("local", None), ("redis", None), ("redis", "t0ken")])
+def test_a_stop_withdraws_only_its_own_life_and_notes_only_its_own_clean_stop(make, token, request):
+    """A twin stopped before its second beat (so before it stood aside) used to delete the live
+    node's record, which then missed for a beat, and to note a clean stop the health check read
+    as the live node's, so that node's later crash went unreported."""
+    registry = LocalRegistry() if make == "local" else RedisRegistry(request.getfixturevalue("redis_url"), token)
+    live = NodeInfo("n1", "127.0.0.1:1", epoch=100)
+    registry.register(live, 30.0)
+    registry.deregister("n1", epoch=200)               # the twin's life: not the record's
+    assert registry.nodes() == [live]
+    assert registry.left("n1") is None
+    registry.deregister("n1", epoch=100)               # the live node's own clean stop
+    assert registry.nodes() == []
+    assert registry.left("n1") == 100
+    registry.deregister("n1", epoch=300)               # nothing there: a life whose record lapsed
+    assert registry.left("n1") == 300
+    registry.close()
+
+
 def test_cluster_reads_and_writes_across_nodes(redis_url, spawn_store_node):
     for i in range(2):
         spawn_store_node(f"n{i}", "--dram", "1MiB", "--redis", redis_url, *NODE_FLAGS)

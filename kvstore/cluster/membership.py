@@ -150,6 +150,19 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
     return info, sealed_at
 
 
+def _epoch_of(key: str, value: str | bytes | None, token: str | None) -> int | None:
+    """The epoch the record ``value`` at ``key`` announces, read whatever its age; None for no
+    record or one that is not a record this token's holders wrote (which nobody lists)."""
+    if value is None:
+        return None
+    try:
+        doc = _document(value)
+        info = NodeInfo.from_dict(_opened(key, doc, token).get("info") if "body" in doc else doc.get("info"))
+    except ValueError:
+        return None
+    return info.epoch
+
+
 def _document(value: str | bytes) -> dict[str, Any]:
     """A registry value as a JSON object; ValueError when it is too large or not one."""
     if len(value) > MAX_RECORD_BYTES:
@@ -188,7 +201,10 @@ class Registry(ABC):
     @abstractmethod
     def deregister(self, node_id: str, epoch: int = 0) -> None:
         """Withdraw a node at once (a clean stop), and note that its life ``epoch`` left
-        cleanly (:meth:`left`)."""
+        cleanly (:meth:`left`). Neither is done when the record at ``node_id`` is another
+        life's (a node of the same id that is live: a twin stopped before it stood aside must
+        not withdraw it, nor make its later crash look like a clean stop); ``epoch`` 0 withdraws
+        whatever is there."""
 
     @abstractmethod
     def left(self, node_id: str) -> int | None:
@@ -242,13 +258,28 @@ class RedisRegistry(Registry):
         self._r.set(KEY_PREFIX + info.node_id, value, px=max(1, int(ttl_s * 1000)))
 
     def deregister(self, node_id: str, epoch: int = 0) -> None:
-        key = LEFT_PREFIX + node_id
+        import redis
+        record, key = KEY_PREFIX + node_id, LEFT_PREFIX + node_id
         body = json.dumps({"node_id": node_id, "epoch": int(epoch)})
         value = json.dumps({"body": body, "mac": _mac(self._token, key, body) if self._token else ""})
-        pipe = self._r.pipeline(transaction=True)
-        pipe.delete(KEY_PREFIX + node_id)
-        pipe.set(key, value, px=int(LEFT_TTL_S * 1000))
-        pipe.execute()
+        with self._r.pipeline(transaction=True) as pipe:
+            for _ in range(8):   # another beat landing between the read and the write: read again
+                try:
+                    pipe.watch(record)
+                    held = _epoch_of(record, pipe.get(record), self._token)
+                    if epoch and held is not None and held != epoch:
+                        log.info("membership: node id %r is held by another life (epoch %d); this one (epoch %d) "
+                                 "leaves it", node_id, held, epoch)
+                        pipe.unwatch()
+                        return
+                    pipe.multi()
+                    pipe.delete(record)
+                    pipe.set(key, value, px=int(LEFT_TTL_S * 1000))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+        raise RuntimeError(f"membership record {record!r} kept changing while it was withdrawn")
 
     def left(self, node_id: str) -> int | None:
         key = LEFT_PREFIX + node_id
@@ -337,6 +368,9 @@ class LocalRegistry(Registry):
 
     def deregister(self, node_id: str, epoch: int = 0) -> None:
         with self._lock:
+            held = self._nodes.get(node_id)
+            if epoch and held is not None and held[0].epoch != epoch and held[1] > time.monotonic():
+                return   # another life of this id holds the record
             self._nodes.pop(node_id, None)
             self._left[node_id] = epoch
 
