@@ -59,6 +59,10 @@ def test_namespaces_and_layouts_key_apart() -> None:
     assert len(lay.keys(tokens, "a")) == 3
     other = PagedLayout("m", "r", KVLayout("bfloat16", 2, 2, 64, 32))
     assert lay.keys(tokens, "a")[0] != other.keys(tokens, "a")[0]
+    # a LoRA adapter's identity is the key spec's adapter field (docs/key-spec.md, field 6)
+    assert lay.extras("a", "lora 0123").adapter == "lora 0123" and lay.extras("a").adapter is None
+    assert lay.keys(tokens, "a", adapter="lora 0123")[0] != lay.keys(tokens, "a")[0]
+    assert lay.tags(tokens, "a", "lora 0123")[0] != lay.tags(tokens, "a")[0]
 
 
 def test_a_pool_that_cannot_be_reached_is_a_miss_and_backs_off() -> None:

@@ -75,10 +75,9 @@ class PagedLayout:
     def extras(self, cache_salt: str | None, adapter: str | None = None) -> KeyExtras:
         """The key extras of a request: its namespace is its ``cache_salt`` (set by the
         front door from the caller's identity), ``default`` without one; ``adapter``: its
-        LoRA adapter's :func:`adapter_identity`."""
+        LoRA adapter's :func:`adapter_identity`, the key spec's ``adapter`` field."""
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
-                         namespace=cache_salt or DEFAULT_NAMESPACE,
-                         other=(BLOCK_FORMAT,) if adapter is None else (BLOCK_FORMAT, adapter))
+                         namespace=cache_salt or DEFAULT_NAMESPACE, adapter=adapter, other=(BLOCK_FORMAT,))
 
     def namespace(self, cache_salt: str | None) -> str:
         """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books,
