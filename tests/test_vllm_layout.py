@@ -142,3 +142,23 @@ def test_a_trainer_checkpoints_optimizer_state_is_not_in_the_model_identity(tmp_
     bin_one = model_identity(str(ckpt), None)
     (ckpt / "pytorch_model.bin").write_bytes(b"other bin weights")
     assert model_identity(str(ckpt), None) != bin_one
+
+
+def test_a_model_with_latent_attention_is_refused_at_start_with_its_cause(tmp_path, monkeypatch) -> None:
+    """An MLA model (DeepSeek-V2's multi-head latent attention: one latent cache per layer)
+    got through to ``register_kv_caches`` and stopped there on a byte count that named no
+    cause (the layout's K and V made twice its block)."""
+    pytest.importorskip("vllm")
+    from transformers import DeepseekV2Config
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                     q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                     n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                     ).save_pretrained(tmp_path)
+    model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float32")
+    assert model.use_mla
+    with pytest.raises(InvalidArgument, match="latent attention"):
+        PagedLayout.from_vllm(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32)))

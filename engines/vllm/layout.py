@@ -53,13 +53,18 @@ class PagedLayout:
     def from_vllm(cls, vllm_config: Any) -> PagedLayout:
         """From a ``VllmConfig``. Raises InvalidArgument for a set-up the connector does not
         serve: tensor or pipeline parallelism above 1 (each rank would hold a shard of every
-        block under one key)."""
+        block under one key), or a model with multi-head latent attention (one latent cache
+        per layer, not K and V)."""
         par = vllm_config.parallel_config
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
             raise InvalidArgument("the kvstore connector serves tensor_parallel_size 1 and "
                                   f"pipeline_parallel_size 1, got {par.tensor_parallel_size} and "
                                   f"{par.pipeline_parallel_size}")
         mc, cc = vllm_config.model_config, vllm_config.cache_config
+        if getattr(mc, "use_mla", False):
+            raise InvalidArgument("the kvstore connector serves models with a K and a V cache per layer; this one "
+                                  "uses multi-head latent attention (MLA: one latent cache per layer), whose blocks "
+                                  "it does not lay out (set VLLM_MLA_DISABLE=1 to run it with K and V caches)")
         dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
         dtype_name = str(dtype).removeprefix("torch.")
         model_id, revision = model_identity(mc.model, getattr(mc, "revision", None))
