@@ -6,7 +6,16 @@ from typing import Any
 
 import grpc
 
-from engines.types import GREEDY, DecodeStep, EngineInfo, EngineLoad, PrefillResult, SamplingParams, TokenLogprobs
+from engines.types import (
+    GREEDY,
+    DecodeStep,
+    EngineInfo,
+    EngineLoad,
+    PrefillResult,
+    ProfilePoint,
+    SamplingParams,
+    TokenLogprobs,
+)
 from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.events.event import NodeSnapshot
@@ -44,7 +53,8 @@ class EngineClient:
     async def info(self) -> EngineInfo:
         r = await self._unary(self._stub.Info, pb.InfoRequest())
         return EngineInfo(r.engine_id, r.role, r.model_id, r.revision, KVLayout.from_json(r.layout_json),
-                          r.block_size, r.vocab_size, r.eos_token_id, r.device, r.max_model_len)
+                          r.block_size, r.vocab_size, r.eos_token_id, r.device, r.max_model_len,
+                          tuple(ProfilePoint(p.batch, p.tokens, p.seconds) for p in r.profile))
 
     async def load(self) -> EngineLoad:
         r = await self._unary(self._stub.Load, pb.LoadRequest())

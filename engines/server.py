@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 
 import grpc
@@ -14,8 +15,9 @@ from engines.decode import DecodeEngine
 from engines.metrics import EngineMetrics
 from engines.model import DEFAULT_MAX_MODEL_LEN, LoadedModel, ModelConfig, load_model
 from engines.prefill import PrefillEngine
+from engines.profiling import describe, profile_engine
 from engines.sampling import MAX_TOP_LOGPROBS
-from engines.types import GREEDY, ROLES, SamplingParams, TokenLogprobs
+from engines.types import GREEDY, ROLES, ProfilePoint, SamplingParams, TokenLogprobs
 from kvstore.auth import ENGINE_TOKEN_ENV, interceptors_for
 from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
@@ -33,9 +35,11 @@ log = logging.getLogger(__name__)
 class EngineServicer(pb_grpc.EngineServicer):
     """``metrics``: where prefills and decodes are counted and timed (engines/metrics.py)."""
 
-    def __init__(self, engine: PrefillEngine | DecodeEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, engine: PrefillEngine | DecodeEngine, metrics: EngineMetrics | None = None,
+                 profile: Sequence[ProfilePoint] = ()) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.profile = [pb.ProfilePoint(batch=p.batch, tokens=p.tokens, seconds=p.seconds) for p in profile]
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.EngineInfo:
         lm: LoadedModel = self.engine.lm
@@ -43,7 +47,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                              model_id=lm.model_id, revision=lm.revision,
                              layout_json=lm.layout.to_json(), block_size=lm.layout.block_size,
                              vocab_size=lm.vocab_size, eos_token_id=lm.eos_token_id,
-                             device=str(lm.device), max_model_len=lm.max_model_len)
+                             device=str(lm.device), max_model_len=lm.max_model_len, profile=self.profile)
 
     def Snapshot(self, request: pb.CacheSnapshotRequest, context: grpc.ServicerContext) -> pb.CacheSnapshot:
         """The prefill engine's own cache as of its last KV event (a decode engine has none)."""
@@ -179,7 +183,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                  store_token: str | None = None, workers: int = 80,
                  store_redis: str | None = None, auth_token: str | None = None,
                  metrics_port: int | None = None, kv_events: str | None = None,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> tuple[grpc.Server, int]:
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, profile: bool = True) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
     (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
@@ -192,6 +196,9 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     (the scheduler's index replica reads them; None: it publishes none).
     ``max_model_len``: the longest prompt + generation served (tokens; a checkpoint's
     ``max_position_embeddings`` caps it); a longer request is INVALID_ARGUMENT.
+    ``profile``: run the profiling pass (engines/profiling.py) before serving and report it
+    in ``Info``, from which the router seeds its predictors (False: none; the router keeps
+    its built-in seeds).
     ``workers``: the server's threads; a decode stream holds one for as long as it runs, so
     the default serves the front door's ``--decode-max-running`` (64) streams at once with
     16 to spare for other calls (with 16 in all, 16 streams left no thread for the 17th
@@ -210,6 +217,12 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
         store = ClusterClient(store_redis, auth_token=store_token)
     elif store_address:
         store = StoreClient(store_address, auth_token=store_token)
+    points: tuple[ProfilePoint, ...] = ()
+    if profile:
+        t0 = time.perf_counter()
+        points = profile_engine(lm, role)
+        log.info("%s engine profiled on %s in %.2f s (batch x tokens: seconds): %s", role, lm.device,
+                 time.perf_counter() - t0, describe(points))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors_for(auth_token))
     port = listen(server, address, "engine")
@@ -219,7 +232,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                       make_channel(kv_events, token=store_token) if kv_events else None) if role == "prefill"
         else DecodeEngine(lm, store, engine_id))
     metrics = EngineMetrics(engine) if metrics_port is not None else None
-    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics, points), server)
     if metrics is not None:
         _METRICS[id(server)] = MetricsServer(metrics.registry, address.rpartition(":")[0] or "127.0.0.1",
                                              metrics_port or 0, auth_token, f"{role} engine {engine_id}")

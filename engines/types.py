@@ -22,6 +22,19 @@ class EngineInfo:
     eos_token_id: int
     device: str               # "cpu", "cuda:0", ...
     max_model_len: int        # tokens
+    profile: tuple[ProfilePoint, ...] = ()   # measured at start (engines/profiling.py); () for none
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePoint:
+    """One measurement of an engine's profiling pass at start (engines/profiling.py). Prefill:
+    ``batch`` 1, ``tokens`` the prompt's tokens (all computed, none cached), ``seconds`` its
+    prefill. Decode: ``batch`` requests interleaved, ``tokens`` their resident KV tokens in
+    all, ``seconds`` the mean seconds between one request's tokens (TBT)."""
+
+    batch: int
+    tokens: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,7 +117,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 store_token=token_from(args.store_token, STORE_TOKEN_ENV),
                                 store_redis=args.redis, kv_events=args.kv_events or args.redis,
                                 auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV),
-                                metrics_port=args.metrics_port, max_model_len=args.max_model_len)
+                                metrics_port=args.metrics_port, max_model_len=args.max_model_len,
+                                profile=args.profile)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
     from engines.server import metrics_url
     if metrics_url(server):
@@ -203,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, default=4096,
                    help="longest prompt + generation served, tokens (a checkpoint's max_position_embeddings "
                         "caps it); a longer request is refused (INVALID_ARGUMENT)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="before serving, time a few prefills (a prefill engine) or decode steps (a decode "
+                        "engine) of random tokens, sized by --max-model-len, and report them in Info: the "
+                        "front door seeds its T_prefill and TBT predictors from them (0.1 s on the tiny CPU "
+                        "model; --no-profile: the front door keeps its built-in seeds)")
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,

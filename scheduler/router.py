@@ -43,6 +43,7 @@ from scheduler.backlog import PrefillBacklog
 from scheduler.cache_index import split_hits, start_replica, store_address_of
 from scheduler.conductor import Conductor, ConductorConfig
 from scheduler.engine_link import C
+from scheduler.profiles import seeded_from_engines
 from scheduler.request_transfers import TransferTable
 from scheduler.route_plan import DecodeInstance, PrefillInstance, RoutePlan
 from scheduler.scheduling_policy import DEFAULT_POLICY, make_policy
@@ -107,14 +108,18 @@ class Router(Generic[C]):
                       config: ConductorConfig | None = None, store_auth_token: str | None = None,
                       kv_events: str | None = None, decode_max_running: int = 64,
                       decode_kv_capacity_tokens: int = 1 << 20, ready_timeout_s: float = 60.0,
-                      store_redis: str | None = None, engine_auth_token: str | None = None) -> Router[EngineClient]:
+                      store_redis: str | None = None, engine_auth_token: str | None = None,
+                      seed_from_engines: bool = True) -> Router[EngineClient]:
         """Connect to the engines (host:port each; ``engine_auth_token``: the engines' token,
         kvstore/auth.py) and the store node (``store_redis``: every
         store node registered in that Redis, kvstore/cluster); waits until every engine
         answers ``Info``. ``kv_events``: the Redis the store nodes and prefill engines publish
         their KV events to — the router then keeps a replica of their indexes
-        (:mod:`scheduler.cache_index`). Raises Unavailable if one does not within ``ready_timeout_s`` and
-        InvalidArgument if roles, models or layouts disagree, or the policy is unknown."""
+        (:mod:`scheduler.cache_index`). ``seed_from_engines``: the T_prefill and TBT
+        predictors start from a fit of the profiling pass the engines ran at start
+        (:func:`scheduler.profiles.seeded_from_engines`; False: from ``config``'s seeds).
+        Raises Unavailable if one does not within ``ready_timeout_s`` and InvalidArgument if
+        roles, models or layouts disagree, or the policy is unknown."""
         opened: list[EngineClient] = []
 
         async def open_engine(address: str) -> tuple[EngineClient, EngineInfo]:
@@ -144,6 +149,9 @@ class Router(Generic[C]):
             store = StoreClient(store_address, auth_token=store_auth_token)
         router = None
         try:
+            if seed_from_engines:
+                config = seeded_from_engines(config or ConductorConfig(),
+                                             [p.info for p in pre] + [d.info for d in dec])
             router = Router(pre, dec, store, policy, config, None, decode_max_running, decode_kv_capacity_tokens)
             if kv_events:
                 router.replica = start_replica(kv_events, {e: p.client.address for e, p in router.prefill.items()},

@@ -52,9 +52,11 @@ def test_admission_bound_gives_429_with_retry_after_and_reason(cluster):
 
 
 def test_idle_cluster_admits_a_2k_prompt_and_saturated_queues_get_429(cluster):
-    """Admission on TTFT through the front door: nothing measured yet, TTFT SLO 2 s; then the queue is
-    filled with admitted work (the router's own bookkeeping) until the SLO cannot be met."""
-    door = cluster.start(FrontdoorConfig(admission=AdmissionConfig(ttft_slo_s=2.0)))
+    """Admission on TTFT through the front door: nothing measured yet but the engines' profiling
+    pass, TTFT SLO 2 s; then the queue is filled with admitted work (the router's own
+    bookkeeping) until the SLO cannot be met (the in-flight bound raised past it: a 4000-token
+    prefill of the tiny model is predicted at some 40 ms, so 64 of them fit in 2 s)."""
+    door = cluster.start(FrontdoorConfig(admission=AdmissionConfig(ttft_slo_s=2.0, max_inflight=5000)))
     router = door.frontdoor.router
     assert router.policy.prefill_model.samples == 0
     status, _, data = call(door.url, "/v1/completions", {"prompt": prompt_of(9, 2048), "max_tokens": 2})
@@ -62,7 +64,7 @@ def test_idle_cluster_admits_a_2k_prompt_and_saturated_queues_get_429(cluster):
 
     async def saturate():
         plans = []
-        while len(plans) < 500:
+        while len(plans) < 2000:
             plan = await router.plan(f"filler-{len(plans)}", prompt_of(10, 4000), "public", 2)
             if isinstance(plan, Rejection):
                 # T_queue counts what is left of the running prefill: queue a few more past

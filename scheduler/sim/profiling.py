@@ -1,17 +1,15 @@
 """What the simulated Conductor knows before the first request: its predictors' seeds.
 
-Live, the router's T_prefill and TBT predictors start from a profile (a
-:class:`~scheduler.costing.PrefillProfile` and :class:`~scheduler.tbt.DecodeProfile` in the
-scheduler's configuration) and learn online from what the engines report. The simulator
+Live, the router's T_prefill and TBT predictors start from a profile fitted to the pass its
+engines run at start (engines/profiling.py, :mod:`scheduler.profiles`) and learn online from
+what the engines report. The simulator
 does the same, so that the Conductor is measured as it would run:
 
 * learned (default): a *profiling pass* measures a few prefills and decode steps on a
   cost-model engine of the run's hardware and model, with the run's variance
   (:class:`engines.cost_model.Variance`) — what a deployment does before it serves — and a
-  least-squares fit of those measurements seeds the profiles (the prefills' weighted by
-  relative error as the online fit is, :mod:`scheduler.costing`, but by 1 / observed²
-  since there is no prediction yet: biased low by ~1.5σ², ~1.5% at a CV of 0.1, in a seed
-  the online fit soon replaces); the online fits then refine
+  least-squares fit of those measurements seeds the profiles (:mod:`scheduler.profiles`,
+  the live router's fit of its engines' own pass at start); the online fits then refine
   them from every prefill and decode segment the run observes (noisy, stragglers included);
 * ``oracle``: the cost model's exact mean coefficients, frozen (no learning) — the perfect
   predictors the simulator used to hand the Conductor, kept for comparison.
@@ -21,8 +19,8 @@ from __future__ import annotations
 from engines.cost_model import CostModel, CostModelEngine, Variance
 from scheduler.admission import AdmissionConfig
 from scheduler.conductor import ConductorConfig
-from scheduler.costing import Bandwidths, PrefillModel, PrefillProfile
-from scheduler.fit import OnlineFit
+from scheduler.costing import Bandwidths, PrefillProfile
+from scheduler.profiles import fit_decode, fit_prefill
 from scheduler.sim.config import SimConfig
 from scheduler.tbt import DecodeProfile
 
@@ -49,23 +47,21 @@ def exact_profiles(cost: CostModel) -> tuple[PrefillProfile, DecodeProfile]:
 
 
 def profiled(cost: CostModel, variance: Variance) -> tuple[PrefillProfile, DecodeProfile]:
-    """Seeds fitted from a profiling pass on a noisy engine (module docstring); they learn."""
+    """Seeds fitted (:mod:`scheduler.profiles`, as the live router fits the engines' own pass)
+    from a profiling pass on a noisy engine (module docstring); they learn."""
     engine = CostModelEngine(cost, "profiler", "colocated", 512, variance)
-    pre = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
+    prefills = []
     for n in PROFILE_PROMPTS:
         for i in range(PROFILE_REPEATS):
             r = engine.prefill(f"profile-{n}-{i}", range(n))   # its own noise (keyed by request)
             engine.prefill_done()
-            pre.observe(PrefillModel.features(n, 0), r.prefill_s, 1.0 / r.prefill_s ** 2)   # relative error
-    dec = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
-    for batch, context in PROFILE_DECODE:
-        kv = batch * context
-        dec.observe((1.0, float(batch), float(kv)), engine.sample_decode_step_s(batch, kv))
-    k0, k1, k2 = pre.coefficients
-    d0, d1, d2 = dec.coefficients
-    return (PrefillProfile(fixed_s=k0, s_per_token=k1, s_per_token_context=k2, floor_tokens_per_s=1.0,
-                           min_prefill_s=0.0),
-            DecodeProfile(step_s=d0, s_per_request=d1, s_per_kv_token=d2))
+            prefills.append((n, r.prefill_s))
+    steps = [(batch, batch * context, engine.sample_decode_step_s(batch, batch * context))
+             for batch, context in PROFILE_DECODE]
+    prefill = fit_prefill(prefills, PrefillProfile(floor_tokens_per_s=1.0, min_prefill_s=0.0))
+    decode = fit_decode(steps, DecodeProfile())
+    assert prefill is not None and decode is not None   # five lengths, five points
+    return prefill, decode
 
 
 def conductor_config(cfg: SimConfig, cost: CostModel) -> ConductorConfig:

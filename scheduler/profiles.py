@@ -1,0 +1,82 @@
+"""Seeds of the Conductor's predictors from a profiling pass: a least-squares fit of measured
+prefills and decode steps, the same for the live router (the engines' own pass at start,
+engines/profiling.py, reported in ``Info``) and the simulator (a pass on a cost-model engine,
+scheduler/sim/profiling.py).
+
+T_prefill's coefficients are fitted by relative error, as the online fit is
+(:mod:`scheduler.costing`), but weighing each prefill by 1 / observed² since there is no
+prediction yet (biased low by ~1.5σ², ~1.5% at a CV of 0.1, in a seed the online fit soon
+replaces); TBT's by absolute error on ``(1, batch, kv_tokens)``. Both non-negative
+(:class:`scheduler.fit.OnlineFit`). The online fits then refine the seeds from every
+prefill and decode the router observes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from engines.types import EngineInfo
+from scheduler.conductor import ConductorConfig
+from scheduler.costing import PrefillModel, PrefillProfile
+from scheduler.fit import OnlineFit
+from scheduler.tbt import DecodeProfile
+
+log = logging.getLogger(__name__)
+
+
+def _usable(n: float, seconds: float) -> bool:
+    return n >= 1 and math.isfinite(seconds) and 0 < seconds < 1e6
+
+
+def fit_prefill(points: Iterable[tuple[int, float]], base: PrefillProfile) -> PrefillProfile | None:
+    """``base`` with ``fixed_s``, ``s_per_token`` and ``s_per_token_context`` fitted to
+    ``points`` ((prompt tokens, all computed; seconds), in order); None with fewer than three
+    usable points (tokens >= 1, seconds finite and > 0), or when they span one prompt length
+    only (the fit would not tell the per-token cost from the fixed one)."""
+    usable = [(n, s) for n, s in points if _usable(n, s)]
+    if len(usable) < 3 or len({n for n, _ in usable}) < 2:
+        return None
+    fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
+    for n, seconds in usable:
+        fit.observe(PrefillModel.features(n, 0), seconds, 1.0 / seconds ** 2)
+    k0, k1, k2 = fit.coefficients
+    return replace(base, fixed_s=k0, s_per_token=k1, s_per_token_context=k2)
+
+
+def fit_decode(points: Iterable[tuple[int, int, float]], base: DecodeProfile) -> DecodeProfile | None:
+    """``base`` with ``step_s``, ``s_per_request`` and ``s_per_kv_token`` fitted to ``points``
+    ((batch, resident KV tokens, seconds between a request's tokens), in order); None with
+    fewer than three usable points (batch >= 1, seconds finite and > 0)."""
+    usable = [(b, kv, s) for b, kv, s in points if _usable(b, s) and kv >= 0]
+    if len(usable) < 3:
+        return None
+    fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
+    for batch, kv, seconds in usable:
+        fit.observe((1.0, float(batch), float(kv)), seconds)
+    d0, d1, d2 = fit.coefficients
+    return replace(base, step_s=d0, s_per_request=d1, s_per_kv_token=d2)
+
+
+def seeded_from_engines(config: ConductorConfig, infos: Sequence[EngineInfo]) -> ConductorConfig:
+    """``config`` with its T_prefill seed fitted to the prefill engines' profiling passes and
+    its TBT seed to the decode engines' (their ``Info.profile``; every engine of a role pooled:
+    they run one model), logged; a role whose engines reported too little to fit
+    (:func:`fit_prefill`, :func:`fit_decode`; an engine started with ``--no-profile``) keeps
+    the seed it had, and says so."""
+    prefill_points = [(p.tokens, p.seconds) for i in infos if i.role == "prefill" for p in i.profile]
+    decode_points = [(p.batch, p.tokens, p.seconds) for i in infos if i.role == "decode" for p in i.profile]
+    prefill = fit_prefill(prefill_points, config.prefill)
+    decode = fit_decode(decode_points, config.decode)
+    if prefill is None:
+        log.info("T_prefill: built-in seed (the prefill engines reported no profiling pass)")
+    else:
+        log.info("T_prefill seeded from %d profiled prefills: %.3g s + %.3g s/token + %.3g s/(token · context token)",
+                 len(prefill_points), prefill.fixed_s, prefill.s_per_token, prefill.s_per_token_context)
+    if decode is None:
+        log.info("TBT: built-in seed (the decode engines reported no profiling pass)")
+    else:
+        log.info("TBT seeded from %d profiled decode points: %.3g s + %.3g s/request + %.3g s/KV token",
+                 len(decode_points), decode.step_s, decode.s_per_request, decode.s_per_kv_token)
+    return replace(config, prefill=prefill or config.prefill, decode=decode or config.decode)
