@@ -128,6 +128,10 @@ def test_presets_are_the_readme_experiments():
     assert col[2].chunked_prefill_tokens == 512
     assert [c.pool_dram_tokens for c in preset_runs("capacity")][-1] is None
     assert "pool_dram_tokens=0" in describe("fig5", fig5) and describe("fig5", fig5).startswith("preset fig5 —")
+    # fig5 takes --speed (the README's 1.2x row is one command); overload sets its own
+    busier = preset_runs("fig5", SimConfig(speed=1.2))
+    assert {c.speed for c in busier} == {1.2} and "speed=1.2" in describe("fig5", busier)
+    assert {c.speed for c in preset_runs("overload", SimConfig(speed=1.2))} == {2.0}
     with pytest.raises(InvalidArgument, match="valid"):
         preset_runs("fig7")
 

@@ -2,14 +2,16 @@
 runs, the set-ups of Mooncake's experiments that ``benchmarks/bench_simulate.py`` reports,
 so that every row of the README's table is one command. Every preset runs on 8xA800 nodes
 serving LLaMA3-70B (``configs/``), TTFT SLO 30 s, the whole conversation trace at its own
-rate unless said otherwise; the engines' variance and the learned predictors are the
+rate unless said otherwise (a flag a preset sets itself is refused with a message; fig5 and
+fig5-hbm take ``--speed``); the engines' variance and the learned predictors are the
 defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the predictors).
 
 * ``fig5`` — prefill scheduling (FAST'25 Fig. 5): 8 prefill + 8 decode instances, no shared
   pool; each prefill node's own local prefix cache holds 3M tokens, as Mooncake's do (its
   HBM's KV room, then its DRAM, read back over PCIe; FAST'25 §5.3.1: ~1 TB of a node's DRAM,
   "about 3 million tokens"; §5.3.2: "each node ... has a 3M token capacity"); the Conductor
-  may fetch a prefix from a peer's; every policy; average TTFT.
+  may fetch a prefix from a peer's; every policy; average TTFT; at the trace's own rate, or
+  ``--speed``'s (the README's 1.2× row: ``--preset fig5 --speed 1.2``).
 * ``fig5-hbm`` — ``fig5`` with each prefill node's cache in its HBM alone (1.33M tokens on
   8xA800: the KV room beside the weights), fig5's earlier set-up, kept for comparison.
 * ``colocated`` — disaggregated (8P + 8D, a pool of 1 TiB DRAM per prefill node) against
@@ -52,7 +54,7 @@ def local_dram_tokens(base: SimConfig, cache_tokens: int = LOCAL_CACHE_TOKENS) -
 
 
 def fig5_hbm(base: SimConfig) -> list[SimConfig]:
-    cfg = dataclasses.replace(base, topology="disaggregated", instances=16, prefill_instances=8, speed=1.0,
+    cfg = dataclasses.replace(base, topology="disaggregated", instances=16, prefill_instances=8,
                               pool_dram_tokens=0, local_dram_tokens=0, admission="none")
     return [dataclasses.replace(cfg, policy=p) for p in FIG5_POLICIES]
 
