@@ -28,7 +28,9 @@ seed's), ``ratios_seed0`` and ``ratios_oracle_seed0`` seed 0's single runs, and
 ``seeds.fig5_avg_ttft_s`` each cache-aware policy's average TTFT over the seeds.
 ``seeds.fig5_hbm`` repeats fig5's three cache-aware policies over the same seeds with each
 prefill node's cache in its HBM alone (``--preset fig5-hbm``, the set-up fig5 had until
-session 13).
+session 13). ``seeds.fig5_no_peer_fetch`` runs fig5's Conductor as the live router runs it,
+fetching no prefix from a peer prefill node's cache (``--preset fig5 --no-peer-fetch``), and
+its ratios to the same seeds' baselines (``conductor_no_peer_fetch_vs_*``).
 
 Prints the table and the ratios; writes benchmarks/results/simulate.json and PNG plots.
 ``--quick`` runs the first 2,000 requests only (a smoke test, not the reported figures).
@@ -128,6 +130,10 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
                 if cfg.policy in cache_aware:
                     jobs.append((setup, seed, cfg.policy))
                     cfgs.append(cfg)
+        # the Conductor as the live router runs it: no fetch from a peer prefill node's cache
+        jobs.append(("fig5_no_peer_fetch", seed, "conductor"))
+        cfgs.append(dataclasses.replace(next(c for c in preset_runs("fig5", base) if c.policy == "conductor"),
+                                        peer_fetch=False))
         for setup, b in (("overload", base), ("overload_oracle", oracle)):
             for cfg in preset_runs("overload", b):
                 if cfg.admission != "none":
@@ -144,6 +150,8 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
         return {**cache_ratios(f5), **rejection_ratios(late, cur, pre)}
 
     per_seed = {str(s): ratios_of_seed(s, "") for s in SEEDS}
+    nopeer = [cache_ratios({"conductor": got[("fig5_no_peer_fetch", s, "conductor")]["ttft_mean_s"],
+                            **{p: got[("fig5", s, p)]["ttft_mean_s"] for p in cache_aware[:2]}}) for s in SEEDS]
     per_seed_oracle = {str(s): ratios_of_seed(s, "_oracle") for s in SEEDS}
     hbm: dict[str, dict[str, float]] = {}
     for seed in SEEDS:
@@ -162,6 +170,11 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
         "fig5_hbm": {"per_seed": hbm,
                      "ratios": {k: _spread([hbm[str(s)][k] for s in SEEDS]) for k in hbm["0"]}},
         "fig5_conductor_hit_ratio": _spread([got[("fig5", s, "conductor")]["hit_ratio"] for s in SEEDS]),
+        "fig5_no_peer_fetch": {
+            "ratios": {k.replace("conductor_", "conductor_no_peer_fetch_", 1): _spread([v[k] for v in nopeer])
+                       for k in nopeer[0]},
+            "conductor_hit_ratio": _spread([got[("fig5_no_peer_fetch", s, "conductor")]["hit_ratio"]
+                                            for s in SEEDS])},
     }
 
 
@@ -290,6 +303,7 @@ def main() -> int:
     out["ratios_seed0"] = dict(ratios)
     out["ratios_oracle_seed0"] = ratios_of(fig5_oracle, rej_oracle, oracle=True)
     ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
+    ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
     out["ratios"] = ratios
     out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
     out["results"] = [r.to_dict() for r in table]
@@ -321,6 +335,9 @@ def main() -> int:
               f" | {o['mean']:.3f} [{o['min']:.3f}, {o['max']:.3f}]")
     print("fig5-hbm (each prefill node's cache in its HBM alone), learned:")
     for k, v in sweep["fig5_hbm"]["ratios"].items():
+        print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
+    print("fig5's Conductor without peer fetch (as the live router runs it), learned:")
+    for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items():
         print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
     path = RESULTS / "simulate.json"
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")

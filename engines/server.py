@@ -220,7 +220,10 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     points: tuple[ProfilePoint, ...] = ()
     if profile:
         t0 = time.perf_counter()
-        points = profile_engine(lm, role)
+        try:
+            points = profile_engine(lm, role)
+        except Exception as exc:  # noqa: BLE001 - a failed pass must not stop the engine: no seeds
+            log.warning("%s engine: profiling pass failed (%s); the router keeps its built-in seeds", role, exc)
         log.info("%s engine profiled on %s in %.2f s (batch x tokens: seconds): %s", role, lm.device,
                  time.perf_counter() - t0, describe(points))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
