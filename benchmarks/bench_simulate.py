@@ -151,7 +151,8 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
 
     per_seed = {str(s): ratios_of_seed(s, "") for s in SEEDS}
     nopeer = [cache_ratios({"conductor": got[("fig5_no_peer_fetch", s, "conductor")]["ttft_mean_s"],
-                            **{p: got[("fig5", s, p)]["ttft_mean_s"] for p in cache_aware[:2]}}) for s in SEEDS]
+                            **{p: got[("fig5", s, p)]["ttft_mean_s"] for p in ("least_loaded", "local_cache_aware")}})
+              for s in SEEDS]
     per_seed_oracle = {str(s): ratios_of_seed(s, "_oracle") for s in SEEDS}
     hbm: dict[str, dict[str, float]] = {}
     for seed in SEEDS:

@@ -108,5 +108,5 @@ def profile_engine(lm: LoadedModel, role: str) -> tuple[ProfilePoint, ...]:
 
 
 def describe(points: Sequence[ProfilePoint]) -> str:
-    """``tokens:seconds`` per point, for a log line."""
+    """``batch x tokens:milliseconds`` per point, for a log line."""
     return ", ".join(f"{p.batch}x{p.tokens}:{p.seconds * 1e3:.2f}ms" for p in points)

@@ -224,8 +224,9 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
             points = profile_engine(lm, role)
         except Exception as exc:  # noqa: BLE001 - a failed pass must not stop the engine: no seeds
             log.warning("%s engine: profiling pass failed (%s); the router keeps its built-in seeds", role, exc)
-        log.info("%s engine profiled on %s in %.2f s (batch x tokens: seconds): %s", role, lm.device,
-                 time.perf_counter() - t0, describe(points))
+        else:
+            log.info("%s engine profiled on %s in %.2f s: %s", role, lm.device, time.perf_counter() - t0,
+                     describe(points))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                          interceptors=interceptors_for(auth_token))
     port = listen(server, address, "engine")

@@ -30,6 +30,14 @@ def _usable(n: float, seconds: float) -> bool:
     return n >= 1 and math.isfinite(seconds) and 0 < seconds < 1e6
 
 
+def _fit(rows: Iterable[tuple[tuple[float, float, float], float, float]]) -> tuple[float, ...]:
+    """Non-negative least squares over ``(features, seconds, weight)`` rows, in order."""
+    fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
+    for x, seconds, weight in rows:
+        fit.observe(x, seconds, weight)
+    return fit.coefficients
+
+
 def fit_prefill(points: Iterable[tuple[int, float]], base: PrefillProfile) -> PrefillProfile | None:
     """``base`` with ``fixed_s``, ``s_per_token`` and ``s_per_token_context`` fitted to
     ``points`` ((prompt tokens, all computed; seconds), in order); None with fewer than three
@@ -38,10 +46,7 @@ def fit_prefill(points: Iterable[tuple[int, float]], base: PrefillProfile) -> Pr
     usable = [(n, s) for n, s in points if _usable(n, s)]
     if len(usable) < 3 or len({n for n, _ in usable}) < 2:
         return None
-    fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
-    for n, seconds in usable:
-        fit.observe(PrefillModel.features(n, 0), seconds, 1.0 / seconds ** 2)
-    k0, k1, k2 = fit.coefficients
+    k0, k1, k2 = _fit((PrefillModel.features(n, 0), s, 1.0 / s ** 2) for n, s in usable)
     return replace(base, fixed_s=k0, s_per_token=k1, s_per_token_context=k2)
 
 
@@ -52,10 +57,7 @@ def fit_decode(points: Iterable[tuple[int, int, float]], base: DecodeProfile) ->
     usable = [(b, kv, s) for b, kv, s in points if _usable(b, s) and kv >= 0]
     if len(usable) < 3:
         return None
-    fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
-    for batch, kv, seconds in usable:
-        fit.observe((1.0, float(batch), float(kv)), seconds)
-    d0, d1, d2 = fit.coefficients
+    d0, d1, d2 = _fit(((1.0, float(b), float(kv)), s, 1.0) for b, kv, s in usable)
     return replace(base, step_s=d0, s_per_request=d1, s_per_kv_token=d2)
 
 
@@ -70,12 +72,12 @@ def seeded_from_engines(config: ConductorConfig, infos: Sequence[EngineInfo]) ->
     prefill = fit_prefill(prefill_points, config.prefill)
     decode = fit_decode(decode_points, config.decode)
     if prefill is None:
-        log.info("T_prefill: built-in seed (the prefill engines reported no profiling pass)")
+        log.info("T_prefill: built-in seed (the prefill engines reported too little of a profiling pass to fit)")
     else:
         log.info("T_prefill seeded from %d profiled prefills: %.3g s + %.3g s/token + %.3g s/(token · context token)",
                  len(prefill_points), prefill.fixed_s, prefill.s_per_token, prefill.s_per_token_context)
     if decode is None:
-        log.info("TBT: built-in seed (the decode engines reported no profiling pass)")
+        log.info("TBT: built-in seed (the decode engines reported too little of a profiling pass to fit)")
     else:
         log.info("TBT seeded from %d profiled decode points: %.3g s + %.3g s/request + %.3g s/KV token",
                  len(decode_points), decode.step_s, decode.s_per_request, decode.s_per_kv_token)

@@ -150,19 +150,6 @@ def unseal(key: str, value: str | bytes, token: str | None, now: float) -> tuple
     return info, sealed_at
 
 
-def _epoch_of(key: str, value: str | bytes | None, token: str | None) -> int | None:
-    """The epoch the record ``value`` at ``key`` announces, read whatever its age; None for no
-    record or one that is not a record this token's holders wrote (which nobody lists)."""
-    if value is None:
-        return None
-    try:
-        doc = _document(value)
-        info = NodeInfo.from_dict(_opened(key, doc, token).get("info") if "body" in doc else doc.get("info"))
-    except ValueError:
-        return None
-    return info.epoch
-
-
 def _document(value: str | bytes) -> dict[str, Any]:
     """A registry value as a JSON object; ValueError when it is too large or not one."""
     if len(value) > MAX_RECORD_BYTES:
@@ -258,28 +245,27 @@ class RedisRegistry(Registry):
         self._r.set(KEY_PREFIX + info.node_id, value, px=max(1, int(ttl_s * 1000)))
 
     def deregister(self, node_id: str, epoch: int = 0) -> None:
-        import redis
         record, key = KEY_PREFIX + node_id, LEFT_PREFIX + node_id
         body = json.dumps({"node_id": node_id, "epoch": int(epoch)})
         value = json.dumps({"body": body, "mac": _mac(self._token, key, body) if self._token else ""})
-        with self._r.pipeline(transaction=True) as pipe:
-            for _ in range(8):   # another beat landing between the read and the write: read again
+
+        def withdraw(pipe: Any) -> None:   # under WATCH: redis-py reruns it when a beat lands meanwhile
+            held = pipe.get(record)
+            if epoch and held is not None:
+                seconds, micros = pipe.time()
                 try:
-                    pipe.watch(record)
-                    held = _epoch_of(record, pipe.get(record), self._token)
-                    if epoch and held is not None and held != epoch:
-                        log.info("membership: node id %r is held by another life (epoch %d); this one (epoch %d) "
-                                 "leaves it", node_id, held, epoch)
-                        pipe.unwatch()
-                        return
-                    pipe.multi()
-                    pipe.delete(record)
-                    pipe.set(key, value, px=int(LEFT_TTL_S * 1000))
-                    pipe.execute()
+                    other = unseal(record, held, self._token, seconds + micros * 1e-6)[0].epoch
+                except ValueError:   # not a record this token's holders wrote: nobody lists it
+                    other = epoch
+                if other != epoch:
+                    log.info("membership: node id %r is held by another life (epoch %d); this one (epoch %d) "
+                             "leaves it", node_id, other, epoch)
                     return
-                except redis.WatchError:
-                    continue
-        raise RuntimeError(f"membership record {record!r} kept changing while it was withdrawn")
+            pipe.multi()
+            pipe.delete(record)
+            pipe.set(key, value, px=int(LEFT_TTL_S * 1000))
+
+        self._r.transaction(withdraw, record)
 
     def left(self, node_id: str) -> int | None:
         key = LEFT_PREFIX + node_id
