@@ -4,6 +4,7 @@ node that dies — its blocks become misses within the TTL and generation still 
 token-identical, by recomputing them."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -14,7 +15,8 @@ import torch
 from kvstore.admin.client import AdminClient
 from kvstore.cluster import LocalRegistry, NodeInfo, RedisRegistry
 from kvstore.cluster.client import ClusterClient
-from kvstore.cluster.membership import Heartbeat
+from kvstore.cluster.health import ClusterHealth
+from kvstore.cluster.membership import LEFT_PREFIX, LEFT_TTL_S, Heartbeat
 from kvstore.cluster.placement import plan_chain
 
 TTL_S, BEAT_S = 1.5, 0.3
@@ -65,13 +67,75 @@ def test_a_stop_withdraws_only_its_own_life_and_notes_only_its_own_clean_stop(ma
     registry.register(live, 30.0)
     registry.deregister("n1", epoch=200)               # the twin's life: not the record's
     assert registry.nodes() == [live]
-    assert registry.left("n1") is None
+    assert not registry.left_cleanly("n1", 200) and not registry.left_cleanly("n1", 100)
     registry.deregister("n1", epoch=100)               # the live node's own clean stop
     assert registry.nodes() == []
-    assert registry.left("n1") == 100
+    assert registry.left_cleanly("n1", 100) and not registry.left_cleanly("n1", 200)
     registry.deregister("n1", epoch=300)               # nothing there: a life whose record lapsed
-    assert registry.left("n1") == 300
+    assert registry.left_cleanly("n1", 300) and registry.left_cleanly("n1", 100)   # each life its own
+    assert not registry.left_cleanly("n2", 100)
     registry.close()
+
+
+@pytest.mark.parametrize("make,token", [("local", None), ("redis", None), ("redis", "t0ken")])
+def test_a_twins_clean_stop_neither_excuses_a_crash_nor_makes_a_clean_stop_look_like_one(make, token, request):
+    """One clean-stop marker per node id, compared with the epoch the health check last listed:
+    a twin whose first beat wrote over the live node's record and that stopped cleanly before
+    the live node's next beat noted left=<its epoch>, which then excused the live node's crash
+    (its epoch is the earlier); and a later clean stop of the earlier life wrote over the twin's
+    marker, so the twin, listed last, looked crashed. Each life's clean stop is now its own."""
+    registry = LocalRegistry() if make == "local" else RedisRegistry(request.getfixturevalue("redis_url"), token)
+    health = ClusterHealth(registry, token)
+    live, twin = NodeInfo("n1", "127.0.0.1:1", epoch=100), NodeInfo("n1", "127.0.0.1:2", epoch=200)
+    try:
+        registry.register(live, 30.0)
+        health.check()                                 # the reader lists life 100 (no node answers there)
+        registry.register(twin, 30.0)                  # the twin's first beat writes over it
+        registry.deregister("n1", epoch=200)           # and it stops cleanly before the live node's next beat
+        registry.register(live, 0.3)                   # that beat, the live node's last: it crashes
+        time.sleep(0.5)
+        assert registry.nodes() == []
+        _, problems = health.check()
+        assert [p.node_id for p in problems] == ["n1"] and "without a clean stop" in problems[0].why, problems
+
+        registry.register(twin, 30.0)                  # the other way round: the reader lists the twin last
+        health.check()
+        registry.deregister("n1", epoch=200)           # the twin stops cleanly,
+        registry.register(live, 30.0)                  # the live node beats again and stops cleanly too
+        registry.deregister("n1", epoch=100)
+        assert health.check() == (0, [])
+    finally:
+        health.close()
+        registry.close()
+
+
+def test_clean_stops_are_sealed_per_life_and_lapse_on_their_own(redis_url):
+    """A clean stop is sealed with the store token for its (node id, epoch): one written by
+    anyone else who can write to Redis, or moved to another life's key, does not count. Each
+    life's note has its own TTL (:data:`LEFT_TTL_S`), so an id's notes stay bounded."""
+    import redis
+
+    registry = RedisRegistry(redis_url, "t0ken")
+    registry.deregister("n1", epoch=100)
+    registry.deregister("n1", epoch=200)
+    other = RedisRegistry(redis_url, "another-token")
+    other.deregister("n2", epoch=100)                  # another cluster's, or a forgery
+    r = redis.Redis.from_url(redis_url)
+    try:
+        keys = sorted(r.scan_iter(match=LEFT_PREFIX + "*"))
+        assert len(keys) == 3
+        assert all(0 < r.pttl(k) <= LEFT_TTL_S * 1000 for k in keys)
+        assert registry.left_cleanly("n1", 100) and registry.left_cleanly("n1", 200)
+        assert not registry.left_cleanly("n2", 100) and other.left_cleanly("n2", 100)
+        assert not other.left_cleanly("n1", 100)
+        r.copy(LEFT_PREFIX + "n1:100", LEFT_PREFIX + "n1:300")   # a sealed note replayed at another life's key
+        r.set(LEFT_PREFIX + "n1:400", json.dumps({"body": json.dumps({"node_id": "n1", "epoch": 400}), "mac": ""}))
+        r.set(LEFT_PREFIX + "n1:500", b"\xff" * 10)
+        assert not any(registry.left_cleanly("n1", e) for e in (300, 400, 500))
+    finally:
+        r.close()
+        other.close()
+        registry.close()
 
 
 def test_cluster_reads_and_writes_across_nodes(redis_url, spawn_store_node):

@@ -55,11 +55,13 @@ def test_a_node_that_stops_answering_or_lapses_is_down_by_name_and_a_clean_stop_
             lost.send_signal(signal.SIGCONT)
         wait_for(lambda: problem_of(cluster) == "", "the node to be back")
         assert cluster.health() == "SERVING"
+        epoch = {n.node_id: n.epoch for n in cluster.registry.nodes()}
         lost.terminate()                          # a clean stop: deregistered, noted as left
         assert lost.wait(30) == 0
         wait_for(lambda: [n.node_id for n in cluster.registry.nodes()] == ["keep"], "the node to leave")
         assert cluster.health() == "SERVING" and cluster.problems == []
         reg = RedisRegistry(redis_url, TOKEN)
-        assert reg.left("lost") is not None and reg.left("keep") is None
-        assert RedisRegistry(redis_url, "another-token-0123456789").left("lost") is None   # sealed
+        assert reg.left_cleanly("lost", epoch["lost"]) and not reg.left_cleanly("keep", epoch["keep"])
+        assert not reg.left_cleanly("lost", epoch["lost"] + 1)                              # that life only
+        assert not RedisRegistry(redis_url, "another-token-0123456789").left_cleanly("lost", epoch["lost"])  # sealed
         reg.close()

@@ -5,8 +5,10 @@ must answer its health check, and a node that left the listing without a clean s
 A node that stops heartbeating (killed, stopped with SIGSTOP, cut off) drops out of the
 registry when its record's TTL lapses; to a reader that only lists the registry it simply
 vanished, and the front door said ``ok`` while its blocks were misses. A node that stops
-cleanly notes it in the registry (:meth:`~kvstore.cluster.membership.Registry.left`, with
-its epoch, so an earlier life's clean stop does not excuse a later crash)."""
+cleanly notes it in the registry, for that life (epoch) alone
+(:meth:`~kvstore.cluster.membership.Registry.left_cleanly`): the reader asks about the life it
+last listed, so another life's clean stop (an earlier life's, a twin's of the same id) neither
+excuses its crash nor makes its clean stop look like one."""
 from __future__ import annotations
 
 import time
@@ -70,8 +72,7 @@ class ClusterHealth:
         for node_id, (info, seen) in list(self._known.items()):
             if node_id in probes:
                 continue
-            left = self.registry.left(node_id)
-            if (left is not None and left >= info.epoch) or now - seen > LOST_NODE_S:
+            if self.registry.left_cleanly(node_id, info.epoch) or now - seen > LOST_NODE_S:
                 del self._known[node_id]
                 continue
             problems.append(NodeProblem(node_id, info.address, f"gone from the registry {now - seen:.0f} s ago "

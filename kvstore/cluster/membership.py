@@ -32,8 +32,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvstore:nodes:"
-LEFT_PREFIX = "kvstore:left:"    # a node's clean stop: <node id> -> its epoch, kept LEFT_TTL_S
-LEFT_TTL_S = 3600.0
+LEFT_PREFIX = "kvstore:left:"    # a life's clean stop: a key per <node id>:<epoch>, kept LEFT_TTL_S
+LEFT_TTL_S = 3600.0              # how long a clean stop is remembered, seconds
 # How far past its TTL a sealed record may be read, seconds (by the Redis server's clock: the
 # round trips between reading the clock and writing or reading the record).
 CLOCK_SLACK_S = 2.0
@@ -96,6 +96,15 @@ class NodeInfo:
 
 def _whole(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _left_key(node_id: str, epoch: int) -> str:
+    """The key noting that life ``epoch`` of ``node_id`` stopped cleanly: one per life, each
+    with its own TTL, so lives of one id do not overwrite one another's and lapse on their own
+    (a hash per id has one TTL for all its fields: refreshed by each stop, it would keep every
+    life of an id restarted more often than :data:`LEFT_TTL_S`). The epoch, a whole number,
+    comes last: no other (id, epoch) gives the same key."""
+    return f"{LEFT_PREFIX}{node_id}:{int(epoch)}"
 
 
 def _mac(token: str, key: str, body: str) -> str:
@@ -188,16 +197,17 @@ class Registry(ABC):
     @abstractmethod
     def deregister(self, node_id: str, epoch: int = 0) -> None:
         """Withdraw a node at once (a clean stop), and note that its life ``epoch`` left
-        cleanly (:meth:`left`). Neither is done when the record at ``node_id`` is another
-        life's (a node of the same id that is live: a twin stopped before it stood aside must
-        not withdraw it, nor make its later crash look like a clean stop); ``epoch`` 0 withdraws
-        whatever is there."""
+        cleanly (:meth:`left_cleanly`), for :data:`LEFT_TTL_S` seconds. Neither is done when
+        the record at ``node_id`` is another life's (a node of the same id that is live: a twin
+        stopped before it stood aside must not withdraw it, nor make its later crash look like a
+        clean stop); ``epoch`` 0 withdraws whatever is there (and notes life 0)."""
 
     @abstractmethod
-    def left(self, node_id: str) -> int | None:
-        """The epoch of ``node_id``'s last clean stop within :data:`LEFT_TTL_S`, else None
-        (never stopped cleanly, or so long ago): a node that vanished from the listing
-        without one crashed, stopped answering or was cut off."""
+    def left_cleanly(self, node_id: str, epoch: int) -> bool:
+        """Whether life ``epoch`` of ``node_id`` stopped cleanly (:meth:`deregister`) within
+        the last :data:`LEFT_TTL_S` seconds. Each life is noted apart: another life's clean
+        stop (a restart's, a twin's of the same id) says nothing of this one, so a life that
+        vanished from the listing without its own crashed, stopped answering or was cut off."""
 
     @abstractmethod
     def nodes(self) -> list[NodeInfo]:
@@ -245,7 +255,7 @@ class RedisRegistry(Registry):
         self._r.set(KEY_PREFIX + info.node_id, value, px=max(1, int(ttl_s * 1000)))
 
     def deregister(self, node_id: str, epoch: int = 0) -> None:
-        record, key = KEY_PREFIX + node_id, LEFT_PREFIX + node_id
+        record, key = KEY_PREFIX + node_id, _left_key(node_id, epoch)
         body = json.dumps({"node_id": node_id, "epoch": int(epoch)})
         value = json.dumps({"body": body, "mac": _mac(self._token, key, body) if self._token else ""})
 
@@ -267,18 +277,16 @@ class RedisRegistry(Registry):
 
         self._r.transaction(withdraw, record)
 
-    def left(self, node_id: str) -> int | None:
-        key = LEFT_PREFIX + node_id
+    def left_cleanly(self, node_id: str, epoch: int) -> bool:
+        key = _left_key(node_id, epoch)
         value = self._r.get(key)
         if value is None:
-            return None
-        try:
+            return False
+        try:   # sealed like a record: a clean stop anyone who can write to Redis noted is none
             inner = _opened(key, _document(value), self._token)
         except ValueError:
-            return None
-        if inner.get("node_id") != node_id or not _whole(inner.get("epoch")):
-            return None
-        return int(inner["epoch"])
+            return False
+        return inner.get("node_id") == node_id and _whole(inner.get("epoch")) and inner["epoch"] == int(epoch)
 
     def nodes(self) -> list[NodeInfo]:
         with self._listing:
@@ -345,7 +353,7 @@ class LocalRegistry(Registry):
 
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
-        self._left: dict[str, int] = {}
+        self._left: dict[tuple[str, int], float] = {}   # (node id, epoch) -> noted until (monotonic s)
         self._lock = threading.Lock()
 
     def register(self, info: NodeInfo, ttl_s: float) -> None:
@@ -358,11 +366,13 @@ class LocalRegistry(Registry):
             if epoch and held is not None and held[0].epoch != epoch and held[1] > time.monotonic():
                 return   # another life of this id holds the record
             self._nodes.pop(node_id, None)
-            self._left[node_id] = epoch
+            now = time.monotonic()
+            self._left = {life: until for life, until in self._left.items() if until > now}   # lapsed ones go
+            self._left[(node_id, int(epoch))] = now + LEFT_TTL_S
 
-    def left(self, node_id: str) -> int | None:
+    def left_cleanly(self, node_id: str, epoch: int) -> bool:
         with self._lock:
-            return self._left.get(node_id)
+            return self._left.get((node_id, int(epoch)), 0.0) > time.monotonic()
 
     def holder(self, node_id: str) -> NodeInfo | None:
         with self._lock:
