@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from engines.kv import append, build_cache, to_tensor
-from engines.model import LoadedModel
+from engines.model import LoadedModel, run
 from engines.prefill import read_prefix, validate_prompt
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, DecodeStep, EngineLoad, SamplingParams, extras_for
@@ -100,8 +100,7 @@ class DecodeEngine:
                 # Missing blocks: recompute the rest of the prompt's KV (all but the last
                 # token's logits are discarded; the first token came from prefill).
                 with torch.inference_mode():
-                    ids = torch.tensor([prompt[have:]], dtype=torch.long, device=lm.device)
-                    lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    run(lm, prompt[have:], cache)
                 recomputed = len(prompt) - have
                 self.recomputed_tokens += recomputed
                 log.warning("request: %d prompt tokens recomputed (blocks missing from the pool)", recomputed)
@@ -119,8 +118,7 @@ class DecodeEngine:
             if finished or is_cancelled():
                 return
             with self._lock, torch.inference_mode():
-                ids = torch.tensor([[token]], dtype=torch.long, device=lm.device)
-                out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-            token = sampler.choose(out.logits[0, -1], index + 1)
+                logits = run(lm, [token], cache)
+            token = sampler.choose(logits, index + 1)
             if top_logprobs is not None:
-                lp = logprobs_of(out.logits[0, -1], token, top_logprobs)
+                lp = logprobs_of(logits, token, top_logprobs)

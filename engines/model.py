@@ -2,8 +2,10 @@
 seeded random weights (no download), or a local Hugging Face checkpoint (``model_dir``)."""
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,20 @@ class LoadedModel:
     vocab_size: int
     eos_token_id: int
     max_model_len: int
+    keeps_last_logits: bool = False   # the model's forward takes ``logits_to_keep`` (:func:`run`)
+
+
+def run(lm: LoadedModel, ids: Sequence[int], cache: object) -> torch.Tensor:
+    """Run one sequence's ``ids`` (token ids, >= 1 of them) through ``lm`` over ``cache`` (a
+    transformers ``DynamicCache``, extended in place by ``len(ids)`` tokens) and return the
+    logits of the last position: shape ``(vocab_size,)``, on ``lm.device``. Only that
+    position's logits are computed where the model's forward takes ``logits_to_keep``
+    (transformers' causal LMs do): every caller needs the last position's alone, and a
+    prompt's whole logits are ``len(ids) × vocab_size`` numbers — 2.5 GB in float32 for
+    4096 tokens of a 152k-token vocabulary. Call under ``torch.inference_mode()``."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=lm.device)
+    keep = {"logits_to_keep": 1} if lm.keeps_last_logits else {}
+    return lm.model(input_ids=x, past_key_values=cache, use_cache=True, **keep).logits[0, -1]
 
 
 def tiny_llama_config(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> LlamaConfig:
@@ -117,4 +133,5 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                       head_dim=head_dim, block_size=cfg.block_size)
     eos = c.eos_token_id if isinstance(c.eos_token_id, int) else (c.eos_token_id or [0])[0]
     log.info("model %s (%s) on %s, dtype %s", model_id, revision, device, cfg.dtype)
-    return LoadedModel(model, model_id, revision, layout, device, dtype, c.vocab_size, eos, max_len)
+    keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return LoadedModel(model, model_id, revision, layout, device, dtype, c.vocab_size, eos, max_len, keeps_last)

@@ -12,7 +12,7 @@ import torch
 
 from engines.kv import append, build_cache, slice_bytes, to_tensor
 from engines.local_cache import LocalBlockCache
-from engines.model import LoadedModel
+from engines.model import LoadedModel, run
 from engines.sampling import Sampler, logprobs_of
 from engines.types import GREEDY, EngineLoad, PrefillResult, SamplingParams, extras_for
 from kvstore.block_store import BlockStore
@@ -173,10 +173,9 @@ class PrefillEngine:
             if excess:  # never reuse the last prompt token: it must be computed for logits
                 cache.crop(-excess)
         with torch.inference_mode():
-            ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=lm.device)
-            out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        first = Sampler(sampling).choose(out.logits[0, -1], 0)
-        first_lp = None if top_logprobs is None else logprobs_of(out.logits[0, -1], first, top_logprobs)
+            logits = run(lm, prompt[cached:], cache)
+        first = Sampler(sampling).choose(logits, 0)
+        first_lp = None if top_logprobs is None else logprobs_of(logits, first, top_logprobs)
         n_full = len(prompt) // bs
         new = [(keys[i], slice_bytes(cache, i * bs, (i + 1) * bs)) for i in range(loaded, n_full)]
         # What this engine served from its own cache but the pool has lost goes back, so
@@ -219,10 +218,9 @@ class PrefillEngine:
         keys = block_keys(prompt, self.block_size, extras_for(lm.model_id, lm.revision, lm.layout, namespace))
         cache = build_cache([], lm.layout, lm.dtype, lm.device)
         with torch.inference_mode():
-            ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
-            out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        first = Sampler(sampling).choose(out.logits[0, -1], 0)
-        first_lp = None if top_logprobs is None else logprobs_of(out.logits[0, -1], first, top_logprobs)
+            logits = run(lm, prompt, cache)
+        first = Sampler(sampling).choose(logits, 0)
+        first_lp = None if top_logprobs is None else logprobs_of(logits, first, top_logprobs)
         return PrefillResult(request_id, first, tuple(keys), 0, len(prompt), slice_bytes(cache, 0, len(prompt)),
                              len(prompt), time.perf_counter() - t0, 0, 0, first_logprobs=first_lp)
 

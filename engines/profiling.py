@@ -5,37 +5,73 @@ has been observed — as a deployment profiles its engines before it serves, and
 simulator's Conductor is seeded (``scheduler/sim/profiling.py``).
 
 The pass computes only: it reads neither the engine's own cache nor the pool and writes
-neither, and no request is counted in the engine's metrics. Its prompts are sized by the
-engine's ``max_model_len`` (``L``): prefills of ``L/256``, ``L/64``, ``L/16``, ``L/4`` and
-``L/2`` tokens, each :data:`PREFILL_REPEATS` times after one untimed warm-up; decode steps at (batch,
-context per request) = (1, ``L/64``), (1, ``L/2``), (2, ``L/64``), (2, ``L/4``), the batch
-interleaved one request per forward as :class:`engines.decode.DecodeEngine` serves it, so
-the seconds between one request's tokens are a whole round of the batch. On the tiny CPU
-model (``L`` = 4096) the pass takes 0.1–0.4 s (2 cores, idle to busy). Its timings are
-what the machine gave at that moment: an engine profiled beside other work is seeded slow,
-and the online fits correct that from the first requests it serves.
+neither, and no request is counted in the engine's metrics. Its prompts are sized by
+``L`` = min(the engine's ``max_model_len``, :data:`MAX_PROFILED_LEN`): prefills of
+``L/256``, ``L/64``, ``L/16``, ``L/4`` and ``L/2`` tokens, each :data:`PREFILL_REPEATS`
+times after one untimed warm-up; decode steps at (batch, context per request) =
+(1, ``L/64``), (1, ``L/2``), (2, ``L/64``), (2, ``L/4``), the batch interleaved one
+request per forward as :class:`engines.decode.DecodeEngine` serves it, so the seconds
+between one request's tokens are a whole round of the batch. On the tiny CPU model
+(``L`` = 4096) the pass takes 0.1–0.4 s (2 cores, idle to busy). The cap keeps a
+checkpoint served at 128k tokens from prefilling 64k-token prompts on a CPU for minutes
+before it serves (the fit extrapolates past ``L``), and no point is started once the pass
+has run :data:`BUDGET_S` seconds: it keeps those it has (the shortest come first; a fit
+needs three, of two lengths for prefill, :mod:`scheduler.profiles`). Prefills and decode
+steps run as the engines run them (:func:`engines.model.run`: the last position's logits
+only; each step's token chosen from them, which waits for the device as the engine's
+sampler does). The timings are what the machine gave at that moment: an engine profiled
+beside other work is seeded slow, and the online fits correct that from the first
+requests it serves.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from engines.kv import build_cache
-from engines.model import LoadedModel
+from engines.model import LoadedModel, run
 from engines.types import ProfilePoint
 
-PREFILL_FRACTIONS = (256, 64, 16, 4, 2)        # prompt = max_model_len // each
+log = logging.getLogger(__name__)
+
+PREFILL_FRACTIONS = (256, 64, 16, 4, 2)        # prompt = sized length // each
 PREFILL_REPEATS = 2
-DECODE_POINTS = ((1, 64), (1, 2), (2, 64), (2, 4))   # (batch, context = max_model_len // each)
+DECODE_POINTS = ((1, 64), (1, 2), (2, 64), (2, 4))   # (batch, context = sized length // each)
 DECODE_STEPS = 4                               # rounds of the batch timed per point
+MAX_PROFILED_LEN = 8192                        # tokens: the pass sizes by min(max_model_len, this)
+BUDGET_S = 30.0                                # seconds: no point is started after this
 
 
-def _forward(lm: LoadedModel, ids: list[int], cache: object) -> None:
+class _Budget:
+    """The pass's clock: :meth:`spent` once :data:`BUDGET_S` (or ``seconds``) has passed."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.t0 = seconds, time.perf_counter()
+
+    def spent(self, what: str) -> bool:
+        over = time.perf_counter() - self.t0 >= self.seconds
+        if over:
+            log.warning("profiling pass past its %.0f s budget: %s left out", self.seconds, what)
+        return over
+
+
+def _sized(max_model_len: int) -> int:
+    return min(max_model_len, MAX_PROFILED_LEN)
+
+
+def _timed_prefill(lm: LoadedModel, ids: list[int]) -> tuple[float, object]:
+    cache = build_cache([], lm.layout, lm.dtype, lm.device)
+    _sync(lm)
+    t0 = time.perf_counter()
     with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([ids], dtype=torch.long, device=lm.device),
-                 past_key_values=cache, use_cache=True)
+        int(run(lm, ids, cache).argmax())   # the first token, as the engine chooses it
+    return time.perf_counter() - t0, cache
 
 
 def _sync(lm: LoadedModel) -> None:
@@ -47,27 +83,22 @@ def _tokens(lm: LoadedModel, n: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, lm.vocab_size, (n,), generator=gen).tolist()
 
 
-def _timed_prefill(lm: LoadedModel, ids: list[int]) -> tuple[float, object]:
-    cache = build_cache([], lm.layout, lm.dtype, lm.device)
-    _sync(lm)
-    t0 = time.perf_counter()
-    _forward(lm, ids, cache)
-    _sync(lm)
-    return time.perf_counter() - t0, cache
-
-
 def prefill_lengths(max_model_len: int) -> list[int]:
     """The prompt lengths (tokens) of the pass, ascending, distinct, each >= 1."""
-    return sorted({max(1, max_model_len // f) for f in PREFILL_FRACTIONS})
+    return sorted({max(1, _sized(max_model_len) // f) for f in PREFILL_FRACTIONS})
 
 
-def profile_prefill(lm: LoadedModel, seed: int = 0) -> tuple[ProfilePoint, ...]:
+def profile_prefill(lm: LoadedModel, seed: int = 0, budget_s: float = BUDGET_S) -> tuple[ProfilePoint, ...]:
     """Time prefills of :func:`prefill_lengths` random prompts, :data:`PREFILL_REPEATS` each,
     after one untimed warm-up of each length (a first forward pays lazy initialisation, and
-    a first of a shape the kernels' choice for it)."""
+    a first of a shape the kernels' choice for it); no length is started after ``budget_s``
+    seconds."""
     gen = torch.Generator().manual_seed(seed)
+    budget = _Budget(budget_s)
     points = []
     for n in prefill_lengths(lm.max_model_len):
+        if budget.spent(f"prefills of {n} tokens and longer"):
+            break
         _timed_prefill(lm, _tokens(lm, n, gen))
         for _ in range(PREFILL_REPEATS):
             seconds, _ = _timed_prefill(lm, _tokens(lm, n, gen))
@@ -79,32 +110,56 @@ def decode_points(max_model_len: int) -> list[tuple[int, int]]:
     """The (batch, context tokens per request) points of the pass; each context leaves room
     for the steps timed."""
     room = max(1, max_model_len - DECODE_STEPS - 1)
-    return [(b, max(1, min(room, max_model_len // f))) for b, f in DECODE_POINTS]
+    sized = _sized(max_model_len)
+    return [(b, max(1, min(room, sized // f))) for b, f in DECODE_POINTS]
 
 
-def profile_decode(lm: LoadedModel, seed: int = 0) -> tuple[ProfilePoint, ...]:
+def profile_decode(lm: LoadedModel, seed: int = 0, budget_s: float = BUDGET_S) -> tuple[ProfilePoint, ...]:
     """Time decode steps at :func:`decode_points`: per point, ``batch`` random prompts of the
     context are prefilled (untimed), then :data:`DECODE_STEPS` rounds of one step per
-    request are timed; a point's seconds are a round's mean (one request's TBT)."""
+    request are timed, each step's token chosen from its logits and fed to the next; a
+    point's seconds are a round's mean (one request's TBT). No point is started after
+    ``budget_s`` seconds."""
     gen = torch.Generator().manual_seed(seed)
+    budget = _Budget(budget_s)
     points = []
     for batch, context in decode_points(lm.max_model_len):
+        if budget.spent(f"the decode point of {batch} x {context} tokens and those after it"):
+            break
         caches = [_timed_prefill(lm, _tokens(lm, context, gen))[1] for _ in range(batch)]
-        _forward(lm, [0], caches[0])   # warm-up step (untimed)
-        _sync(lm)
-        t0 = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            for cache in caches:
-                _forward(lm, _tokens(lm, 1, gen), cache)
-        _sync(lm)
+        tokens = [0] * batch
+        with torch.inference_mode():
+            int(run(lm, [0], caches[0]).argmax())   # warm-up step (untimed)
+            t0 = time.perf_counter()
+            for _ in range(DECODE_STEPS):
+                for i, cache in enumerate(caches):
+                    tokens[i] = int(run(lm, [tokens[i]], cache).argmax())
         points.append(ProfilePoint(batch, batch * context, (time.perf_counter() - t0) / DECODE_STEPS))
     return tuple(points)
 
 
-def profile_engine(lm: LoadedModel, role: str) -> tuple[ProfilePoint, ...]:
+def profile_engine(lm: LoadedModel, role: str, lock: str | None = None) -> tuple[ProfilePoint, ...]:
     """The pass for an engine of ``role``: prefill points for "prefill", decode points for
-    "decode" (:class:`engines.types.ProfilePoint`)."""
-    return profile_prefill(lm) if role == "prefill" else profile_decode(lm)
+    "decode" (:class:`engines.types.ProfilePoint`). ``lock``: a file path; the pass runs
+    holding an exclusive ``flock`` on it (the file created, mode 0600, if missing), so the
+    engines of one host given one path profile one at a time rather than slow one another's
+    timings (``kvstore up`` gives its engines one). Raises OSError when ``lock`` cannot be
+    opened."""
+    with _exclusive(lock):
+        return profile_prefill(lm) if role == "prefill" else profile_decode(lm)
+
+
+@contextlib.contextmanager
+def _exclusive(path: str | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
 
 
 def describe(points: Sequence[ProfilePoint]) -> str:

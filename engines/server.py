@@ -183,7 +183,8 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
                  store_token: str | None = None, workers: int = 80,
                  store_redis: str | None = None, auth_token: str | None = None,
                  metrics_port: int | None = None, kv_events: str | None = None,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, profile: bool = True) -> tuple[grpc.Server, int]:
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, profile: bool = True,
+                 profile_lock: str | None = None) -> tuple[grpc.Server, int]:
     """Build the model and a ``role`` engine ("prefill" or "decode") using the store node at
     ``store_address`` — or, with ``store_redis``, every store node registered in that Redis
     (kvstore/cluster) — (neither: no pool), and serve it on ``address``. ``auth_token``:
@@ -198,7 +199,8 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     ``max_position_embeddings`` caps it); a longer request is INVALID_ARGUMENT.
     ``profile``: run the profiling pass (engines/profiling.py) before serving and report it
     in ``Info``, from which the router seeds its predictors (False: none; the router keeps
-    its built-in seeds).
+    its built-in seeds). ``profile_lock``: a file the pass holds an exclusive lock on
+    (:func:`engines.profiling.profile_engine`): engines given one profile one at a time.
     ``workers``: the server's threads; a decode stream holds one for as long as it runs, so
     the default serves the front door's ``--decode-max-running`` (64) streams at once with
     16 to spare for other calls (with 16 in all, 16 streams left no thread for the 17th
@@ -221,7 +223,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
     if profile:
         t0 = time.perf_counter()
         try:
-            points = profile_engine(lm, role)
+            points = profile_engine(lm, role, profile_lock)
         except Exception as exc:  # noqa: BLE001 - a failed pass must not stop the engine: no seeds
             log.warning("%s engine: profiling pass failed (%s); the router keeps its built-in seeds", role, exc)
         else:

@@ -118,7 +118,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
                                 store_redis=args.redis, kv_events=args.kv_events or args.redis,
                                 auth_token=token_from(args.auth_token, ENGINE_TOKEN_ENV),
                                 metrics_port=args.metrics_port, max_model_len=args.max_model_len,
-                                profile=args.profile)
+                                profile=args.profile, profile_lock=args.profile_lock)
     print(f"{args.role} engine serving on {args.host}:{port}", flush=True)
     from engines.server import metrics_url
     if metrics_url(server):
@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine) of random tokens, sized by --max-model-len, and report them in Info: the "
                         "front door seeds its T_prefill and TBT predictors from them (0.1 s on the tiny CPU "
                         "model; --no-profile: the front door keeps its built-in seeds)")
+    p.add_argument("--profile-lock", metavar="FILE",
+                   help="run the profiling pass holding an exclusive lock on FILE (created if missing): "
+                        "engines of one host given the same FILE profile one at a time instead of slowing "
+                        "one another's timings (kvstore up gives its engines one)")
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
@@ -272,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of a crashed engine, store node or front door within 5 minutes "
                         "(back-off 0.5 s doubling to 8 s) before the stack stops")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="each engine times a few prefills or decode steps at start, one engine at a time, and "
+                        "the front door seeds its T_prefill and TBT predictors from them (kvstore engine "
+                        "--profile; --no-profile: built-in seeds; vLLM instances are never profiled)")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up)

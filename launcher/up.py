@@ -210,9 +210,12 @@ def run_up(args: argparse.Namespace) -> int:
                         # every node is on this host: the mapped slab serves them, and the
                         # transfer engine (which listens on every interface) stays off
                         "--transfer-engine", "off")
+        # one profiling pass at a time: passes run side by side on a few cores time each other
+        profile = (["--profile-lock", os.path.join(args.data_dir, "profile.lock")]
+                   if getattr(args, "profile", True) else ["--no-profile"])
         for name, role, port in engines:
             stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
-                        "--port", str(port), "--engine-id", name, *model, *max_len,
+                        "--port", str(port), "--engine-id", name, *model, *max_len, *profile,
                         "--metrics-port", str(metrics_ports[name]))
         for i, port in enumerate(store_ports):
             _wait_grpc(stack, f"{host}:{port}", 60)

@@ -17,7 +17,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from engines.types import EngineInfo
+from kvstore.errors import InvalidArgument
 from scheduler.conductor import ConductorConfig
 from scheduler.costing import PrefillModel, PrefillProfile
 from scheduler.fit import OnlineFit
@@ -26,38 +29,61 @@ from scheduler.tbt import DecodeProfile
 log = logging.getLogger(__name__)
 
 
-def _usable(n: float, seconds: float) -> bool:
-    return n >= 1 and math.isfinite(seconds) and 0 < seconds < 1e6
+MIN_SECONDS = 1e-7            # no forward of a model takes less: a shorter timing is nonsense
+MAX_SECONDS = 1e6
+MAX_TOKENS = 1 << 24          # past any model's context: a larger count is nonsense
 
 
-def _fit(rows: Iterable[tuple[tuple[float, float, float], float, float]]) -> tuple[float, ...]:
-    """Non-negative least squares over ``(features, seconds, weight)`` rows, in order."""
+def _usable(n: float, seconds: float, tokens: float | None = None) -> bool:
+    """A point a fit may use: ``n`` (prompt tokens, or a decode batch) in [1, MAX_TOKENS],
+    ``tokens`` (resident KV tokens, when given) in [0, MAX_TOKENS], ``seconds`` in
+    [MIN_SECONDS, MAX_SECONDS]. An engine reports its profile over gRPC, and one buggy or
+    hostile point must not make a seed of 1/seconds² = inf (nor raise in the router)."""
+    return (1 <= n <= MAX_TOKENS and MIN_SECONDS <= seconds <= MAX_SECONDS
+            and (tokens is None or 0 <= tokens <= MAX_TOKENS))
+
+
+def _fit(rows: Iterable[tuple[tuple[float, float, float], float, float]]) -> tuple[float, ...] | None:
+    """Non-negative least squares over ``(features, seconds, weight)`` rows, in order; None
+    when the solve fails or gives a coefficient that is not finite."""
     fit = OnlineFit((0.0, 0.0, 0.0), min_samples=1, decay=1.0)
-    for x, seconds, weight in rows:
-        fit.observe(x, seconds, weight)
-    return fit.coefficients
+    try:
+        for x, seconds, weight in rows:
+            fit.observe(x, seconds, weight)
+        coefficients = fit.coefficients
+    except (ArithmeticError, ValueError, InvalidArgument, np.linalg.LinAlgError) as exc:
+        log.warning("profile fit failed (%s)", exc)
+        return None
+    return coefficients if all(math.isfinite(c) for c in coefficients) else None
 
 
 def fit_prefill(points: Iterable[tuple[int, float]], base: PrefillProfile) -> PrefillProfile | None:
     """``base`` with ``fixed_s``, ``s_per_token`` and ``s_per_token_context`` fitted to
     ``points`` ((prompt tokens, all computed; seconds), in order); None with fewer than three
-    usable points (tokens >= 1, seconds finite and > 0), or when they span one prompt length
+    usable points (:func:`_usable`: others are left out), or when they span one prompt length
     only (the fit would not tell the per-token cost from the fixed one)."""
     usable = [(n, s) for n, s in points if _usable(n, s)]
     if len(usable) < 3 or len({n for n, _ in usable}) < 2:
         return None
-    k0, k1, k2 = _fit((PrefillModel.features(n, 0), s, 1.0 / s ** 2) for n, s in usable)
+    fitted = _fit((PrefillModel.features(n, 0), s, 1.0 / s ** 2) for n, s in usable)
+    if fitted is None:
+        return None
+    k0, k1, k2 = fitted
     return replace(base, fixed_s=k0, s_per_token=k1, s_per_token_context=k2)
 
 
 def fit_decode(points: Iterable[tuple[int, int, float]], base: DecodeProfile) -> DecodeProfile | None:
     """``base`` with ``step_s``, ``s_per_request`` and ``s_per_kv_token`` fitted to ``points``
     ((batch, resident KV tokens, seconds between a request's tokens), in order); None with
-    fewer than three usable points (batch >= 1, seconds finite and > 0)."""
-    usable = [(b, kv, s) for b, kv, s in points if _usable(b, s) and kv >= 0]
+    fewer than three usable points (:func:`_usable`: others are left out) or when the fit
+    fails."""
+    usable = [(b, kv, s) for b, kv, s in points if _usable(b, s, kv)]
     if len(usable) < 3:
         return None
-    d0, d1, d2 = _fit(((1.0, float(b), float(kv)), s, 1.0) for b, kv, s in usable)
+    fitted = _fit(((1.0, float(b), float(kv)), s, 1.0) for b, kv, s in usable)
+    if fitted is None:
+        return None
+    d0, d1, d2 = fitted
     return replace(base, step_s=d0, s_per_request=d1, s_per_kv_token=d2)
 
 
