@@ -12,6 +12,7 @@ random Llama checkpoint is written under ``--data-dir`` (nothing is downloaded).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -36,6 +37,16 @@ def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
                         "router sees what each prefill instance holds")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
 def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-prefill", nargs="+", metavar="URL", help="vLLM prefill instances (kv_producer), "
                    "http://host:port each; with --vllm-decode instead of --prefill/--decode")
@@ -43,6 +54,12 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-colocated", nargs="+", metavar="URL",
                    help="vLLM instances that prefill and decode (kv_both): the colocated topology")
     p.add_argument("--vllm-block-size", type=int, default=32, help="the vLLM instances' --block-size")
+    p.add_argument("--vllm-quantization", metavar="METHOD",
+                   help="the vLLM instances' --quantization, when they quantize at load (e.g. fp8): their "
+                        "connectors key it, and the front door's keys must agree with theirs")
+    p.add_argument("--vllm-hf-overrides", type=_json_object, metavar="JSON",
+                   help="the vLLM instances' --hf-overrides (a JSON object): their connectors key it, and the "
+                        "front door's keys must agree with theirs")
     p.add_argument("--vllm-kv-events", nargs="+", metavar="PUB[,REPLAY]",
                    help="the prefill (or colocated) instances' KV-event endpoints, one each in their order: "
                         "vLLM's --kv-events-config endpoint and replay_endpoint (ipc://PATH or tcp://HOST:PORT); "

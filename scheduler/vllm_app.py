@@ -46,11 +46,14 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                config: FrontdoorConfig | None = None, *, topology: str = "disaggregated",
                                colocated_urls: Sequence[str] = (), block_size: int = 32,
                                store_redis: str | None = None, watch_interval_s: float = 0.5,
-                               kv_events: Sequence[str] = ()) -> RunningVLLMFrontdoor:
+                               kv_events: Sequence[str] = (), quantization: str | None = None,
+                               hf_overrides: dict | None = None) -> RunningVLLMFrontdoor:
     """Connect to running vLLM instances (``http://host:port``) and the store node, serve HTTP
     on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
     tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``;
-    ``kv_events``: the prefill instances' KV-event endpoints (:func:`connect_vllm`).
+    ``kv_events``: the prefill instances' KV-event endpoints (:func:`connect_vllm`);
+    ``quantization``, ``hf_overrides``: the instances' ``--quantization`` and
+    ``--hf-overrides``, which their connectors key (the front door's keys must agree).
 
     Raises:
         Unavailable: an instance did not answer within ``config.ready_timeout_s``.
@@ -60,7 +63,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
     if not model_dir:
         raise InvalidArgument("the front door over vLLM needs --model DIR: the checkpoint the instances serve")
     config = config or FrontdoorConfig(model_dir=model_dir)
-    model = VLLMModel.from_dir(model_dir, block_size)
+    model = VLLMModel.from_dir(model_dir, block_size, quantization=quantization, hf_overrides=hf_overrides)
     router = await connect_vllm(model, prefill_urls, decode_urls, store_address, topology=topology,
                                 colocated_urls=colocated_urls, policy=config.policy,
                                 config=dataclasses.replace(config.conductor, admission=config.admission),
@@ -86,5 +89,6 @@ def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
         args.model, _split(args.vllm_prefill or ""), _split(args.vllm_decode or ""), args.store or None,
         args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
         colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None),
-        kv_events=_split(getattr(args, "vllm_kv_events", None) or "")),
+        kv_events=_split(getattr(args, "vllm_kv_events", None) or ""),
+        quantization=getattr(args, "vllm_quantization", None), hf_overrides=getattr(args, "vllm_hf_overrides", None)),
         " over vLLM")

@@ -28,7 +28,7 @@ import aiohttp
 from engines.checkpoint_identity import WEIGHT_SUFFIXES, model_identity
 from engines.types import EngineInfo, PrefillResult
 from engines.vllm.launch import SERVED_MODEL_NAME
-from engines.vllm.layout import PagedLayout
+from engines.vllm.layout import PagedLayout, model_variant
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 
@@ -45,10 +45,14 @@ class VLLMModel:
     eos_token_id: int
 
     @classmethod
-    def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None) -> VLLMModel:
-        """``dtype``: the instances' ``--dtype`` (default: the checkpoint's). Raises
-        InvalidArgument when ``model_dir`` holds no ``config.json`` or no weight files (the
-        connector's keys hash them: :func:`engines.checkpoint_identity.model_identity`)."""
+    def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None,
+                 quantization: str | None = None, hf_overrides: dict | None = None) -> VLLMModel:
+        """``dtype``: the instances' ``--dtype`` (default: the checkpoint's);
+        ``quantization`` and ``hf_overrides``: theirs (:func:`engines.vllm.layout.model_variant`:
+        the connector keys them). Raises InvalidArgument when ``model_dir`` holds no
+        ``config.json`` or no weight files (the connector's keys hash them:
+        :func:`engines.checkpoint_identity.model_identity`), or for ``hf_overrides`` that
+        cannot be keyed."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise InvalidArgument(f"{model_dir} is not a local checkpoint (no config.json): the front door "
@@ -68,8 +72,9 @@ class VLLMModel:
                 "instances serve, weights included (read once, at start), or its keys would match none of theirs")
         eos = cfg.get("eos_token_id", 0)
         eos = eos[0] if isinstance(eos, list) else eos
-        return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout), int(cfg["vocab_size"]),
-                   int(eos or 0))
+        variant = model_variant(quantization, hf_overrides, cfg.get("quantization_config") is not None)
+        return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout, variant=variant),
+                   int(cfg["vocab_size"]), int(eos or 0))
 
     @property
     def block_size(self) -> int:

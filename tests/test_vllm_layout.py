@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.vllm.layout import PagedBlocks, PagedLayout
+from engines.vllm.layout import PagedBlocks, PagedLayout, model_variant
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import KVLayout
@@ -162,3 +162,41 @@ def test_a_model_with_latent_attention_is_refused_at_start_with_its_cause(tmp_pa
     assert model.use_mla
     with pytest.raises(InvalidArgument, match="latent attention"):
         PagedLayout.from_vllm(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32)))
+
+
+def test_quantization_at_load_and_config_overrides_key_apart_and_the_front_door_agrees(tmp_path, monkeypatch):
+    """One checkpoint served with --quantization fp8_per_tensor (weights quantized at load) or with
+    --hf-overrides (its config changed, e.g. the rope) computes other KV than served plain,
+    from the same files: the revision cannot tell them apart, so the connector keys both
+    (a plain instance's keys stay as they were), and the front door given the same flags
+    keys as the connector does."""
+    pytest.importorskip("vllm")
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from scheduler.vllm_instances import VLLMModel
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"weights")   # hashed, never loaded here
+
+    def connector(**kw) -> PagedLayout:
+        model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True,
+                            dtype="bfloat16", **kw)
+        return PagedLayout.from_vllm(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32)))
+
+    tokens = list(range(64))
+    plain, fp8 = connector(), connector(quantization="fp8_per_tensor")
+    rope = connector(hf_overrides={"rope_theta": 5000.0})
+    assert plain.variant == () and fp8.variant == (("quantization", "fp8_per_tensor"),)
+    assert rope.variant == (("hf_overrides", '{"rope_theta":5000.0}'),)
+    first = {lay.keys(tokens, "t")[0] for lay in (plain, fp8, rope)}
+    assert len(first) == 3                                       # three KVs, three keys
+    assert plain.keys(tokens, "t") == PagedLayout(plain.model_id, plain.revision, plain.layout).keys(tokens, "t")
+    for lay, kw in ((plain, {}), (fp8, {"quantization": "fp8_per_tensor"}), (rope, {"hf_overrides": {"rope_theta": 5000.0}})):
+        door = VLLMModel.from_dir(str(tmp_path), 32, "bfloat16", **kw)
+        assert door.keys(tokens, "t") == lay.keys(tokens, "t")
+    assert model_variant("awq", None, prequantized=True) == ()   # its weights are in the revision
+    with pytest.raises(InvalidArgument, match="cannot be keyed"):
+        model_variant(None, lambda config: config, prequantized=False)

@@ -15,6 +15,7 @@ shape goes into the key extras, so instances whose layouts differ never share a 
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class PagedLayout:
     revision: str
     layout: KVLayout
     layer_shape: tuple[int, ...] | None = None
+    variant: tuple[tuple[str, str], ...] = ()   # what else changes the KV (:func:`model_variant`)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> PagedLayout:
@@ -65,13 +67,15 @@ class PagedLayout:
             raise InvalidArgument("the kvstore connector serves models with a K and a V cache per layer; this one "
                                   "uses multi-head latent attention (MLA: one latent cache per layer), whose blocks "
                                   "it does not lay out (set VLLM_MLA_DISABLE=1 to run it with K and V caches)")
+        variant = model_variant(getattr(mc, "quantization", None), getattr(mc, "hf_overrides", None),
+                                getattr(mc.hf_config, "quantization_config", None) is not None)
         dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
         dtype_name = str(dtype).removeprefix("torch.")
         model_id, revision = model_identity(mc.model, getattr(mc, "revision", None))
         layout = KVLayout(dtype=dtype_name, num_layers=mc.get_num_layers(par),
                           num_kv_heads=mc.get_num_kv_heads(par), head_dim=mc.get_head_size(),
                           block_size=cc.block_size)
-        return cls(model_id, revision, layout)
+        return cls(model_id, revision, layout, variant=variant)
 
     @property
     def block_size(self) -> int:
@@ -82,7 +86,8 @@ class PagedLayout:
         front door from the caller's identity), ``default`` without one; ``adapter``: its
         LoRA adapter's :func:`adapter_identity`, the key spec's ``adapter`` field."""
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
-                         namespace=cache_salt or DEFAULT_NAMESPACE, adapter=adapter, other=(BLOCK_FORMAT,))
+                         namespace=cache_salt or DEFAULT_NAMESPACE, adapter=adapter,
+                         other=(BLOCK_FORMAT, *self.variant))
 
     def namespace(self, cache_salt: str | None) -> str:
         """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books,
@@ -106,6 +111,32 @@ class PagedLayout:
         """Identity tags of the full blocks of ``tokens`` (kvstore/identity.py): each stored
         block ends with its tag, checked on every load."""
         return block_tags(tokens, self.block_size, self.extras(cache_salt, adapter))
+
+
+def model_variant(quantization: str | None, hf_overrides: Any,
+                  prequantized: bool) -> tuple[tuple[str, str], ...]:
+    """What changes a vLLM instance's KV besides its checkpoint's files (which the revision
+    hashes) and its layout: ``quantization`` applied at load (vLLM's ``--quantization`` on a
+    checkpoint that is not ``prequantized``, i.e. whose ``config.json`` has no
+    ``quantization_config``; a prequantized one's weights are in the revision already, and
+    vLLM may rename its method, e.g. awq to awq_marlin), and ``hf_overrides`` (a dict laid
+    over the model's config, e.g. its rope scaling), as canonical JSON. ``()`` when neither
+    is set, so keys of a plain instance are unchanged. Put in the key extras' ``other``
+    after :data:`BLOCK_FORMAT`: instances of one checkpoint quantized or configured apart
+    never share a block. Raises InvalidArgument for ``hf_overrides`` that are not a dict of
+    JSON values (a callable cannot be keyed)."""
+    variant = []
+    if quantization and not prequantized:
+        variant.append(("quantization", str(quantization)))
+    if hf_overrides:
+        if not isinstance(hf_overrides, dict):
+            raise InvalidArgument("the kvstore connector keys blocks by the model's config, and hf_overrides "
+                                  f"of type {type(hf_overrides).__name__} cannot be keyed: give a dict (JSON)")
+        try:
+            variant.append(("hf_overrides", json.dumps(hf_overrides, sort_keys=True, separators=(",", ":"))))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"hf_overrides cannot be keyed: {exc}") from exc
+    return tuple(variant)
 
 
 class PagedBlocks:
