@@ -144,7 +144,7 @@ def profile_engine(lm: LoadedModel, role: str, lock: str | None = None) -> tuple
     holding an exclusive ``flock`` on it (the file created, mode 0600, if missing), so the
     engines of one host given one path profile one at a time rather than slow one another's
     timings (``kvstore up`` gives its engines one). Raises OSError when ``lock`` cannot be
-    opened."""
+    opened (or is a symbolic link: one planted in a shared directory is not followed)."""
     with _exclusive(lock):
         return profile_prefill(lm) if role == "prefill" else profile_decode(lm)
 
@@ -154,7 +154,7 @@ def _exclusive(path: str | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)   # a planted link is refused
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
