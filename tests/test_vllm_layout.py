@@ -194,7 +194,8 @@ def test_quantization_at_load_and_config_overrides_key_apart_and_the_front_door_
     first = {lay.keys(tokens, "t")[0] for lay in (plain, fp8, rope)}
     assert len(first) == 3                                       # three KVs, three keys
     assert plain.keys(tokens, "t") == PagedLayout(plain.model_id, plain.revision, plain.layout).keys(tokens, "t")
-    for lay, kw in ((plain, {}), (fp8, {"quantization": "fp8_per_tensor"}), (rope, {"hf_overrides": {"rope_theta": 5000.0}})):
+    flags = ({}, {"quantization": "fp8_per_tensor"}, {"hf_overrides": {"rope_theta": 5000.0}})
+    for lay, kw in zip((plain, fp8, rope), flags):
         door = VLLMModel.from_dir(str(tmp_path), 32, "bfloat16", **kw)
         assert door.keys(tokens, "t") == lay.keys(tokens, "t")
     assert model_variant("awq", None, prequantized=True) == ()   # its weights are in the revision
