@@ -16,7 +16,7 @@ between one request's tokens are a whole round of the batch. On the tiny CPU mod
 checkpoint served at 128k tokens from prefilling 64k-token prompts on a CPU for minutes
 before it serves (the fit extrapolates past ``L``), and no point is started once the pass
 has run :data:`BUDGET_S` seconds: it keeps those it has (the shortest come first; a fit
-needs three, of two lengths for prefill, :mod:`scheduler.profiles`). Prefills and decode
+needs three lengths or decode points, :mod:`scheduler.profiles`). Prefills and decode
 steps run as the engines run them (:func:`engines.model.run`: the last position's logits
 only; each step's token chosen from them, which waits for the device as the engine's
 sampler does). The timings are what the machine gave at that moment: an engine profiled

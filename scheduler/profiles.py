@@ -59,11 +59,13 @@ def _fit(rows: Iterable[tuple[tuple[float, float, float], float, float]]) -> tup
 
 def fit_prefill(points: Iterable[tuple[int, float]], base: PrefillProfile) -> PrefillProfile | None:
     """``base`` with ``fixed_s``, ``s_per_token`` and ``s_per_token_context`` fitted to
-    ``points`` ((prompt tokens, all computed; seconds), in order); None with fewer than three
-    usable points (:func:`_usable`: others are left out), or when they span one prompt length
-    only (the fit would not tell the per-token cost from the fixed one)."""
+    ``points`` ((prompt tokens, all computed; seconds), in order); None when the usable
+    points (:func:`_usable`: others are left out) span fewer than three prompt lengths (three
+    coefficients: with two, the split between the per-token and the per-token-context cost
+    is the fit's guess, and a profiling pass cut short by its budget can leave two), or
+    when the fit fails."""
     usable = [(n, s) for n, s in points if _usable(n, s)]
-    if len(usable) < 3 or len({n for n, _ in usable}) < 2:
+    if len({n for n, _ in usable}) < 3:
         return None
     fitted = _fit((PrefillModel.features(n, 0), s, 1.0 / s ** 2) for n, s in usable)
     if fitted is None:

@@ -106,6 +106,8 @@ def test_the_fit_recovers_known_costs_and_refuses_too_little() -> None:
     assert fit.s_per_token_context == pytest.approx(per_attn, rel=1e-6)
     assert fit_prefill(points[:2], PrefillProfile()) is None                       # too few
     assert fit_prefill([(64, 0.01)] * 5, PrefillProfile()) is None                # one length
+    assert fit_prefill(points[:2] * 3, PrefillProfile()) is None                  # two: the split is a guess
+    assert fit_prefill(points[:3], PrefillProfile()) is not None
     assert fit_prefill([(64, math.nan), (128, -1.0), (0, 1.0)], PrefillProfile()) is None   # nonsense
     steps = [(b, kv, 1e-3 + 4e-4 * b + 2e-8 * kv) for b, kv in ((1, 64), (1, 2048), (2, 128), (2, 2048))]
     dec = fit_decode(steps, DecodeProfile())
