@@ -28,7 +28,7 @@ import aiohttp
 from engines.checkpoint_identity import WEIGHT_SUFFIXES, model_identity
 from engines.types import EngineInfo, PrefillResult
 from engines.vllm.launch import SERVED_MODEL_NAME
-from engines.vllm.layout import PagedLayout, model_variant
+from engines.vllm.layout import PagedLayout, checkpoint_quantized, model_variant
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 
@@ -72,7 +72,7 @@ class VLLMModel:
                 "instances serve, weights included (read once, at start), or its keys would match none of theirs")
         eos = cfg.get("eos_token_id", 0)
         eos = eos[0] if isinstance(eos, list) else eos
-        variant = model_variant(quantization, hf_overrides, cfg.get("quantization_config") is not None)
+        variant = model_variant(quantization, hf_overrides, checkpoint_quantized(cfg, model_dir))
         return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout, variant=variant),
                    int(cfg["vocab_size"]), int(eos or 0))
 

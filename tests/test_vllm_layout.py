@@ -3,11 +3,13 @@ a vLLM engine: bad settings are refused with the valid ones named; a block's seg
 layers' slices of that block, in layer order."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from engines.vllm.layout import PagedBlocks, PagedLayout, model_variant
+from engines.vllm.layout import PagedBlocks, PagedLayout, checkpoint_quantized, model_variant
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import KVLayout
@@ -199,5 +201,43 @@ def test_quantization_at_load_and_config_overrides_key_apart_and_the_front_door_
         door = VLLMModel.from_dir(str(tmp_path), 32, "bfloat16", **kw)
         assert door.keys(tokens, "t") == lay.keys(tokens, "t")
     assert model_variant("awq", None, prequantized=True) == ()   # its weights are in the revision
+    assert model_variant("FP8", None, prequantized=False) == (("quantization", "fp8"),)
+    text = {"text_config": {"quantization_config": {"quant_method": "fp8"}}}   # a multimodal checkpoint's
+    assert checkpoint_quantized(text, str(tmp_path)) and not checkpoint_quantized({}, str(tmp_path))
+
+
+@pytest.mark.parametrize("declares", ["compression_config", "hf_quant_config.json"])
+def test_a_checkpoint_that_declares_its_quantization_is_keyed_alike_by_connector_and_front_door(
+        tmp_path, monkeypatch, declares):
+    """vLLM finds a checkpoint's own quantization in more places than config.json's
+    quantization_config; the front door must see it where vLLM does, or one side keys a
+    method the other does not and no hit estimate matches."""
+    pytest.importorskip("vllm")
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from scheduler.vllm_instances import VLLMModel
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"weights")
+    config = json.loads((tmp_path / "config.json").read_text())
+    flags: dict = {}
+    if declares == "compression_config":
+        config["compression_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                        "config_groups": {}}
+    else:
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}))
+        flags = {"quantization": "modelopt"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True,
+                        dtype="bfloat16", **flags)
+    lay = PagedLayout.from_vllm(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32)))
+    door = VLLMModel.from_dir(str(tmp_path), 32, "bfloat16", **flags)
+    assert lay.variant == door.paged.variant == ()
+    tokens = list(range(64))
+    assert door.keys(tokens, "t") == lay.keys(tokens, "t")
     with pytest.raises(InvalidArgument, match="cannot be keyed"):
         model_variant(None, lambda config: config, prequantized=False)

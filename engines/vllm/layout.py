@@ -16,6 +16,7 @@ shape goes into the key extras, so instances whose layouts differ never share a 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,8 +68,12 @@ class PagedLayout:
             raise InvalidArgument("the kvstore connector serves models with a K and a V cache per layer; this one "
                                   "uses multi-head latent attention (MLA: one latent cache per layer), whose blocks "
                                   "it does not lay out (set VLLM_MLA_DISABLE=1 to run it with K and V caches)")
-        variant = model_variant(getattr(mc, "quantization", None), getattr(mc, "hf_overrides", None),
-                                getattr(mc.hf_config, "quantization_config", None) is not None)
+        # vLLM found a quantization config in the checkpoint (config.json's quantization_config
+        # or compression_config, its text_config's, or an hf_quant_config.json beside it)
+        arch = getattr(mc, "model_arch_config", None)
+        prequantized = (getattr(mc.hf_config, "quantization_config", None) is not None
+                        or getattr(arch, "quantization_config", None) is not None)
+        variant = model_variant(getattr(mc, "quantization", None), getattr(mc, "hf_overrides", None), prequantized)
         dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
         dtype_name = str(dtype).removeprefix("torch.")
         model_id, revision = model_identity(mc.model, getattr(mc, "revision", None))
@@ -116,10 +121,10 @@ class PagedLayout:
 def model_variant(quantization: str | None, hf_overrides: Any,
                   prequantized: bool) -> tuple[tuple[str, str], ...]:
     """What changes a vLLM instance's KV besides its checkpoint's files (which the revision
-    hashes) and its layout: ``quantization`` applied at load (vLLM's ``--quantization`` on a
-    checkpoint that is not ``prequantized``, i.e. whose ``config.json`` has no
-    ``quantization_config``; a prequantized one's weights are in the revision already, and
-    vLLM may rename its method, e.g. awq to awq_marlin), and ``hf_overrides`` (a dict laid
+    hashes) and its layout: ``quantization`` applied at load (vLLM's ``--quantization``,
+    lower-cased, on a checkpoint that is not ``prequantized``: :func:`checkpoint_quantized`;
+    a prequantized one's weights are in the revision already, and vLLM names its method
+    itself, e.g. awq as awq_marlin), and ``hf_overrides`` (a dict laid
     over the model's config, e.g. its rope scaling), as canonical JSON. ``()`` when neither
     is set, so keys of a plain instance are unchanged. Put in the key extras' ``other``
     after :data:`BLOCK_FORMAT`: instances of one checkpoint quantized or configured apart
@@ -127,7 +132,7 @@ def model_variant(quantization: str | None, hf_overrides: Any,
     JSON values (a callable cannot be keyed)."""
     variant = []
     if quantization and not prequantized:
-        variant.append(("quantization", str(quantization)))
+        variant.append(("quantization", str(quantization).lower()))
     if hf_overrides:
         if not isinstance(hf_overrides, dict):
             raise InvalidArgument("the kvstore connector keys blocks by the model's config, and hf_overrides "
@@ -137,6 +142,18 @@ def model_variant(quantization: str | None, hf_overrides: Any,
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"hf_overrides cannot be keyed: {exc}") from exc
     return tuple(variant)
+
+
+def checkpoint_quantized(config: dict[str, Any], model_dir: str) -> bool:
+    """Whether the checkpoint in ``model_dir`` (its parsed ``config.json``: ``config``)
+    declares its own quantization, where vLLM 0.32 looks for one: ``quantization_config``
+    or ``compression_config`` (compressed-tensors) in the config or in its ``text_config``
+    (a multimodal model's), or an ``hf_quant_config.json`` beside it (ModelOpt up to 0.29).
+    The front door's test of what the connector reads from vLLM's resolved config."""
+    text = config.get("text_config")
+    return any(c.get(k) is not None for c in (config, text if isinstance(text, dict) else {})
+               for k in ("quantization_config", "compression_config")) \
+        or os.path.isfile(os.path.join(model_dir, "hf_quant_config.json"))
 
 
 class PagedBlocks:
