@@ -97,8 +97,8 @@ class DecodeEngine:
             cache = build_cache(blocks, lm.layout, lm.dtype, lm.device)
             have = len(blocks) * bs
             if len(blocks) < want or (tail is None and have < len(prompt)):
-                # Missing blocks: recompute the rest of the prompt's KV (all but the last
-                # token's logits are discarded; the first token came from prefill).
+                # Missing blocks: recompute the rest of the prompt's KV (the last position's
+                # logits alone are computed, and unused: the first token came from prefill).
                 with torch.inference_mode():
                     run(lm, prompt[have:], cache)
                 recomputed = len(prompt) - have

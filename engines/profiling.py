@@ -46,6 +46,7 @@ DECODE_POINTS = ((1, 64), (1, 2), (2, 64), (2, 4))   # (batch, context = sized l
 DECODE_STEPS = 4                               # rounds of the batch timed per point
 MAX_PROFILED_LEN = 8192                        # tokens: the pass sizes by min(max_model_len, this)
 BUDGET_S = 30.0                                # seconds: no point is started after this
+LOCK_WAIT_S = 120.0                            # seconds an engine waits for --profile-lock
 
 
 class _Budget:
@@ -141,9 +142,10 @@ def profile_decode(lm: LoadedModel, seed: int = 0, budget_s: float = BUDGET_S) -
 def profile_engine(lm: LoadedModel, role: str, lock: str | None = None) -> tuple[ProfilePoint, ...]:
     """The pass for an engine of ``role``: prefill points for "prefill", decode points for
     "decode" (:class:`engines.types.ProfilePoint`). ``lock``: a file path; the pass runs
-    holding an exclusive ``flock`` on it (the file created, mode 0600, if missing), so the
-    engines of one host given one path profile one at a time rather than slow one another's
-    timings (``kvstore up`` gives its engines one). Raises OSError when ``lock`` cannot be
+    holding an exclusive ``flock`` on it (the file created, mode 0600, if missing; waited
+    for up to :data:`LOCK_WAIT_S` seconds, then run without), so the engines of one host
+    given one path profile one at a time rather than slow one another's timings
+    (``kvstore up`` gives its engines one). Raises OSError when ``lock`` cannot be
     opened (or is a symbolic link: one planted in a shared directory is not followed)."""
     with _exclusive(lock):
         return profile_prefill(lm) if role == "prefill" else profile_decode(lm)
@@ -151,12 +153,25 @@ def profile_engine(lm: LoadedModel, role: str, lock: str | None = None) -> tuple
 
 @contextlib.contextmanager
 def _exclusive(path: str | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` for the block, waiting up to
+    :data:`LOCK_WAIT_S` seconds for it; past that (a hung engine, or another user's process, holding it) the
+    pass runs without it, logged, rather than keep the engine from serving."""
     if path is None:
         yield
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)   # a planted link is refused
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        wait_s = LOCK_WAIT_S
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("profiling lock %s still held after %.0f s: profiling without it", path, wait_s)
+                    break
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)   # releases the lock

@@ -31,6 +31,7 @@ from launcher.supervisor import (
     port_taker,
 )
 
+PROFILE_BUDGET_S = 30.0      # engines/profiling.py BUDGET_S (not imported: it would load torch here)
 STACK_MARK = ".kvstore-up"   # in a data directory kvstore up made, so it may wipe it
 
 
@@ -223,8 +224,10 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"store node     {host}:{port}  (DRAM {args.dram}, SSD {args.ssd} under "
                   f"{args.data_dir}/store{'' if n_store == 1 else f', {name}'}; metrics "
                   f"http://{host}:{metrics_ports[name]}/metrics)", flush=True)
+        # each engine may wait for every other's profiling pass (up to its budget) before its own
+        engine_wait_s = 180 + (len(engines) * (PROFILE_BUDGET_S + 10) if getattr(args, "profile", True) else 0)
         for name, role, port in engines:
-            _wait_grpc(stack, f"{host}:{port}", 180)
+            _wait_grpc(stack, f"{host}:{port}", engine_wait_s)
             print(f"{role} engine {name} {host}:{port}  (metrics http://{host}:{metrics_ports[name]}/metrics)",
                   flush=True)
         prefill = ",".join(f"{host}:{port}" for _, role, port in engines if role == "prefill")

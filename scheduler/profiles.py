@@ -103,10 +103,12 @@ def seeded_from_engines(config: ConductorConfig, infos: Sequence[EngineInfo]) ->
         log.info("T_prefill: built-in seed (the prefill engines reported too little of a profiling pass to fit)")
     else:
         log.info("T_prefill seeded from %d profiled prefills: %.3g s + %.3g s/token + %.3g s/(token · context token)",
-                 len(prefill_points), prefill.fixed_s, prefill.s_per_token, prefill.s_per_token_context)
+                 sum(_usable(n, s) for n, s in prefill_points), prefill.fixed_s, prefill.s_per_token,
+                 prefill.s_per_token_context)
     if decode is None:
         log.info("TBT: built-in seed (the decode engines reported too little of a profiling pass to fit)")
     else:
         log.info("TBT seeded from %d profiled decode points: %.3g s + %.3g s/request + %.3g s/KV token",
-                 len(decode_points), decode.step_s, decode.s_per_request, decode.s_per_kv_token)
+                 sum(_usable(b, s, kv) for b, kv, s in decode_points), decode.step_s, decode.s_per_request,
+                 decode.s_per_kv_token)
     return replace(config, prefill=prefill or config.prefill, decode=decode or config.decode)

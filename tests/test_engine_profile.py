@@ -14,10 +14,13 @@ import threading
 import pytest
 import torch
 
+import engines.profiling as profiling
+import launcher.up
 from engines.client import EngineClient
 from engines.kv import build_cache
 from engines.model import ModelConfig, load_model, run
 from engines.profiling import (
+    BUDGET_S,
     MAX_PROFILED_LEN,
     decode_points,
     prefill_lengths,
@@ -139,6 +142,7 @@ def test_the_pass_is_bounded_by_a_long_context_and_by_its_budget(caplog) -> None
     """A checkpoint served at 128k tokens is profiled at the sizes of 8192 (not with 64k-token
     prompts), and no point is started once the budget is spent."""
     assert prefill_lengths(1 << 17) == prefill_lengths(MAX_PROFILED_LEN) == [32, 128, 512, 2048, 4096]
+    assert launcher.up.PROFILE_BUDGET_S == BUDGET_S      # kvstore up waits for its engines' passes
     assert max(c for _, c in decode_points(1 << 17)) == MAX_PROFILED_LEN // 2
     lm = load_model(ModelConfig(block_size=16, max_model_len=1 << 17))
     assert lm.max_model_len == 1 << 17
@@ -161,7 +165,7 @@ def test_run_computes_the_last_positions_logits_as_a_whole_forward_does() -> Non
     assert cache.get_seq_length() == 300
 
 
-def test_engines_given_one_lock_profile_one_at_a_time(tmp_path) -> None:
+def test_engines_given_one_lock_profile_one_at_a_time(tmp_path, monkeypatch, caplog) -> None:
     lm = load_model(ModelConfig(block_size=16, max_model_len=512))
     lock = str(tmp_path / "profile.lock")
     done: list[tuple] = []
@@ -174,3 +178,13 @@ def test_engines_given_one_lock_profile_one_at_a_time(tmp_path) -> None:
         fcntl.flock(held, fcntl.LOCK_UN)
         t.join(60)
     assert len(done) == 1 and len(done[0]) == 2 * len(prefill_lengths(512))
+    monkeypatch.setattr(profiling, "LOCK_WAIT_S", 0.3)
+    with open(lock, "w") as held, caplog.at_level(logging.WARNING, logger="engines.profiling"):
+        fcntl.flock(held, fcntl.LOCK_EX)                     # held for good (a hung engine)
+        assert len(profile_engine(lm, "prefill", lock)) == 2 * len(prefill_lengths(512))
+    assert "still held after 0 s: profiling without it" in caplog.text
+    link = tmp_path / "planted.lock"
+    link.symlink_to(tmp_path / "elsewhere")                  # a link planted where the lock goes
+    with pytest.raises(OSError):
+        profile_engine(lm, "prefill", str(link))
+    assert not (tmp_path / "elsewhere").exists()
