@@ -32,8 +32,9 @@ def build_pool(cfg: StoreConfig) -> KVPool:
     OSError (one line), or with ``ssd_on_error = "disable"`` leaves the node without its SSD
     tier (logged); a damaged one is moved aside by the tier itself (kvstore/tiers/ssd.py)."""
     tiers = build_tiers(cfg)
-    # The index publishes KV events (to Redis at cfg.redis_url, else in-process).
-    index = PublishingIndex(cfg.node_id, make_channel(cfg.redis_url, token=cfg.auth_token))
+    # The index publishes KV events (to Redis at cfg.redis_url, else in-process) once the
+    # node holds its id in the membership registry (kvstore/cluster/agent.py).
+    index = PublishingIndex(cfg.node_id, make_channel(cfg.redis_url, token=cfg.auth_token), speaking=False)
     return KVPool(tiers, node_id=cfg.node_id, index=index, settings=cfg.pool_settings())
 
 

@@ -18,6 +18,8 @@ from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.health import ClusterHealth
 from kvstore.cluster.membership import LEFT_PREFIX, LEFT_TTL_S, Heartbeat
 from kvstore.cluster.placement import plan_chain
+from kvstore.events.channel import make_channel
+from kvstore.events.replica import IndexReplica, store_snapshot_source
 
 TTL_S, BEAT_S = 1.5, 0.3
 NODE_FLAGS = ("--ssd", "0", "--heartbeat", str(BEAT_S), "--node-ttl", str(TTL_S))
@@ -234,6 +236,9 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
     id; the later one stays out until the first stops, then registers."""
     first, first_addr = spawn_store_node("twin", "--redis", redis_url, *NODE_FLAGS)
     registry = RedisRegistry(redis_url)
+    # what a router's index replica sees of the id (from the start of the KV-event stream)
+    replica = IndexReplica(make_channel(redis_url),
+                           lambda node: store_snapshot_source({node: registry.holder(node).address})(node)).start()
     deadline = time.monotonic() + 10
     while [n.address for n in registry.nodes()] != [first_addr]:
         assert time.monotonic() < deadline
@@ -253,6 +258,14 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
             cluster._listed_at = 0.0
             assert cluster.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
             time.sleep(BEAT_S / 2)
+    # The later node publishes no KV events while it stands aside: the replica keeps the live
+    # node's copies (its first NodeCleared, of a later epoch, used to replace them with none,
+    # and the live node's events were skipped as stale from then on).
+    deadline = time.monotonic() + 10
+    while replica.hits([k for k, _ in blocks]) != {"twin": 8}:
+        assert time.monotonic() < deadline, f"the replica sees {replica.hits([k for k, _ in blocks])}"
+        time.sleep(0.05)
+    first_epoch = replica.node_state("twin").epoch
     first.terminate()          # a clean stop: the id is free, and the later node takes it
     first.wait(10)
     deadline = time.monotonic() + TTL_S + 5 * BEAT_S
@@ -260,6 +273,12 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
         assert time.monotonic() < deadline, "the node that stood aside did not register once the id was free"
         time.sleep(0.05)
     assert second.poll() is None
+    # now it speaks for the id, in a new epoch: none of the first node's copies are its
+    deadline = time.monotonic() + 10
+    while replica.hits([k for k, _ in blocks]) != {} or replica.node_state("twin").epoch <= first_epoch:
+        assert time.monotonic() < deadline, f"the replica sees {replica.hits([k for k, _ in blocks])}"
+        time.sleep(0.05)
+    replica.stop()
     registry.close()
 
 

@@ -374,3 +374,34 @@ def test_a_replica_from_now_skips_the_past(kind, request) -> None:
     channel.publish([KVEvent("n", 1, 2, EventKind.BLOCK_STORED, K[0], "dram", 1)])
     assert [e.seq for e in channel.read(cursor)[1]] == [2]
     assert [e.seq for e in channel.read(channel.start_cursor(True))[1]] == [1, 2]
+
+
+def test_an_index_that_does_not_speak_for_its_id_publishes_nothing_until_it_does() -> None:
+    """A store node in a cluster publishes its KV events only while it holds its node id
+    (kvstore/cluster/agent.py): held back, they change no replica; once it speaks, a new
+    epoch announces every copy it holds, replacing what another life of the id published."""
+    channel = LocalEventChannel()
+    other = PublishingIndex(NODE, channel)                     # the live node of this id
+    other.add(K[0], NODE, "dram", 10)
+    twin = PublishingIndex(NODE, channel, speaking=False)      # a second one, standing aside
+    twin.add(K[1], NODE, "dram", 10)
+    twin.add(K[2], NODE, "ssd", 10)
+    other.publisher.flush()
+    twin.publisher.flush()
+    replica = IndexReplica(channel)
+    replica.poll()
+    assert replica.hits([K[0]]) == {NODE: 1} and replica.hits([K[1]]) == {}
+    assert replica.node_state(NODE).epoch == other.epoch
+    other.close()                                              # the live node stops; the twin takes the id
+    twin.speak(True)
+    twin.speak(True)                                           # idempotent: no second epoch
+    twin.publisher.flush()
+    replica.poll()
+    state = replica.node_state(NODE)
+    assert twin.epoch > other.epoch and (state.epoch, state.seq) == (twin.epoch, 3)
+    assert replica.hits([K[0]]) == {} and replica.hits([K[1]]) == {NODE: 1} and replica.hits([K[2]]) == {NODE: 1}
+    twin.speak(False)
+    twin.add(K[3], NODE, "dram", 10)
+    twin.close()                                               # held back too: no NodeCleared
+    replica.poll()
+    assert replica.hits([K[1]]) == {NODE: 1} and replica.hits([K[3]]) == {}

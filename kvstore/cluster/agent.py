@@ -14,6 +14,7 @@ from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
 from kvstore.config import StoreConfig
 from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.dataplane.host import DataPlaneHost
+from kvstore.events.publisher import PublishingIndex
 from kvstore.pool import KVPool
 from kvstore.tiers import registry as tier_registry
 from kvstore.tiers.dram import DramTier
@@ -83,7 +84,10 @@ class ClusterAgent:
 
     def start(self, port: int) -> None:
         self.port = port
-        self.heartbeat = Heartbeat(self.registry, self.info, self.cfg.node_ttl_s, self.cfg.heartbeat_s).start()
+        index = self.pool.index   # its KV events speak for the node id while the node holds it
+        speak = index.speak if isinstance(index, PublishingIndex) else None
+        self.heartbeat = Heartbeat(self.registry, self.info, self.cfg.node_ttl_s, self.cfg.heartbeat_s,
+                                   on_holding=speak).start()
         log.info("store node %s registered in the %s registry (TTL %.1f s, transfer engine %s)",
                  self.cfg.node_id, self.registry.kind, self.cfg.node_ttl_s,
                  self.node_te.endpoint if self.node_te else "off")

@@ -410,13 +410,18 @@ class Heartbeat:
     keeps its record, logging the same. (They used to overwrite each other's record every
     beat: readers saw the id flip between the two addresses and half of either node's blocks
     missed.) The first beat of a life writes over another epoch's record: that of a previous
-    life of the node, restarted within the TTL."""
+    life of the node, restarted within the TTL. ``on_holding``: called with True after each
+    beat that wrote the record over its own or none (not after a first beat that wrote over
+    another life's: that may be a live twin's, found at the next beat) and False when the
+    node stands aside; the store node publishes its KV events only while it holds its id."""
 
     def __init__(self, registry: Registry, info: Callable[[], NodeInfo], ttl_s: float = 3.0,
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float = 1.0, on_holding: Callable[[bool], None] | None = None) -> None:
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"heartbeat interval ({interval_s} s) must be > 0 and below the TTL ({ttl_s} s)")
         self.registry, self.info, self.ttl_s, self.interval_s = registry, info, ttl_s, interval_s
+        # told True after each beat that wrote this node's record, False when it stands aside
+        self.on_holding = on_holding
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-heartbeat", daemon=True)
         self.node_id: str | None = None
@@ -444,6 +449,8 @@ class Heartbeat:
                 self._duplicate(info, other)
                 if other.epoch < info.epoch:   # the earlier node keeps the id
                     self._wrote = False
+                    if self.on_holding is not None:
+                        self.on_holding(False)
                     return
             elif self.conflict and other is None:
                 log.warning("membership: node id %r is free again; this node (%s) registers", info.node_id,
@@ -451,6 +458,10 @@ class Heartbeat:
                 self.conflict = None
             self.registry.register(info, self.ttl_s)
             self._wrote = True
+            # It holds the id once it found its own record or none: a first beat that wrote
+            # over another life's may have written over a live twin's, found at the next.
+            if self.on_holding is not None and (other is None or other.epoch == info.epoch):
+                self.on_holding(True)
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
 

@@ -115,22 +115,51 @@ class PublishingIndex(PrefixIndex):
 
     Invariant: after event ``seq`` the node's entries are exactly those of
     ``snapshot()`` taken at ``seq``. The epoch opens with ``NodeCleared`` at seq 1.
+
+    ``speaking``: False keeps the events unpublished (numbered all the same) until
+    :meth:`speak`: a store node in a cluster speaks for its node id only while it holds the id
+    in the membership registry (kvstore/cluster/agent.py). A second node started with a live
+    node's id stands aside there; its events, of a later epoch, used to take the id's place
+    in every replica, which then dropped the live node's copies and skipped its events as
+    stale, and the twin's stop cleared them again.
     """
 
-    def __init__(self, node_id: str, channel: EventChannel, capacity: int = 1024) -> None:
+    def __init__(self, node_id: str, channel: EventChannel, capacity: int = 1024, *,
+                 speaking: bool = True) -> None:
         super().__init__(capacity)
         self.node_id = node_id
         self.epoch = time.time_ns()
         self.seq = 0
+        self.speaking = speaking
         self.publisher = EventPublisher(channel)
         self._lock = threading.RLock()
-        log.info("KV events of node %s (epoch %d) go to the %s", node_id, self.epoch, channel.description)
+        log.info("KV events of node %s (epoch %d) go to the %s%s", node_id, self.epoch, channel.description,
+                 "" if speaking else " once it holds its node id")
         self._emit(EventKind.NODE_CLEARED)
 
     def _emit(self, kind: EventKind, key: bytes = b"", tier: str = "", size: int = 0) -> None:
         self.seq += 1
-        self.publisher.publish(KVEvent(self.node_id, self.epoch, self.seq, kind, key, tier, size,
-                                       time.time()))
+        if self.speaking:
+            self.publisher.publish(KVEvent(self.node_id, self.epoch, self.seq, kind, key, tier, size,
+                                           time.time()))
+
+    def speak(self, on: bool) -> None:
+        """Publish the node's events (``on``) or keep them to itself. Starting to speak opens a
+        new epoch, later than every earlier one of this index: ``NodeCleared`` at seq 1, then
+        a ``BlockStored`` of every copy the node holds, so a replica that had another life's
+        copies under this id replaces them with this node's (a replica past the stream's bound
+        resynchronises from a snapshot, as after any gap). Idempotent."""
+        with self._lock:
+            if on == self.speaking:
+                return
+            self.speaking = on
+            if on:
+                self.epoch, self.seq = max(time.time_ns(), self.epoch + 1), 0
+                self._emit(EventKind.NODE_CLEARED)
+                for key, tier, size in self.node_entries(self.node_id):
+                    self._emit(EventKind.BLOCK_STORED, key, tier, size)
+            log.info("KV events of node %s: %s", self.node_id,
+                     f"published (epoch {self.epoch}, {self.seq - 1} copies announced)" if on else "held back")
 
     def add(self, key: bytes, node: str, tier: str, size: int = 0, checksum: int = 0) -> bool:
         with self._lock:
