@@ -154,22 +154,22 @@ def profile_engine(lm: LoadedModel, role: str, lock: str | None = None) -> tuple
 @contextlib.contextmanager
 def _exclusive(path: str | None) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` for the block, waiting up to
-    :data:`LOCK_WAIT_S` seconds for it; past that (a hung engine, or another user's process, holding it) the
-    pass runs without it, logged, rather than keep the engine from serving."""
+    :data:`LOCK_WAIT_S` seconds for it; past that (a hung engine, or another user's process,
+    holding it) the pass runs without it, logged, rather than keep the engine from serving."""
     if path is None:
         yield
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)   # a planted link is refused
     try:
-        wait_s = LOCK_WAIT_S
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    log.warning("profiling lock %s still held after %.0f s: profiling without it", path, wait_s)
+                    log.warning("profiling lock %s still held after %.0f s: profiling without it", path,
+                                LOCK_WAIT_S)
                     break
                 time.sleep(0.05)
         yield

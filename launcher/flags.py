@@ -4,6 +4,7 @@ and the API keys'; defaults from the environment where a secret must stay off th
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvstore.config import (
     EVICTION_POLICIES,
@@ -60,6 +61,18 @@ def addresses(text: str) -> str:
         if not address or not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise argparse.ArgumentTypeError(f"not a host:port address (port 1-65535): {address!r}")
     return text
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--vllm-hf-overrides``); ArgumentTypeError for other JSON or
+    none."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
 
 
 def http_url(text: str) -> str:

@@ -12,14 +12,13 @@ random Llama checkpoint is written under ``--data-dir`` (nothing is downloaded).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
 from kvstore.errors import Unavailable
-from launcher.flags import connection_flags
+from launcher.flags import connection_flags, json_object
 from launcher.supervisor import Stack, _serve_until_signal, _wait_grpc, _wait_http, port_taker
 from launcher.up import forget_stack, preflight, record_stack, stack_tokens, write_api_keys
 
@@ -37,16 +36,6 @@ def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
                         "router sees what each prefill instance holds")
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
-    return value
-
-
 def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-prefill", nargs="+", metavar="URL", help="vLLM prefill instances (kv_producer), "
                    "http://host:port each; with --vllm-decode instead of --prefill/--decode")
@@ -57,7 +46,7 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-quantization", metavar="METHOD",
                    help="the vLLM instances' --quantization, when they quantize at load (e.g. fp8): their "
                         "connectors key it, and the front door's keys must agree with theirs")
-    p.add_argument("--vllm-hf-overrides", type=_json_object, metavar="JSON",
+    p.add_argument("--vllm-hf-overrides", type=json_object, metavar="JSON",
                    help="the vLLM instances' --hf-overrides (a JSON object): their connectors key it, and the "
                         "front door's keys must agree with theirs")
     p.add_argument("--vllm-kv-events", nargs="+", metavar="PUB[,REPLAY]",

@@ -421,7 +421,7 @@ class Heartbeat:
             raise ValueError(f"heartbeat interval ({interval_s} s) must be > 0 and below the TTL ({ttl_s} s)")
         self.registry, self.info, self.ttl_s, self.interval_s = registry, info, ttl_s, interval_s
         # told True after each beat that wrote this node's record, False when it stands aside
-        self.on_holding = on_holding
+        self.on_holding = on_holding or (lambda holds: None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-heartbeat", daemon=True)
         self.node_id: str | None = None
@@ -449,8 +449,7 @@ class Heartbeat:
                 self._duplicate(info, other)
                 if other.epoch < info.epoch:   # the earlier node keeps the id
                     self._wrote = False
-                    if self.on_holding is not None:
-                        self.on_holding(False)
+                    self.on_holding(False)
                     return
             elif self.conflict and other is None:
                 log.warning("membership: node id %r is free again; this node (%s) registers", info.node_id,
@@ -460,7 +459,7 @@ class Heartbeat:
             self._wrote = True
             # It holds the id once it found its own record or none: a first beat that wrote
             # over another life's may have written over a live twin's, found at the next.
-            if self.on_holding is not None and (other is None or other.epoch == info.epoch):
+            if other is None or other.epoch == info.epoch:
                 self.on_holding(True)
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
