@@ -60,6 +60,52 @@ def test_membership_expires_without_heartbeat_and_leaves_on_stop(make, request):
 
 
 @pytest.mark.parametrize("make,token", [("local", None), ("redis", None), ("redis", "t0ken")])
+def test_a_node_finding_another_lifes_record_at_start_tells_a_dead_life_from_a_live_twin(make, token, request):
+    """A node's first beat wrote over any record at its id: a twin started beside a live
+    node took the id for a beat (readers saw it flip, and the live node's blocks missed). It
+    now writes nothing until the record lapses (a previous life's: it registers then) or is
+    rewritten (a live twin's: the later epoch stands aside)."""
+    def registry_() -> LocalRegistry | RedisRegistry:
+        return LocalRegistry() if make == "local" else RedisRegistry(request.getfixturevalue("redis_url"), token)
+
+    registry, held, beats = registry_(), [], []
+    live, twin = NodeInfo("n1", "127.0.0.1:1", epoch=100), NodeInfo("n1", "127.0.0.1:2", epoch=200)
+    try:
+        first = Heartbeat(registry, lambda: live, ttl_s=0.6, interval_s=0.1).start()
+        beats.append(first)
+        second = Heartbeat(registry, lambda: twin, ttl_s=0.6, interval_s=0.1, on_holding=held.append).start()
+        beats.append(second)
+        seen = set()
+        for _ in range(40):                            # 4 TTLs, every 0.03 s from the twin's start
+            seen |= {n.address for n in registry.nodes()}
+            time.sleep(0.03)
+        assert seen == {"127.0.0.1:1"}, f"the id flipped between {sorted(seen)}"
+        assert second.conflict and "also used by the live node at 127.0.0.1:1" in second.conflict
+        assert True not in held                        # it never spoke for the id
+        second.stop()
+        assert registry.nodes() == [live]              # its stop leaves the live node's record
+        first.stop()
+
+        dead = NodeInfo("n1", "127.0.0.1:1", epoch=300)   # a life that crashed: its record, no more beats
+        registry.register(dead, 0.6)
+        restarted = NodeInfo("n1", "127.0.0.1:1", epoch=400)
+        t0 = time.monotonic()
+        beat = Heartbeat(registry, lambda: restarted, ttl_s=0.6, interval_s=0.1, on_holding=held.append).start()
+        beats.append(beat)
+        assert registry.nodes() == [dead] and held[-1] is False   # waits: it cannot tell yet
+        while registry.nodes() != [restarted]:
+            assert time.monotonic() - t0 < 0.6 + 0.5, "the restarted node did not register once the record lapsed"
+            time.sleep(0.02)
+        assert beat.conflict is None
+        time.sleep(0.15)
+        assert held[-1] is True
+    finally:
+        for b in beats:
+            b.stop()
+        registry.close()
+
+
+@pytest.mark.parametrize("make,token", [("local", None), ("redis", None), ("redis", "t0ken")])
 def test_a_stop_withdraws_only_its_own_life_and_notes_only_its_own_clean_stop(make, token, request):
     """A twin stopped before its second beat (so before it stood aside) used to delete the live
     node's record, which then missed for a beat, and to note a clean stop the health check read
@@ -245,8 +291,7 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
         time.sleep(0.05)
     second, second_addr = spawn_store_node("twin", "--redis", redis_url, *NODE_FLAGS,
                                            "--data-dir", str(tmp_path / "other"))
-    time.sleep(4 * BEAT_S)   # the later node's first beat may take the record once; both have beaten since
-    seen = set()
+    seen = set()   # from the later node's start: its first beat no longer takes the record
     for _ in range(int(3 * TTL_S / 0.05)):
         seen |= {n.address for n in registry.nodes()}
         time.sleep(0.05)

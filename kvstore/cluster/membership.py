@@ -39,6 +39,9 @@ LEFT_TTL_S = 3600.0              # how long a clean stop is remembered, seconds
 CLOCK_SLACK_S = 2.0
 MAX_RECORD_BYTES = 64 << 10      # a record is a few hundred bytes; a larger value is not one
 WARN_AGAIN_S = 60.0              # a record still refused is logged again after this long
+# How much later a record's end must read, seconds, to count as rewritten (a beat moves it by
+# the writer's interval; two readings of an untouched one differ by their round trips' jitter).
+REWRITE_SLACK_S = 0.05
 _MAC_CONTEXT = b"kvstore membership record v1\0"
 
 
@@ -213,11 +216,17 @@ class Registry(ABC):
     def nodes(self) -> list[NodeInfo]:
         """The live nodes, sorted by node id."""
 
-    @abstractmethod
     def holder(self, node_id: str) -> NodeInfo | None:
         """The node whose live record is at ``node_id``'s key now (one that verifies under
         this registry's token), else None: what a heartbeat checks before it writes, so that
         two live nodes given one node id do not overwrite each other's record in turn."""
+        return self.holding(node_id)[0]
+
+    @abstractmethod
+    def holding(self, node_id: str) -> tuple[NodeInfo | None, float]:
+        """:meth:`holder` and the seconds left before its record lapses unless rewritten
+        (0.0 with no holder). Two readings tell a live holder from a dead one: the record's
+        end, read time + seconds left, moves later only when its node beat in between."""
 
     def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release connections."""
@@ -292,18 +301,19 @@ class RedisRegistry(Registry):
         with self._listing:
             return self._nodes()
 
-    def holder(self, node_id: str) -> NodeInfo | None:
+    def holding(self, node_id: str) -> tuple[NodeInfo | None, float]:
         key = KEY_PREFIX + node_id
         pipe = self._r.pipeline(transaction=False)
         pipe.get(key)
+        pipe.pttl(key)
         pipe.time()
-        value, (seconds, micros) = pipe.execute()
+        value, left_ms, (seconds, micros) = pipe.execute()
         if value is None:
-            return None
+            return None, 0.0
         try:
-            return unseal(key, value, self._token, seconds + micros * 1e-6)[0]
+            return unseal(key, value, self._token, seconds + micros * 1e-6)[0], max(0, left_ms) / 1000
         except ValueError:   # not one this token's holders wrote (or stale): it does not count
-            return None
+            return None, 0.0
 
     def _nodes(self) -> list[NodeInfo]:
         keys = sorted(self._r.scan_iter(match=KEY_PREFIX + "*", count=1000))
@@ -374,10 +384,11 @@ class LocalRegistry(Registry):
         with self._lock:
             return self._left.get((node_id, int(epoch)), 0.0) > time.monotonic()
 
-    def holder(self, node_id: str) -> NodeInfo | None:
+    def holding(self, node_id: str) -> tuple[NodeInfo | None, float]:
         with self._lock:
             info, until = self._nodes.get(node_id, (None, 0.0))
-        return info if until > time.monotonic() else None
+        left = until - time.monotonic()
+        return (info, left) if left > 0 else (None, 0.0)
 
     def nodes(self) -> list[NodeInfo]:
         now = time.monotonic()
@@ -403,17 +414,21 @@ class Heartbeat:
     at the next beat (the record may lapse meanwhile: the node looks dead, never wrong).
 
     Two live nodes given one node id: each beat first reads the record there
-    (:meth:`Registry.holder`). A record of another life (epoch) found after this one has
+    (:meth:`Registry.holding`). A record of another life (epoch) found after this one has
     written or stood aside was written since by a node that is alive; the node started later
     (larger epoch) then stands aside — it writes nothing, :attr:`conflict` says why, and an
     error is logged once a minute — until the other's record is gone, and the earlier one
     keeps its record, logging the same. (They used to overwrite each other's record every
     beat: readers saw the id flip between the two addresses and half of either node's blocks
-    missed.) The first beat of a life writes over another epoch's record: that of a previous
-    life of the node, restarted within the TTL. ``on_holding``: called with True after each
-    beat that wrote the record over its own or none (not after a first beat that wrote over
-    another life's: that may be a live twin's, found at the next beat) and False when the
-    node stands aside; the store node publishes its KV events only while it holds its id."""
+    missed.) A record of another life found before this one has written is that of a previous
+    life of the node, restarted within the TTL, or of a live twin: this node writes nothing
+    until it tells which — the record lapses (a previous life: this node registers at its
+    next beat, at most one TTL after it started) or is rewritten, its end moved later by more
+    than :data:`REWRITE_SLACK_S` (a live twin: the later epoch stands aside, as above). (Its
+    first beat used to write over the record at once, so a twin took a live node's id for a
+    beat.) ``on_holding``: called with True after each beat that wrote the record over its own
+    or none and False when the node stands aside or waits; the store node publishes its KV
+    events only while it holds its id."""
 
     def __init__(self, registry: Registry, info: Callable[[], NodeInfo], ttl_s: float = 3.0,
                  interval_s: float = 1.0, on_holding: Callable[[bool], None] | None = None) -> None:
@@ -428,6 +443,7 @@ class Heartbeat:
         self.epoch = 0
         self.conflict: str | None = None   # why this node stands aside (another live node has its id)
         self._wrote = False                # this life has written its record (and not stood aside since)
+        self._watched: tuple[int, float] | None = None   # another life's record before this one wrote: (epoch, end)
         self._warned_at = -WARN_AGAIN_S
 
     def start(self) -> Heartbeat:
@@ -443,9 +459,13 @@ class Heartbeat:
         try:
             info = self.info()
             self.node_id, self.epoch = info.node_id, info.epoch
-            other = self.registry.holder(info.node_id)
-            if other is not None and other.epoch != info.epoch and (self._wrote or self.conflict):
-                # written since this node's last beat by another live node of the same id
+            other, left_s = self.registry.holding(info.node_id)
+            if other is not None and other.epoch != info.epoch and not (self._wrote or self.conflict):
+                if not self._rewritten(info, other, time.monotonic() + left_s):
+                    self.on_holding(False)
+                    return   # a previous life's, until it lapses or is rewritten
+            if other is not None and other.epoch != info.epoch:
+                # written since this node's last beat, or while it waited, by another live node of the same id
                 self._duplicate(info, other)
                 if other.epoch < info.epoch:   # the earlier node keeps the id
                     self._wrote = False
@@ -456,13 +476,23 @@ class Heartbeat:
                             info.address)
                 self.conflict = None
             self.registry.register(info, self.ttl_s)
-            self._wrote = True
-            # It holds the id once it found its own record or none: a first beat that wrote
-            # over another life's may have written over a live twin's, found at the next.
+            self._wrote, self._watched = True, None
             if other is None or other.epoch == info.epoch:
                 self.on_holding(True)
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
+
+    def _rewritten(self, info: NodeInfo, other: NodeInfo, ends_at: float) -> bool:
+        """Whether ``other``'s record, found before this life wrote its own and ending at
+        ``ends_at`` (monotonic s), was rewritten since this node first saw it (its node is
+        alive). The first sighting of an epoch is remembered and logged: not rewritten."""
+        if self._watched is None or self._watched[0] != other.epoch:
+            self._watched = (other.epoch, ends_at)
+            log.info("membership: node id %r is held by epoch %d at %s (its record ends in %.1f s unless that node "
+                     "beats); this node (%s, epoch %d) registers once it lapses", info.node_id, other.epoch,
+                     other.address, ends_at - time.monotonic(), info.address, info.epoch)
+            return False
+        return ends_at > self._watched[1] + REWRITE_SLACK_S
 
     def _duplicate(self, info: NodeInfo, other: NodeInfo) -> None:
         yields = other.epoch < info.epoch
