@@ -224,9 +224,11 @@ class Registry(ABC):
 
     @abstractmethod
     def holding(self, node_id: str) -> tuple[NodeInfo | None, float]:
-        """:meth:`holder` and the seconds left before its record lapses unless rewritten
-        (0.0 with no holder). Two readings tell a live holder from a dead one: the record's
-        end, read time + seconds left, moves later only when its node beat in between."""
+        """:meth:`holder` and when its record lapses unless rewritten, in seconds on this
+        registry's own clock (Redis: the server's; embedded: this process's monotonic one;
+        0.0 with no holder). Two readings tell a live holder from a dead one: the end moves
+        later only when its node beat in between. A record without a TTL was written by no
+        heartbeat (every beat sets one): it has no holder."""
 
     def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release connections."""
@@ -308,10 +310,11 @@ class RedisRegistry(Registry):
         pipe.pttl(key)
         pipe.time()
         value, left_ms, (seconds, micros) = pipe.execute()
-        if value is None:
+        if value is None or left_ms < 0:   # -1: no TTL (no beat wrote it); -2: gone since the GET
             return None, 0.0
+        now = seconds + micros * 1e-6
         try:
-            return unseal(key, value, self._token, seconds + micros * 1e-6)[0], max(0, left_ms) / 1000
+            return unseal(key, value, self._token, now)[0], now + left_ms / 1000
         except ValueError:   # not one this token's holders wrote (or stale): it does not count
             return None, 0.0
 
@@ -387,8 +390,7 @@ class LocalRegistry(Registry):
     def holding(self, node_id: str) -> tuple[NodeInfo | None, float]:
         with self._lock:
             info, until = self._nodes.get(node_id, (None, 0.0))
-        left = until - time.monotonic()
-        return (info, left) if left > 0 else (None, 0.0)
+        return (info, until) if until > time.monotonic() else (None, 0.0)
 
     def nodes(self) -> list[NodeInfo]:
         now = time.monotonic()
@@ -423,8 +425,9 @@ class Heartbeat:
     missed.) A record of another life found before this one has written is that of a previous
     life of the node, restarted within the TTL, or of a live twin: this node writes nothing
     until it tells which — the record lapses (a previous life: this node registers at its
-    next beat, at most one TTL after it started) or is rewritten, its end moved later by more
-    than :data:`REWRITE_SLACK_S` (a live twin: the later epoch stands aside, as above). (Its
+    next beat, within that life's TTL and one interval) or is rewritten, its end (on the
+    registry's clock) moved later by more than :data:`REWRITE_SLACK_S` (a live twin: the
+    later epoch stands aside, as above). (Its
     first beat used to write over the record at once, so a twin took a live node's id for a
     beat.) ``on_holding``: called with True after each beat that wrote the record over its own
     or none and False when the node stands aside or waits; the store node publishes its KV
@@ -459,9 +462,9 @@ class Heartbeat:
         try:
             info = self.info()
             self.node_id, self.epoch = info.node_id, info.epoch
-            other, left_s = self.registry.holding(info.node_id)
+            other, ends_at = self.registry.holding(info.node_id)
             if other is not None and other.epoch != info.epoch and not (self._wrote or self.conflict):
-                if not self._rewritten(info, other, time.monotonic() + left_s):
+                if not self._rewritten(info, other, ends_at):
                     self.on_holding(False)
                     return   # a previous life's, until it lapses or is rewritten
             if other is not None and other.epoch != info.epoch:
@@ -484,13 +487,13 @@ class Heartbeat:
 
     def _rewritten(self, info: NodeInfo, other: NodeInfo, ends_at: float) -> bool:
         """Whether ``other``'s record, found before this life wrote its own and ending at
-        ``ends_at`` (monotonic s), was rewritten since this node first saw it (its node is
-        alive). The first sighting of an epoch is remembered and logged: not rewritten."""
+        ``ends_at`` (:meth:`Registry.holding`), was rewritten since this node first saw it (its
+        node is alive). The first sighting of an epoch is remembered and logged: not rewritten."""
         if self._watched is None or self._watched[0] != other.epoch:
             self._watched = (other.epoch, ends_at)
-            log.info("membership: node id %r is held by epoch %d at %s (its record ends in %.1f s unless that node "
-                     "beats); this node (%s, epoch %d) registers once it lapses", info.node_id, other.epoch,
-                     other.address, ends_at - time.monotonic(), info.address, info.epoch)
+            log.info("membership: node id %r is held by epoch %d at %s; this node (%s, epoch %d) registers once "
+                     "that record lapses (a previous life's) and stands aside if it is rewritten (a live node's)",
+                     info.node_id, other.epoch, other.address, info.address, info.epoch)
             return False
         return ends_at > self._watched[1] + REWRITE_SLACK_S
 
