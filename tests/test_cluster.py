@@ -81,7 +81,7 @@ def test_a_node_finding_another_lifes_record_at_start_tells_a_dead_life_from_a_l
             time.sleep(0.03)
         assert seen == {"127.0.0.1:1"}, f"the id flipped between {sorted(seen)}"
         assert second.conflict and "also used by the live node at 127.0.0.1:1" in second.conflict
-        assert True not in held                        # it never spoke for the id
+        assert held and not any(held)                  # it never spoke for the id
         second.stop()
         assert registry.nodes() == [live]              # its stop leaves the live node's record
         first.stop()

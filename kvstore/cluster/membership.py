@@ -427,11 +427,10 @@ class Heartbeat:
     until it tells which — the record lapses (a previous life: this node registers at its
     next beat, within that life's TTL and one interval) or is rewritten, its end (on the
     registry's clock) moved later by more than :data:`REWRITE_SLACK_S` (a live twin: the
-    later epoch stands aside, as above). (Its
-    first beat used to write over the record at once, so a twin took a live node's id for a
-    beat.) ``on_holding``: called with True after each beat that wrote the record over its own
-    or none and False when the node stands aside or waits; the store node publishes its KV
-    events only while it holds its id."""
+    later epoch stands aside, as above). (Its first beat used to write over the record at
+    once, so a twin took a live node's id for a beat.) ``on_holding``: called with True after
+    each beat that wrote the record over its own or none and False when the node stands aside
+    or waits; the store node publishes its KV events only while it holds its id."""
 
     def __init__(self, registry: Registry, info: Callable[[], NodeInfo], ttl_s: float = 3.0,
                  interval_s: float = 1.0, on_holding: Callable[[bool], None] | None = None) -> None:
