@@ -196,7 +196,9 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvstore serve`` (a store node; StoreConfig's fields, see kvstore/config.py)."""
     p.add_argument("--config", metavar="TOML", help="settings file (keys: the StoreConfig fields); flags win")
-    p.add_argument("--node-id", help="node id (default node-0)")
+    p.add_argument("--node-id", help="node id, one per live node of a cluster (default node-0): a node "
+                   "started while another live one holds the id stays out of the cluster, logging so, until "
+                   "that one stops")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="gRPC port (default 50051; 0 picks a free one)")
     add_tier_flags(p)
@@ -223,7 +225,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    "default: KVSTORE_REDIS_URL, else in-process, single node")
     p.add_argument("--heartbeat", type=float, metavar="S", help="membership heartbeat, seconds (default 1)")
     p.add_argument("--node-ttl", type=float, metavar="S",
-                   help="membership TTL: a node silent this long leaves lookups (default 3)")
+                   help="membership TTL: a node silent this long leaves lookups (default 3); a node "
+                        "restarted within it registers once its previous life's record lapses")
     p.add_argument("--transfer-engine", choices=TRANSFER_ENGINES,
                    help="Mooncake Transfer Engine for across-host reads: auto (tcp when the node joins a "
                         "cluster with --redis, else off), tcp, rdma or off (default auto). It has no "

@@ -99,11 +99,28 @@ def test_a_node_finding_another_lifes_record_at_start_tells_a_dead_life_from_a_l
         assert beat.conflict is None
         time.sleep(0.15)
         assert held[-1] is True
+        beat.stop()
+
+        # a record no live node rewrites, with a TTL far past this node's (a dead life's of a
+        # longer TTL, or planted by hand): written over once this node's own TTL has passed
+        registry.register(NodeInfo("n1", "10.6.6.6:50051", epoch=1), 600.0)
+        t0 = time.monotonic()
+        beat = Heartbeat(registry, lambda: restarted, ttl_s=0.6, interval_s=0.1)
+        beats.append(beat.start())
+        while registry.nodes() != [restarted]:
+            assert time.monotonic() - t0 < 0.6 + 1.5, "a record nobody rewrites kept the node out"
+            time.sleep(0.02)
+        assert beat.conflict is None
         if isinstance(registry, RedisRegistry):   # a record without a TTL was written by no heartbeat
             registry.register(NodeInfo("n2", "127.0.0.1:3", epoch=1), 30.0)
             registry._r.persist(KEY_PREFIX + "n2")
             assert registry.holder("n2") is None
             registry._r.delete(KEY_PREFIX + "n2")
+            registry._r.hset(KEY_PREFIX + "n3", "a", "b")   # a key of another type: no holder, and a beat replaces it
+            assert registry.holder("n3") is None
+            third = NodeInfo("n3", "127.0.0.1:4", epoch=1)
+            beats.append(Heartbeat(registry, lambda: third, ttl_s=0.6, interval_s=0.1).start())
+            assert third in registry.nodes()
     finally:
         for b in beats:
             b.stop()

@@ -88,7 +88,7 @@ class ClusterAgent:
         speak = index.speak if isinstance(index, PublishingIndex) else None
         self.heartbeat = Heartbeat(self.registry, self.info, self.cfg.node_ttl_s, self.cfg.heartbeat_s,
                                    on_holding=speak).start()
-        log.info("store node %s announced in the %s registry (TTL %.1f s, transfer engine %s)",
+        log.info("store node %s heartbeating into the %s registry (TTL %.1f s, transfer engine %s)",
                  self.cfg.node_id, self.registry.kind, self.cfg.node_ttl_s,
                  self.node_te.endpoint if self.node_te else "off")
 

@@ -309,9 +309,14 @@ class RedisRegistry(Registry):
         pipe.get(key)
         pipe.pttl(key)
         pipe.time()
-        value, left_ms, (seconds, micros) = pipe.execute()
-        if value is None or left_ms < 0:   # -1: no TTL (no beat wrote it); -2: gone since the GET
+        value, left_ms, now_ = pipe.execute(raise_on_error=False)
+        if isinstance(now_, Exception):
+            raise now_
+        # None or an error (a key of another type, WRONGTYPE: no node wrote it; a beat's SET
+        # replaces it); a PTTL of -1: no TTL (no beat wrote it); -2: gone since the GET
+        if not isinstance(value, bytes | str) or isinstance(left_ms, Exception) or left_ms < 0:
             return None, 0.0
+        seconds, micros = now_
         now = seconds + micros * 1e-6
         try:
             return unseal(key, value, self._token, now)[0], now + left_ms / 1000
@@ -420,17 +425,21 @@ class Heartbeat:
     written or stood aside was written since by a node that is alive; the node started later
     (larger epoch) then stands aside — it writes nothing, :attr:`conflict` says why, and an
     error is logged once a minute — until the other's record is gone, and the earlier one
-    keeps its record, logging the same. (They used to overwrite each other's record every
-    beat: readers saw the id flip between the two addresses and half of either node's blocks
-    missed.) A record of another life found before this one has written is that of a previous
-    life of the node, restarted within the TTL, or of a live twin: this node writes nothing
-    until it tells which — the record lapses (a previous life: this node registers at its
-    next beat, within that life's TTL and one interval) or is rewritten, its end (on the
-    registry's clock) moved later by more than :data:`REWRITE_SLACK_S` (a live twin: the
-    later epoch stands aside, as above). (Its first beat used to write over the record at
-    once, so a twin took a live node's id for a beat.) ``on_holding``: called with True after
-    each beat that wrote the record over its own or none and False when the node stands aside
-    or waits; the store node publishes its KV events only while it holds its id."""
+    keeps its record (logging the same if the other wrote before it stood aside). (They used
+    to overwrite each other's record every beat: readers saw the id flip between the two
+    addresses and half of either node's blocks missed.) A record of another life found
+    before this one has written is that of a previous life of the node, restarted within the
+    TTL, or of a live twin: this node writes nothing until it tells which — the record
+    lapses (a previous life: this node registers at its next beat, within that life's TTL
+    and one interval) or is rewritten, its end (on the registry's clock) moved later by more
+    than :data:`REWRITE_SLACK_S` (a live twin: the later epoch stands aside, as above). A
+    record not rewritten within this node's own ``ttl_s`` of watching is written over: a
+    dead life's of a longer TTL, or one planted by whoever can write to Redis (with a long
+    TTL it kept a node without a token out of the cluster for as long). (Its first beat used
+    to write over the record at once, so a twin took a live node's id for a beat.)
+    ``on_holding``: called with True after each beat that wrote the record over its own or
+    none and False when the node stands aside or waits; the store node publishes its KV
+    events only while it holds its id."""
 
     def __init__(self, registry: Registry, info: Callable[[], NodeInfo], ttl_s: float = 3.0,
                  interval_s: float = 1.0, on_holding: Callable[[bool], None] | None = None) -> None:
@@ -445,7 +454,8 @@ class Heartbeat:
         self.epoch = 0
         self.conflict: str | None = None   # why this node stands aside (another live node has its id)
         self._wrote = False                # this life has written its record (and not stood aside since)
-        self._watched: tuple[int, float] | None = None   # another life's record before this one wrote: (epoch, end)
+        # another life's record found before this one wrote: (epoch, its end, first seen at monotonic s)
+        self._watched: tuple[int, float, float] | None = None
         self._warned_at = -WARN_AGAIN_S
 
     def start(self) -> Heartbeat:
@@ -463,9 +473,12 @@ class Heartbeat:
             self.node_id, self.epoch = info.node_id, info.epoch
             other, ends_at = self.registry.holding(info.node_id)
             if other is not None and other.epoch != info.epoch and not (self._wrote or self.conflict):
-                if not self._rewritten(info, other, ends_at):
+                seen = self._seen(info, other, ends_at)
+                if seen == "waiting":
                     self.on_holding(False)
                     return   # a previous life's, until it lapses or is rewritten
+                if seen == "stale":
+                    other = None   # written over: no live node beats it
             if other is not None and other.epoch != info.epoch:
                 # written since this node's last beat, or while it waited, by another live node of the same id
                 self._duplicate(info, other)
@@ -484,17 +497,28 @@ class Heartbeat:
         except Exception as exc:  # noqa: BLE001 - Redis down, stats racing a close: retry
             log.warning("membership heartbeat failed: %s", exc)
 
-    def _rewritten(self, info: NodeInfo, other: NodeInfo, ends_at: float) -> bool:
-        """Whether ``other``'s record, found before this life wrote its own and ending at
-        ``ends_at`` (:meth:`Registry.holding`), was rewritten since this node first saw it (its
-        node is alive). The first sighting of an epoch is remembered and logged: not rewritten."""
+    def _seen(self, info: NodeInfo, other: NodeInfo, ends_at: float) -> str:
+        """What ``other``'s record, found before this life wrote its own and ending at
+        ``ends_at`` (:meth:`Registry.holding`), is: "rewritten" since this node first saw it
+        (its node is alive), "stale" (not rewritten for this node's ``ttl_s``: written over,
+        logged) or "waiting" (the first sighting of an epoch, remembered and logged, or not
+        rewritten yet)."""
+        now = time.monotonic()
         if self._watched is None or self._watched[0] != other.epoch:
-            self._watched = (other.epoch, ends_at)
+            self._watched = (other.epoch, ends_at, now)
             log.info("membership: node id %r is held by epoch %d at %s; this node (%s, epoch %d) registers once "
                      "that record lapses (a previous life's) and stands aside if it is rewritten (a live node's)",
                      info.node_id, other.epoch, other.address, info.address, info.epoch)
-            return False
-        return ends_at > self._watched[1] + REWRITE_SLACK_S
+            return "waiting"
+        if ends_at > self._watched[1] + REWRITE_SLACK_S:
+            return "rewritten"
+        if now - self._watched[2] >= self.ttl_s:
+            log.warning("membership: the record of node id %r (epoch %d at %s) was not rewritten in %.1f s, this "
+                        "node's TTL: no live node keeps it (a dead life's of a longer TTL, or one written by "
+                        "hand); this node (%s) writes over it", info.node_id, other.epoch, other.address,
+                        now - self._watched[2], info.address)
+            return "stale"
+        return "waiting"
 
     def _duplicate(self, info: NodeInfo, other: NodeInfo) -> None:
         yields = other.epoch < info.epoch
