@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import struct
 import subprocess
 import sys
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kill9.json"
 NODE = "kill9"
@@ -54,14 +54,8 @@ def block_of(key: bytes) -> bytes:
         0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(data_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                              "--node-id", NODE, "--port", str(port), "--dram", "0", "--ssd", "2GiB",

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.client import StoreClient  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 KIB, MIB = 1 << 10, 1 << 20
@@ -33,12 +34,6 @@ print("READY", rc, flush=True)
 sys.stdin.read()
 s.close()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> None:

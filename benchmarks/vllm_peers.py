@@ -19,7 +19,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_dataplane import Processes, free_port, wait_port  # noqa: E402
+from dataplane_peers import Processes, wait_port  # noqa: E402
+
+from launcher.supervisor import free_port  # noqa: E402
 
 KV_PY = ROOT / ".venv" / "bin" / "python"
 LMCACHE_PY = ROOT / ".venv-lmcache" / "bin" / "python"
