@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.config import parse_bytes  # noqa: E402
 from kvstore.transfer import GrpcStreamTransport, TransferEngineTransport  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "te_probe.json"
 
@@ -44,9 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "te_probe.json"
 def store_node_process(dram_bytes: int, transfer_engine: str = "tcp", te_staging: str = "64MiB") -> Iterator[str]:
     """A store node process on 127.0.0.1 (DRAM only; ``te_staging``: its ``--te-staging``,
     "0" registers the whole slab); yields its gRPC address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                                  "--node-id", "te-probe", "--port", str(port), "--dram", str(dram_bytes),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from dataplane_peers import Processes, wait_port  # noqa: E402
 

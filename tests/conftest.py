@@ -162,18 +162,17 @@ def spawn_store_node(tmp_path: Path) -> Iterator[Callable[..., object]]:
     """Factory of real store node processes (``python -m launcher serve``) on 127.0.0.1.
     ``spawn(node_id, *flags)`` returns (Popen, "127.0.0.1:port") once the node answers;
     every process still running is terminated (then killed) after the test."""
-    import socket
     import subprocess
     import sys
 
     import grpc
 
+    from launcher.supervisor import free_port
+
     procs: list[subprocess.Popen] = []
 
     def spawn(node_id: str, *flags: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         log = open(tmp_path / f"{node_id}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve",
                                  "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 from concurrent import futures
@@ -19,6 +18,7 @@ import redis
 import kvstore.cluster.client as cluster_client
 from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.membership import CLOCK_SLACK_S, KEY_PREFIX, NodeInfo, RedisRegistry, seal, unseal
+from launcher.supervisor import free_port
 from tests.kvctl_helpers import TOKEN, block, kvctl, kvctl_env
 
 INFO = NodeInfo("n0", "127.0.0.1:1", (("dram", 1 << 20, 0),), 1 << 19, "", 7, False)
@@ -92,9 +92,7 @@ def test_the_registry_lists_only_what_verifies_and_logs_each_refusal_once(redis_
 def test_a_client_drops_its_last_listing_once_the_registry_is_unreadable_too_long(redis_url, monkeypatch):
     node = RedisRegistry(redis_url, TOKEN)
     node.register(INFO, 30.0)
-    with socket.socket() as s:       # a port where no Redis listens: every read fails
-        s.bind(("127.0.0.1", 0))
-        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"       # a port where no Redis listens: every read fails
     monkeypatch.setattr(cluster_client, "STALE_LISTING_S", 0.5)
     with ClusterClient(redis_url, auth_token=TOKEN, refresh_s=0.0) as cluster:
         assert cluster.nodes() == [INFO]

@@ -40,9 +40,9 @@ def http_metadata_server():
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from launcher.supervisor import free_port
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

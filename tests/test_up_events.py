@@ -19,11 +19,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from launcher.supervisor import free_port
 
 
 def _free_run(n: int) -> int:
@@ -55,7 +51,7 @@ def _metric(url: str, what: str) -> float:
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     first = _free_run(6)      # --service-ports: store, prefill, decode, then their 3 metrics ports
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}

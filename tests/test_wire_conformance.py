@@ -98,14 +98,13 @@ def _seed(pool: KVPool, blocks: list[tuple[bytes, bytes]]) -> None:
 def te_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
     """A ``kvstore serve`` process with a transfer engine (tcp) and TOKEN; (Popen, address)."""
     pytest.importorskip("mooncake.engine")
-    import socket
     import subprocess
     import sys
 
     import grpc
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from launcher.supervisor import free_port
+    port = free_port()
     tmp = tmp_path_factory.mktemp("te-node")
     log = open(tmp / "node.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "serve", "--node-id",
