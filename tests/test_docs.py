@@ -203,10 +203,10 @@ def test_the_report_marks_what_is_not_measured(tmp_path) -> None:
     assert "Not measured here" in report.render_table(table, {})
     rec = {("scheduler", "ratios.decision_p99_ms_64_instances"): ("0.38 ms", "2026-12-06")}
     recorded = report.render_table(table, rec)
-    assert "0.38 ms (recorded 2026-12-06) | ≤ 1.0 | met" in recorded
+    assert "0.38 ms (recorded 2026-12-06) | ≤ 1.0 ms | met" in recorded
     (tmp_path / "scheduler.json").write_text(json.dumps({
         "ratios": {"decision_p99_ms_64_instances": 1.5},
         "run": {"date": "2026-12-07", "commit": "0123456789ab", "machine": {"summary": "a test machine"}}}))
     measured = report.render_table(table, {})
     assert "Measured 2026-12-07 at commit `0123456789ab` on a test machine." in measured
-    assert "| 1.50 ms | ≤ 1.0 | **missed** |" in measured
+    assert "| 1.50 ms | ≤ 1.0 ms | **missed** |" in measured
