@@ -93,6 +93,7 @@ from vllm_figures import BLOCK_SIZE, TARGETS, add_output_match, print_report, ra
 from vllm_peers import GIB, SETUPS, Processes, SetupError  # noqa: E402
 from vllm_serving import run_serving  # noqa: E402
 
+from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import SIZES, write_checkpoint  # noqa: E402
 from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace  # noqa: E402
 
@@ -307,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on a kill, too
     report = run(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(RESULTS, report)
     print_report(report)
     print(f"wrote {RESULTS.relative_to(ROOT)} in {report['wall_s']:.0f} s")
     return 0
