@@ -80,6 +80,18 @@ def _roles(args: argparse.Namespace, setup: Setup) -> list[tuple[str, str]]:
     return [("colocated", "kv_both")] * n
 
 
+def cpu_sets(instances: int, cores: list[int] | None = None) -> list[tuple[int, ...]]:
+    """Disjoint cores for each of ``instances`` vLLM instances on this host's allowed
+    ``cores`` (vLLM's CPU guidance: one set of cores per instance, so that two instances'
+    OpenMP threads never spin on the same core); no pinning (empty sets) when there are
+    fewer cores than instances."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    per = len(cores) // instances if instances else 0
+    if per < 1:
+        return [()] * instances
+    return [tuple(cores[i * per:(i + 1) * per]) for i in range(instances)]
+
+
 def _specs(args: argparse.Namespace, setup: Setup, model: str, store: str, tokens: dict[str, str],
            take_port) -> tuple[list[str], list[tuple[str, str]], list]:
     from engines.vllm.launch import VLLMServerSpec, ipc_endpoints
@@ -94,9 +106,9 @@ def _specs(args: argparse.Namespace, setup: Setup, model: str, store: str, token
     specs = [VLLMServerSpec(model, take_port(), role, store, host=args.host,
                             kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len,
                             store_token=tokens[STORE_TOKEN_ENV], api_key=tokens[ENGINE_TOKEN_ENV],
-                            prefix_caching=setup.prefix_caching, connector=setup.connector,
+                            prefix_caching=setup.prefix_caching, connector=setup.connector, cpus=cpus,
                             kv_events=ipc_endpoints(events_dir, name) if events and kind != "decode" else None)
-             for name, (kind, role) in zip(names, roles)]
+             for name, (kind, role), cpus in zip(names, roles, cpu_sets(len(roles)))]
     return names, roles, specs
 
 
@@ -151,8 +163,9 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
             # supervised as the other children: a crashed instance is restarted on its port
             # (the front door routes around it meanwhile and takes it back once it answers)
             running.stack.adopt(name, server.proc, respawn=server.restart)
-            print(f"vLLM {server.spec.role:<11} {name} {server.url} (pid {server.proc.pid}; prefix cache "
-                  f"{'on' if setup.prefix_caching else 'off'}, kvstore connector "
+            cores = ",".join(map(str, server.spec.cpus)) or "any"
+            print(f"vLLM {server.spec.role:<11} {name} {server.url} (pid {server.proc.pid}; cores {cores}; prefix "
+                  f"cache {'on' if setup.prefix_caching else 'off'}, kvstore connector "
                   f"{'on' if setup.connector else 'off'})", flush=True)
         running.stack.start("scheduler", "scheduler", *_scheduler_flags(args, setup, roles, specs, running.store,
                                                                         http_port, model, keys_file))

@@ -64,3 +64,10 @@ def test_kvstore_up_without_engine_runs_vllm_in_three_setups_on_the_same_request
     for name in ("demo_ttft_cdf.png", "demo_hit_ratio.png"):
         data = (plots / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
+    from launcher.vllm_setups import cpu_sets
+    assert cpu_sets(2, [0, 1]) == [(0,), (1,)]
+    assert cpu_sets(2, [0, 1, 2, 3, 4]) == [(0, 1), (2, 3)]
+    assert cpu_sets(3, [0, 1]) == [(), (), ()]      # fewer cores than instances: none pinned
