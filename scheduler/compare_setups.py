@@ -46,7 +46,8 @@ class SetupRun:
     """One set-up's replay: ``name`` (``vllm``, ``kvstore``, ``recompute``), ``label`` (for
     people), ``what`` (one line: what it runs), ``report`` (the client's view), ``hits``
     (prompt tokens by source during the replay, :func:`cache_hits` after less before),
-    ``memory`` (bytes of KV memory it uses, by kind), ``startup_s`` (its services' start)."""
+    ``memory`` (bytes of KV memory it uses, by kind), ``startup_s`` (its services' start).
+    Its dict carries each request's outcome in arrival order (``requests``)."""
 
     name: str
     label: str
@@ -66,7 +67,9 @@ class SetupRun:
         return {"label": self.label, "what": self.what, "report": self.report.to_dict(),
                 "hit_tokens": self.hits, "hit_ratio_local": self.hit_ratio("local"),
                 "hit_ratio_pool": self.hit_ratio("pool"), "memory_bytes": self.memory,
-                "memory_bytes_total": sum(self.memory.values()), "startup_s": self.startup_s}
+                "memory_bytes_total": sum(self.memory.values()), "startup_s": self.startup_s,
+                "requests": [{"status": o.status, "code": o.code, "ttft_s": o.ttft_s, "prompt_tokens": o.prompt_tokens,
+                              "cached_tokens": o.cached_tokens} for o in self.report.outcomes]}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
