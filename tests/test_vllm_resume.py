@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -61,11 +62,22 @@ def both_up(servers):
     return servers
 
 
-def counter(server, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+def counters(server, names: tuple[str, ...]) -> dict[str, float]:
+    """vLLM's counters ``names`` once two reads 0.2 s apart agree (it counts a step's tokens
+    as it streams them; the last step's may land just after the stream's end)."""
+    def read() -> dict[str, float]:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        return {n: sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                       if line.startswith(n + "{") or line.startswith(n + " ")) for n in names}
+    last = read()
+    for _ in range(25):
+        time.sleep(0.2)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
 
 
 async def stream(s: aiohttp.ClientSession, url: str, path: str, body: dict,
@@ -112,8 +124,7 @@ def killed_mid_stream(model_dir, store, servers, path: str, body: dict) -> tuple
             async with aiohttp.ClientSession() as s:
                 reference = await stream(s, door.url, path, body)
                 names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
-                before = {sid: {n: await asyncio.to_thread(counter, srv, n) for n in names}
-                          for sid, srv in by_id.items()}
+                before = {sid: await asyncio.to_thread(counters, srv, names) for sid, srv in by_id.items()}
 
                 def kill(out: dict) -> None:
                     victim = by_id[out["decode"]]
@@ -122,7 +133,8 @@ def killed_mid_stream(model_dir, store, servers, path: str, body: dict) -> tuple
                         out["killed_at"] = len(out["tokens"])
                 resumed = await stream(s, door.url, path, body, on_tokens=kill)
                 survivor = next(sid for sid in by_id if sid != resumed["decode"])
-                grown = {n: await asyncio.to_thread(counter, by_id[survivor], n) - before[survivor][n] for n in names}
+                after = await asyncio.to_thread(counters, by_id[survivor], names)
+                grown = {n: after[n] - before[survivor][n] for n in names}
                 get = door.frontdoor.metrics.registry.get_sample_value
                 metrics = {"resumed": get("kvstore_scheduler_resumed_streams_total"),
                            "moved": get("kvstore_scheduler_requests_moved_total", {"role": "decode"}),

@@ -67,7 +67,7 @@ def test_the_replayed_text_is_what_an_uninterrupted_stream_sends(tmp_path) -> No
     backend = tokenizers.Tokenizer.from_file(os.path.join(str(tmp_path), "tokenizer.json"))
     rng = random.Random(5)
     text = "kv cache — é ü 語 🙂 " * 3
-    prompt = [b + 3 for b in "prompt: ".encode()]
+    prompt = [b + 3 for b in b"prompt: "]
     for trial in range(20):
         generated = [b + 3 for b in text.encode()] if trial == 0 else [rng.randrange(3, 259) for _ in range(40)]
         whole = VLLMText(backend, prompt, [], True)
