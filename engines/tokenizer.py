@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.errors import InvalidArgument
 
@@ -86,6 +86,11 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
+
+    @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` of a fast tokenizer (what vLLM detokenizes with), or None."""
+        return getattr(self._tok, "backend_tokenizer", None)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

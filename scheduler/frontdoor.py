@@ -262,6 +262,8 @@ class Frontdoor:
                 raise APIError(400, str(exc)) from None
             except KVStoreError as exc:
                 plan = self._failover(plan, "decode", tried, exc, sent)
+                if req.stream:
+                    self.metrics.resumed.inc()
                 continue
             if sent < req.max_tokens:
                 raise APIError(503, f"decode stream ended after {sent} of {req.max_tokens} tokens",

@@ -56,6 +56,9 @@ class FrontdoorMetrics:
                                     buckets=TTFT_BUCKETS, registry=r)
         self.retried = Counter(p + "requests_moved", "Requests moved to another instance after "
                                "their engine failed", ["role"], registry=r)
+        self.resumed = Counter(p + "resumed_streams", "Streams whose decode instance failed after tokens were "
+                               "sent, continued on another instance (each continuation; docs/resume.md)",
+                               registry=r)
         self.hit_ratio = Gauge(p + "prefix_hit_ratio",
                                "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
         self.prefill_error = Gauge(p + "prefill_prediction_log_error",

@@ -17,8 +17,13 @@ the decode instance loaded); a stream carries it only when the client asked
 
 Errors: as :mod:`scheduler.frontdoor` (400, 429; an instance that fails — gone, or a 5xx —
 is routed around until it answers again, and a request it failed before anything was sent
-moves to another instance of its role; 503 when there is none, or when a decode fails
-mid-stream: an error event ends the stream); a 4xx from vLLM is relayed as 400.
+moves to another instance of its role; 503 when there is none); a 4xx from vLLM is relayed
+as 400. A decode that fails mid-stream is marked down too and the stream resumes on another
+instance that decodes (:mod:`scheduler.vllm_resume`, docs/resume.md: the prompt's blocks
+from the pool, the tokens sent so far recomputed, the same id; greedy output equals an
+uninterrupted run's); an error event ends it only where it cannot resume (``n`` > 1,
+``stop`` strings, presence or frequency penalties, chat ``logprobs``) or no other instance
+is up.
 The prefill request carries the sampling fields vLLM checks per value
 (:data:`scheduler.vllm_instances.PREFILL_SAMPLING`), so a bad one is refused there,
 before any prompt token is computed.
@@ -30,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -43,6 +48,7 @@ from scheduler.health import HealthChecker
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat
 from scheduler.request_parts import StreamWriter, TokenClock, parse_json_body
 from scheduler.router import RoutePlan
+from scheduler.vllm_resume import CONTINUATION_PATH, StreamResume, not_resumable
 from scheduler.vllm_router import VLLMRouter
 
 log = logging.getLogger(__name__)
@@ -157,8 +163,8 @@ class VLLMFrontdoor(Frontdoor):
         """Prefill (disaggregated), then the request on the decode instance, relayed. An
         instance that fails before anything reached the client is marked down (when gone or
         5xx) and the request moves to another of its role (colocated: another instance), as
-        the built-in front door does; a decode that fails mid-stream ends the stream with an
-        error event (vLLM cannot resume it from a token)."""
+        the built-in front door does; a decode that fails mid-stream is marked down too and
+        the stream resumes on another instance (:mod:`scheduler.vllm_resume`)."""
         if not self.router.colocated:
             plan = await self._prefill(body, req, plan)
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -168,7 +174,11 @@ class VLLMFrontdoor(Frontdoor):
             client = self.router.decode_client(plan)
             try:
                 if req.stream:
-                    return await self._stream_relay(request, client.stream(path, out), plan, t0, req.include_usage)
+                    resume = StreamResume({k: body[k] for k in PASSTHROUGH if k in body}, req.prompt, req.max_tokens,
+                                          chat, not_resumable(body, int(body.get("n") or 1), chat),
+                                          getattr(self.tokenizer, "backend", None))
+                    return await self._stream_relay(request, client.stream(path, out), plan, t0, req.include_usage,
+                                                    resume, tried)
                 try:
                     answer = await client.complete(path, out)
                 except KVStoreError as exc:
@@ -191,48 +201,41 @@ class VLLMFrontdoor(Frontdoor):
             self.router.first_token(plan)
             self.router.colocated_prefilled(plan, cached, ttft_s)
 
-    async def _stream_relay(self, request: web.Request, events, plan: RoutePlan,
-                            t0: float, include_usage: bool) -> tuple[web.StreamResponse, str]:
+    async def _stream_relay(self, request: web.Request, events: AsyncGenerator[dict[str, Any], None], plan: RoutePlan,
+                            t0: float, include_usage: bool, resume: StreamResume,
+                            tried: set[str]) -> tuple[web.StreamResponse, str]:
         """vLLM's server-sent events as they come, with our request id; headers go out with
         the first event, so a decode that fails before it raises :class:`_NothingSent` (the
-        caller moves the request elsewhere or answers 503). vLLM is always
-        asked for usage (it feeds the books); it reaches the client only when asked."""
+        caller moves the request elsewhere or answers 503). One that fails after it is
+        marked down and the stream goes on from another instance (:meth:`_resume`), or
+        ends with an error event when it cannot. vLLM is always asked for usage (it feeds
+        the books); it reaches the client only when asked."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_route(plan)})
         tick = TokenClock(self.metrics, self.router, t0, plan)
         writer = StreamWriter(resp)    # a client that reads slowly never holds vLLM's stream back
-        send = writer.event
-        ttft = 0.0
-
         try:
             try:
-                async with contextlib.aclosing(events):
-                    async for event in events:
-                        event["id"] = plan.request_id
-                        if "model" in event:
-                            event["model"] = self.info.model_id
-                        tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
-                                     for c in event.get("choices") or ())
+                while True:
+                    try:
+                        await self._relay_events(request, resp, writer, events, plan, tick, include_usage, resume)
+                        break
+                    except KVStoreError as exc:
                         if not resp.prepared:
-                            await resp.prepare(request)
-                        if tokens and not tick.tokens and self.router.colocated:
-                            self.router.first_token(plan)
-                        for _ in range(tokens):
-                            tick()
-                        if tokens and not ttft:
-                            ttft = time.perf_counter() - t0
-                        if event.get("usage"):
-                            self._account_stream(plan, event["usage"], ttft)
-                            if not include_usage:
-                                event.pop("usage")
-                                if not event.get("choices"):
-                                    continue      # the usage chunk itself
-                        send(event)
-            except KVStoreError as exc:
-                if not resp.prepared:
-                    raise _NothingSent(exc) from None
-                await writer.end_with_error(self._failed(plan.decode_id, "decode", exc).body())
-                return resp, "error"
+                            raise _NothingSent(exc) from None
+                        try:
+                            moved = self._resume(plan, exc, resume, tried)
+                        except APIError as err:
+                            await writer.end_with_error(err.body())
+                            return resp, "error"
+                        if moved is None:          # it had generated every token: the stream ends here
+                            if include_usage and not resume.usage_seen:
+                                writer.event(resume.usage_event(plan.request_id, self.info.model_id))
+                            break
+                        plan = tick.plan = moved
+                        client = self.router.decode_client(plan)
+                        events = client.stream(CONTINUATION_PATH, resume.continuation(
+                            client.served_model, plan.request_id, plan.namespace))
             except ConnectionResetError:
                 log.info("client went away, request %s cancelled", plan.request_id)
                 return resp, "cancelled"
@@ -240,17 +243,69 @@ class VLLMFrontdoor(Frontdoor):
             try:
                 if not resp.prepared:
                     await resp.prepare(request)
-                send("[DONE]")
+                writer.event("[DONE]")
             except ConnectionResetError:
                 return resp, "cancelled"
             return resp, "ok" if await writer.close() else "cancelled"
         finally:
             await writer.abandon()
 
-    def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float) -> None:
+    async def _relay_events(self, request: web.Request, resp: web.StreamResponse, writer: StreamWriter,
+                            events: AsyncGenerator[dict[str, Any], None], plan: RoutePlan, tick: TokenClock,
+                            include_usage: bool, resume: StreamResume) -> None:
+        """One instance's events (the request's, or a continuation's shaped as the stream's)
+        to the client; raises what the instance's stream raises."""
+        leg_tokens = 0
+        async with contextlib.aclosing(events):
+            async for event in events:
+                resume.seen(event)
+                if resume.resumed:
+                    event = resume.shape(event)
+                event["id"] = plan.request_id
+                if "model" in event:
+                    event["model"] = self.info.model_id
+                tokens = sum(len(c.get("token_ids") or ()) or (1 if _has_text(c) else 0)
+                             for c in event.get("choices") or ())
+                if not resp.prepared:
+                    await resp.prepare(request)
+                if tokens and not leg_tokens and self.router.colocated:
+                    self.router.first_token(plan)      # this instance's prefill is over
+                leg_tokens += tokens
+                for _ in range(tokens):
+                    tick()
+                if event.get("usage"):
+                    self._account_stream(plan, event["usage"], tick.first - tick.t0 if tick.tokens else 0.0,
+                                         resume.resumed)
+                    if not include_usage:
+                        event.pop("usage")
+                        if not event.get("choices"):
+                            continue      # the usage chunk itself
+                writer.event(event)
+
+    def _resume(self, plan: RoutePlan, exc: KVStoreError, resume: StreamResume, tried: set[str]) -> RoutePlan | None:
+        """The decode instance of a stream already begun failed: it is marked down (gone, or a
+        5xx) and the plan moves to another instance that decodes, where the stream goes on
+        (:meth:`StreamResume.continuation`). Returns the moved plan, or None when the stream
+        had carried every token (nothing to resume). Raises the APIError that ends the
+        stream: 400 (vLLM refused a continuation), 503 (the request cannot resume,
+        :func:`~scheduler.vllm_resume.not_resumable`, or no other instance is up)."""
+        if resume.complete or isinstance(exc, InvalidArgument) or resume.why_not:
+            failed = self._failed(plan.decode_id, "decode", exc)
+            if resume.complete:
+                return None
+            if resume.why_not:
+                log.warning("request %s: decode %s failed mid-stream; not resumed: %s", plan.request_id,
+                            plan.decode_id, resume.why_not)
+                failed.message = f"{failed.message} (not resumed: {resume.why_not})"
+            raise failed
+        moved = self._failover(plan, "decode", tried, exc, len(resume.generated))
+        self.metrics.resumed.inc()
+        return moved
+
+    def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float, resumed: bool) -> None:
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         self.metrics.count_cached(cached)
-        if self.router.colocated:
+        if self.router.colocated and not resumed:   # a continuation's prefill is not the request's
             self.router.colocated_prefilled(plan, cached, ttft_s)
 
 

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,7 +233,7 @@ class VLLMClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise Unavailable(f"vLLM instance at {self.url}: {type(exc).__name__}: {exc}") from None
 
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """POST ``body`` with ``stream: true`` to ``path``; yields each server-sent event's
         JSON until ``[DONE]``. A stream that ends without ``[DONE]`` raises Unavailable;
         closing the iteration closes the connection (vLLM aborts the request)."""

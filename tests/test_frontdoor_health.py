@@ -120,6 +120,7 @@ def test_a_decode_engine_dying_mid_stream_resumes_on_another_with_the_same_token
     assert "decode-1" in router.down                                   # seen failing by the request
     _, _, metrics = call(door.url, "/metrics")
     assert 'kvstore_scheduler_requests_moved_total{role="decode"} 1.0' in metrics.decode()
+    assert "kvstore_scheduler_resumed_streams_total 1.0" in metrics.decode()
 
 
 def test_nothing_left_to_serve_is_a_clean_503_and_health_says_unavailable(cluster):
