@@ -147,6 +147,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.dram = "2GiB" if vllm else "256MiB"
     if args.tokens_per_block is None:
         args.tokens_per_block = 32 if vllm else 64
+    if args.speed is None:    # over vLLM: the window's load is about what two CPU cores serve
+        args.speed = 2.0 if vllm else 4.0
     if vllm:
         from launcher.up_vllm import run_up_vllm
         return run_up_vllm(args)
@@ -293,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--profile; --no-profile: built-in seeds; vLLM instances are never profiled)")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
-    p.set_defaults(func=cmd_up, tokens_per_block=None)
+    p.set_defaults(func=cmd_up, tokens_per_block=None, speed=None)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
                        description="Send a Mooncake-format trace's requests to a running front door "

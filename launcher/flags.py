@@ -137,7 +137,8 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contiguous", action="store_true",
                    help="replay the --requests consecutive requests from --start instead (little reuse)")
     p.add_argument("--speed", type=positive_number, default=4.0,
-                   help="replay speed factor (timestamps are divided by it)")
+                   help="replay speed factor (timestamps are divided by it; kvstore up: 2 over vLLM, 4 on the "
+                        "built-in engines)")
     p.add_argument("--tokens-per-block", type=positive_int, default=64,
                    help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths "
                         "(kvstore up: 32 over vLLM, 64 on the built-in engines)")
