@@ -161,13 +161,14 @@ class LlmdPolicy(_PeerRouter):
     settings = LlmdSettings()
 
     def prefix_score(self, request: RequestView, hit: TierHit) -> float:
-        """The instance's cached prefix, each block weighted by its tier (``hbm``: GPU;
-        ``dram``/``ssd``: CPU), over the request's blocks, clipped to [0, 1]."""
+        """The instance's cached prefix, each block weighted by its tier (``hbm``: GPU,
+        ``dram``: CPU; any other medium 1.0, as llm-d-kv-cache weighs a medium it has no
+        weight for), over the request's blocks, clipped to [0, 1]."""
         total = len(request.block_keys)
         if total == 0:
             return 0.0
-        s = self.settings
-        score = sum((s.gpu_block_weight if tier == "hbm" else s.cpu_block_weight) * n for tier, n in hit.by_tier)
+        weight = {"hbm": self.settings.gpu_block_weight, "dram": self.settings.cpu_block_weight}
+        score = sum(weight.get(tier, 1.0) * n for tier, n in hit.by_tier)
         return min(1.0, score / total)
 
     @staticmethod
