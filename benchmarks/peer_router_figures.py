@@ -42,9 +42,10 @@ def peer_ratios(runs: Mapping[str, Mapping[str, float]]) -> dict[str, float | st
 
 
 def sweep_figures(got: Mapping[tuple[str, int, str], Mapping[str, float]], seeds: Sequence[int],
-                  setup: str = "fig5") -> dict[str, Any]:
+                  setup: str = "fig5", no_peer_fetch: str = "fig5_no_peer_fetch") -> dict[str, Any]:
     """The seed sweep's peer-router figures: per seed, and mean [min, max] over ``seeds`` of
-    each ratio and of each policy's average TTFT, p99 TTFT and rejections."""
+    each ratio and of each policy's average TTFT, p99 TTFT and rejections; with the
+    Conductor's runs without peer fetch (``no_peer_fetch``) in ``got``, its ratios too."""
     policies = (*PEERS, "conductor")
     per_seed = {str(s): peer_ratios({p: got[(setup, s, p)] for p in policies}) for s in seeds}
     numeric = [k for k, v in per_seed[str(seeds[0])].items() if not isinstance(v, str)]
@@ -52,6 +53,13 @@ def sweep_figures(got: Mapping[tuple[str, int, str], Mapping[str, float]], seeds
                for p in policies for k in ("ttft_mean_s", "ttft_p99_s", "rejected")}
     best = {k: {p: sum(1 for s in seeds if per_seed[str(s)][k] == p) for p in PEERS}
             for k in ("best_peer_router_avg_ttft", "best_peer_router_p99_ttft")}
+    if all((no_peer_fetch, s, "conductor") in got for s in seeds):
+        # the Conductor as the live router runs it (no prefix fetched from a peer prefill node's
+        # cache: the peers fetch none either), against the same best peer
+        for s in seeds:
+            runs = {**{p: got[(setup, s, p)] for p in PEERS}, "conductor": got[(no_peer_fetch, s, "conductor")]}
+            per_seed[str(s)].update({f"{k}_no_peer_fetch": v for k, v in peer_ratios(runs).items() if k in RATIOS})
+        numeric += [f"{k}_no_peer_fetch" for k in RATIOS]
     return {"per_seed": per_seed,
             "ratios": {k: spread([float(per_seed[str(s)][k]) for s in seeds]) for k in numeric},
             "figures": figures, "best_peer_seeds": best}
