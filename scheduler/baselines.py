@@ -109,9 +109,9 @@ class LocalCacheAwarePolicy(_Baseline):
         return min(estimates, key=cost)
 
 
-POLICIES: dict[str, Callable[..., Conductor]] = {
-    cls.name: cls for cls in (Conductor, RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, LocalCacheAwarePolicy,
-                              *PEER_ROUTERS)}
+_CLASSES: tuple[type[Conductor], ...] = (Conductor, RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy,
+                                         LocalCacheAwarePolicy, *PEER_ROUTERS)
+POLICIES: dict[str, Callable[..., Conductor]] = {cls.name: cls for cls in _CLASSES}
 
 
 def make_policy(name: str, block_bytes: int, config: ConductorConfig | None = None) -> Conductor:
