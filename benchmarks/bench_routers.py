@@ -21,7 +21,7 @@ ratio, rejections, each round's TTFT p50; ``ratios.conductor_vs_best_peer_router
 Conductor's TTFT p50 over the least TTFT p50 among the peer routers) and its p99 and goodput
 counterparts. Writes ``benchmarks/results/routers.json``.
 
-    PYTHONPATH=. python benchmarks/bench_routers.py [--requests 60 --speed 1 --checkpoint tiny]
+    PYTHONPATH=. python benchmarks/bench_routers.py [--requests 60 --window-s 120 --speed 2 --rounds 2]
 """
 from __future__ import annotations
 
@@ -128,10 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=60, help="trace requests each policy replays")
     p.add_argument("--start", type=int, default=0, help="first trace request")
-    p.add_argument("--window-s", type=float, default=600.0,
+    p.add_argument("--window-s", type=float, default=120.0,
                    help="take the conversations with the most turns within this many trace seconds of --start")
     p.add_argument("--rounds", type=int, default=2, help="replays per policy (the order reversed every other round)")
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed (× the trace's timestamps)")
+    p.add_argument("--speed", type=float, default=2.0, help="replay speed (× the trace's timestamps)")
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--ttft-slo-s", type=float, default=5.0)
     p.add_argument("--tbt-slo-s", type=float, default=0.2)
