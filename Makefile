@@ -46,7 +46,8 @@ protos/%_pb2.py: protos/%.proto $(STAMP)
 
 protos: $(PROTO_OUT)
 
-# Pool on, then pool off, on the same stack (about 2 minutes on 2 cores, 3 with set-up); report, JSON and PNGs.
+# vLLM alone, kvstore and recompute on the same trace requests, two vLLM instances each, one
+# set-up after another; the side-by-side report, its JSON and PNGs (make demo REQUESTS=20: fewer).
 demo: setup
 	$(VENV)/bin/kvstore up --replay data/traces/conversation_trace.jsonl \
 	  --requests $(REQUESTS) --json benchmarks/results/demo.json --plots benchmarks/results

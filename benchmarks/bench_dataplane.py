@@ -39,7 +39,6 @@ Run: ``.venv/bin/python benchmarks/bench_dataplane.py`` (about 1 minute; ``make 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -58,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dataplane_peers import KIB, MIB, Case, CopyTo, KVStore, Mooncake, Processes, Redis  # noqa: E402
+
+from benchmarks.run_info import write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "dataplane.json"
 CASES = [("64KiB", 64 * KIB, 256, True), ("1MiB", MIB, 64, False), ("16MiB", 16 * MIB, 8, False)]
@@ -197,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on a kill, too
     report = run(args.rounds)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(RESULTS, report)
     print(f"\n{'system':17s} {'block':6s} {'mode':9s} {'op':4s} {'GB/s':>7s} {'blocks/s':>10s}")
     for r in report["results"]:
         print(f"{r['system']:17s} {r['block']:6s} {r['mode']:9s} {r['op']:4s} {r['GB_per_s']:7.2f} "

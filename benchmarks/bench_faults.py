@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.faults import UNCLEAN, UpStack, burst, clients, failed_in_flight, recovery_s  # noqa: E402
+from benchmarks.run_info import write_results  # noqa: E402
 
 
 def health_status(url: str) -> str:
@@ -127,7 +128,7 @@ def main() -> int:
             bad.update({k: v for k, v in r["failed_after_kill"].items() if k not in ("clean", "rejected")})
     results["unclean_total"] = sum(bad.values()) + results.get("overload", {}).get("non_429_failures", 0)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    write_results(args.json, results)
     print(f"written to {args.json}; unclean or 5xx answers: {results['unclean_total']}")
     return 0 if results["unclean_total"] == 0 else 1
 

@@ -36,6 +36,7 @@ import xxhash
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys  # noqa: E402
 from kvstore.index.prefix_index import PrefixIndex  # noqa: E402
 
@@ -271,7 +272,7 @@ def main() -> int:
         "events": "KVPool.put → Redis Stream (XADD, pipelined) → replica in another process "
                   "(XREAD BLOCK); lag = apply time.time() − index change time.time()"}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(RESULTS, results)
     for name, value in ratios.items():
         print(f"  {name:34s} {value:14,.2f}   target {results['targets'].get(name, '-')}")
     print(f"wrote {RESULTS.relative_to(ROOT)} in {time.perf_counter() - t_start:.0f} s")

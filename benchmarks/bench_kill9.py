@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import struct
@@ -36,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
@@ -178,8 +178,7 @@ def main() -> int:
         t0 = time.perf_counter()
         out = run_cycles(args.cycles, os.path.join(tmp, "data"), os.path.join(tmp, "node.log"), args.seed)
         out["wall_s"] = round(time.perf_counter() - t0, 1)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
+    write_results(RESULTS, out)
     for name in ("cycles", "acked_blocks", "wrong_bytes", "lost_acked", "usage_mismatches",
                  "in_flight_at_kill", "in_flight_stored", "put_errors", "wall_s"):
         print(f"{name:22s} {out[name]}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shutil
@@ -43,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.pool import KVPool, PoolSettings  # noqa: E402
 from kvstore.tiers import TIERS  # noqa: E402
 
@@ -291,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "met": {k: ratios[k] >= v for k, v in TARGETS.items()},
         "wall_s": time.perf_counter() - started,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(RESULTS, report)
     print(f"\n{'tier':5s} {'device':6s} {'op':8s} {'mode':6s} {'block':>8s} {'GB/s':>7s} {'blocks/s':>10s}"
           f" {'baseline GB/s':>14s} {'ratio':>6s}")
     for r in rows:

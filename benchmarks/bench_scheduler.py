@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import random
 import sys
 import time
@@ -35,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.index.prefix_index import PrefixIndex  # noqa: E402
 from scheduler.baselines import make_policy  # noqa: E402
 from scheduler.views import NO_HIT, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit  # noqa: E402
@@ -149,10 +149,8 @@ def main() -> int:
     print("ratios:")
     for k, v in ratios.items():
         print(f"  {k}: {v:.3f}" + ("  (target <= 1.0)" if k == "decision_p99_ms_64_instances" else ""))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"benchmark": "scheduler", "block_size": BS, "prompt_blocks": PROMPT_BLOCKS,
-                                   "decisions_per_setting": DECISIONS, "results": results, "ratios": ratios},
-                                  indent=2) + "\n")
+    write_results(RESULTS, {"benchmark": "scheduler", "block_size": BS, "prompt_blocks": PROMPT_BLOCKS,
+                                   "decisions_per_setting": DECISIONS, "results": results, "ratios": ratios})
     print(f"written to {RESULTS.relative_to(ROOT)}")
     return 0
 

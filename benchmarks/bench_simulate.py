@@ -27,9 +27,9 @@ their other keys — wall times, the 1.2x ratio, colocated and capacity figures 
 seed's), ``ratios_seed0`` and ``ratios_oracle_seed0`` seed 0's single runs, and
 ``seeds.fig5_avg_ttft_s`` each cache-aware policy's average TTFT over the seeds.
 ``seeds.fig5_hbm`` repeats fig5's three cache-aware policies over the same seeds with each
-prefill node's cache in its HBM alone (``--preset fig5-hbm``, the set-up fig5 had until
-session 13). ``seeds.fig5_no_peer_fetch`` runs fig5's Conductor as the live router runs it,
-fetching no prefix from a peer prefill node's cache (``--preset fig5 --no-peer-fetch``), and
+prefill node's cache in its HBM alone (``--preset fig5-hbm``). ``seeds.fig5_no_peer_fetch``
+runs fig5's Conductor as the live router runs it, fetching no prefix from a peer prefill
+node's cache (``--preset fig5 --no-peer-fetch``), and
 its ratios to the same seeds' baselines (``conductor_no_peer_fetch_vs_*``).
 
 ``fig5`` also runs the routers users deploy instead (docs/routers.md: NVIDIA Dynamo's KV
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -56,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import peer_router_figures as peers  # noqa: E402
+from benchmarks.run_info import write_results  # noqa: E402
 from scheduler.sim import SimConfig, Simulator, plots  # noqa: E402
 from scheduler.sim.command import format_table  # noqa: E402
 from scheduler.sim.presets import describe, preset_runs  # noqa: E402
@@ -349,7 +349,7 @@ def main() -> int:
         print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
     peers.print_sweep(sweep["peer_routers"])
     path = RESULTS / "simulate.json"
-    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    write_results(path, out, default=str)
     print(f"\nwrote {path.relative_to(ROOT)} and {', '.join(str(f.relative_to(ROOT)) for f in files.values())}")
     return 0
 

@@ -16,13 +16,14 @@ Writes benchmarks/results/vllm_events.json: ``stored_blocks_per_s``, ``stored_to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.run_info import write_results  # noqa: E402
 
 BLOCK = 32
 BLOCKS_PER_REQUEST = 64
@@ -81,8 +82,7 @@ def main() -> int:
     print(f"keys only{out['keys_only_blocks_per_s']:>12,.0f} blocks/s (the floor: PagedLayout.keys alone)")
     print(f"stored / keys only: x{out['stored_vs_keys_only']:.2f}")
     path = ROOT / "benchmarks" / "results" / "vllm_events.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_results(path, out)
     print(f"wrote {path.relative_to(ROOT)}")
     return 0
 

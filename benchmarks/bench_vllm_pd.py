@@ -35,6 +35,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
@@ -178,7 +179,7 @@ def main() -> None:
            "targets": {"itl_p99_disagg_vs_colocated": "<= 0.5", "goodput_disagg_vs_colocated": ">= 1.2"},
            "ratios": ratios,
            "results": {k: {kk: vv for kk, vv in v.items() if kk != "itl_sorted_s"} for k, v in results.items()}}
-    (RESULTS / "vllm_pd.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_results(RESULTS / "vllm_pd.json", out)
     print(f"{'':24}{'disaggregated':>16}{'colocated':>16}")
     for key in ("completed", "rejected", "failed", "itl_p50_s", "itl_p99_s", "ttft_p50_s", "ttft_p99_s",
                 "itl_violations", "ttft_violations", "goodput_rps", "output_tokens_per_s"):

@@ -76,7 +76,7 @@ class UpStack:
     def start(self, timeout_s: float = 240.0) -> UpStack:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up",
-                                      "--port", "0", "--data-dir", self.data_dir, *self.flags],
+                                      "--engine", "builtin", "--port", "0", "--data-dir", self.data_dir, *self.flags],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

@@ -16,7 +16,6 @@ round trip, checksum or copy out), the ceiling of the path on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.config import parse_bytes  # noqa: E402
 from kvstore.transfer import GrpcStreamTransport, TransferEngineTransport  # noqa: E402
@@ -148,7 +148,7 @@ def compare(size_bytes: int, rounds: int, staging: str, runs: int) -> int:
               f"ratio {out[f'{k}_staged_vs_whole_slab']:.2f}")
     path = RESULTS.with_name("te_staging.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_results(path, out)
     print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
@@ -172,8 +172,7 @@ def main() -> int:
           f"  raw engine read              {r['te_raw_read_best_gbps']:.2f} / {r['te_raw_read_median_gbps']:.2f} GB/s\n"
           f"  gRPC stream                  {r['grpc_stream_get_best_gbps']:.2f} / "
           f"{r['grpc_stream_get_median_gbps']:.2f} GB/s ({r['te_vs_grpc_stream']:.2f}x slower than get_into)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(r, indent=2) + "\n")
+    write_results(RESULTS, r)
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

@@ -99,8 +99,8 @@ def _use_prefix_attention(model: torch.nn.Module) -> None:
 
 def check_checkpoint_dir(model_dir: str) -> None:
     """Raise ValueError unless ``model_dir`` is a local checkpoint (a directory holding a
-    ``config.json``): nothing is downloaded, and a wrong path is named at once (it used to
-    be taken for a Hugging Face Hub id, retried against the network for 30 s)."""
+    ``config.json``): nothing is downloaded, and a wrong path is named at once (rather than
+    taken for a Hugging Face Hub id and retried against the network for 30 s)."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         what = "no such directory" if not os.path.isdir(model_dir) else "no config.json in it"
         raise ValueError(f"model {model_dir!r} is not a local checkpoint ({what}); give the directory of a "

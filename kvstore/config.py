@@ -118,7 +118,7 @@ class StoreConfig:
     # Cluster (kvstore/cluster): membership at redis_url (None: an embedded registry) and the
     # across-host transfer engine (kvstore/transfer): auto (tcp when the node joins a cluster
     # through redis_url, else off: the same-host path needs none) | tcp | rdma | off. Mooncake's
-    # engine has no authentication and listens on every interface (see README, trust boundary).
+    # engine has no authentication and listens on every interface (docs/cluster.md, trust boundary).
     heartbeat_s: float = 1.0
     node_ttl_s: float = 3.0
     transfer_engine: str = "auto"

@@ -57,7 +57,7 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def keys(self) -> Iterator[bytes]:
-        """Every block, roughly in eviction order (used to carry order over on a switch)."""
+        """Every block, roughly in eviction order (to carry the order over on a switch)."""
 
 
 @register_policy("lru")

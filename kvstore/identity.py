@@ -17,7 +17,7 @@ block written without a tag) is a miss, counted by :class:`IdentityCheck`. Keys 
 accident with odds 2**-128 or less; finding a block that collides in the key *and* passes
 the tag needs a second preimage of the tag chain as well. The tag travels as part of the
 block's bytes, so the store's checksums cover it and no wire, tier or index changes
-(README.md, "Block identity").
+(docs/key-spec.md, "Collisions: the identity tag").
 """
 from __future__ import annotations
 

@@ -142,7 +142,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    if args.engine == "vllm":
+    vllm = args.engine == "vllm"
+    if args.dram is None:
+        args.dram = "2GiB" if vllm else "256MiB"
+    if args.tokens_per_block is None:
+        args.tokens_per_block = 32 if vllm else 64
+    if vllm:
         from launcher.up_vllm import run_up_vllm
         return run_up_vllm(args)
     from launcher.up import run_up
@@ -222,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=addresses, help="prefill engine addresses host:port, comma-separated")
     p.add_argument("--decode", type=addresses, help="decode engine addresses host:port, comma-separated")
     p.add_argument("--store", type=addresses, default="127.0.0.1:50051", help="store node address host:port")
+    p.add_argument("--no-store", dest="store", action="store_const", const=None,
+                   help="no pool: vLLM instances served without the kvstore connector (plain vLLM behind the "
+                        "front door's routing and admission)")
     p.add_argument("--redis", metavar="URL", default=env_redis(), help="look up blocks across every store "
                    "node registered in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -244,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("up", help="run the whole stack on this host", formatter_class=_formatter,
-                       description="Start a store node, a prefill engine, a decode engine and the "
-                                   "front door on this host. With --replay, replay a trace through "
-                                   "the front door, print a report and stop; without, serve until Ctrl-C.")
+                       description="Start a store node, vLLM instances with the kvstore connector (or, with "
+                                   "--engine builtin, the built-in prefill and decode engines) and the front door "
+                                   "on this host. With --replay over vLLM, replay a trace on three set-ups one "
+                                   "after another (vLLM alone with its own prefix caching, kvstore, recompute) and "
+                                   "print them side by side; without --replay, serve until Ctrl-C.")
     p.add_argument("--replay", metavar="TRACE",
                    help="Mooncake-format trace to replay, e.g. data/traces/conversation_trace.jsonl")
     add_replay_flags(p)
@@ -261,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, default=UP_MAX_MODEL_LEN, metavar="TOKENS",
                    help="the engines' and the front door's limit on prompt + generation (tokens); a longer "
                         "request gets a 400 and a replay skips it")
-    p.add_argument("--dram", default="256MiB", help="store node DRAM tier capacity")
+    p.add_argument("--dram", default=None, help="store node DRAM tier capacity (default: 2GiB over vLLM, "
+                   "which holds the demo's working set; 256MiB on the built-in engines)")
     p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")
     p.add_argument("--data-dir", default="var/up",
                    help="the stack's directory: store data, logs, tokens (auth.env), API keys; wiped at start "
@@ -282,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--profile; --no-profile: built-in seeds; vLLM instances are never profiled)")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=cmd_up, tokens_per_block=None)
 
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
                        description="Send a Mooncake-format trace's requests to a running front door "

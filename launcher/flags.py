@@ -139,10 +139,12 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=positive_number, default=4.0,
                    help="replay speed factor (timestamps are divided by it)")
     p.add_argument("--tokens-per-block", type=positive_int, default=64,
-                   help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths")
+                   help="tokens each trace hash id (a 512-token block) becomes; 512 replays the real lengths "
+                        "(kvstore up: 32 over vLLM, 64 on the built-in engines)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay twice, pool on then pool off (every prompt recomputed: \"prefix_cache\": false), "
-                        "and print both side by side")
+                   help="kvstore up over vLLM: replay on three set-ups one after another (vLLM alone, kvstore, "
+                        "recompute) and print them side by side; on the built-in engines and kvstore replay: "
+                        "twice, pool on then pool off (every prompt recomputed: \"prefix_cache\": false)")
     p.add_argument("--plots", metavar="DIR", help="with --compare, write the TTFT CDF and hit ratio PNGs here")
     p.add_argument("--max-output-tokens", type=positive_int, default=16, help="cap on each request's output_length")
     p.add_argument("--ttft-slo-s", type=positive_seconds, default=2.0, help="TTFT SLO for goodput (seconds)")

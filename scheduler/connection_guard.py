@@ -1,9 +1,9 @@
 """Bounds on the front door's HTTP connections, so that no caller — with or without an API
 key — can hold the port: a client that sends part of a request head and waits (slowloris),
-or opens connections and sends nothing, used to keep each one open for good (aiohttp times
-out neither a request head nor, from an ``AppRunner``, an idle keep-alive connection within
-the hour), and 20,000 of them ran the process out of file descriptors: every real request
-then went unanswered and each refused accept logged a traceback.
+or opens connections and sends nothing, would otherwise keep each one open for good
+(aiohttp times out neither a request head nor, from an ``AppRunner``, an idle keep-alive
+connection within the hour), and enough of them would run the process out of file
+descriptors: every real request would then go unanswered.
 
 :class:`ConnectionGuard` sits between the listening socket and aiohttp:
 

@@ -9,8 +9,8 @@ here (at most 4): when the least-squares solution over every feature has a negat
 coefficient, every smaller subset of features is solved and the best non-negative one kept
 (the unconstrained optimum, when it is non-negative, is the constrained one). Pure and
 synchronous; O(k³) per refit when the fit is non-negative, O(k³ · 2ᵏ) when it is not;
-refitted lazily on the next prediction. (Every refit used to solve all 2ᵏ − 1 subsets:
-5 of the 25 s the Conductor's whole-trace fig5 run took on a 2-core machine.)
+refitted lazily on the next prediction. (Solving all 2ᵏ − 1 subsets at every refit would
+take a fifth of the Conductor's whole-trace fig5 run.)
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ LARGE_BODY_BYTES = 256 << 10   # a body of this many bytes or more (as sent) is 
 MAX_PARSE_WAITING = 8          # a tenant's large bodies waiting for its parse slot; one more is a 429
 MAX_PARSE_TOTAL = 64           # large bodies parsed or waiting, all tenants; one more is a 429
 # Threads parsing large bodies: one, since json.loads holds the GIL and a second only took it
-# from the event loop more (README: another caller's median 2.8 s with two, 1.5 s with one).
+# from the event loop more (another caller's median latency was about twice as high with two).
 PARSE_THREADS = 1
 REASON_PARSE_WAITING = "tenant_parse_waiting"
 REASON_PARSE_FULL = "parse_queue_full"

@@ -2,12 +2,13 @@
 measure, client-side, what each one saw; fold it into a :class:`Report`.
 
 Each request is ``POST {target}/v1/completions`` with the mapped prompt as token ids,
-``stream: true``, ``ignore_eos: true`` and ``max_tokens = max(1, min(output_length,
-max_output_tokens))`` (and ``"prefix_cache": false`` when the pool is off), sent at
-``timestamp / speed`` after the start whether or not earlier requests have finished (open
-loop). TTFT is send → first token event; TBT the gaps between later token events. A request
-whose prompt + ``max_tokens`` exceed the front door's ``max_model_len`` is not sent: it is
-reported as skipped (``context_length_exceeded``).
+``stream: true``, ``ignore_eos: true``, ``temperature: 0`` (greedy, so that set-ups can be
+checked token for token) and ``max_tokens = max(1, min(output_length, max_output_tokens))``
+(and ``"prefix_cache": false`` when the pool is off), sent at ``timestamp / speed`` after
+the start whether or not earlier requests have finished (open loop). TTFT is send → first
+token event; TBT the gaps between later token events. A request whose prompt +
+``max_tokens`` exceed the front door's ``max_model_len`` is not sent: it is reported as
+skipped (``context_length_exceeded``).
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -28,6 +29,7 @@ from scheduler.report import Report, RequestOutcome, summarize
 from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace, select_window
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Sent once in each mode before a comparison, not counted: hash ids far from the trace's, so
 # its tokens share no block with a trace request.
@@ -42,6 +44,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
     base: dict[str, Any] = {"prompt_tokens": prompt_tokens, "trace_blocks": trace_blocks}
     t0 = time.perf_counter()
     times: list[float] = []
+    token_ids: list[int] = []
     cached = 0
     try:
         async with session.post(url, json=body, headers=headers) as resp:
@@ -64,6 +67,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
                     return RequestOutcome("failed", str(event["error"].get("code") or "stream_error"), **base)
                 if event["choices"] and event["choices"][0].get("token_ids"):
                     times.extend([time.perf_counter()] * len(event["choices"][0]["token_ids"]))
+                    token_ids.extend(event["choices"][0]["token_ids"])
                 if event.get("usage"):
                     cached = int(event["usage"]["prompt_tokens_details"]["cached_tokens"])
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -72,7 +76,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
         return RequestOutcome("failed", "no_tokens", **base)
     gaps = tuple(b - a for a, b in zip(times, times[1:]))
     return RequestOutcome("ok", "", times[0] - t0, gaps, prompt_tokens, cached, len(times),
-                          cached // tokens_per_block, trace_blocks)
+                          cached // tokens_per_block, trace_blocks, tuple(token_ids))
 
 
 async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float = 1.0,
@@ -110,7 +114,7 @@ async def replay(target_url: str, requests: Sequence[TraceRequest], speed: float
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bodies: list[dict[str, Any]] = [
         {"prompt": mapping.prompt(r), "max_tokens": max(1, min(r.output_length, max_output_tokens)),
-         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
          **({} if prefix_cache else {"prefix_cache": False})}
         for r in requests]
     fits = [max_model_len is None or len(b["prompt"]) + b["max_tokens"] <= max_model_len for b in bodies]
@@ -209,8 +213,10 @@ async def _prepare(target_url: str, trace_path: str | Path, requests: int | None
     whole = load_trace(trace_path, None if window_s is not None or requests is None else start + requests)
     trace = select_window(whole, start, requests or len(whole), window_s)
     limit = info.get("max_model_len")
+    unique = len({h for r in trace for h in r.hash_ids})
     settings = {"trace": str(trace_path), "requests": len(trace), "start": start, "window_s": window_s,
-                "selection": "contiguous" if window_s is None else "conversations with the most turns in the window"}
+                "selection": "contiguous" if window_s is None else "conversations with the most turns in the window",
+                "distinct_trace_blocks": unique, "working_set_tokens": unique * mapping.tokens_per_block}
     return mapping, trace, int(limit) if limit else None, settings
 
 
@@ -242,6 +248,26 @@ async def run_replay(target_url: str, trace_path: str | Path, *, requests: int |
     report = dataclasses.replace(report, settings={**report.settings, **settings})
     _write_json(json_path, report.to_dict())
     return report
+
+
+async def run_setup_replay(target_url: str, trace_path: str | Path,
+                           snapshot: Callable[[], Awaitable[T]], *, requests: int | None = None,
+                           speed: float = 1.0, max_output_tokens: int = 32, tokens_per_block: int | None = None,
+                           ttft_slo_s: float = DEFAULT_TTFT_SLO_S, tbt_slo_s: float = DEFAULT_TBT_SLO_S,
+                           api_key: str | None = None, seed: int | None = None, start: int = 0,
+                           window_s: float | None = None) -> tuple[Report, T, T]:
+    """One set-up's replay (launcher/vllm_setups.py): as :func:`run_replay` after one
+    :data:`WARM_UP` request, not counted, with ``snapshot()`` taken just before and just after
+    the replay (the instances' counters). Returns (report, before, after); raises as
+    :func:`run_replay`."""
+    mapping, trace, limit, settings = await _prepare(target_url, trace_path, requests, start, window_s,
+                                                     tokens_per_block, seed, api_key)
+    await replay(target_url, [WARM_UP], 1.0, 2, mapping, api_key=api_key, max_model_len=limit)
+    before = await snapshot()
+    report = await replay(target_url, trace, speed, max_output_tokens, mapping, ttft_slo_s=ttft_slo_s,
+                          tbt_slo_s=tbt_slo_s, api_key=api_key, max_model_len=limit)
+    after = await snapshot()
+    return dataclasses.replace(report, settings={**report.settings, **settings}), before, after
 
 
 async def run_comparison(target_url: str, trace_path: str | Path, *, requests: int | None = None,

@@ -15,7 +15,8 @@ class RequestOutcome:
     or "skipped" (never sent: longer than the model's limit); ``code``: the rejection
     reason, the failure (HTTP status or error kind) or why it was skipped;
     ``ttft_s``: send to first token (seconds); ``tbt_s``: gaps between later tokens
-    (seconds); ``cached_blocks``/``trace_blocks``: trace blocks served from cache / in all."""
+    (seconds); ``cached_blocks``/``trace_blocks``: trace blocks served from cache / in all;
+    ``token_ids``: the tokens generated (kept for comparing set-ups, not reported)."""
 
     status: str
     code: str = ""
@@ -26,6 +27,7 @@ class RequestOutcome:
     completion_tokens: int = 0
     cached_blocks: int = 0
     trace_blocks: int = 0
+    token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         """Served within both SLOs: TTFT <= ``ttft_slo_s`` and mean TBT <= ``tbt_slo_s``

@@ -74,9 +74,9 @@ def body_limit(max_model_len: int) -> int:
 async def receive_body(request: web.Request, timeout_s: float | None = None) -> tuple[bytes, str | None]:
     """The request's body as sent, and its ``Content-Encoding`` (None: identity). It must
     arrive whole within ``timeout_s`` (None: :data:`BODY_TIMEOUT_S`) of the handler asking
-    for it, which the front doors do as soon as the head is whole: a client that sent a head
-    and part of its body, then waited, used to hold its connection for good (the connection
-    guard never closes one with a request in progress). Raises APIError: 400 when it cannot
+    for it, which the front doors do as soon as the head is whole: otherwise a client that sent a
+    head and part of its body, then waited, would hold its connection for good (the
+    connection guard never closes one with a request in progress). Raises APIError: 400 when it cannot
     be read (a connection cut mid-body), 408 ``request_timeout`` past the deadline (with
     ``Connection: close``: the connection is closed once that answer is sent), 413 over the
     application's ``client_max_size`` as sent."""
@@ -216,9 +216,9 @@ class TokenClock:
 class StreamWriter:
     """A streamed response's server-sent events, written by a task of their own: :meth:`send`
     queues an event and returns at once, so the engine's stream is read at the engine's
-    pace whatever the client's (a client that stopped reading used to block the front door's
-    reads, and so the engine's gRPC worker: 16 such clients froze a decode engine for
-    every tenant). What a slow client has not read waits here (a request's events: at most
+    pace whatever the client's (a client that stops reading would otherwise block the front
+    door's reads, and so the engine's gRPC worker: 16 such clients would freeze a decode
+    engine for every tenant). What a slow client has not read waits here (a request's events: at most
     its ``max_tokens``). A client that accepts no bytes for ``timeout_s`` is dropped;
     after a failed write :attr:`gone` is True and :meth:`send` raises ConnectionResetError,
     which ends the request (its engine stream is closed, so the engine stops it)."""

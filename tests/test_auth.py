@@ -244,7 +244,8 @@ def test_kvstore_up_ports_refuse_a_tokenless_caller(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (STORE_TOKEN_ENV, ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV)}
     env["PYTHONPATH"] = str(ROOT)
     data = tmp_path / "up"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir", str(data),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--engine", "builtin", "--port", "0",
+                             "--data-dir", str(data),
                              "--dram", "32MiB", "--ssd", "32MiB", "--api-key", "sk-up"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

@@ -1,7 +1,7 @@
 """Every benchmark script that parses arguments starts: ``--help`` runs its module-level
 imports (its helpers included) and prints its usage. ``make bench`` runs them only on request, so a helper
-moved or renamed (bench_vllm.py imported ``free_port`` from a module that no longer had it,
-from 3475fc0 until it was found in a full ``make bench``) would otherwise fail unseen."""
+moved or renamed (an import of a helper from a module that no longer has it) would otherwise
+fail unseen until a full ``make bench``."""
 from __future__ import annotations
 
 import subprocess

@@ -129,9 +129,9 @@ def test_a_node_finding_another_lifes_record_at_start_tells_a_dead_life_from_a_l
 
 @pytest.mark.parametrize("make,token", [("local", None), ("redis", None), ("redis", "t0ken")])
 def test_a_stop_withdraws_only_its_own_life_and_notes_only_its_own_clean_stop(make, token, request):
-    """A twin stopped before its second beat (so before it stood aside) used to delete the live
-    node's record, which then missed for a beat, and to note a clean stop the health check read
-    as the live node's, so that node's later crash went unreported."""
+    """A twin stopped before its second beat (so before it stood aside) neither deletes the live
+    node's record (which would then miss for a beat) nor notes a clean stop the health check
+    would read as the live node's, hiding that node's later crash."""
     registry = LocalRegistry() if make == "local" else RedisRegistry(request.getfixturevalue("redis_url"), token)
     live = NodeInfo("n1", "127.0.0.1:1", epoch=100)
     registry.register(live, 30.0)
@@ -299,8 +299,8 @@ def test_node_loss_shrinks_lookups_within_ttl_and_generation_completes(redis_url
 # -- two live nodes given one node id ------------------------------------------------------------
 def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_stands_aside(
         redis_url, spawn_store_node, tmp_path):
-    """Each used to overwrite the other's record every beat: readers saw the id flip between
-    two addresses, and half of either node's blocks missed. The node started first keeps the
+    """Neither overwrites the other's record every beat (readers would see the id flip between
+    two addresses, and half of either node's blocks miss): the node started first keeps the
     id; the later one stays out until the first stops, then registers."""
     first, first_addr = spawn_store_node("twin", "--redis", redis_url, *NODE_FLAGS)
     registry = RedisRegistry(redis_url)
@@ -326,8 +326,8 @@ def test_two_live_nodes_with_one_node_id_do_not_take_turns_and_the_later_one_sta
             assert cluster.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
             time.sleep(BEAT_S / 2)
     # The later node publishes no KV events while it stands aside: the replica keeps the live
-    # node's copies (its first NodeCleared, of a later epoch, used to replace them with none,
-    # and the live node's events were skipped as stale from then on).
+    # node's copies (its first NodeCleared, of a later epoch, would replace them with none,
+    # and the live node's events would be skipped as stale from then on).
     deadline = time.monotonic() + 10
     while replica.hits([k for k, _ in blocks]) != {"twin": 8}:
         assert time.monotonic() < deadline, f"the replica sees {replica.hits([k for k, _ in blocks])}"

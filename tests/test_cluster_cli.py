@@ -19,7 +19,8 @@ TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
 @pytest.mark.slow
 def test_up_with_three_store_nodes_replays_through_the_cluster(tmp_path, redis_server):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--store-nodes", "3", "--replay", str(TRACE),
+    proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--engine", "builtin", "--store-nodes", "3",
+                           "--replay", str(TRACE),
                            "--requests", "8", "--speed", "8", "--contiguous", "--no-compare", "--port", "0",
                            "--dram", "32MiB", "--ssd", "0",
                            "--data-dir", str(tmp_path / "up"), "--json", str(out)],

@@ -1,6 +1,6 @@
 """A cluster's store nodes as the front door checks them (kvstore/cluster/health.py): a node
 that stops answering is down by name, and so is one whose record lapsed without a clean
-stop — it used to vanish from the listing and the front door said ``ok`` (new-user review:
+stop — it does not vanish from the listing while the front door says ``ok`` (as after
 ``kill -STOP`` on one of ``--store-nodes 2``). A node stopped cleanly leaves no problem
 behind. Real store node processes and a real Redis (the front door's /health over a cluster:
 tests/test_status_feed_cluster.py)."""

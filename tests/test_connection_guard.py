@@ -256,9 +256,9 @@ async def _upload(port: int, seconds: float, body_s: float) -> tuple[bytes, byte
 
 
 def test_a_flood_of_empty_connections_does_not_cut_an_upload() -> None:
-    """At the bound, bare connections (nothing sent, no key) used to close the oldest one: a
-    body arriving steadily over 10 s was cut at 4.4 s by 8 of them. Now a connection that has
-    sent nothing goes first, so they close each other and the upload is served."""
+    """At the bound, bare connections (nothing sent, no key) do not close the oldest one (a
+    body arriving steadily over 10 s would be cut by 8 of them): a connection that has sent
+    nothing goes first, so they close each other and the upload is served."""
     async def run() -> None:
         guard = ConnectionGuard(max_connections=4, idle_timeout_s=60, head_timeout_s=10)
         runner, port = await _serve(guard)
@@ -284,7 +284,7 @@ def test_a_flood_of_empty_connections_does_not_cut_an_upload() -> None:
 def test_over_the_bound_the_quietest_goes_and_a_steady_upload_last() -> None:
     """With every slot holding something that has sent bytes, a new connection closes the
     one silent longest: a stalled request head, then an idle keep-alive connection, and not a
-    body still arriving, though that began first (the guard used to close it)."""
+    body still arriving, though that began first."""
     async def run() -> None:
         guard = ConnectionGuard(max_connections=3, idle_timeout_s=60, head_timeout_s=10)
         runner, port = await _serve(guard)

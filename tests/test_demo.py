@@ -1,4 +1,4 @@
-"""``kvstore up --replay`` as ``make demo`` runs it, on 20 requests: the stack started as
+"""``kvstore up --engine builtin --replay`` on 20 requests: the stack started as
 separate processes (``python -m launcher up``), the conversations with the most turns in the
 window replayed twice on the same engines — pool on, then pool off (every prompt recomputed)
 — the two side by side, the JSON report and the PNG plots."""
@@ -19,9 +19,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.slow
 def test_demo_replays_20_requests_with_the_pool_on_and_off(tmp_path):
     out, plots = tmp_path / "demo.json", tmp_path / "plots"
-    proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--replay", str(TRACE), "--requests", "20",
-                           "--speed", "10", "--port", "0", "--data-dir", str(tmp_path / "up"), "--json", str(out),
-                           "--plots", str(plots)], cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
+    proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--engine", "builtin", "--replay", str(TRACE),
+                           "--requests", "20", "--speed", "10", "--port", "0", "--data-dir", str(tmp_path / "up"),
+                           "--json", str(out), "--plots", str(plots)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     pool, off = report["pool"], report["recompute"]

@@ -1,10 +1,16 @@
-"""The design docs stay true as code moves: every relative link in README.md and docs/*.md
+"""The docs stay true as code moves: every relative link in README.md and docs/*.md
 points at a file that exists, and every repository path named in backticks in docs/ (like
 ``kvstore/pool.py`` or ``tests/test_keys.py::test_x``) exists, and no code or test cites the
-design files a clone does not have (docs/README.md says why)."""
+design files a clone does not have (docs/README.md says why). The README stays a front page
+(at most 300 lines; every other topic has its home in docs/), nothing in the product speaks
+of its development history, and the benchmark figures are the tables benchmarks/report.py
+generates from benchmarks/results/*.json."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +128,85 @@ def test_tests_name_the_behaviour_they_check() -> None:
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tests").glob("*.py")) if p.name != "test_docs.py"
             for n, line in enumerate(p.read_text().splitlines(), 1) if numbered.search(line)]
     assert not hits, f"name the behaviour instead: {hits}"
+
+
+README_MAX_LINES = 300
+# The project's development history, which belongs to `git log`: numbered work sessions,
+# numbered issues or stops, and what the product did in the past.
+HISTORY = re.compile(r"\bsession [0-9]|\bissue [0-9#]|\bstop [0-9]|\bused to\b", re.I)
+# A commit named in prose (outside code spans and blocks): 7 to 40 hex digits, letters and digits both.
+COMMIT = re.compile(r"(?<![-\w])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+PRODUCT_DIRS = ("kvstore", "engines", "scheduler", "launcher", "tests", "benchmarks", "protos", "configs", "docs")
+
+
+def history_in(text: str) -> list[str]:
+    """The phrases of ``text`` that speak of the development history, and the commits its prose
+    names (a commit inside backticks, such as a benchmark's provenance, is not history)."""
+    prose = re.sub(r"`[^`\n]*`", "", _prose(text))
+    return [m.group(0) for m in HISTORY.finditer(text)] + COMMIT.findall(prose)
+
+
+def test_the_readme_is_a_front_page() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move topics to docs/ (at most {README_MAX_LINES})"
+
+
+def test_no_page_code_or_test_speaks_of_the_development_history() -> None:
+    files = [p for d in PRODUCT_DIRS for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".md", ".toml", ".proto") and p.name != "test_docs.py"]
+    files += [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
+    hits = []
+    for p in files:
+        text = p.read_text(errors="replace")
+        found = history_in(text) if p.suffix == ".md" else [m.group(0) for m in HISTORY.finditer(text)]
+        hits += [f"{p.relative_to(ROOT)}: {h!r}" for h in found]
+    assert len(files) > 100 and not hits, f"speak of the product as it is (its history is git log): {hits}"
+
+
+def test_the_history_check_catches_what_it_should() -> None:
+    page = ("Measured in session 39, fixed in 5a11e9c; the node used to crash (issue 14, stop 3).\n"
+            "A session token, `3475fc0ab`, the TTFT p50, key-0123456789abcdef, reused tokens.\n"
+            "```\ncommit 8ddf783 in a code block\n```\n")
+    assert history_in(page) == ["session 3", "used to", "issue 1", "stop 3", "5a11e9c"]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_tables_are_generated_from_the_results() -> None:
+    """docs/benchmarks.md's tables and the README's headline are what benchmarks/report.py
+    makes of benchmarks/results/*.json (a recorded figure stands only where its JSON is
+    absent); each benchmark of docs/benchmarks.md has its table."""
+    report = _report()
+    stale = [str(path.relative_to(ROOT)) for path, text in report.generate().items() if path.read_text() != text]
+    assert not stale, f"run python benchmarks/report.py: stale tables in {stale}"
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    for name in sorted(scripts):
+        assert name in doc, f"docs/benchmarks.md has no section for {name}.py"
+    assert {t.name for t in report.TABLES} >= {"pool", "dataplane", "index", "scheduler", "simulate", "vllm",
+                                               "vllm_pd", "vllm_events", "faults", "kill9"}
+
+
+def test_the_report_marks_what_is_not_measured(tmp_path) -> None:
+    """Without a JSON a table says so (or shows the recorded figure with its date); with one it
+    names the run's date, commit and machine, and whether each target held."""
+    report = _report()
+    table = next(t for t in report.TABLES if t.name == "scheduler")
+    report.RESULTS = tmp_path
+    assert "Not measured here" in report.render_table(table, {})
+    rec = {("scheduler", "ratios.decision_p99_ms_64_instances"): ("0.38 ms", "2026-12-06")}
+    recorded = report.render_table(table, rec)
+    assert "0.38 ms (recorded 2026-12-06) | ≤ 1.0 ms | met" in recorded
+    (tmp_path / "scheduler.json").write_text(json.dumps({
+        "ratios": {"decision_p99_ms_64_instances": 1.5},
+        "run": {"date": "2026-12-07", "commit": "0123456789ab", "machine": {"summary": "a test machine"}}}))
+    measured = report.render_table(table, {})
+    assert "Measured 2026-12-07 at commit `0123456789ab` on a test machine." in measured
+    assert "| 1.50 ms | ≤ 1.0 ms | **missed** |" in measured

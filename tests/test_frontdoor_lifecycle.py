@@ -86,8 +86,8 @@ def test_aborting_requests_mid_transfer_releases_everything(cluster, door, url):
 
 
 def test_clients_that_stop_reading_slow_no_one_else(cluster):
-    """20 streaming clients that send a long request and never read — more than the 16
-    threads the engines used to have, each held by a decode stream — leave the decode
+    """20 streaming clients that send a long request and never read — more than 16 spare
+    threads, each held by a decode stream — leave the decode
     engine serving everyone else (it has a thread per admitted stream and 16 to spare), and
     once they hang up their decodes are cancelled."""
     import socket

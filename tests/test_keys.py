@@ -79,7 +79,7 @@ def test_writer_and_reader_processes_agree_over_grpc(store_node, writer_seed, re
 
 
 def _reference_keys(tokens: list[int], block_size: int, extras_bytes: bytes) -> list[bytes]:
-    """The key spec written again from README.md ("Block keys (key spec v1)"), SHA-256."""
+    """The key spec written again from docs/key-spec.md (section 1), SHA-256."""
     parent = hashlib.sha256(b"kvstore.root.v1" + extras_bytes).digest()
     keys = []
     for i in range(len(tokens) // block_size):
@@ -103,8 +103,8 @@ def _int_value(v: int) -> bytes:
     return _lp(b"\x03", str(v).encode())
 
 
-def test_readme_layout_reproduces_the_keys() -> None:
-    """Another implementation following the README's byte layout gets the same keys."""
+def test_key_spec_layout_reproduces_the_keys() -> None:
+    """Another implementation following docs/key-spec.md's byte layout gets the same keys."""
     extras = KeyExtras(model="llama", revision="r2", layout=KVLayout("bfloat16", 32, 8, 128, 16),
                        adapter="lora-x", adapter_version=None, salt="s", mm_hashes=("img", b"\x01"),
                        namespace="key-1", other=(None, 7, 1.5, True, ("a",)))

@@ -1,6 +1,6 @@
 """Membership records are sealed with the store token: whoever can write to the cluster's Redis
 but holds no token cannot list a node of its own, so engines, the scheduler and kvctl never
-send it the store token (a forged record used to receive it in the first call); a record
+send it the store token (a forged record would receive it in the first call); a record
 replayed after its TTL, or an earlier one written back over the live one, is refused; no
 value stops the listing of the others."""
 from __future__ import annotations

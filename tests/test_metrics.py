@@ -144,7 +144,7 @@ def test_metrics_port_in_use_is_a_clear_error(node, tmp_path):
 
 def test_idle_connections_to_a_metrics_port_hold_no_thread_for_long():
     """A caller without the token that opens connections and never finishes a request (300
-    used to hold 300 threads for good) is closed after the idle timeout, and past
+    of them would otherwise hold 300 threads for good) is closed after the idle timeout, and past
     ``max_connections`` at once; a scrape with the token still gets through."""
     import socket
     import threading

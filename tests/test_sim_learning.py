@@ -128,7 +128,7 @@ def test_presets_are_the_readme_experiments():
     assert col[2].chunked_prefill_tokens == 512
     assert [c.pool_dram_tokens for c in preset_runs("capacity")][-1] is None
     assert "pool_dram_tokens=0" in describe("fig5", fig5) and describe("fig5", fig5).startswith("preset fig5 —")
-    # fig5 takes --speed (the README's 1.2x row is one command); overload sets its own
+    # fig5 takes --speed (the 1.2x run is one command); overload sets its own
     busier = preset_runs("fig5", SimConfig(speed=1.2))
     assert {c.speed for c in busier} == {1.2} and "speed=1.2" in describe("fig5", busier)
     assert {c.speed for c in preset_runs("overload", SimConfig(speed=1.2))} == {2.0}
@@ -160,8 +160,8 @@ def test_kvstore_simulate_preset_prints_its_set_up_with_its_results():
 
 def test_a_preset_sweeps_its_own_cluster_and_names_every_flag_it_sets(tmp_path):
     # The plots' sweeps of a preset run on the preset's cluster: overload's "none" run at
-    # speed 2 and the sweep's point at speed 2 are one configuration (the sweep used to run
-    # the default 8P+8D cluster with a pool).
+    # speed 2 and the sweep's point at speed 2 are one configuration (not the default 8P+8D
+    # cluster with a pool).
     out = tmp_path / "sim.json"
     run = subprocess.run([sys.executable, "-m", "launcher", "simulate", "--preset", "overload", "--requests", "200",
                           "--plots", str(tmp_path / "plots"), "--sweep-speeds", "2", "--sweep-pool-tokens", "inf",

@@ -99,10 +99,10 @@ def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
 
 
 def test_kvstore_up_never_wipes_a_running_stack_or_an_unmarked_directory(tmp_path) -> None:
-    """A directory holding logs/ and store/ but no mark is someone's (it used to be taken
-    for an old kvstore up's and wiped); a directory a running kvstore up holds is refused
-    whole (a second kvstore up used to wipe the first one's tokens and blocks); a link to a
-    directory is that directory."""
+    """A directory holding logs/ and store/ but no mark is someone's (never taken for an old
+    kvstore up's and wiped); a directory a running kvstore up holds is refused whole (a second
+    kvstore up never wipes the first one's tokens and blocks); a link to a directory is that
+    directory."""
     import subprocess
     import sys
     from pathlib import Path

@@ -231,8 +231,8 @@ def test_unreachable_node_is_unavailable() -> None:
 
 
 def test_a_put_chunk_that_does_not_parse_is_refused_and_the_server_still_stops(make_dram) -> None:
-    """A client-streamed message that does not parse used to leave the call unfinished in
-    gRPC, and ``server.stop()`` then hung forever (found by tests/test_fuzz_store_grpc.py)."""
+    """A client-streamed message that does not parse is refused, not left unfinished in gRPC,
+    so ``server.stop()`` does not hang (a case tests/test_fuzz_store_grpc.py can reach)."""
     import threading
     pool = KVPool([make_dram(1 << 20)])
     server, port = serve_store(pool)

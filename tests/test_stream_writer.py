@@ -78,9 +78,9 @@ def test_a_client_that_stops_reading_never_blocks_sends_and_is_dropped() -> None
 async def _abandon_at_each_step(steps: int) -> list[int]:
     """A handler sends one event and abandons its writer ``steps`` loop iterations later, for
     every ``steps`` in range(steps): where the write completes and the pump's cancellation
-    land in one iteration, Python 3.11's ``asyncio.wait_for`` used to swallow the cancel,
-    the pump lived on, and abandon() (so the request, its in-flight count and the server's
-    shutdown) waited for good. Returns the step counts at which abandon() took over 2 s."""
+    land in one iteration, Python 3.11's ``asyncio.wait_for`` can swallow the cancel, so
+    the pump would live on and abandon() (so the request, its in-flight count and the
+    server's shutdown) would wait for good. Returns the step counts at which abandon() took over 2 s."""
     hung: list[int] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:

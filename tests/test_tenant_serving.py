@@ -1,4 +1,4 @@
-"""Per-tenant accounting and quotas on served traffic (issue 14), end to end: two tenants (API
+"""Per-tenant accounting and quotas on served traffic, end to end: two tenants (API
 keys) send prompts through the real HTTP front door to real prefill and decode engines of the
 tiny model, over a real store node process (``kvstore serve``, the engines on its same-host
 data path); ``kvctl namespaces --json`` shows each tenant's blocks, bytes and hits, and a quota

@@ -57,7 +57,8 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
     env = {**os.environ, "PYTHONPATH": str(root)}
     for name in ("KVSTORE_REDIS_URL", "KVSTORE_EVENTS_URL"):
         env.pop(name, None)
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--engine", "builtin",
+                             "--host", "127.0.0.1",
                              "--port", str(port), "--data-dir", str(tmp_path / "up"), "--dram", "64MiB",
                              "--ssd", "64MiB", "--service-ports", str(first)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

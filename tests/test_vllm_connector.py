@@ -232,7 +232,7 @@ def test_a_fine_tune_with_the_same_directory_name_and_config_loads_none_of_the_o
         engines, store, model_dir, tmp_path) -> None:
     """Two checkpoints saved as ``.../tiny-llama`` with one config.json but other weights (two
     fine-tunes of one base, each saved as ``checkpoint-1000``): their keys differ, so the second
-    computes its own KV (it used to load the first's, cached 4 blocks, and answer other tokens)."""
+    computes its own KV (loading the first's would answer other tokens)."""
     from engines.vllm.checkpoint import write_checkpoint
     pool, address = store
     other = write_checkpoint(str(tmp_path / "fine-tune" / "tiny-llama"), "tiny", seed=1, max_model_len=1024)
@@ -302,7 +302,7 @@ def test_a_lora_requests_kv_is_keyed_apart_from_the_base_models(model_dir, store
 
 def test_a_wrong_token_or_a_block_no_tier_holds_stops_vllm_at_start_with_its_cause(
         model_dir, spawn_store_node, tmp_path) -> None:
-    """Each used to start and serve with every request a miss (a warning per request): the
+    """Neither starts to serve with every request a miss (a warning per request): the
     connector asks the node once at start."""
     _, guarded = spawn_store_node("node-token", "--dram", "8MiB", "--ssd", "0", "--transfer-engine", "off",
                                   "--auth-token", "right-token")

@@ -201,8 +201,8 @@ def test_only_what_the_connector_keys_alike_is_kept(wire) -> None:
 
 def test_a_batch_that_cannot_be_applied_drops_the_hits_and_the_bridge_goes_on() -> None:
     """Fed by hand (no sockets: the seqs are the test's alone), batches that cannot be read
-    or applied whole each drop the hits, the bridge's seq moves on (it used to wedge,
-    replaying the bad batch forever), and the next good batch is applied."""
+    or applied whole each drop the hits, the bridge's seq moves on (it never wedges
+    replaying the bad batch), and the next good batch is applied."""
     import msgspec
     from vllm.distributed.kv_events import KVEventBatch
     layout = PagedLayout("tiny", "r1", KVLayout(dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,

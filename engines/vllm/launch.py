@@ -29,6 +29,7 @@ from kvstore.errors import InvalidArgument, Unavailable
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SERVED_MODEL_NAME = "kvstore-vllm"
+BLOCK_SIZE = 32        # tokens per block: the default of every instance here (vLLM-CPU needs a multiple of 32)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class VLLMServerSpec:
     (tokens); ``prefix_caching`` (vLLM's own prefix cache); ``kv_events``: (PUB, replay)
     ZeroMQ endpoints where vLLM publishes its prefix cache's KV events (None: none;
     :func:`ipc_endpoints`; read by :mod:`scheduler.vllm_events`); ``cpus``: cores to pin the
-    server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype."""
+    server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype;
+    ``connector``: False serves plain vLLM, no kvstore connector (the baselines of
+    ``kvstore up``'s comparison: ``store`` and ``store_token`` are then unused)."""
 
     model_dir: str
     port: int
@@ -48,7 +51,7 @@ class VLLMServerSpec:
     store: str = "127.0.0.1:50051"
     redis: str | None = None
     host: str = "127.0.0.1"
-    block_size: int = 32
+    block_size: int = BLOCK_SIZE
     kv_cache_bytes: int = 256 << 20
     max_model_len: int = 4096
     prefix_caching: bool = False
@@ -57,6 +60,7 @@ class VLLMServerSpec:
     dtype: str = "float32"
     store_token: str | None = None
     api_key: str | None = None      # vLLM's own API key (VLLM_API_KEY): only its holder may call /v1
+    connector: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -82,8 +86,9 @@ class VLLMServerSpec:
                "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
-               "--disable-uvicorn-access-log"]
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+        if self.connector:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if self.kv_events:

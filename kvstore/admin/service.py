@@ -196,7 +196,7 @@ def admin_service(pool: Any, control: NodeControl,
 def _namespace_filter(request: apb.ListBlocksRequest | apb.FlushRequest) -> str | None:
     """A call's namespace filter: None (every block), "" (blocks no tenant owns) or a
     namespace as every other call takes it. Raises InvalidArgument for a name no tenant can
-    have (it used to match nothing, quietly)."""
+    have (rather than matching nothing, quietly)."""
     if not request.HasField("namespace"):
         return None
     return check_namespace(request.namespace) if request.namespace else ""

@@ -119,9 +119,9 @@ class PublishingIndex(PrefixIndex):
     ``speaking``: False keeps the events unpublished (numbered all the same) until
     :meth:`speak`: a store node in a cluster speaks for its node id only while it holds the id
     in the membership registry (kvstore/cluster/agent.py). A second node started with a live
-    node's id stands aside there; its events, of a later epoch, used to take the id's place
-    in every replica, which then dropped the live node's copies and skipped its events as
-    stale, and the twin's stop cleared them again.
+    node's id stands aside there and publishes nothing: its events, of a later epoch, would
+    take the id's place in every replica, which would then drop the live node's copies and
+    skip its events as stale, and the twin's stop would clear them again.
     """
 
     def __init__(self, node_id: str, channel: EventChannel, capacity: int = 1024, *,

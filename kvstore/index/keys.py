@@ -11,8 +11,8 @@ single-tenant deployments (16-byte keys). The hash function's name and the spec 
 fields of the extras, so keys made under different configurations never match. The extras
 encoding is tagged and length-prefixed (see :func:`encode_extras`), so two different field
 tuples never encode to the same bytes. Nothing here depends on Python's ``hash()``: keys are
-equal across processes, hosts and restarts whatever ``PYTHONHASHSEED`` is. README.md,
-"Block keys (key spec v1)", documents the same bytes for other implementations.
+equal across processes, hosts and restarts whatever ``PYTHONHASHSEED`` is. docs/key-spec.md
+documents the same bytes for other implementations.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What crosses a store node's wires, in one place (issue 15, "one contract per wire"):
+"""What crosses a store node's wires, in one place (one contract per wire):
 
 - :mod:`kvstore.wire.types`: the write-and-lease contract, the domain types every wire carries;
 - :mod:`kvstore.wire.proto_codec`: the gRPC API's messages (protos/kvstore.proto) ↔ those types;

@@ -64,7 +64,7 @@ def add_simulate_flags(p: argparse.ArgumentParser, default_trace: str) -> None:
     p.add_argument("--trace", default=default_trace, help="Mooncake-format JSONL trace")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="run a named experiment (its set-up is printed with its results; it fixes the cluster, "
-                        "policies, admission and pool flags); see the README's simulator table")
+                        "policies, admission and pool flags); see docs/simulator.md")
     p.add_argument("--oracle", action="store_true",
                    help="the Conductor's predictors are the cost model's exact means, frozen (default: seeded "
                         "from a profiling pass and learned online from noisy observations)")

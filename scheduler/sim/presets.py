@@ -1,6 +1,6 @@
 """The simulator's experiments by name (``kvstore simulate --preset NAME``): each is a list of
 runs, the set-ups of Mooncake's experiments that ``benchmarks/bench_simulate.py`` reports,
-so that every row of the README's table is one command. Every preset runs on 8xA800 nodes
+so that every row of docs/simulator.md's table is one command. Every preset runs on 8xA800 nodes
 serving LLaMA3-70B (``configs/``), TTFT SLO 30 s, the whole conversation trace at its own
 rate unless said otherwise (a flag a preset sets itself is refused with a message; fig5 and
 fig5-hbm take ``--speed``); the engines' variance and the learned predictors are the
@@ -12,9 +12,9 @@ defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the pred
   "about 3 million tokens"; §5.3.2: "each node ... has a 3M token capacity"); the Conductor
   may fetch a prefix from a peer's; every policy (the paper's baselines, the peer routers of
   docs/routers.md: NVIDIA Dynamo's KV router, llm-d's scheduler, SGLang's cache_aware);
-  average TTFT; at the trace's own rate, or ``--speed``'s (the README's 1.2× row: ``--preset fig5 --speed 1.2``).
+  average TTFT; at the trace's own rate, or ``--speed``'s (the 1.2× run: ``--preset fig5 --speed 1.2``).
 * ``fig5-hbm`` — ``fig5`` with each prefill node's cache in its HBM alone (1.33M tokens on
-  8xA800: the KV room beside the weights), fig5's earlier set-up, kept for comparison.
+  8xA800: the KV room beside the weights), for comparison.
 * ``colocated`` — disaggregated (8P + 8D, a pool of 1 TiB DRAM per prefill node) against
   colocated (16 instances each prefilling and decoding, a prefill pausing decode), and
   colocated with 512-token chunked prefill; the Conductor; TBT SLO 100 ms.

@@ -12,7 +12,7 @@ does the same, so that the Conductor is measured as it would run:
   the live router's fit of its engines' own pass at start); the online fits then refine
   them from every prefill and decode segment the run observes (noisy, stragglers included);
 * ``oracle``: the cost model's exact mean coefficients, frozen (no learning) — the perfect
-  predictors the simulator used to hand the Conductor, kept for comparison.
+  predictors, for comparison.
 """
 from __future__ import annotations
 

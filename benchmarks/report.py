@@ -1,0 +1,282 @@
+"""The figures of docs/benchmarks.md and the README's headline table, generated from
+benchmarks/results/*.json (kept in the repository: a benchmark run is committed with the
+tables it gives).
+
+    python benchmarks/report.py           # rewrite every table between its markers
+    python benchmarks/report.py --check   # exit 1, naming the tables, when one is not what the JSONs give
+
+Each table sits between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->``; above its rows
+it names the date, the commit and the machine of its JSON (``run``, written by
+``benchmarks/run_info.py``). A benchmark without a JSON here is "not measured"; where
+docs/benchmarks.md's recorded table (``<!-- recorded -->``) holds an earlier figure of it,
+that figure is shown with its date instead, and the row leaves the recorded table as soon as
+the benchmark's JSON exists (one home per figure).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    path: str           # dotted path into the JSON: "ratios.get_1MiB_vs_mooncake"
+    label: str
+    target: str = ""    # as text: "≥ 3", "≤ 0.5", "0" (must be 0)
+    fmt: str = "{:.3g}"
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str           # the marker's name and the JSON's stem
+    rows: tuple[Row, ...]
+
+
+def _r(path: str, label: str = "", target: str = "", fmt: str = "{:.3g}") -> Row:
+    return Row(path, label or f"`{path.rsplit('.', 1)[-1]}`", target, fmt)
+
+
+INT, MS, GBPS, TWO = "{:,.0f}", "{:.0f} ms", "{:.2f} GB/s", "{:.2f}"
+VLLM_SETUPS = (("recompute", "recompute"), ("kvstore", "kvstore"), ("mooncake", "Mooncake Store connector"),
+               ("lmcache", "LMCache MP connector"))
+TABLES: tuple[Table, ...] = (
+    Table("pool", (_r("ratios.dram_get_1MiB_vs_copyto", target="≥ 0.5", fmt=TWO),
+                   _r("ratios.dram_put_1MiB_vs_copyto", target="≥ 0.5", fmt=TWO),
+                   _r("ratios.ssd_get_1MiB_vs_lmdb_raw", target="≥ 0.5", fmt=TWO),
+                   _r("ratios.dram_batch_64KiB_blocks_per_s", target="≥ 50,000", fmt=INT),
+                   _r("ratios.hbm_get_1MiB_vs_copyto", fmt=TWO))),
+    Table("dataplane", (_r("ratios.get_1MiB_vs_mooncake", target="≥ 3", fmt=TWO),
+                        _r("ratios.put_1MiB_vs_mooncake", target="≥ 3", fmt=TWO),
+                        _r("ratios.get_16MiB_vs_mooncake", target="≥ 3", fmt=TWO),
+                        _r("ratios.get_1MiB_vs_redis", target="≥ 5", fmt=TWO),
+                        _r("ratios.put_1MiB_vs_redis", target="≥ 5", fmt=TWO),
+                        _r("ratios.batch_64KiB_vs_mooncake", target="≥ 5", fmt=TWO),
+                        _r("ratios.get_1MiB_vs_copyto", target="≥ 0.4", fmt=TWO),
+                        _r("ratios.te_tcp_get_16MiB_vs_mooncake", target="≥ 1", fmt=TWO),
+                        _r("ratios.get_1MiB_single_vs_redis_pipelined", fmt=TWO),
+                        _r("ratios.put_1MiB_single_vs_redis_pipelined", fmt=TWO))),
+    Table("te_probe", (_r("te_tcp_get_into_best_gbps", fmt=GBPS), _r("te_tcp_get_bytes_best_gbps", fmt=GBPS),
+                       _r("te_raw_read_best_gbps", fmt=GBPS), _r("grpc_stream_get_best_gbps", fmt=GBPS),
+                       _r("te_vs_grpc_stream", fmt=TWO))),
+    Table("index", (_r("ratios.keys_vs_raw_sha256", target="≥ 0.8", fmt=TWO),
+                    _r("ratios.lookup_block_probes_per_s", target="≥ 1,000,000", fmt=INT),
+                    _r("ratios.lookup_vs_raw_dict", fmt=TWO),
+                    _r("ratios.bytes_per_indexed_block", target="≤ 300", fmt=INT),
+                    _r("ratios.event_lag_p99_ms", target="≤ 10 ms", fmt="{:.2f} ms"),
+                    _r("figures.event_lag_p50_ms", fmt="{:.2f} ms"))),
+    Table("scheduler", (_r("ratios.decision_p99_ms_64_instances", target="≤ 1.0 ms", fmt="{:.2f} ms"),
+                        _r("ratios.decision_p99_ms_16_instances", fmt="{:.2f} ms"),
+                        _r("ratios.decision_p50_ms_64_instances", fmt="{:.2f} ms"),
+                        _r("ratios.match_share_of_decision_p50_64", fmt=TWO))),
+    Table("simulate", tuple(
+        [_r(f"ratios.{k}", f"`{k}` (mean of seeds 0–9)", t, "{:.3f}") for k, t in (
+            ("conductor_vs_least_loaded_avg_ttft", "≤ 0.55"), ("conductor_vs_local_cache_aware_avg_ttft", "≤ 0.85"),
+            ("rejected_predictive_vs_current", "≤ 0.86"), ("wasted_prefill_predictive_vs_current", "≤ 0.6"))]
+        + [_r(f"ratios_oracle.{k}", f"`{k}`, oracle predictors", fmt="{:.3f}") for k in (
+            "conductor_vs_least_loaded_avg_ttft", "conductor_vs_local_cache_aware_avg_ttft",
+            "rejected_predictive_vs_current", "wasted_prefill_predictive_vs_current")]
+        + [_r("ratios.rejected_predictive_vs_late", fmt="{:.3f}"), _r("ratios.rejected_current_vs_late", fmt="{:.3f}"),
+           _r("ratios.capacity_disagg_vs_colocated_tbt100ms", fmt="{:.3f}"),
+           _r("ratios.unbounded_pool_hit_vs_best_possible", fmt="{:.3f}"),
+           _r("ratios.wall_s_full_trace_conductor", target="≤ 30 s", fmt="{:.1f} s")])),
+    Table("vllm", tuple(
+        [_r(f"setups.{k}.ttft_reuse_p50_ms", f"{label}: TTFT p50, requests with a reusable prefix", fmt=MS)
+         for k, label in VLLM_SETUPS]
+        + [_r(f"setups.{k}.load_ms_per_block", f"{label}: load per block", fmt="{:.2f} ms")
+           for k, label in VLLM_SETUPS[1:]]
+        + [_r("ratios.ttft_hit_vs_recompute", target="≤ 0.5", fmt="{:.3f}"),
+           _r("ratios.ttft_hit_vs_mooncake_connector", target="≤ 0.8", fmt="{:.3f}"),
+           _r("ratios.ttft_hit_vs_lmcache_connector", target="≤ 0.8", fmt="{:.3f}"),
+           _r("ratios.ttft_hit_p99_vs_mooncake_connector", fmt="{:.3f}"),
+           _r("ratios.load_ms_per_block_vs_mooncake_connector", fmt="{:.3f}")])),
+    Table("vllm_pd", tuple(
+        [_r(f"results.{t}.{k}", f"{t}: {label}", fmt=f) for t in ("disaggregated", "colocated") for k, label, f in (
+            ("completed", "completed", INT), ("rejected", "rejected (429)", INT), ("itl_p99_s", "ITL p99", "{:.3f} s"),
+            ("ttft_p50_s", "TTFT p50", "{:.2f} s"), ("goodput_rps", "goodput", "{:.3f} req/s"),
+            ("output_tokens_per_s", "output tokens/s", "{:.1f}"))]
+        + [_r("ratios.itl_p99_disagg_vs_colocated", target="≤ 0.5", fmt="{:.3f}"),
+           _r("ratios.goodput_disagg_vs_colocated", target="≥ 1.2", fmt="{:.1f}"),
+           _r("ratios.throughput_disagg_vs_colocated", fmt="{:.2f}")])),
+    Table("vllm_events", (_r("stored_blocks_per_s", fmt=INT), _r("stored_tokens_per_s", fmt=INT),
+                          _r("removed_blocks_per_s", fmt=INT), _r("keys_only_blocks_per_s", fmt=INT),
+                          _r("stored_vs_keys_only", fmt=TWO))),
+    Table("faults", (_r("unclean_total", "unclean or 5xx answers, every run", "0", INT),
+                     _r("overload.non_429_failures", "failures other than 429 under overload", "0", INT))),
+    Table("kill9", (_r("cycles", fmt=INT), _r("acked_blocks", "acknowledged blocks", fmt=INT),
+                    _r("wrong_bytes", "blocks with wrong bytes", "0", INT),
+                    _r("lost_acked", "acknowledged blocks lost", "0", INT),
+                    _r("usage_mismatches", "SSD usage against the LMDB file, mismatches", "0", INT))),
+)
+
+# The README's headline: (label, JSON stem, path, target, format).
+HEADLINE: tuple[tuple[str, str, str, str, str], ...] = (
+    ("vLLM TTFT on a prefix hit, kvstore ÷ recompute", "vllm", "ratios.ttft_hit_vs_recompute", "≤ 0.5", "{:.3f}"),
+    ("vLLM TTFT on a prefix hit, kvstore ÷ Mooncake Store connector", "vllm",
+     "ratios.ttft_hit_vs_mooncake_connector", "≤ 0.8", "{:.3f}"),
+    ("vLLM TTFT on a prefix hit, kvstore ÷ LMCache connector", "vllm", "ratios.ttft_hit_vs_lmcache_connector",
+     "≤ 0.8", "{:.3f}"),
+    ("same-host get of 1 MiB, kvstore ÷ Mooncake Store", "dataplane", "ratios.get_1MiB_vs_mooncake", "≥ 3", TWO),
+    ("256 × 64 KiB batched get, kvstore ÷ Mooncake Store", "dataplane", "ratios.batch_64KiB_vs_mooncake", "≥ 5", TWO),
+    ("batched 1 MiB put, kvstore ÷ Redis pipelined", "dataplane", "ratios.put_1MiB_vs_redis", "≥ 5", TWO),
+    ("ITL p99, disaggregated ÷ colocated vLLM", "vllm_pd", "ratios.itl_p99_disagg_vs_colocated", "≤ 0.5", "{:.3f}"),
+    ("Conductor ÷ least-loaded avg TTFT (simulated, Mooncake Fig. 5: 0.58)", "simulate",
+     "ratios.conductor_vs_least_loaded_avg_ttft", "≤ 0.55", "{:.3f}"),
+    ("Conductor decision p99 at 64 prefill instances", "scheduler", "ratios.decision_p99_ms_64_instances", "≤ 1.0 ms",
+     "{:.2f} ms"),
+    ("acknowledged SSD blocks lost over `kill -9` cycles", "kill9", "lost_acked", "0", INT),
+)
+
+RECORDED = re.compile(r"<!-- recorded -->\n(.*?)<!-- /recorded -->\n", re.S)
+ROW = re.compile(r"^\| *`?([a-z_0-9]+)`? *\| *`([^`]+)` *\| *([^|]+?) *\| *([0-9-]+) *\|$")
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def lookup(data: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def recorded(doc: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """(benchmark, path) → (value as written, date) of docs/benchmarks.md's recorded table."""
+    m = RECORDED.search(doc)
+    out = {}
+    for line in (m.group(1).splitlines() if m else []):
+        row = ROW.match(line.strip())
+        if row:
+            out[(row.group(1), row.group(2))] = (row.group(3), row.group(4))
+    return out
+
+
+def _met(value: Any, target: str) -> str:
+    """``met`` or ``**missed**`` for a value (or a recorded figure as text) against a target."""
+    if isinstance(value, str):
+        found = re.match(r"[0-9][0-9,.]*", value)
+        value = float(found.group(0).replace(",", "")) if found else None
+    if not target or not isinstance(value, (int, float)):
+        return ""
+    number = re.search(r"[0-9][0-9,.]*", target)
+    if number is None:
+        return ""
+    bound = float(number.group(0).replace(",", ""))
+    if target.startswith("≥"):
+        ok = value >= bound
+    elif target.startswith("≤"):
+        ok = value <= bound
+    else:
+        ok = value == bound
+    return "met" if ok else "**missed**"
+
+
+def _value(fmt: str, value: Any) -> str:
+    if value is None:
+        return "–"
+    return fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def provenance(data: dict[str, Any] | None, name: str, recorded_rows: bool = False) -> str:
+    if data is None and recorded_rows:
+        return (f"No benchmarks/results/{name}.json here: the figures are the recorded ones "
+                "([Recorded figures](#recorded-figures)).")
+    if data is None:
+        return f"Not measured here: no benchmarks/results/{name}.json."
+    run = data.get("run") or {}
+    machine = (run.get("machine") or {}).get("summary", "machine not recorded")
+    date, commit = run.get("date", "on an unrecorded date"), run.get("commit", "unknown")
+    return f"Measured {date} at commit `{commit}` on {machine}."
+
+
+def render_table(table: Table, rec: dict[tuple[str, str], tuple[str, str]]) -> str:
+    data = load(table.name)
+    some = any((table.name, row.path) in rec for row in table.rows)
+    lines = [provenance(data, table.name, some), "", "| figure | value | target | |", "|---|---|---|---|"]
+    for row in table.rows:
+        if data is not None:
+            value, target = lookup(data, row.path), row.target or "–"
+            lines.append(f"| {row.label} | {_value(row.fmt, value)} | {target} | {_met(value, row.target)} |")
+        elif (table.name, row.path) in rec:
+            value, date = rec[(table.name, row.path)]
+            met = _met(value, row.target)
+            lines.append(f"| {row.label} | {value} (recorded {date}) | {row.target or '–'} | {met} |")
+        else:
+            lines.append(f"| {row.label} | not measured | {row.target or '–'} | |")
+    return "\n".join(lines) + "\n"
+
+
+def render_headline(rec: dict[tuple[str, str], tuple[str, str]]) -> str:
+    lines = ["| figure | latest | target | | measured |", "|---|---|---|---|---|"]
+    for label, name, path, target, fmt in HEADLINE:
+        data = load(name)
+        if data is not None:
+            when, value = (data.get("run") or {}).get("date", "–"), lookup(data, path)
+            lines.append(f"| {label} | {_value(fmt, value)} | {target} | {_met(value, target)} | {when} |")
+        elif (name, path) in rec:
+            value, date = rec[(name, path)]
+            lines.append(f"| {label} | {value} | {target} | {_met(value, target)} | {date} |")
+        else:
+            lines.append(f"| {label} | not measured | {target} | | – |")
+    return "\n".join(lines) + "\n"
+
+
+def render_recorded(doc: str) -> str:
+    """The recorded table less the rows whose benchmark now has a JSON."""
+    m = RECORDED.search(doc)
+    if not m:
+        return doc
+    kept = [line for line in m.group(1).splitlines()
+            if not (ROW.match(line.strip()) and load(ROW.match(line.strip()).group(1)) is not None)]  # type: ignore[union-attr]
+    return doc[:m.start(1)] + "\n".join(kept) + "\n" + doc[m.end(1):]
+
+
+def fill(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- report:{name} -->\n", f"<!-- /report:{name} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"markers {start.strip()} … {end} are missing")
+    head, rest = text.split(start, 1)
+    return head + start + body + end + rest.split(end, 1)[1]
+
+
+def generate() -> dict[Path, str]:
+    doc, readme = DOC.read_text(), README.read_text()
+    rec = recorded(doc)
+    new_doc = render_recorded(doc)
+    for table in TABLES:
+        new_doc = fill(new_doc, table.name, render_table(table, rec))
+    return {DOC: new_doc, README: fill(readme, "headline", render_headline(rec))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a generated table is stale")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in generate().items():
+        if path.read_text() != text:
+            stale.append(str(path.relative_to(ROOT)))
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/report.py", file=sys.stderr)
+        return 1
+    print(("rewrote " + ", ".join(stale)) if stale and not args.check else "tables up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

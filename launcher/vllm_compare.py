@@ -1,0 +1,118 @@
+"""``kvstore up --replay`` over vLLM: the set-ups of launcher/vllm_setups.py run one after
+another on the same trace requests, each replayed through its own front door once its services
+are up and stopped before the next starts; then the side-by-side report, its JSON
+(``--json``) and PNGs (``--plots``: the TTFT CDF of the set-ups, the hit ratio over the
+replay)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import KVStoreError, Unavailable
+from launcher.vllm_setups import COMPARED, SETUPS, RunningSetup, instance_metrics, replay_kwargs, start_setup
+
+
+def kv_bytes_per_token(model_dir: str) -> int | None:
+    """Bytes of KV one token takes in every layer (keys and values; float32, as the
+    instances run), from the checkpoint's ``config.json``; None when it does not say."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def provenance() -> dict[str, Any]:
+    """When, on what and from which commit a figure was measured."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"}
+
+
+def _run_one(args: argparse.Namespace, name: str, model: str, http_port: int, tokens: dict[str, str],
+             keys_file: str | None, step: str):
+    from scheduler.compare_setups import SetupRun, cache_hits
+    from scheduler.replay import run_setup_replay
+    setup = SETUPS[name]
+    print(f"== {step} {setup.label}: {setup.what}", flush=True)
+    running: RunningSetup = start_setup(args, setup, model, http_port, tokens, keys_file,
+                                        os.path.join(args.data_dir, "logs", name))
+    try:
+        print(f"   started in {running.startup_s:.1f} s; replaying", flush=True)
+        report, before, after = asyncio.run(run_setup_replay(
+            running.url, args.replay, lambda: instance_metrics(running), **replay_kwargs(args)))
+    finally:
+        running.stop()
+    b, a = cache_hits(before), cache_hits(after)
+    run = SetupRun(name, setup.label, setup.what, report, {k: a[k] - b[k] for k in a}, dict(running.memory),
+                   running.startup_s)
+    print(f"   {report.completed} of {report.requests_sent} completed in {report.wall_s:.1f} s, "
+          f"TTFT p50 {report.ttft_p50_s or 0:.3f} s", flush=True)
+    return run
+
+
+def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens: dict[str, str],
+                   keys_file: str | None) -> int:
+    """Run every set-up of :data:`COMPARED` on ``--replay``'s requests and print them side by
+    side. Returns 0, 1 when a set-up could not run or completed no request."""
+    from scheduler.compare_setups import SetupComparison, format_setups
+    t0 = time.monotonic()
+    runs = []
+    try:
+        for i, name in enumerate(COMPARED):
+            step = f"set-up {i + 1} of {len(COMPARED)}:"
+            runs.append(_run_one(args, name, model, http_port, tokens, keys_file, step))
+    except (RuntimeError, Unavailable, KVStoreError, OSError) as exc:
+        print(f"kvstore up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopped all services", flush=True)
+    first = runs[0].report.settings
+    per_token = kv_bytes_per_token(model)
+    kv_tokens = args_kv_tokens(args, per_token)
+    settings = {**{k: v for k, v in first.items() if k != "target"}, "model": model,
+                "kv_bytes_per_token": per_token, "instances": args.prefill_instances + args.decode_instances,
+                "topology_kvstore": args.topology, "instance_kv_tokens": kv_tokens,
+                "instance_kv_vs_working_set": (kv_tokens / first["working_set_tokens"]
+                                               if kv_tokens and first.get("working_set_tokens") else None),
+                "wall_s_all_setups": time.monotonic() - t0, **provenance()}
+    comparison = SetupComparison(tuple(runs), settings)
+    print(format_setups(comparison), flush=True)
+    if settings["instance_kv_vs_working_set"]:
+        print(f"each instance's own KV cache holds {kv_tokens:,} tokens: "
+              f"{settings['instance_kv_vs_working_set']:.0%} of the replay's working set "
+              f"({first['working_set_tokens']:,} tokens)", flush=True)
+    print(f"three set-ups in {settings['wall_s_all_setups']:.0f} s", flush=True)
+    if getattr(args, "json", None):
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(comparison.to_dict(), indent=2) + "\n")
+        print(f"report written to {path}", flush=True)
+    if getattr(args, "plots", None):
+        from scheduler.replay_plots import write_plots
+        for png in write_plots(comparison, args.plots):
+            print(f"plot written to {png}", flush=True)
+    return 0 if all(r.report.completed for r in runs) else 1
+
+
+def args_kv_tokens(args: argparse.Namespace, per_token: int | None) -> int | None:
+    """Tokens one instance's own KV cache (``--vllm-kv-cache``) holds."""
+    from kvstore.config import parse_bytes
+    return parse_bytes(args.vllm_kv_cache) // per_token if per_token else None
