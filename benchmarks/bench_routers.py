@@ -40,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, ipc_endpoints, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
@@ -178,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                         "wall_s": time.monotonic() - t0},
            "targets": {"conductor_vs_best_peer_router_ttft_p50_live": "<= 0.9"},
            "ratios": ratios(results) if "conductor" in results else {}, "results": results}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "routers.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_results(RESULTS / "routers.json", out)
     print(json.dumps(out["ratios"], indent=2))
     return 0
 
