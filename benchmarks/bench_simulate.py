@@ -311,7 +311,8 @@ def main() -> int:
     out["ratios_oracle_seed0"] = ratios_of(fig5_oracle, rej_oracle, oracle=True)
     ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
     ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
-    ratios.update({k: sweep["peer_routers"]["ratios"][k]["mean"] for k in peers.RATIOS})
+    ratios.update({k: v["mean"] for k, v in sweep["peer_routers"]["ratios"].items()
+                   if k.startswith("conductor_vs_best_peer_router")})
     out["ratios"] = ratios
     out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
     out["results"] = [r.to_dict() for r in table]
