@@ -32,6 +32,10 @@ runs fig5's Conductor as the live router runs it, fetching no prefix from a peer
 node's cache (``--preset fig5 --no-peer-fetch``), and
 its ratios to the same seeds' baselines (``conductor_no_peer_fetch_vs_*``).
 
+``fig5`` also runs the routers users deploy instead (docs/routers.md: NVIDIA Dynamo's KV
+router, llm-d's scheduler, SGLang's cache_aware) over the same seeds: ``seeds.peer_routers``
+(benchmarks/peer_router_figures.py) and ``ratios.conductor_vs_best_peer_router_*``.
+
 Prints the table and the ratios; writes benchmarks/results/simulate.json and PNG plots.
 ``--quick`` runs the first 2,000 requests only (a smoke test, not the reported figures).
 """
@@ -50,6 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import peer_router_figures as peers  # noqa: E402
 from benchmarks.run_info import write_results  # noqa: E402
 from scheduler.sim import SimConfig, Simulator, plots  # noqa: E402
 from scheduler.sim.command import format_table  # noqa: E402
@@ -58,7 +63,7 @@ from scheduler.sim.workload import load_workload, make_requests  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", *peers.PEERS, "conductor")
 PAPER_FIG5_AVG_TTFT = {"random": 19.65, "least_loaded": 5.27, "local_cache_aware": 3.58, "conductor": 3.07}
 # Requests rejected in arXiv 2407.00079 §7.3, Table 3 (8P+8D, the trace at 2x): the baseline,
 # rejecting after prefill only (our "late"), Early Rejection (on the decode load now, our
@@ -105,7 +110,7 @@ SEED_RATIOS = ("conductor_vs_least_loaded_avg_ttft", "conductor_vs_local_cache_a
 def _one(args: tuple[SimConfig, int | None]) -> dict[str, float]:
     """One run's figures the seed sweep needs (a worker process: plain numbers back)."""
     r, _ = run(*args)
-    return {"ttft_mean_s": r.ttft_mean_s, "rejected": r.rejected_early + r.rejected_late,
+    return {"ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s, "rejected": r.rejected_early + r.rejected_late,
             "wasted_prefill_gpu_s": r.wasted_prefill_gpu_s, "hit_ratio": r.hit_ratio}
 
 
@@ -127,7 +132,7 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
         for setup, preset, b in (("fig5", "fig5", base), ("fig5_oracle", "fig5", oracle),
                                  ("fig5_hbm", "fig5-hbm", base)):
             for cfg in preset_runs(preset, b):
-                if cfg.policy in cache_aware:
+                if cfg.policy in cache_aware or (setup == "fig5" and cfg.policy in peers.PEERS):
                     jobs.append((setup, seed, cfg.policy))
                     cfgs.append(cfg)
         # the Conductor as the live router runs it: no fetch from a peer prefill node's cache
@@ -170,6 +175,7 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
                             for setup, suffix in (("fig5", ""), ("fig5_oracle", "_oracle")) for p in cache_aware},
         "fig5_hbm": {"per_seed": hbm,
                      "ratios": {k: _spread([hbm[str(s)][k] for s in SEEDS]) for k in hbm["0"]}},
+        "peer_routers": peers.sweep_figures(got, SEEDS),
         "fig5_conductor_hit_ratio": _spread([got[("fig5", s, "conductor")]["hit_ratio"] for s in SEEDS]),
         "fig5_no_peer_fetch": {
             "ratios": {k.replace("conductor_", "conductor_no_peer_fetch_", 1): _spread([v[k] for v in nopeer])
@@ -301,10 +307,12 @@ def main() -> int:
     })
     # The headline keys are the seeds' means (one chaotic run is not a measurement); seed 0's
     # single runs stay beside them.
-    out["ratios_seed0"] = dict(ratios)
+    out["ratios_seed0"] = {**ratios, **peers.seed0_ratios(fig5_res)}
     out["ratios_oracle_seed0"] = ratios_of(fig5_oracle, rej_oracle, oracle=True)
     ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
     ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
+    ratios.update({k: v["mean"] for k, v in sweep["peer_routers"]["ratios"].items()
+                   if k.startswith("conductor_vs_best_peer_router")})
     out["ratios"] = ratios
     out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
     out["results"] = [r.to_dict() for r in table]
@@ -340,6 +348,7 @@ def main() -> int:
     print("fig5's Conductor without peer fetch (as the live router runs it), learned:")
     for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items():
         print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
+    peers.print_sweep(sweep["peer_routers"])
     path = RESULTS / "simulate.json"
     write_results(path, out, default=str)
     print(f"\nwrote {path.relative_to(ROOT)} and {', '.join(str(f.relative_to(ROOT)) for f in files.values())}")

@@ -88,7 +88,10 @@ TABLES: tuple[Table, ...] = (
         + [_r("ratios.rejected_predictive_vs_late", fmt="{:.3f}"), _r("ratios.rejected_current_vs_late", fmt="{:.3f}"),
            _r("ratios.capacity_disagg_vs_colocated_tbt100ms", fmt="{:.3f}"),
            _r("ratios.unbounded_pool_hit_vs_best_possible", fmt="{:.3f}"),
-           _r("ratios.wall_s_full_trace_conductor", target="≤ 30 s", fmt="{:.1f} s")])),
+           _r("ratios.wall_s_full_trace_conductor", target="≤ 30 s", fmt="{:.1f} s")]
+        + [_r(f"ratios.conductor_vs_best_peer_router_{k}_ttft",
+              f"`conductor_vs_best_peer_router_{k}_ttft` (Dynamo, llm-d, SGLang; mean of seeds 0–9)", "≤ 0.9",
+              "{:.3f}") for k in ("avg", "p99")])),
     Table("vllm", tuple(
         [_r(f"setups.{k}.ttft_reuse_p50_ms", f"{label}: TTFT p50, requests with a reusable prefix", fmt=MS)
          for k, label in VLLM_SETUPS]
@@ -107,6 +110,14 @@ TABLES: tuple[Table, ...] = (
         + [_r("ratios.itl_p99_disagg_vs_colocated", target="≤ 0.5", fmt="{:.3f}"),
            _r("ratios.goodput_disagg_vs_colocated", target="≥ 1.2", fmt="{:.1f}"),
            _r("ratios.throughput_disagg_vs_colocated", fmt="{:.2f}")])),
+    Table("routers", tuple(
+        [_r(f"results.{p}.{k}", f"{p}: {label}", fmt=f) for p in ("conductor", "least_loaded", "local_cache_aware",
+                                                                   "dynamo_kv", "llmd", "sglang_cache_aware")
+         for k, label, f in (("ttft_p50_s", "TTFT p50", "{:.3f} s"), ("ttft_p99_s", "TTFT p99", "{:.3f} s"),
+                             ("goodput_rps", "goodput", "{:.3f} req/s"))]
+        + [_r("ratios.conductor_vs_best_peer_router_ttft_p50_live", target="≤ 0.9", fmt="{:.3f}"),
+           _r("ratios.conductor_vs_best_peer_router_ttft_p99_live", fmt="{:.3f}"),
+           _r("ratios.conductor_vs_best_peer_router_goodput_live", fmt="{:.3f}")])),
     Table("vllm_events", (_r("stored_blocks_per_s", fmt=INT), _r("stored_tokens_per_s", fmt=INT),
                           _r("removed_blocks_per_s", fmt=INT), _r("keys_only_blocks_per_s", fmt=INT),
                           _r("stored_vs_keys_only", fmt=TWO))),

@@ -166,7 +166,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="admission bound: reject (429) when the predicted TBT exceeds this (0: no TBT SLO)")
     # The registry itself, not a copy: a policy registered later is accepted too.
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=SCHEDULING_POLICIES,
-                   help="scheduling policy: the Conductor or a baseline")
+                   help="scheduling policy: the Conductor, a baseline or a peer router (docs/routers.md)")
     p.add_argument("--decode-max-running", type=int, default=64,
                    help="requests one decode instance takes at once (admission's decode capacity)")
     p.add_argument("--balancing-threshold", type=float, default=1.0,

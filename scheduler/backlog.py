@@ -32,12 +32,14 @@ class PrefillBacklog:
     several, when a caller starts more — they then overlap and each is counted by its own
     remaining time); a request is in at most one of ``queued`` and ``running``."""
 
-    __slots__ = ("_queued", "_queued_s", "_running")
+    __slots__ = ("_queued", "_queued_s", "_running", "_tokens", "_compute", "_prompt")
 
     def __init__(self) -> None:
         self._queued: OrderedDict[str, float] = OrderedDict()   # id → predicted seconds
         self._queued_s = 0.0
         self._running: dict[str, tuple[float, float]] = {}      # id → (predicted end, predicted s)
+        self._tokens: dict[str, tuple[int, int]] = {}           # id → (compute tokens, prompt tokens)
+        self._compute = self._prompt = 0
 
     def __len__(self) -> int:
         return len(self._queued) + len(self._running)
@@ -45,11 +47,19 @@ class PrefillBacklog:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._queued or request_id in self._running
 
-    def add(self, request_id: str, predicted_s: float) -> None:
-        """Queue a request routed here with its predicted prefill seconds (>= 0)."""
+    def add(self, request_id: str, predicted_s: float, compute_tokens: int = 0, prompt_tokens: int = 0) -> None:
+        """Queue a request routed here with its predicted prefill seconds (>= 0), the prompt
+        tokens its prefill computes and its prompt's tokens (for :meth:`tokens`)."""
         self.remove(request_id)
         self._queued[request_id] = max(0.0, predicted_s)
         self._queued_s += self._queued[request_id]
+        self._tokens[request_id] = (compute_tokens, prompt_tokens)
+        self._compute += compute_tokens
+        self._prompt += prompt_tokens
+
+    def tokens(self) -> tuple[int, int]:
+        """(prompt tokens to compute, prompt tokens) of the requests queued and running."""
+        return self._compute, self._prompt
 
     def start(self, request_id: str, now_s: float) -> None:
         """Its prefill starts at ``now_s`` (no-op for an unknown request)."""
@@ -77,6 +87,9 @@ class PrefillBacklog:
     def remove(self, request_id: str) -> float | None:
         """It finished, failed or moved elsewhere: forget it. Returns its predicted seconds
         (None when unknown)."""
+        c, p = self._tokens.pop(request_id, (0, 0))
+        self._compute -= c
+        self._prompt -= p
         s = self._queued.pop(request_id, None)
         if s is not None:
             self._queued_s -= s

@@ -16,6 +16,9 @@ the predictions, the fetch accounting and the admission of the Conductor: one co
 compared fairly. Baselines fetch as the engines do by default — every longer pool hit, never
 a peer's cache — rather than by the balancing threshold.
 
+The routers users deploy instead (NVIDIA Dynamo's KV router, llm-d's inference scheduler,
+SGLang's ``cache_aware``) are registered beside them from :mod:`scheduler.peer_routers`.
+
 Registry: :data:`POLICIES` maps a name to its class; :func:`make_policy` builds one.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import InvalidArgument
 from kvstore.index.keys import usable_prefix_tokens
 from scheduler.conductor import Conductor, ConductorConfig, DecodeEstimate, PrefillEstimate
+from scheduler.peer_routers import PEER_ROUTERS
 from scheduler.views import ClusterView, RequestView
 
 
@@ -105,8 +109,9 @@ class LocalCacheAwarePolicy(_Baseline):
         return min(estimates, key=cost)
 
 
-POLICIES: dict[str, Callable[..., Conductor]] = {
-    cls.name: cls for cls in (Conductor, RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, LocalCacheAwarePolicy)}
+_CLASSES: tuple[type[Conductor], ...] = (Conductor, RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy,
+                                         LocalCacheAwarePolicy, *PEER_ROUTERS)
+POLICIES: dict[str, Callable[..., Conductor]] = {cls.name: cls for cls in _CLASSES}
 
 
 def make_policy(name: str, block_bytes: int, config: ConductorConfig | None = None) -> Conductor:

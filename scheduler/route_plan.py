@@ -9,7 +9,7 @@ from typing import Generic
 from engines.types import EngineInfo
 from scheduler.backlog import PrefillBacklog
 from scheduler.engine_link import C
-from scheduler.views import Decision, DecodeWork, TierHit
+from scheduler.views import Decision, DecodeWork, PrefillView, TierHit
 
 
 @dataclass
@@ -24,6 +24,10 @@ class PrefillInstance(Generic[C]):
 
     def queue_s(self, now_s: float) -> float:
         return self.backlog.queue_s(now_s)
+
+    def view(self, engine_id: str, now_s: float, hit: TierHit) -> PrefillView:
+        """The instance as a policy sees it at ``now_s``, ``hit`` its own prefix hit."""
+        return PrefillView(engine_id, self.queue_s(now_s), len(self.backlog), hit, *self.backlog.tokens())
 
 
 @dataclass

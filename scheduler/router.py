@@ -53,7 +53,6 @@ from scheduler.views import (
     ClusterView,
     DecodeView,
     DecodeWork,
-    PrefillView,
     RequestView,
     TierHit,
     decoding_finish,
@@ -226,7 +225,7 @@ class Router(Generic[C]):
             if pool_hit is None:
                 pool_hit = replica_pool
         now = time.monotonic() if now_s is None else now_s
-        prefill = tuple(PrefillView(engine_id, inst.queue_s(now), len(inst.backlog), own.get(engine_id, NO_HIT))
+        prefill = tuple(inst.view(engine_id, now, own.get(engine_id, NO_HIT))
                         for engine_id, inst in self.prefill.items() if engine_id not in self.down)
         decode = tuple(DecodeView(engine_id, tuple(held_work(w, now) for w in inst.work.values()),
                                   self.decode_max_running,
@@ -280,8 +279,8 @@ class Router(Generic[C]):
             old_backlog = self.prefill[plan.prefill_id].backlog
             old = old_backlog.remove(plan.request_id)
             self._advance(old_backlog, now)
-            new_backlog = self.prefill[new_id].backlog
-            new_backlog.add(plan.request_id, plan.decision.prefill_s if old is None else old)
+            new_backlog, d = self.prefill[new_id].backlog, plan.decision
+            new_backlog.add(plan.request_id, d.prefill_s if old is None else old, d.compute_tokens, d.prompt_tokens)
             self._advance(new_backlog, now)
             return dataclasses.replace(plan, decision=dataclasses.replace(plan.decision, prefill_id=new_id))
         ids = [e for e in self.serving("decode") if e not in tried]
@@ -298,7 +297,7 @@ class Router(Generic[C]):
         """Count the admitted request as queued on its prefill and incoming on its decode."""
         d = plan.decision
         backlog = self.prefill[d.prefill_id].backlog
-        backlog.add(plan.request_id, d.ttft_s - d.queue_s)
+        backlog.add(plan.request_id, d.ttft_s - d.queue_s, d.compute_tokens, d.prompt_tokens)
         n = plan.sequences
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
             plan.prompt_tokens + n * plan.max_tokens, d.decode_start_s, d.decode_finish_s, n)

@@ -2,7 +2,8 @@
 simulator pick from ("scheduling policy", never plain "policy": the store's eviction
 policies are :mod:`kvstore.eviction`). The policies live in :mod:`scheduler.conductor` (the
 Conductor, Mooncake's Algorithm 1) and :mod:`scheduler.baselines` (random, round-robin,
-least-loaded, local cache-aware); every one has the decision API of
+least-loaded, local cache-aware) and :mod:`scheduler.peer_routers` (NVIDIA Dynamo's KV router,
+llm-d's inference scheduler, SGLang's ``cache_aware``: docs/routers.md); every one has the decision API of
 :class:`SchedulingPolicy` (:class:`scheduler.conductor.Conductor`).
 """
 from __future__ import annotations

@@ -111,12 +111,19 @@ class PrefillView(NamedTuple):
     :mod:`scheduler.backlog`'s): the remaining predicted seconds of the prefill running
     there plus the predicted seconds of every request queued there; ``queued``: how many
     requests routed to it have not finished their prefill; ``hit``: its own cache's
-    prefix hit for this request (usually all ``hbm``)."""
+    prefix hit for this request (usually all ``hbm``). The load as the routers of other
+    projects count it (docs/routers.md): ``prefill_tokens``, the prompt tokens still to
+    compute (uncached, as each decision planned) of the requests counted in ``queued``;
+    ``prompt_tokens``, their prompts' tokens; ``kv_usage``, the fraction of the instance's
+    KV cache its running requests hold (vLLM's ``kv_cache_usage``; 0 when unknown)."""
 
     instance_id: str
     queue_s: float = 0.0
     queued: int = 0
     hit: TierHit = NO_HIT
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    kv_usage: float = 0.0
 
 
 class DecodeWork(NamedTuple):

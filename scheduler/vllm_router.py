@@ -95,6 +95,8 @@ class VLLMRouter(Router[VLLMClient]):
             ours = len(self.prefill[v.instance_id].backlog)
             if self.colocated:
                 ours += self.decode[v.instance_id].running
+            if load is not None:
+                v = v._replace(kv_usage=load.kv_usage)
             if load is not None and load.running + load.waiting > ours:
                 v = v._replace(queue_s=v.queue_s + (load.running + load.waiting - ours) * self.mean_prefill_s)
             prefill.append(v)

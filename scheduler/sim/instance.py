@@ -21,7 +21,7 @@ from collections import deque
 from engines.cost_model import NO_VARIANCE, CostModel, CostModelEngine, Variance
 from scheduler.backlog import PrefillBacklog
 from scheduler.sim.workload import SimRequest
-from scheduler.views import DecodeView
+from scheduler.views import DecodeView, PrefillView, TierHit
 
 _EPS = 1e-9
 
@@ -42,6 +42,7 @@ class Instance:
         role = "colocated" if prefill and decode else ("prefill" if prefill else "decode")
         self.engine = CostModelEngine(cost, name, role, block_size, variance)   # the instance's GPUs
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_room = kv_capacity_tokens if decode else cost.kv_capacity_tokens()   # for kv_usage
         self.max_running = max_running
         # prefill side
         self.queue: deque[SimRequest] = deque()
@@ -82,6 +83,18 @@ class Instance:
 
     def queued(self) -> int:
         return len(self.queue) + (self.prefilling is not None)
+
+    def prefill_view(self, now: float, hit: TierHit) -> PrefillView:
+        """The prefill instance as a policy sees it, with ``hit`` its own prefix hit; its KV
+        usage, as vLLM reports it, is the KV of the prefill running there (and, colocated, of
+        its decode batch) over its KV room (cached blocks no request holds count as free)."""
+        compute, prompt = self.backlog.tokens()
+        held = self.prefilling.prompt if self.prefilling is not None else 0
+        room = self.kv_room
+        if self.is_decode and self.running:
+            held += self.kv_tokens(self.step_at(now))
+        return PrefillView(self.name, self.queue_s(now), self.queued(), hit, compute, prompt,
+                           min(1.0, held / room) if room > 0 else 0.0)
 
     # -- decode timeline -------------------------------------------------------------------
     def step_at(self, now: float) -> int:

@@ -10,8 +10,9 @@ defaults of :class:`scheduler.sim.config.SimConfig` (``--oracle`` swaps the pred
   pool; each prefill node's own local prefix cache holds 3M tokens, as Mooncake's do (its
   HBM's KV room, then its DRAM, read back over PCIe; FAST'25 §5.3.1: ~1 TB of a node's DRAM,
   "about 3 million tokens"; §5.3.2: "each node ... has a 3M token capacity"); the Conductor
-  may fetch a prefix from a peer's; every policy; average TTFT; at the trace's own rate, or
-  ``--speed``'s (the 1.2× run: ``--preset fig5 --speed 1.2``).
+  may fetch a prefix from a peer's; every policy (the paper's baselines, the peer routers of
+  docs/routers.md: NVIDIA Dynamo's KV router, llm-d's scheduler, SGLang's cache_aware);
+  average TTFT; at the trace's own rate, or ``--speed``'s (the 1.2× run: ``--preset fig5 --speed 1.2``).
 * ``fig5-hbm`` — ``fig5`` with each prefill node's cache in its HBM alone (1.33M tokens on
   8xA800: the KV room beside the weights), for comparison.
 * ``colocated`` — disaggregated (8P + 8D, a pool of 1 TiB DRAM per prefill node) against
@@ -40,7 +41,9 @@ TIB_TOKENS = 2**40 // 327_680          # 1 TiB of DRAM in LLaMA3-70B KV tokens (
 # approximately 1 TB of DRAM for local caching ... supports storage for about 3 million
 # tokens" of LLaMA3-70B; §5.3.2: "each node in the local cache setup has a 3M token capacity").
 LOCAL_CACHE_TOKENS = 3_000_000
-FIG5_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+# The paper's baselines, the routers users deploy instead (docs/routers.md), then the Conductor.
+PEER_ROUTER_POLICIES = ("dynamo_kv", "llmd", "sglang_cache_aware")
+FIG5_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", *PEER_ROUTER_POLICIES, "conductor")
 POOL_CAPACITIES = (10**5, 10**6, 10**7, 10**8, None)
 
 

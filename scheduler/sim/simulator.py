@@ -58,7 +58,6 @@ from scheduler.views import (
     ClusterView,
     DecodeView,
     DecodeWork,
-    PrefillView,
     RequestView,
     TierHit,
     decoding_finish,
@@ -157,8 +156,7 @@ class Simulator:
     # -- arrival: the real policy decides ----------------------------------------------------
     def _arrive(self, req: SimRequest, now: float) -> None:
         per = self.index.match(req.keys).per_node if req.keys else {}
-        prefill = tuple(PrefillView(i.name, i.queue_s(now), i.queued(),
-                                    TierHit.from_tiers(per[i.name]) if i.name in per else NO_HIT)
+        prefill = tuple(i.prefill_view(now, TierHit.from_tiers(per[i.name]) if i.name in per else NO_HIT)
                         for i in self.prefill)
         pool_hit = TierHit.from_tiers(per[POOL]) if self.pool is not None and POOL in per else NO_HIT
         decode = tuple(self._decode_view(d, now) for d in self.decode)
@@ -175,7 +173,7 @@ class Simulator:
         req.pred_prefill_s = result.transfer_s + result.prefill_s
         p.queue.append(req)
         p.engine.enqueue(req.prompt)
-        p.backlog.add(str(req.rid), req.pred_prefill_s)
+        p.backlog.add(str(req.rid), req.pred_prefill_s, result.compute_tokens, req.prompt)
         d.incoming[req.rid] = (req.prompt + req.output, result.decode_start_s, result.decode_finish_s)
         d.view_dirty = True
         self.inflight += 1
