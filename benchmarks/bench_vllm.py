@@ -58,8 +58,8 @@ recompute, all compute, is the most exposed.
 Then the serving comparison (benchmarks/vllm_serving.py, ``--serving-requests``): ``kvstore up
 --replay`` as ``make demo`` runs it — vLLM alone (its own prefix caching, least-loaded routing),
 kvstore (the pool and the Conductor) and recompute on the same trace requests through the same
-front door — kept under ``serving``, its ratios (``ttft_p50_kvstore_vs_vllm``, ...) beside the
-connectors' with their targets.
+front door — written to benchmarks/results/serving.json with its ratios
+(``ttft_p50_kvstore_vs_vllm``, ...) and their targets.
 
 The same timing subclass (vllm_timing.TimedConnector, made in the engine from whatever connector
 class) measures every connector. A set-up that fails is recorded with its error and the others
@@ -91,7 +91,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from vllm_figures import BLOCK_SIZE, TARGETS, add_output_match, print_report, ratios, summarize  # noqa: E402
 from vllm_peers import GIB, SETUPS, Processes, SetupError  # noqa: E402
-from vllm_serving import run_serving  # noqa: E402
+from vllm_serving import measure as measure_serving  # noqa: E402
 
 from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import SIZES, write_checkpoint  # noqa: E402
@@ -234,11 +234,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "hidden_during_start": result["hidden_during_start"], "per_request": result["requests"]}
     add_output_match(figures, setups)
     rat = ratios(figures)
-    serving: dict[str, Any] = {}
     if args.serving_requests:
-        print(f"== serving: kvstore up --replay over vLLM, {args.serving_requests} requests, three set-ups", flush=True)
-        serving = run_serving(args.serving_requests)
-        rat.update({k: v for k, v in serving.get("ratios", {}).items() if "_kvstore_vs_" in k})
+        print(f"== serving: kvstore up --replay over vLLM, {args.serving_requests} requests, three set-ups "
+              "(benchmarks/results/serving.json)", flush=True)
+        measure_serving(args.serving_requests)
     return {
         "benchmark": "vLLM end to end: KV connectors (kvstore, MooncakeStoreConnector, LMCacheMPConnector) "
                      "vs recompute, one vLLM build, same prompts",
@@ -270,9 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": "output tokens / wall time of the sequential generate calls",
             "how": "benchmarks/vllm_timing.py: one timing subclass of each connector class, made in the engine",
         },
-        "setups": setups, "ratios": rat, "targets": TARGETS, "serving": serving,
-        "met": {**{k: rat.get(k) is not None and rat[k] <= v for k, v in TARGETS.items()},
-                **serving.get("met", {})},
+        "setups": setups, "ratios": rat, "targets": TARGETS,
+        "met": {k: rat.get(k) is not None and rat[k] <= v for k, v in TARGETS.items()},
         "wall_s": time.perf_counter() - started,
     }
 

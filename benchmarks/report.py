@@ -245,6 +245,59 @@ def render_headline(rec: dict[tuple[str, str], tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+DEMO_SETUPS = (("vllm", "vLLM alone"), ("kvstore", "kvstore"), ("recompute", "recompute"))
+
+
+def _demo_rows(setups: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    def rep(name: str, key: str) -> Any:
+        return setups.get(name, {}).get("report", {}).get(key)
+
+    def sec(v: Any) -> str:
+        return "–" if v is None else f"{v:.2f} s"
+    rows: list[tuple[str, list[str]]] = []
+    rows.append(("hit ratio: instance-local / pool (tokens)",
+                 [f"{_value(TWO, setups.get(n, {}).get('hit_ratio_local'))} / "
+                  f"{_value(TWO, setups.get(n, {}).get('hit_ratio_pool'))}" for n, _ in DEMO_SETUPS]))
+    rows.append(("prefill tokens computed", [_value(INT, rep(n, "prefill_tokens")) for n, _ in DEMO_SETUPS]))
+    rows.append(("TTFT p50", [sec(rep(n, "ttft_p50_s")) for n, _ in DEMO_SETUPS]))
+    rows.append(("TTFT p99", [sec(rep(n, "ttft_p99_s")) for n, _ in DEMO_SETUPS]))
+    rows.append(("ITL p99", [sec(rep(n, "tbt_p99_s")) for n, _ in DEMO_SETUPS]))
+    rows.append(("goodput (req/s, both SLOs met)", [_value("{:.3f}", rep(n, "goodput_rps")) for n, _ in DEMO_SETUPS]))
+    rows.append(("completed / rejected", [f"{rep(n, 'completed')} / {rep(n, 'rejected')}" for n, _ in DEMO_SETUPS]))
+    rows.append(("KV memory", [_value("{:,.0f} MiB", (setups.get(n, {}).get("memory_bytes_total") or 0) / 2**20)
+                               for n, _ in DEMO_SETUPS]))
+    return rows
+
+
+DEMO_RATIOS = (("TTFT p50, kvstore ÷ vLLM alone", "ttft_p50_kvstore_vs_vllm"),
+               ("TTFT p99, kvstore ÷ vLLM alone", "ttft_p99_kvstore_vs_vllm"),
+               ("goodput, kvstore ÷ vLLM alone", "goodput_kvstore_vs_vllm"),
+               ("TTFT p50, kvstore ÷ recompute", "ttft_p50_kvstore_vs_recompute"),
+               ("prefill tokens computed, kvstore ÷ vLLM alone", "prefill_tokens_kvstore_vs_vllm"))
+
+
+def render_demo() -> str:
+    """The README's demo table: the three set-ups of benchmarks/results/serving.json side by
+    side, then kvstore's ratios against their targets."""
+    data = load("serving")
+    if data is None:
+        return "Not measured here: no benchmarks/results/serving.json.\n"
+    st = data.get("settings", {})
+    lines = [provenance(data, "serving") + f" {st.get('requests')} trace requests at speed {st.get('speed')}, "
+             f"2 vLLM instances per set-up, each with its own KV cache of {st.get('instance_kv_tokens'):,} tokens "
+             f"({(st.get('instance_kv_vs_working_set') or 0):.0%} of the working set); SLOs: TTFT ≤ "
+             f"{data['setups']['kvstore']['report']['ttft_slo_s']:g} s, mean ITL ≤ "
+             f"{data['setups']['kvstore']['report']['tbt_slo_s']:g} s.", "",
+             "| | " + " | ".join(label for _, label in DEMO_SETUPS) + " |", "|---|---|---|---|"]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in _demo_rows(data.get("setups", {}))]
+    lines += ["", "| kvstore's ratio | value | target | |", "|---|---|---|---|"]
+    for label, key in DEMO_RATIOS:
+        value, target = lookup(data, f"ratios.{key}"), (data.get("targets") or {}).get(key, "")
+        target = target.replace("<=", "≤").replace(">=", "≥")
+        lines.append(f"| {label} | {_value('{:.3f}', value)} | {target or '–'} | {_met(value, target)} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_recorded(doc: str) -> str:
     """The recorded table less the rows whose benchmark now has a JSON."""
     m = RECORDED.search(doc)
@@ -269,7 +322,8 @@ def generate() -> dict[Path, str]:
     new_doc = render_recorded(doc)
     for table in TABLES:
         new_doc = fill(new_doc, table.name, render_table(table, rec))
-    return {DOC: new_doc, README: fill(readme, "headline", render_headline(rec))}
+    readme = fill(readme, "headline", render_headline(rec))
+    return {DOC: new_doc, README: fill(readme, "demo", render_demo())}
 
 
 def main(argv: list[str] | None = None) -> int:
