@@ -67,7 +67,7 @@ def test_store_metrics_parse_and_move_with_traffic(node):
     for tier in ("dram", "ssd"):
         assert value(before, "kvstore_tier_capacity_bytes", tier=tier, node="metrics-node") > 0
     assert value(before, "kvstore_tier_used_bytes", tier="dram") == 0
-    assert value(before, "kvstore_block_hits_total", tier="dram") == 0
+    assert value(before, "kvstore_block_read_hits_total", tier="dram") == 0
     assert value(before, "kvstore_node_info", node="metrics-node") == 1
 
     # The same-host data plane (the slab mapped here) and the gRPC stream, each with puts,
@@ -90,8 +90,8 @@ def test_store_metrics_parse_and_move_with_traffic(node):
     used = value(after, "kvstore_tier_used_bytes", tier="dram")
     assert used >= 10 * (64 << 10)
     assert value(after, "kvstore_tier_blocks", tier="dram") == 10
-    assert value(after, "kvstore_block_hits_total", tier="dram") == 10
-    assert value(after, "kvstore_block_misses_total", tier="dram") >= 1
+    assert value(after, "kvstore_block_read_hits_total", tier="dram") == 10
+    assert value(after, "kvstore_block_read_misses_total", tier="dram") >= 1
     assert value(after, "kvstore_put_seconds_count", node="metrics-node") >= 1
     assert value(after, "kvstore_get_seconds_count", node="metrics-node") >= 2
     assert value(after, "kvstore_put_seconds_sum") > 0
@@ -304,8 +304,8 @@ def test_store_metrics_per_namespace(node):
     got = scrape(url)
     assert value(got, "kvstore_namespace_bytes", namespace="tenant-a") == 3 * (64 << 10)
     assert value(got, "kvstore_namespace_blocks", namespace="tenant-b") == 2
-    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-a") == 3
-    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-b") == 0
+    assert value(got, "kvstore_namespace_read_hits_total", namespace="tenant-a") == 3
+    assert value(got, "kvstore_namespace_read_hits_total", namespace="tenant-b") == 0
     assert value(got, "kvstore_namespace_tier_bytes", namespace="tenant-a", tier="dram") == 3 * (64 << 10)
     assert not [k for k in got if k[0] == "kvstore_namespace_quota_bytes"]       # no tenant has a quota
 

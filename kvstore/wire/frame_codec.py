@@ -163,6 +163,24 @@ def _failed(state: int) -> bool:
 
 
 # -- LOOKUP ------------------------------------------------------------------------------------
+LOOKUP_PURPOSES = ("reuse", "handoff", "probe")   # the byte after the keys: its index
+
+
+def lookup_request(keys: Sequence[bytes], purpose: str = "reuse") -> bytes:
+    """The keys, then one byte: the lookup's purpose (kvstore/pool_reads.py)."""
+    return encode_keys(keys) + bytes((LOOKUP_PURPOSES.index(purpose),))
+
+
+def decode_lookup_request(buf: bytes) -> tuple[list[bytes], str]:
+    """(keys, purpose); a frame without the purpose byte is a reuse lookup, an unknown
+    purpose a probe (counted nowhere)."""
+    keys, pos = decode_keys(buf, 0)
+    if pos >= len(buf):
+        return keys, "reuse"
+    code = buf[pos]
+    return keys, LOOKUP_PURPOSES[code] if code < len(LOOKUP_PURPOSES) else "probe"
+
+
 def lookup_reply(n: int, tiers: Sequence[str]) -> bytes:
     return U32.pack(n) + ",".join(tiers).encode()
 
