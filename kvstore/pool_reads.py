@@ -230,22 +230,24 @@ class PoolReads:
         return len(held), len(bad)
 
     # -- lookups and locked matches ----------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], purpose: str = REUSE) -> tuple[int, list[str]]:
+    def lookup(self, keys: Sequence[bytes], purpose: str = REUSE,
+               namespace: str | None = None) -> tuple[int, list[str]]:
         """Longest prefix of ``keys`` this node holds, and the fastest tier of each of those
         blocks. Changes no recency, renews no lease. ``purpose`` (:data:`PURPOSES`): what the
         caller looks for, so the node's lookup books measure reuse: a :data:`REUSE` lookup
         counts each block found as a lookup hit of its fastest tier (and a miss of the
         faster ones) and each block past the prefix as a miss of every tier, as a read
         counts; a :data:`HANDOFF` lookup counts the blocks found apart; a :data:`PROBE`
-        (the node's own calls, a router planning, an operator) counts nothing."""
+        (the node's own calls, a router planning, an operator) counts nothing. ``namespace``:
+        the tenant looking, whose books count the blocks not found (kvstore/tenants.py)."""
         with self._lock:
             match = self.index.match(keys, nodes=[self.node_id])
             tiers = list(match.per_node.get(self.node_id, ()))
             if purpose != PROBE:
-                self._count_lookup(keys, tiers, purpose)
+                self._count_lookup(keys, tiers, purpose, namespace)
             return len(tiers), tiers
 
-    def _count_lookup(self, keys: Sequence[bytes], tiers: list[str], purpose: str) -> None:
+    def _count_lookup(self, keys: Sequence[bytes], tiers: list[str], purpose: str, namespace: str | None) -> None:
         place = self._place
         books = place.books
         if purpose == HANDOFF:
@@ -262,7 +264,7 @@ class PoolReads:
             for book in books:
                 book.counters.lookup_misses += missed
         if place.tenants is not None:
-            place.tenants.looked_up(keys, len(tiers))
+            place.tenants.looked_up(keys, len(tiers), namespace)
 
     def contains(self, key: bytes) -> bool:
         """Whether this node holds ``key`` in some tier (renews nothing)."""

@@ -21,9 +21,10 @@ Accounting rules:
   is the namespace's read success, not its reuse;
 - a lookup hit is a block of the namespace found by a reuse lookup
   (:meth:`kvstore.pool_reads.PoolReads.lookup`); the blocks of a looked-up chain past the
-  prefix held are lookup misses of the chain's namespace (the owner of the last block found,
-  else the namespace that held its first block until it went, else ``""``: the node cannot
-  tell whose cold prompt it is); lookup hits over lookup hits and misses is its reuse;
+  prefix held are lookup misses of the namespace the lookup names (the engines name the
+  request's tenant), else of the chain's (the owner of the last block found, else the
+  namespace that held its first block until it went, else ``""``); lookup hits over lookup
+  hits and misses is its reuse;
 - a put that would take a namespace over its quota first evicts that namespace's own
   blocks (in the tiers' eviction order, the slowest tier first, chain tails before their
   heads, never a leased or pinned one, every copy of each); when that cannot make room the put fails with
@@ -183,15 +184,17 @@ class TenantBooks:
         t = self._gone.get(key, self._none)
         (self.tenants.get(t.name) or t).misses += 1   # t forgotten while idle: its namespace's books now
 
-    def looked_up(self, keys: Sequence[bytes], found: int) -> None:
-        """A reuse lookup of the chain ``keys`` found its first ``found`` blocks: each a
-        lookup hit of its owner; the rest misses of the chain's namespace — the owner of
-        the last block found, else the namespace that held the first block until it went,
-        else ``""``."""
+    def looked_up(self, keys: Sequence[bytes], found: int, namespace: str | None = None) -> None:
+        """A reuse lookup of the chain ``keys`` by tenant ``namespace`` (None: not said)
+        found its first ``found`` blocks: each a lookup hit of its owner; the rest misses of
+        ``namespace``, else of the chain's namespace — the owner of the last block found,
+        else the namespace that held the first block until it went, else ``""``."""
         for key in keys[:found]:
             (self.owner.get(key) or self._none).lookup_hits += 1
         if found < len(keys):
-            t = self.owner.get(keys[found - 1]) if found else None
+            t = self._tenant(namespace) if namespace else None
+            if t is None and found:
+                t = self.owner.get(keys[found - 1])
             if t is None:
                 gone = self._gone.get(keys[found], self._none)
                 t = self.tenants.get(gone.name) or gone

@@ -182,7 +182,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         tr = self._track(request)
         if tr is None:
             return 0, False
-        found = self.link.lookup(tr.keys, self.lookup_purpose)
+        found = self.link.lookup(tr.keys, self.lookup_purpose, tr.namespace)
         self.stats.lookups += 1
         tr.saved = min(found, len(tr.keys))
         tr.local_tokens = num_computed_tokens

@@ -38,9 +38,15 @@ _PURPOSES = {"reuse": pb.LOOKUP_REUSE, "handoff": pb.LOOKUP_HANDOFF, "probe": pb
 _PURPOSE_NAMES = {v: k for k, v in _PURPOSES.items()}
 
 
-def lookup_request(keys: Sequence[bytes], purpose: str = "reuse") -> pb.LookupRequest:
-    """``purpose``: reuse, handoff or probe (kvstore/pool_reads.py); raises KeyError for another."""
-    return pb.LookupRequest(keys=list(keys), purpose=_PURPOSES[purpose])
+def lookup_request(keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> pb.LookupRequest:
+    """``purpose``: reuse, handoff or probe (kvstore/pool_reads.py); raises KeyError for
+    another. ``namespace``: the tenant looking, for its lookup books (None: not said)."""
+    return pb.LookupRequest(keys=list(keys), purpose=_PURPOSES[purpose], namespace=namespace or "")
+
+
+def lookup_namespace_of(request: pb.LookupRequest) -> str | None:
+    """The tenant a Lookup names (None: none); raises InvalidArgument for a malformed one."""
+    return check_namespace(request.namespace) if request.namespace else None
 
 
 def lookup_purpose_of(request: pb.LookupRequest) -> str:
