@@ -159,7 +159,8 @@ class PrefillEngine:
         from_local = len(tensors)
         upto = want if max_load_blocks is None else min(want, max(from_local, max_load_blocks))
         t_load = time.perf_counter()
-        pooled, raw, tier = self._fetch(keys, tags, from_local, upto)
+        tenant = accounting_namespace(namespace) if namespace else None
+        pooled, raw, tier = self._fetch(keys, tags, from_local, upto, tenant)
         load_s = time.perf_counter() - t_load if raw else 0.0
         load_bytes = sum(len(b) for b in raw)
         fetched = [to_tensor(b, lm.layout, lm.dtype) for b in raw]
@@ -224,22 +225,23 @@ class PrefillEngine:
         return PrefillResult(request_id, first, tuple(keys), 0, len(prompt), slice_bytes(cache, 0, len(prompt)),
                              len(prompt), time.perf_counter() - t0, 0, 0, first_logprobs=first_lp)
 
-    def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int,
-               upto: int) -> tuple[int, list[bytes], str]:
+    def _fetch(self, keys: Sequence[bytes], tags: Sequence[bytes], have: int, upto: int,
+               tenant: str | None = None) -> tuple[int, list[bytes], str]:
         """One pool lookup of ``keys[:upto]``, of which this engine holds the first ``have``
         blocks itself. Returns how many leading blocks of those ``have`` the pool still
         holds (fewer: the pool lost them; 0 when it cannot be reached), the bytes (tags
         stripped) of the pool's blocks carrying ``tags`` that extend ``keys[have:upto]`` as
-        far as they go, and the tier most of them came from ("" when unknown)."""
+        far as they go, and the tier most of them came from ("" when unknown). ``tenant``:
+        the namespace the lookups name (the pool's per-tenant lookup books)."""
         if self.store is None or upto <= 0:
             return have, [], ""
         try:
-            found = self.store.lookup(list(keys[:upto]))
+            found = self.store.lookup(list(keys[:upto]), "reuse", tenant)
             pooled = min(found.blocks, have)
             if found.blocks >= have:
                 tiers, ext = list(found.tiers[have:found.blocks]), list(keys[have:found.blocks])
             elif have < upto:      # the pool lost part of the local prefix: ask past it
-                more = self.store.lookup(list(keys[have:upto]))
+                more = self.store.lookup(list(keys[have:upto]), "probe")   # counted by the first
                 tiers, ext = list(more.tiers[:more.blocks]), list(keys[have:have + more.blocks])
             else:
                 tiers, ext = [], []

@@ -20,9 +20,11 @@ class BlockStore(Protocol):
     with ``ok=False`` (puts) instead.
     """
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> LookupResult:
         """Longest prefix of the key chain ``keys`` (head first) that the store holds, and
-        the tier of each of its blocks; renews nothing."""
+        the tier of each of its blocks; renews nothing. ``purpose``: reuse, handoff or probe
+        (what the store's lookup books count it as: kvstore/pool_reads.py); ``namespace``:
+        the tenant looking (None: not said)."""
         ...
 
     def get_blocks(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:

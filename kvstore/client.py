@@ -153,14 +153,19 @@ class StoreClient:
         except grpc.FutureTimeoutError:
             raise Unavailable(f"store node at {self.address} not ready after {timeout_s} s") from None
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> LookupResult:
         """Longest prefix of the key chain the node holds (renews nothing). A chain longer
-        than the node takes in one call (MAX_KEYS_PER_CALL) is looked up in parts."""
+        than the node takes in one call (MAX_KEYS_PER_CALL) is looked up in parts.
+        ``purpose``: what for — ``reuse`` (an engine about to compute the prompt), ``handoff``
+        (a decode instance after its prefill's blocks) or ``probe`` (planning, looking): the
+        node's lookup books count the first as reuse, the second apart, the third nowhere
+        (kvstore/pool_reads.py, docs/metrics.md); ``namespace``: the tenant looking, whose
+        books count the lookup (None: the node attributes it by the blocks it holds)."""
         if len(keys) > MAX_KEYS_PER_CALL:
             n = 0
             tiers: tuple[str, ...] = ()
             for start in range(0, len(keys), MAX_KEYS_PER_CALL):
-                part = self.lookup(keys[start:start + MAX_KEYS_PER_CALL])
+                part = self.lookup(keys[start:start + MAX_KEYS_PER_CALL], purpose, namespace)
                 n, tiers = n + part.blocks, tiers + part.tiers
                 if part.blocks < min(MAX_KEYS_PER_CALL, len(keys) - start):
                     break
@@ -168,11 +173,11 @@ class StoreClient:
         plane = self._local()
         if plane is not None:
             try:
-                n, tiers = plane.lookup(keys)
+                n, tiers = plane.lookup(keys, purpose, namespace)
                 return LookupResult(n, tuple(tiers))
             except Unavailable as exc:
                 self._drop_plane(exc)
-        return codec.lookup_of(self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys))))
+        return codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))
 
     def put_blocks(self, blocks: Sequence[tuple[bytes, bytes]], chain: bool = False,
                    parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:

@@ -49,6 +49,9 @@ class TierCounters:
     demotions: int = 0
     promotions: int = 0
     integrity_failures: int = 0
+    lookup_hits: int = 0          # reuse lookups: blocks whose fastest copy is here
+    lookup_misses: int = 0        # reuse lookups: blocks that reached this tier, not here
+    handoff_lookups: int = 0      # hand-off lookups: blocks whose fastest copy is here
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -15,8 +15,13 @@ Read at scrape time from the pool (:class:`PoolCollector`: nothing on the hot pa
 ``kvstore_tier_leased_bytes``        gauge   bytes of blocks under an unexpired read lease
 ``kvstore_tier_pinned_bytes``        gauge   bytes of pinned blocks (hard or soft)
 ``kvstore_tier_blocks``              gauge   committed blocks
-``kvstore_block_hits_total``         counter block reads served from the tier
-``kvstore_block_misses_total``       counter block reads the tier could not serve
+``kvstore_block_lookup_hits_total``  counter blocks a reuse lookup found, their fastest copy in the tier
+``kvstore_block_lookup_misses_total`` counter blocks a reuse lookup reached the tier with and did not find
+``kvstore_block_handoff_lookups_total`` counter blocks a hand-off lookup (a decode instance's) found there
+``kvstore_block_read_hits_total``    counter block reads served from the tier
+``kvstore_block_read_misses_total``  counter block reads the tier could not serve
+``kvstore_lookup_hit_ratio``         gauge   the node's reuse: blocks found / blocks looked up (reuse lookups)
+``kvstore_read_success_ratio``       gauge   the node's reads: blocks served / blocks read
 ``kvstore_block_evictions_total``    counter blocks evicted from the tier (demoted or dropped)
 ``kvstore_block_demotions_total``    counter blocks moved down to the next tier
 ``kvstore_block_promotions_total``   counter blocks copied up from the tier on a hit
@@ -29,8 +34,9 @@ Read at scrape time from the pool (:class:`PoolCollector`: nothing on the hot pa
 
 Per tenant (``namespace`` label; where the pool keeps tenant books, kvstore/tenants.py):
 ``kvstore_namespace_bytes``, ``kvstore_namespace_blocks``, ``kvstore_namespace_quota_bytes``,
-``kvstore_namespace_tier_bytes`` (with ``tier``) are gauges; ``kvstore_namespace_hits_total``,
-``kvstore_namespace_misses_total``, ``kvstore_namespace_quota_evictions_total``,
+``kvstore_namespace_tier_bytes`` (with ``tier``) are gauges; ``kvstore_namespace_lookup_hits_total``,
+``kvstore_namespace_lookup_misses_total``, ``kvstore_namespace_read_hits_total``,
+``kvstore_namespace_read_misses_total``, ``kvstore_namespace_quota_evictions_total``,
 ``kvstore_namespace_rejected_puts_total`` counters. A namespace is a hash of a tenant's API
 key (scheduler/tenancy.py), never the key, or of a vLLM ``cache_salt`` the front door did not
 set (engines/vllm/layout.py), never the salt, so the labels name no secret; there is one series
@@ -63,6 +69,7 @@ from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.metrics_http import MetricsServer
 from kvstore.pool import KVPool
+from kvstore.pool_types import lookup_hit_ratio, read_success_ratio
 
 # Seconds: a same-host control op takes tens of microseconds, a gRPC stream of many MiB
 # seconds.
@@ -80,8 +87,14 @@ TIER_GAUGES = (
     ("kvstore_tier_blocks", "blocks", "Committed blocks in the tier"),
 )
 TIER_COUNTERS = (
-    ("kvstore_block_hits", "hits", "Block reads served from the tier"),
-    ("kvstore_block_misses", "misses", "Block reads the tier could not serve"),
+    ("kvstore_block_lookup_hits", "lookup_hits",
+     "Blocks a reuse lookup found, their fastest copy in the tier (docs/metrics.md)"),
+    ("kvstore_block_lookup_misses", "lookup_misses",
+     "Blocks a reuse lookup reached the tier with and did not find there (past the held prefix: every tier)"),
+    ("kvstore_block_handoff_lookups", "handoff_lookups",
+     "Blocks a hand-off lookup (a decode instance after its prefill's blocks) found, fastest copy in the tier"),
+    ("kvstore_block_read_hits", "hits", "Block reads served from the tier"),
+    ("kvstore_block_read_misses", "misses", "Block reads the tier could not serve"),
     ("kvstore_block_evictions", "evictions", "Blocks evicted from the tier (demoted or dropped)"),
     ("kvstore_block_demotions", "demotions", "Blocks moved down to the next tier"),
     ("kvstore_block_promotions", "promotions", "Blocks copied up from the tier on a hit"),
@@ -97,8 +110,13 @@ NAMESPACE_SERIES = (   # (name, NamespaceStats field, help, family)
     ("kvstore_namespace_blocks", "blocks", "Blocks the namespace holds", GaugeMetricFamily),
     ("kvstore_namespace_quota_bytes", "quota_bytes", "The namespace's hard byte quota (no sample: none)",
      GaugeMetricFamily),
-    ("kvstore_namespace_hits", "hits", "Reads that found a block of the namespace", CounterMetricFamily),
-    ("kvstore_namespace_misses", "misses", "Reads of a block the namespace no longer holds", CounterMetricFamily),
+    ("kvstore_namespace_lookup_hits", "lookup_hits", "Blocks of the namespace a reuse lookup found",
+     CounterMetricFamily),
+    ("kvstore_namespace_lookup_misses", "lookup_misses", "Blocks of the namespace's chains a reuse lookup did not "
+     "find", CounterMetricFamily),
+    ("kvstore_namespace_read_hits", "hits", "Reads that found a block of the namespace", CounterMetricFamily),
+    ("kvstore_namespace_read_misses", "misses", "Reads of a block the namespace no longer holds",
+     CounterMetricFamily),
     ("kvstore_namespace_quota_evictions", "evictions", "The namespace's blocks evicted to keep it under its quota",
      CounterMetricFamily),
     ("kvstore_namespace_rejected_puts", "rejected_puts", "Puts refused by the namespace's quota", CounterMetricFamily),
@@ -128,6 +146,15 @@ class PoolCollector(Collector):
             for s in stats:
                 c.add_metric([node, s.name], getattr(s, field))
             yield c
+        for name, ratio, text in (
+                ("kvstore_lookup_hit_ratio", lookup_hit_ratio(stats),
+                 "The node's reuse: blocks reuse lookups found / blocks they looked up (no sample: none yet)"),
+                ("kvstore_read_success_ratio", read_success_ratio(stats),
+                 "The node's reads: blocks served / blocks read (no sample: none yet)")):
+            g = GaugeMetricFamily(name, text, labels=["node"])
+            if ratio is not None:
+                g.add_metric([node], ratio)
+            yield g
         leases = GaugeMetricFamily("kvstore_leases", "Read leases lent out by a data plane",
                                    labels=["node", "plane"])
         slots = GaugeMetricFamily("kvstore_reservations", "Write slots lent out by a data plane",

@@ -34,7 +34,7 @@ from kvstore.integrity import checksum_of
 from kvstore.lease import Pin, Reservation
 from kvstore.moves import Mover
 from kvstore.placement import Placement
-from kvstore.pool_reads import PoolReads
+from kvstore.pool_reads import PROBE, PoolReads
 from kvstore.pool_types import PoolSettings, PutResult, TierStats
 from kvstore.reservations import Reservations
 from kvstore.tiers.base import Tier
@@ -229,7 +229,7 @@ class KVPool(PoolReads):
         """Pin the longest prefix of the chain this node holds; returns distinct blocks
         pinned (a chain that names a block twice counts it once)."""
         with self._lock:
-            return self.pin(chain[:self.lookup(chain)[0]], hard, ttl_s)
+            return self.pin(chain[:self.lookup(chain, PROBE)[0]], hard, ttl_s)
 
     def unpin_prefix(self, chain: Sequence[bytes]) -> int:
         """Unpin the chain's blocks up to the first one this node does not hold."""

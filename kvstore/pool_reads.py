@@ -31,6 +31,9 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.buffers import copy_into, to_bytes
 
 log = logging.getLogger(__name__)
+# What a lookup is for (protos/kvstore.proto LookupPurpose; docs/metrics.md)
+REUSE, HANDOFF, PROBE = "reuse", "handoff", "probe"
+PURPOSES = (REUSE, HANDOFF, PROBE)
 Sink = Callable[[Any], Any]
 Found = tuple[int, int, BlockMeta]   # (index among the keys, level, the copy's books)
 
@@ -227,13 +230,41 @@ class PoolReads:
         return len(held), len(bad)
 
     # -- lookups and locked matches ----------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+    def lookup(self, keys: Sequence[bytes], purpose: str = REUSE,
+               namespace: str | None = None) -> tuple[int, list[str]]:
         """Longest prefix of ``keys`` this node holds, and the fastest tier of each of those
-        blocks. Changes no recency, renews no lease."""
+        blocks. Changes no recency, renews no lease. ``purpose`` (:data:`PURPOSES`): what the
+        caller looks for, so the node's lookup books measure reuse: a :data:`REUSE` lookup
+        counts each block found as a lookup hit of its fastest tier (and a miss of the
+        faster ones) and each block past the prefix as a miss of every tier, as a read
+        counts; a :data:`HANDOFF` lookup counts the blocks found apart; a :data:`PROBE`
+        (the node's own calls, a router planning, an operator) counts nothing. ``namespace``:
+        the tenant looking, whose books count the blocks not found (kvstore/tenants.py)."""
         with self._lock:
             match = self.index.match(keys, nodes=[self.node_id])
             tiers = list(match.per_node.get(self.node_id, ()))
+            if purpose != PROBE:
+                self._count_lookup(keys, tiers, purpose, namespace)
             return len(tiers), tiers
+
+    def _count_lookup(self, keys: Sequence[bytes], tiers: list[str], purpose: str, namespace: str | None) -> None:
+        place = self._place
+        books = place.books
+        if purpose == HANDOFF:
+            for tier in tiers:
+                books[place.levels[tier]].counters.handoff_lookups += 1
+            return
+        for tier in tiers:
+            level = place.levels[tier]
+            for faster in books[:level]:
+                faster.counters.lookup_misses += 1
+            books[level].counters.lookup_hits += 1
+        missed = len(keys) - len(tiers)
+        if missed > 0:
+            for book in books:
+                book.counters.lookup_misses += missed
+        if place.tenants is not None:
+            place.tenants.looked_up(keys, len(tiers), namespace)
 
     def contains(self, key: bytes) -> bool:
         """Whether this node holds ``key`` in some tier (renews nothing)."""
@@ -245,7 +276,7 @@ class PoolReads:
         its fastest tier) for ``ttl_s`` (default: the pool's lease TTL); :meth:`release` it."""
         with self._lock:
             deadline = time.monotonic() + (ttl_s or self.settings.lease_ttl_s)
-            n, tiers = self.lookup(keys)
+            n, tiers = self.lookup(keys, PROBE)
             metas = [self._place.books[self._place.levels[t]].blocks[k] for k, t in zip(keys[:n], tiers)]
             for meta in metas:
                 meta.hold(deadline)

@@ -63,7 +63,12 @@ class TierStats:
     includes ``reserved_bytes`` (puts in flight); ``leased_bytes`` / ``pinned_bytes``:
     committed blocks under an unexpired lease / an active pin. ``quarantines``: times the tier found
     its storage damaged (an SSD file truncated or corrupt) and replaced it with an empty one;
-    the blocks lost then count in ``integrity_failures``."""
+    the blocks lost then count in ``integrity_failures``. ``hits``/``misses`` count block
+    reads (their ratio is the read success); ``lookup_hits``/``lookup_misses`` count the
+    blocks of reuse lookups (their ratio is the reuse), as reads do: found here, or reached
+    this tier and not here (a block past the held prefix misses in every tier); the node's
+    lookup hit ratio is the sum of ``lookup_hits`` over its tiers / the first tier's hits and
+    misses (:func:`lookup_hit_ratio`, docs/metrics.md)."""
 
     name: str
     device: str
@@ -81,3 +86,20 @@ class TierStats:
     reserved_bytes: int = 0
     policy: str = ""
     quarantines: int = 0      # times the tier found its storage damaged and replaced it
+    lookup_hits: int = 0      # reuse lookups: blocks found with their fastest copy here
+    lookup_misses: int = 0    # reuse lookups: blocks that reached this tier and were not here
+    handoff_lookups: int = 0  # hand-off lookups: blocks found with their fastest copy here
+
+
+def lookup_hit_ratio(tiers: list[TierStats]) -> float | None:
+    """A node's block hit ratio of reuse lookups: blocks found / blocks looked up (every
+    block looked up counts once in its fastest tier's hits and misses). None: no lookup."""
+    asked = tiers[0].lookup_hits + tiers[0].lookup_misses if tiers else 0
+    return sum(t.lookup_hits for t in tiers) / asked if asked else None
+
+
+def read_success_ratio(tiers: list[TierStats]) -> float | None:
+    """A node's success ratio of block reads: reads served / reads (likewise counted once
+    in the first tier). None: no read."""
+    asked = tiers[0].hits + tiers[0].misses if tiers else 0
+    return sum(t.hits for t in tiers) / asked if asked else None

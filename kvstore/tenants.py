@@ -17,7 +17,14 @@ Accounting rules:
   the quota too, so concurrent puts cannot overshoot it;
 - a hit is a read that found a block the namespace owns; a miss is a read of a block the
   namespace held until it was evicted or removed (the last 65,536 such keys are
-  remembered); a read of a key no one held is a miss of ``""``;
+  remembered); a read of a key no one held is a miss of ``""``; hits over hits and misses
+  is the namespace's read success, not its reuse;
+- a lookup hit is a block of the namespace found by a reuse lookup
+  (:meth:`kvstore.pool_reads.PoolReads.lookup`); the blocks of a looked-up chain past the
+  prefix held are lookup misses of the namespace the lookup names (the engines name the
+  request's tenant), else of the chain's (the owner of the last block found, else the
+  namespace that held its first block until it went, else ``""``); lookup hits over lookup
+  hits and misses is its reuse;
 - a put that would take a namespace over its quota first evicts that namespace's own
   blocks (in the tiers' eviction order, the slowest tier first, chain tails before their
   heads, never a leased or pinned one, every copy of each); when that cannot make room the put fails with
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +67,9 @@ IDLE_NAMESPACES = 1024   # namespaces known at which those holding nothing are f
 @dataclass(frozen=True, slots=True)
 class NamespaceStats:
     """One namespace on one node. ``bytes`` / ``blocks``: what it holds (each block once);
-    ``tier_bytes``: tier name -> bytes of its copies there; ``hits`` / ``misses`` (see the
-    module's rules); ``evictions``: its blocks evicted to keep it under its quota;
+    ``tier_bytes``: tier name -> bytes of its copies there; ``hits`` / ``misses``: reads
+    (their ratio: read success), ``lookup_hits`` / ``lookup_misses``: blocks of reuse
+    lookups (their ratio: reuse; see the module's rules); ``evictions``: its blocks evicted to keep it under its quota;
     ``rejected_puts``: puts refused by its quota; ``quota_bytes``: None when it has none (0
     is a quota, one that refuses every put)."""
 
@@ -73,17 +82,21 @@ class NamespaceStats:
     rejected_puts: int = 0
     quota_bytes: int | None = None
     tier_bytes: dict[str, int] = field(default_factory=dict)
+    lookup_hits: int = 0
+    lookup_misses: int = 0
 
 
 class _Tenant:
     """One namespace's books: its keys (size each) and counters."""
 
-    __slots__ = ("evictions", "hits", "keys", "misses", "name", "pending", "rejected", "stored")
+    __slots__ = ("evictions", "hits", "keys", "lookup_hits", "lookup_misses", "misses", "name", "pending",
+                 "rejected", "stored")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.keys: dict[bytes, int] = {}
         self.stored = self.pending = self.hits = self.misses = self.evictions = self.rejected = 0
+        self.lookup_hits = self.lookup_misses = 0
 
 
 class TenantBooks:
@@ -170,6 +183,22 @@ class TenantBooks:
     def miss(self, key: bytes) -> None:
         t = self._gone.get(key, self._none)
         (self.tenants.get(t.name) or t).misses += 1   # t forgotten while idle: its namespace's books now
+
+    def looked_up(self, keys: Sequence[bytes], found: int, namespace: str | None = None) -> None:
+        """A reuse lookup of the chain ``keys`` by tenant ``namespace`` (None: not said)
+        found its first ``found`` blocks: each a lookup hit of its owner; the rest misses of
+        ``namespace``, else of the chain's namespace — the owner of the last block found,
+        else the namespace that held the first block until it went, else ``""``."""
+        for key in keys[:found]:
+            (self.owner.get(key) or self._none).lookup_hits += 1
+        if found < len(keys):
+            t = self._tenant(namespace) if namespace else None
+            if t is None and found:
+                t = self.owner.get(keys[found - 1])
+            if t is None:
+                gone = self._gone.get(keys[found], self._none)
+                t = self.tenants.get(gone.name) or gone
+            t.lookup_misses += len(keys) - found
 
     # -- hooks of Reservations (kvstore/reservations.py) ------------------------------------
     def before_reserve(self, place: Placement, key: bytes, size: int, namespace: str | None) -> None:
@@ -291,7 +320,7 @@ class TenantBooks:
         out: dict[str, NamespaceStats] = {}
         for ns in sorted(self.tenants):
             t = self.tenants[ns]
-            if ns == UNATTRIBUTED and not (t.keys or t.hits or t.misses):
+            if ns == UNATTRIBUTED and not (t.keys or t.hits or t.misses or t.lookup_hits or t.lookup_misses):
                 continue
             tier_bytes = {}
             for tier, book in zip(place.tiers, place.books):
@@ -299,7 +328,7 @@ class TenantBooks:
                 fp = tier.footprint    # what its copies take there, in the tier's used_bytes unit
                 tier_bytes[tier.name] = sum(fp(blocks[k].size) for k in t.keys if k in blocks)
             out[ns] = NamespaceStats(ns, t.stored, len(t.keys), t.hits, t.misses, t.evictions, t.rejected,
-                                     quotas.get(ns), tier_bytes)
+                                     quotas.get(ns), tier_bytes, t.lookup_hits, t.lookup_misses)
         return out
 
 

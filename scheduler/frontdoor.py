@@ -48,6 +48,7 @@ from scheduler.api_keys import api_key_middleware
 from scheduler.config import FrontdoorConfig
 from scheduler.extra_routes import extra_routes
 from scheduler.health import HealthChecker
+from scheduler.hit_sources import handoff_of, hit_sources
 from scheduler.metrics import CONTENT_TYPE, FrontdoorMetrics
 from scheduler.openai_api import (
     NOT_BUILT_IN,
@@ -296,6 +297,13 @@ class Frontdoor:
                                    decode=plan.decode_id).inc()
         self.metrics.count_prompt(len(req.prompt))
 
+    def _count_prefill(self, plan: RoutePlan, result: PrefillResult, prompt_tokens: int) -> None:
+        """The books of a finished prefill: its cached tokens by source (what the client is
+        told), and the hand-off to decode apart (scheduler/hit_sources.py)."""
+        bs = self.info.block_size
+        self.metrics.count_cached(result.cached_tokens, hit_sources(result.cached_tokens, plan, bs, result.load_tier))
+        self.metrics.count_handoff(*handoff_of(result, prompt_tokens))
+
     def _timer(self, t0: float, plan: RoutePlan) -> TokenClock:
         return TokenClock(self.metrics, self.router, t0, plan)
 
@@ -315,7 +323,7 @@ class Frontdoor:
 
         result, finish, tick.plan = await self._generate(req, plan, emit)
         tick.done()
-        self.metrics.count_cached(result.cached_tokens)
+        self._count_prefill(tick.plan, result, len(req.prompt))
         text = "".join(pieces) + stop.push(stream.flush()) + stop.flush() if req.stop else self.tokenizer.decode(ids)
         logprobs = None if req.logprobs is None else LogprobsShape(self.tokenizer, req.chat).of(lps)
         body = response_body(req, plan.request_id, int(time.time()), self.info.model_id, text, ids, finish,
@@ -360,7 +368,7 @@ class Frontdoor:
                 log.info("client went away, request %s cancelled", plan.request_id)
                 return resp, "cancelled"
             tick.done()
-            self.metrics.count_cached(result.cached_tokens)
+            self._count_prefill(tick.plan, result, len(req.prompt))
             try:
                 send(chunk_body(req, plan.request_id, created, self.info.model_id,
                                 stop.push(text.flush()) + stop.flush(), [], finish))

@@ -26,6 +26,7 @@ class FrontdoorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._prompt = self._cached = 0
+        self._by_source: dict[str, int] = {}
         p, r = "kvstore_scheduler_", self.registry
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token, request arrival to first token sent",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -39,7 +40,17 @@ class FrontdoorMetrics:
                                 ["outcome"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter(p + "cached_prompt_tokens",
-                                     "Prompt tokens loaded from a cache instead of computed", registry=r)
+                                     "Prompt tokens a request's prefill did not compute because they were cached "
+                                     "(an instance's own prefix cache or the pool; never the prefill-to-decode "
+                                     "hand-off): the cached_tokens the clients are told", registry=r)
+        self.cached_by_source = Counter(p + "cached_prompt_tokens_by_source",
+                                        "kvstore_scheduler_cached_prompt_tokens by where they came from (source: "
+                                        "instance, pool_hbm, pool_dram, pool_ssd, unknown; scheduler/hit_sources.py)",
+                                        ["source"], registry=r)
+        self.handoff_tokens = Counter(p + "handoff_tokens",
+                                      "Prompt tokens whose KV a decode instance took from the prefill instance "
+                                      "instead of computing (via: pool, or direct with the prefill's answer); "
+                                      "a transfer, not a hit", ["via"], registry=r)
         self.generated_tokens = Counter(p + "generated_tokens", "Tokens sent to clients", registry=r)
         self.queue_depth = Gauge(p + "prefill_queue_depth",
                                  "Requests routed to a prefill instance and not yet prefilled",
@@ -60,7 +71,11 @@ class FrontdoorMetrics:
                                "sent, continued on another instance (each continuation; docs/resume.md)",
                                registry=r)
         self.hit_ratio = Gauge(p + "prefix_hit_ratio",
-                               "Cached prompt tokens / prompt tokens of admitted requests", registry=r)
+                               "Cached prompt tokens / prompt tokens of admitted requests (reuse; the "
+                               "hand-off is not counted)", registry=r)
+        self.hit_ratio_by_source = Gauge(p + "prefix_hit_ratio_by_source",
+                                         "Cached prompt tokens from one source / prompt tokens of admitted "
+                                         "requests (the sources sum to prefix_hit_ratio)", ["source"], registry=r)
         self.prefill_error = Gauge(p + "prefill_prediction_log_error",
                                    "The Conductor's T_prefill predictor against the engines: mean and sd "
                                    "of ln(observed / predicted) prefill seconds over every observed prefill",
@@ -108,9 +123,22 @@ class FrontdoorMetrics:
         self._prompt += tokens
         self.prompt_tokens.inc(tokens)
 
-    def count_cached(self, tokens: int) -> None:
+    def count_cached(self, tokens: int, by_source: dict[str, int] | None = None) -> None:
+        """A request's cached prompt tokens (the figure its client is told), and their split
+        by source (:func:`scheduler.hit_sources.hit_sources`; None: all ``unknown``)."""
         self._cached += tokens
         self.cached_tokens.inc(tokens)
+        for source, n in (by_source if by_source is not None else {"unknown": tokens}).items():
+            if n > 0:
+                self._by_source[source] = self._by_source.get(source, 0) + n
+                self.cached_by_source.labels(source=source).inc(n)
+
+    def count_handoff(self, via_pool: int, direct: int = 0) -> None:
+        """Prompt tokens a decode instance took from the prefill instance (through the pool,
+        with the prefill's answer)."""
+        for via, n in (("pool", via_pool), ("direct", direct)):
+            if n > 0:
+                self.handoff_tokens.labels(via=via).inc(n)
 
     def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int,
                replica: IndexReplica | None = None,
@@ -132,4 +160,6 @@ class FrontdoorMetrics:
             self.decode_running.labels(instance=name).set(running)
         self.inflight.set(inflight)
         self.hit_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
+        for source, n in self._by_source.items():
+            self.hit_ratio_by_source.labels(source=source).set(n / self._prompt if self._prompt else 0.0)
         return generate_latest(self.registry)

@@ -15,7 +15,10 @@ class RequestOutcome:
     or "skipped" (never sent: longer than the model's limit); ``code``: the rejection
     reason, the failure (HTTP status or error kind) or why it was skipped;
     ``ttft_s``: send to first token (seconds); ``tbt_s``: gaps between later tokens
-    (seconds); ``cached_blocks``/``trace_blocks``: trace blocks served from cache / in all;
+    (seconds); ``cached_tokens``: the answer's ``usage.prompt_tokens_details.cached_tokens``,
+    prompt tokens its prefill did not compute because they were cached (the front door's one
+    definition in every topology, never the prefill-to-decode hand-off: docs/metrics.md);
+    ``cached_blocks``/``trace_blocks``: trace blocks served from cache / in all;
     ``token_ids``: the tokens generated (kept for comparing set-ups, not reported)."""
 
     status: str

@@ -237,7 +237,7 @@ class Router(Generic[C]):
         if self.store is None or not keys:
             return NO_HIT
         try:
-            found = await asyncio.to_thread(self.store.lookup, keys)
+            found = await asyncio.to_thread(self.store.lookup, keys, "probe")   # planning: no reuse yet
         except KVStoreError as exc:
             log.warning("store lookup failed, counting a pool miss: %s", exc)
             return NO_HIT

@@ -1,10 +1,13 @@
 """The front door's status page: ``GET /status`` (an HTML dashboard, scheduler/static/) and
 ``GET /status.json`` (the feed its script polls every 2 s).
 
-The feed holds: the store nodes (each one's tiers: capacity, used bytes, blocks, hits and
-misses; a node that does not answer is listed down with the reason), the hit ratio over the
-last :data:`WINDOW_S` seconds and its history (prompt tokens loaded / prompt tokens, from the
-front door's own counters; block hits / block reads, from the nodes' tier counters), each
+The feed holds: the store nodes (each one's tiers: capacity, used bytes, blocks, lookup hits
+and misses, read hits and misses; a node that does not answer is listed down with the
+reason), the hit ratios over the last :data:`WINDOW_S` seconds and their history — prompt
+tokens cached / prompt tokens (reuse: what the clients are told as ``cached_tokens``), by
+source, and the hand-off to decode / prompt tokens apart, from the front door's own counters;
+blocks found / blocks looked up by the nodes' reuse lookups, and blocks served / blocks read,
+from the nodes' tier counters (docs/metrics.md) — each
 engine instance's queue (requests routed and not yet prefilled; decodes running; down with
 the reason) and admissions and rejections by reason (totals and over the window).
 
@@ -63,14 +66,28 @@ class Sample:
     t: float
     prompt_tokens: float
     cached_tokens: float
-    block_hits: int
-    block_misses: int
+    lookup_hits: int      # blocks the nodes' reuse lookups found
+    lookup_asked: int     # blocks they looked up
+    read_hits: int        # blocks the nodes served
+    read_asked: int       # blocks read of them
     admitted: float
     rejected: float
+    handoff_tokens: float = 0.0
+    by_source: tuple[tuple[str, float], ...] = ()
 
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
+
+
+def _ratios(a: Sample, b: Sample) -> dict[str, Any]:
+    """The ratios between two samples: ``tokens`` (cached / prompt tokens), ``handoff``
+    (hand-off / prompt tokens), ``lookups`` (blocks found / looked up), ``reads`` (served / read)."""
+    prompt = b.prompt_tokens - a.prompt_tokens
+    return {"tokens": _ratio(b.cached_tokens - a.cached_tokens, prompt),
+            "handoff": _ratio(b.handoff_tokens - a.handoff_tokens, prompt),
+            "lookups": _ratio(b.lookup_hits - a.lookup_hits, b.lookup_asked - a.lookup_asked),
+            "reads": _ratio(b.read_hits - a.read_hits, b.read_asked - a.read_asked)}
 
 
 def _counter(metric: Any) -> dict[str, float]:
@@ -138,13 +155,16 @@ class StatusFeed:
             m = self.door.metrics
             reg = m.registry
             tiers = [t for n in self.nodes for t in n["tiers"]]
+            firsts = [n["tiers"][0] for n in self.nodes if n["tiers"]]   # each block asked counts once there
             now = time.time()
             self.samples.append(Sample(
                 now, reg.get_sample_value("kvstore_scheduler_prompt_tokens_total") or 0.0,
                 reg.get_sample_value("kvstore_scheduler_cached_prompt_tokens_total") or 0.0,
-                sum(t["hits"] for t in tiers), sum(t["misses"] for t in tiers),
+                sum(t["lookup_hits"] for t in tiers), sum(t["lookup_hits"] + t["lookup_misses"] for t in firsts),
+                sum(t["hits"] for t in tiers), sum(t["hits"] + t["misses"] for t in firsts),
                 reg.get_sample_value("kvstore_scheduler_requests_admitted_total") or 0.0,
-                sum(_counter(m.rejected).values())))
+                sum(_counter(m.rejected).values()), sum(_counter(m.handoff_tokens).values()),
+                tuple(sorted(_counter(m.cached_by_source).items()))))
             while self.samples and now - self.samples[0].t > HISTORY_S:
                 self.samples.popleft()
 
@@ -182,6 +202,7 @@ class StatusFeed:
             return {"node_id": node_id or address, "address": address, "state": f"down: {exc}", "tiers": []}
         return {"node_id": found_id, "address": address, "state": "up", "tiers": [
             {"name": s.name, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "blocks": s.blocks,
+             "lookup_hits": s.lookup_hits, "lookup_misses": s.lookup_misses, "handoff_lookups": s.handoff_lookups,
              "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "pinned_bytes": s.pinned_bytes}
             for s in stats]}
 
@@ -189,30 +210,30 @@ class StatusFeed:
     def snapshot(self) -> dict[str, Any]:
         """The feed (JSON-ready): ``time``, ``sampled_at`` (when the nodes and counters were
         read), ``status``/``reasons`` (as ``/health``), ``model``,
-        ``policy``, ``nodes``, ``hit_ratio`` (``tokens`` and ``blocks`` over ``window_s``,
-        None without traffic; ``series``: one point per sample interval), ``instances`` and
-        ``admission``. Ratios are fractions in [0, 1]; times are seconds since the epoch."""
+        ``policy``, ``nodes``, ``hit_ratio`` over ``window_s`` (None without traffic):
+        ``tokens`` (cached / prompt tokens), ``by_source`` (source -> its share of the prompt
+        tokens), ``handoff`` (hand-off / prompt tokens: a transfer, not a hit), ``lookups``
+        (the nodes' lookup hit ratio: reuse) and ``reads`` (their read success); ``series``:
+        one point per sample interval), ``instances`` and ``admission``. Ratios are
+        fractions in [0, 1]; times are seconds since the epoch."""
         door, router = self.door, self.door.router
         report = door.health_checks.report()
         last = self.samples[-1] if self.samples else None
         first = self._window_start()
-        series = [{"t": b.t,
-                   "tokens": _ratio(b.cached_tokens - a.cached_tokens, b.prompt_tokens - a.prompt_tokens),
-                   "blocks": _ratio(b.block_hits - a.block_hits,
-                                    b.block_hits - a.block_hits + b.block_misses - a.block_misses)}
-                  for a, b in zip(list(self.samples), list(self.samples)[1:])]
-        tokens = blocks = None
+        series = [{"t": b.t, **_ratios(a, b)} for a, b in zip(list(self.samples), list(self.samples)[1:])]
+        window: dict[str, Any] = {"tokens": None, "lookups": None, "reads": None, "handoff": None, "by_source": {}}
         if first is not None and last is not None and last is not first:
-            tokens = _ratio(last.cached_tokens - first.cached_tokens, last.prompt_tokens - first.prompt_tokens)
-            blocks = _ratio(last.block_hits - first.block_hits, last.block_hits - first.block_hits
-                            + last.block_misses - first.block_misses)
+            window = _ratios(first, last)
+            before = dict(first.by_source)
+            prompt = last.prompt_tokens - first.prompt_tokens
+            window["by_source"] = {s: _ratio(n - before.get(s, 0.0), prompt) for s, n in last.by_source}
         rejected = _counter(door.metrics.rejected)
         return {
             "time": time.time(), "sampled_at": last.t if last else None,
             "status": report.status, "reasons": list(report.reasons),
             "model": door.info.model_id, "policy": router.policy.name,
             "nodes": self.nodes,
-            "hit_ratio": {"window_s": WINDOW_S, "tokens": tokens, "blocks": blocks, "series": series},
+            "hit_ratio": {"window_s": WINDOW_S, **window, "series": series},
             "instances": self._instances(),
             "admission": {
                 "inflight": router.inflight,

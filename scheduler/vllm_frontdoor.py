@@ -8,9 +8,13 @@ then — disaggregated — a one-token completion on the chosen prefill instance
 = the tenant's namespace; the ``kv_producer`` has saved every full block when it answers)
 and the request itself on the chosen decode instance (``kv_consumer``: loads those blocks
 from kvstore and computes the tail), relayed back as vLLM streams it; colocated, the request
-goes to the one chosen instance. ``usage`` is vLLM's (``cached_tokens``: the prompt tokens
-the decode instance loaded); a stream carries it only when the client asked
-(``stream_options.include_usage``), as the built-in front door. Sampling parameters
+goes to the one chosen instance. ``usage`` is vLLM's, but for ``cached_tokens``: the prompt
+tokens the request's prefill did not compute because they were cached — disaggregated, the
+prefill instance's count (its one-token completion's usage), never the decode instance's,
+which counts the hand-off it loaded from the pool (booked apart as
+``kvstore_scheduler_handoff_tokens``; scheduler/hit_sources.py, docs/metrics.md); a stream
+carries the usage only when the client asked (``stream_options.include_usage``), as the
+built-in front door. Sampling parameters
 (:data:`PASSTHROUGH`) go to vLLM as sent; the OpenAI points the built-in front door checks
 (``model``, chat content parts, ids, fields never applied) are checked here the same way.
 ``/health`` is 503 with the reasons when an instance or the store is down.
@@ -41,10 +45,12 @@ from typing import Any
 from aiohttp import web
 
 from engines.tokenizer import Tokenizer
+from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor import Frontdoor, tenant_of
 from scheduler.health import HealthChecker
+from scheduler.hit_sources import hit_sources
 from scheduler.openai_api import APIError, GenerationRequest, parse_chat
 from scheduler.request_parts import StreamWriter, TokenClock, parse_json_body
 from scheduler.router import RoutePlan
@@ -68,6 +74,7 @@ class VLLMFrontdoor(Frontdoor):
 
     def __init__(self, router: VLLMRouter, tokenizer: Tokenizer, config: FrontdoorConfig) -> None:
         super().__init__(router, tokenizer, config)
+        self._prefilled: dict[str, PrefillResult] = {}   # request id -> its prefill, until it ends
         # the instances are watched by router.watch (their /metrics); the checks here ask the store
         self.health_checks = HealthChecker(router, config.health_interval_s, probe_engines=False)
 
@@ -110,6 +117,7 @@ class VLLMFrontdoor(Frontdoor):
             outcome = "cancelled"
             raise
         finally:
+            self._prefilled.pop(plan.request_id, None)
             self.router.finished(plan)
             self.metrics.finished.labels(outcome=outcome).inc()
 
@@ -143,6 +151,7 @@ class VLLMFrontdoor(Frontdoor):
                 self.router.prefill_finished(plan, None)
                 raise
             self.router.prefill_finished(plan, result)
+            self._prefilled[plan.request_id] = result    # its cached tokens are the request's
             return plan
 
     def _decode_body(self, body: dict[str, Any], req: GenerationRequest, plan: RoutePlan, chat: bool) -> dict[str, Any]:
@@ -195,11 +204,27 @@ class VLLMFrontdoor(Frontdoor):
             return web.json_response(answer, headers=_route(plan)), "ok"
 
     def _account(self, plan: RoutePlan, usage: dict[str, Any] | None, ttft_s: float) -> None:
-        cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self.metrics.count_cached(cached)
+        cached = self._true_usage(plan, usage)
         if self.router.colocated:
             self.router.first_token(plan)
             self.router.colocated_prefilled(plan, cached, ttft_s)
+
+    def _true_usage(self, plan: RoutePlan, usage: dict[str, Any] | None) -> int:
+        """Book vLLM's ``usage`` of a request and make its ``cached_tokens`` the request's
+        (in place): colocated, the one instance's count; disaggregated, the prefill
+        instance's — the decode instance's count is the hand-off, booked apart. Returns the
+        cached tokens."""
+        details = ((usage or {}).get("prompt_tokens_details") or {})
+        reported = int(details.get("cached_tokens") or 0)
+        prefilled = self._prefilled.get(plan.request_id)
+        cached, tier = reported, ""
+        if prefilled is not None:
+            cached, tier = prefilled.cached_tokens, prefilled.load_tier
+            self.metrics.count_handoff(reported)
+            if usage is not None:
+                usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
+        self.metrics.count_cached(cached, hit_sources(cached, plan, self.info.block_size, tier))
+        return cached
 
     async def _stream_relay(self, request: web.Request, events: AsyncGenerator[dict[str, Any], None], plan: RoutePlan,
                             t0: float, include_usage: bool, resume: StreamResume,
@@ -303,8 +328,8 @@ class VLLMFrontdoor(Frontdoor):
         return moved
 
     def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float, resumed: bool) -> None:
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self.metrics.count_cached(cached)
+        """The stream's usage event (``usage`` made the request's in place, before it is sent)."""
+        cached = self._true_usage(plan, usage)
         if self.router.colocated and not resumed:   # a continuation's prefill is not the request's
             self.router.colocated_prefilled(plan, cached, ttft_s)
 

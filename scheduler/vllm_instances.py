@@ -208,7 +208,8 @@ class VLLMClient:
         InvalidArgument) before it computes anything, rather than the decode instance after
         the prefill was spent; the one token is not used. ``max_load_blocks`` is not honoured
         (the connector loads any pool hit). Returns the result with ``prefill_s`` the measured
-        seconds of the call and ``cached_tokens`` as vLLM reports them (loaded from the pool)."""
+        seconds of the call and ``cached_tokens`` as vLLM reports them: the prompt tokens it did
+        not compute (its own prefix cache's and the pool's: vLLM's ``num_cached_tokens``)."""
         body = {"model": self.served_model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0,
                 **{k: v for k, v in (sampling or {}).items() if k in PREFILL_SAMPLING},
                 "cache_salt": namespace, "request_id": f"{request_id}-prefill", "return_token_ids": True}

@@ -199,3 +199,38 @@ def test_read_json_refuses_what_both_front_doors_cannot_parse():
         with pytest.raises(APIError, match=needle) as exc:
             read_json(raw)
         assert exc.value.status == 400
+
+
+def test_cached_tokens_are_what_the_prefill_did_not_compute_and_make_the_hit_ratio(door, url):
+    """``usage.prompt_tokens_details.cached_tokens``, whole and streamed: 0 for a cold prompt,
+    every full block the second time (never the last token: 53 tokens, 3 blocks of 16),
+    0 for another tenant's first request of it. The front door's books hold what the
+    clients were told: cached / prompt tokens, split by source; the hand-off to decode (all
+    of each prompt) is counted apart."""
+    get = door.frontdoor.metrics.registry.get_sample_value
+
+    def books() -> tuple[float, ...]:
+        sources = sum(get("kvstore_scheduler_cached_prompt_tokens_by_source_total", {"source": s}) or 0.0
+                      for s in ("instance", "pool_hbm", "pool_dram", "pool_ssd", "unknown"))
+        handoff = sum(get("kvstore_scheduler_handoff_tokens_total", {"via": v}) or 0.0 for v in ("pool", "direct"))
+        return (get("kvstore_scheduler_prompt_tokens_total"), get("kvstore_scheduler_cached_prompt_tokens_total"),
+                sources, handoff)
+
+    prompt = prompt_of(77, 3 * BS + 5)
+    body = {"prompt": prompt, "max_tokens": 2}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    before = books()
+    told = []
+    for key in ("alice-hits", "bob-hits"):
+        auth = {"Authorization": f"Bearer {key}"}
+        told.append(complete(url, body, auth)["usage"])
+        told.append(sse_events(call(url, "/v1/completions", streamed, auth)[2])[-1]["usage"])
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in told] == [0, 3 * BS, 0, 3 * BS]
+    prompt_tokens, cached, sources, handoff = (b - a for a, b in zip(before, books()))
+    assert prompt_tokens == sum(u["prompt_tokens"] for u in told) == 4 * len(prompt)
+    assert cached == sources == sum(u["prompt_tokens_details"]["cached_tokens"] for u in told)
+    assert handoff == 4 * len(prompt)
+    text = call(url, "/metrics")[2].decode()
+    ratio = float(re.search(r"^kvstore_scheduler_prefix_hit_ratio (\S+)$", text, re.MULTILINE).group(1))
+    assert ratio == pytest.approx(get("kvstore_scheduler_cached_prompt_tokens_total")
+                                  / get("kvstore_scheduler_prompt_tokens_total"))

@@ -33,7 +33,7 @@ def test_watch_json_counts_the_reads_between_two_refreshes(store_node):
     assert second["nodes"][0]["up"] and second["nodes"][0]["node_id"] == pool.node_id
     assert dram["blocks"] == 8 and dram["capacity_bytes"] == 64 << 20
     assert dram["delta"]["hits"] == 5 and dram["delta"]["misses"] == 1
-    assert dram["interval_hit_ratio"] == 5 / 6
+    assert dram["interval_read_success_ratio"] == 5 / 6
     assert dram["rate"]["hits"] == 5 / second["interval_s"] and second["interval_s"] >= 3
     stats = {s.name: s for s in pool.stats()}
     assert dram["hits"] == stats["dram"].hits and dram["misses"] == stats["dram"].misses

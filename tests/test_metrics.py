@@ -67,7 +67,7 @@ def test_store_metrics_parse_and_move_with_traffic(node):
     for tier in ("dram", "ssd"):
         assert value(before, "kvstore_tier_capacity_bytes", tier=tier, node="metrics-node") > 0
     assert value(before, "kvstore_tier_used_bytes", tier="dram") == 0
-    assert value(before, "kvstore_block_hits_total", tier="dram") == 0
+    assert value(before, "kvstore_block_read_hits_total", tier="dram") == 0
     assert value(before, "kvstore_node_info", node="metrics-node") == 1
 
     # The same-host data plane (the slab mapped here) and the gRPC stream, each with puts,
@@ -90,8 +90,8 @@ def test_store_metrics_parse_and_move_with_traffic(node):
     used = value(after, "kvstore_tier_used_bytes", tier="dram")
     assert used >= 10 * (64 << 10)
     assert value(after, "kvstore_tier_blocks", tier="dram") == 10
-    assert value(after, "kvstore_block_hits_total", tier="dram") == 10
-    assert value(after, "kvstore_block_misses_total", tier="dram") >= 1
+    assert value(after, "kvstore_block_read_hits_total", tier="dram") == 10
+    assert value(after, "kvstore_block_read_misses_total", tier="dram") >= 1
     assert value(after, "kvstore_put_seconds_count", node="metrics-node") >= 1
     assert value(after, "kvstore_get_seconds_count", node="metrics-node") >= 2
     assert value(after, "kvstore_put_seconds_sum") > 0
@@ -304,8 +304,8 @@ def test_store_metrics_per_namespace(node):
     got = scrape(url)
     assert value(got, "kvstore_namespace_bytes", namespace="tenant-a") == 3 * (64 << 10)
     assert value(got, "kvstore_namespace_blocks", namespace="tenant-b") == 2
-    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-a") == 3
-    assert value(got, "kvstore_namespace_hits_total", namespace="tenant-b") == 0
+    assert value(got, "kvstore_namespace_read_hits_total", namespace="tenant-a") == 3
+    assert value(got, "kvstore_namespace_read_hits_total", namespace="tenant-b") == 0
     assert value(got, "kvstore_namespace_tier_bytes", namespace="tenant-a", tier="dram") == 3 * (64 << 10)
     assert not [k for k in got if k[0] == "kvstore_namespace_quota_bytes"]       # no tenant has a quota
 
@@ -416,3 +416,39 @@ def test_a_metrics_port_binds_again_at_once_after_a_scrape_but_is_never_shared()
         assert value(scrape(again.url), "kvstore_test_scrapes_total") == 1.0
     finally:
         again.close()
+
+
+def test_a_node_reports_its_lookup_hit_ratio_apart_from_its_read_success(node, tmp_path):
+    """Ten reuse lookups of one block, four of them of blocks the node holds: a lookup hit
+    ratio of 0.4 in Prometheus, ``kvctl tiers`` and ``kvctl namespaces``; a decode
+    instance's hand-off lookups and a router's probes change none of it (the hand-off is
+    counted apart); the reads (four served, one missed) are their own ratio, 0.8."""
+    from tests.kvctl_helpers import kvctl, kvctl_env
+    address, url, pool = node
+    held = blocks(4, seed=9)
+    keys = [k for k, _ in held]
+    with StoreClient(address, auth_token=TOKEN, data_path="grpc") as client:
+        assert all(r.ok for r in client.put_blocks(held, chain=True, namespace="tenant-l"))
+        found = [client.lookup([k]).blocks for k in keys + [os.urandom(32) for _ in range(6)]]
+        assert found == [1] * 4 + [0] * 6
+        assert client.lookup(keys, "handoff").blocks == 4 and client.lookup(keys, "probe").blocks == 4
+        assert client.get_blocks(keys + [os.urandom(32)]) == [v for _, v in held] + [None]
+    with StoreClient(address, auth_token=TOKEN) as same_host:    # the same-host control socket
+        assert same_host.data_path_in_use == "same-host/uds" and same_host.lookup(keys, "handoff").blocks == 4
+    got = scrape(url)
+    assert value(got, "kvstore_lookup_hit_ratio") == 0.4
+    assert value(got, "kvstore_read_success_ratio") == 0.8
+    assert value(got, "kvstore_block_lookup_hits_total", tier="dram") == 4
+    assert value(got, "kvstore_block_lookup_misses_total", tier="dram") == 6
+    assert value(got, "kvstore_block_lookup_misses_total", tier="ssd") == 6    # not found anywhere
+    assert value(got, "kvstore_block_handoff_lookups_total", tier="dram") == 8
+    assert value(got, "kvstore_namespace_lookup_hits_total", namespace="tenant-l") == 4
+    assert value(got, "kvstore_namespace_lookup_misses_total", namespace="_unattributed") == 6  # no one's chain
+    env = kvctl_env(tmp_path, token=TOKEN)
+    rc, doc, _ = kvctl(env, "--store", address, "tiers")
+    assert rc == 0 and doc["lookup_hit_ratio"] == 0.4 and doc["read_success_ratio"] == 0.8, doc
+    rc, doc, _ = kvctl(env, "--store", address, "namespaces")
+    (mine,) = [n for n in doc["nodes"][0]["namespaces"] if n["namespace"] == "tenant-l"]
+    assert rc == 0 and mine["lookup_hit_ratio"] == 1.0 and mine["read_success_ratio"] == 1.0, mine
+    rc, text, _ = kvctl(env, "--store", address, "tiers", json_out=False)
+    assert "lookup hit ratio (reuse: blocks found / blocks looked up): 0.400" in text, text

@@ -127,8 +127,8 @@ def stack(tmp_path_factory) -> Iterator[tuple[Cluster, str]]:
 def test_status_page_renders_traffic_in_headless_chromium(stack, tmp_path):
     cluster, url = stack
     prompt = "The status page shows what the cluster does: nodes, tiers, queues."   # 64 bytes
-    for _ in range(3):
-        assert complete(url, {"prompt": prompt, "max_tokens": 4}, AUTH)["usage"]["completion_tokens"] == 4
+    told = [complete(url, {"prompt": prompt, "max_tokens": 4}, AUTH)["usage"] for _ in range(3)]
+    assert [u["completion_tokens"] for u in told] == [4, 4, 4]
     for _ in range(2):
         status, _, body = call(url, "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, AUTH)
         assert status == 429 and json.loads(body)["error"]["code"] == "decode_capacity"
@@ -150,10 +150,18 @@ def test_status_page_renders_traffic_in_headless_chromium(stack, tmp_path):
     assert dom.by_id["admitted-window"] == "3" and dom.by_id["rejected-window"] == "2"
     assert json.loads(dom.row(reason="decode_capacity")["cells"]) == ["decode_capacity", "2"]
 
-    # The hit ratio: the second and third prompts loaded their prefix; block reads hit.
-    assert now["hit_ratio"]["tokens"] is not None and now["hit_ratio"]["tokens"] > 0
+    # The hit ratios: the first prompt was cold, the next two reused its 4 full blocks, as
+    # their clients were told; the prefill engine's reuse lookups found none of the 4 blocks
+    # the first time and all 4 the next two; every prompt token went to decode (a hand-off,
+    # not a hit).
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in told] == [0, 64, 64]
+    assert now["hit_ratio"]["tokens"] == pytest.approx(128 / sum(u["prompt_tokens"] for u in told))
+    assert now["hit_ratio"]["lookups"] == pytest.approx(8 / 12)
+    assert now["hit_ratio"]["handoff"] == pytest.approx(1.0)
     assert dom.by_id["hit-tokens"] == pct(now["hit_ratio"]["tokens"])
-    assert dom.by_id["hit-blocks"] == pct(now["hit_ratio"]["blocks"])
+    assert dom.by_id["hit-lookups"] == pct(now["hit_ratio"]["lookups"])
+    assert dom.by_id["hit-reads"] == pct(now["hit_ratio"]["reads"])
+    assert dom.by_id["hit-handoff"] == pct(now["hit_ratio"]["handoff"])
     assert any(p.get("data-series") == "tokens" for p in dom.polylines)
 
     # Tiers as the pool counts them.
@@ -162,6 +170,7 @@ def test_status_page_renders_traffic_in_headless_chromium(stack, tmp_path):
     row = dom.row(node=node_id, tier="dram")
     assert row["blocks"] == str(dram.blocks) and dram.blocks > 0
     assert row["hits"] == str(dram.hits) and row["misses"] == str(dram.misses)
+    assert row["lookup-hits"] == str(dram.lookup_hits) and row["lookup-misses"] == str(dram.lookup_misses)
     assert row["used"] == f"{size(dram.used_bytes)} of {size(dram.capacity_bytes)}"
     assert row["use"].endswith(pct(dram.used_bytes / dram.capacity_bytes))
     assert json.loads(row["cells"])[2] == "up"
@@ -201,7 +210,7 @@ def test_status_feed_takes_the_api_key_and_the_page_holds_no_data(stack):
     assert {i["id"] for i in snap["instances"]} == {"prefill-0", "decode-0"}
     assert snap["nodes"] and snap["nodes"][0]["state"] == "up"
     assert {t["name"] for t in snap["nodes"][0]["tiers"]} == {"dram", "ssd"}
-    assert 0 <= (snap["hit_ratio"]["blocks"] or 0) <= 1
+    assert 0 <= (snap["hit_ratio"]["lookups"] or 0) <= 1 and 0 <= (snap["hit_ratio"]["reads"] or 0) <= 1
 
 
 def test_status_page_names_a_store_node_that_is_down(stack, tmp_path):

@@ -92,7 +92,11 @@ def test_served_traffic_is_accounted_per_tenant_and_a_quota_holds_one_tenant_onl
     block_bytes = a["bytes"] // PROMPT_BLOCKS
     assert block_bytes > 0 and a["bytes"] == b["bytes"] == PROMPT_BLOCKS * block_bytes
     assert a["hits"] >= PROMPT_BLOCKS and b["hits"] >= PROMPT_BLOCKS   # the repeats read the pool
-    assert "" not in by, "served blocks were put without their tenant"
+    assert "" not in by, "served blocks were put (or looked up) without their tenant"
+    # the prefill engine's reuse lookups name the tenant: each cold prompt missed its blocks,
+    # each repeat found them
+    assert (a["lookup_hits"], a["lookup_misses"]) == (b["lookup_hits"], b["lookup_misses"]) == (
+        PROMPT_BLOCKS, PROMPT_BLOCKS), by
 
     quota = PROMPT_BLOCKS * block_bytes
     rc, _, err = kvctl(served.env, "--store", served.store, "quota", "set", "--namespace", NS_A,

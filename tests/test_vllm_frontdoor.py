@@ -5,6 +5,7 @@ vLLM's own prefix cache is off, so every cached token came from kvstore."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import urllib.request
@@ -117,6 +118,11 @@ def vllm_counter(server, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def handoff_tokens(door) -> float:
+    get = door.frontdoor.metrics.registry.get_sample_value
+    return sum(get("kvstore_scheduler_handoff_tokens_total", {"via": v}) or 0.0 for v in ("pool", "direct"))
+
+
 def trace_prompts(n: int) -> list[tuple[list[int], int]]:
     mapping = TraceMapping(BS, 512)
     return [(list(mapping.prompt(r)), max(1, min(r.output_length, 8))) for r in load_trace(TRACE, n)]
@@ -134,23 +140,78 @@ def test_parse_metrics_reads_load_and_cache_size() -> None:
 def test_twenty_trace_requests_disaggregated_load_every_block_and_match_colocated(model_dir, store, servers) -> None:
     prompts = trace_prompts(20)
 
-    async def run(topology: str, key: str) -> list[dict]:
+    async def run(topology: str, key: str) -> tuple[list[dict], float]:
         async with frontdoor(model_dir, store, servers, "decode0", topology=topology) as door:
             async with aiohttp.ClientSession() as s:
-                return await asyncio.gather(*(stream(s, door.url, {"prompt": p, "max_tokens": m, "temperature": 0,
-                                                                   "ignore_eos": True}, key)
-                                              for p, m in prompts))
+                out = await asyncio.gather(*(stream(s, door.url, {"prompt": p, "max_tokens": m, "temperature": 0,
+                                                                  "ignore_eos": True}, key)
+                                             for p, m in prompts))
+            return out, handoff_tokens(door)
 
-    disagg = asyncio.run(run("disaggregated", "tenant-pd"))
-    colocated = asyncio.run(run("colocated", "tenant-colocated"))
+    disagg, handoff = asyncio.run(run("disaggregated", "tenant-pd"))
+    colocated, _ = asyncio.run(run("colocated", "tenant-colocated"))
+    # every full block but one holding the last token went from prefill to decode through
+    # the pool: the hand-off, booked apart from the cached tokens the clients are told
+    assert handoff == sum((len(p) - 1) // BS * BS for p, _ in prompts)
     for (prompt, max_tokens), d, c in zip(prompts, disagg, colocated):
         assert d["status"] == 200 and d["error"] is None and len(d["tokens"]) == max_tokens
         assert d["decode"] == "vllm-decode-0"
-        if len(prompt) > BS:       # every full block but one holding the last token came from the pool
-            assert d["cached"] >= (len(prompt) - 1) // BS * BS
+        assert 0 <= d["cached"] <= (len(prompt) - 1) // BS * BS
         assert d["tokens"] == c["tokens"]                 # greedy: loaded KV == recomputed KV
     pool, _ = store
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("topology", ["disaggregated", "colocated"])
+def test_cached_tokens_are_the_prefills_in_every_topology(model_dir, store, servers, topology) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` is what the request's prefill did not
+    compute, whole and streamed, completions and chat: 0 for a cold prompt, every full block
+    but the last token's the second time, 0 for another tenant's first request of it —
+    disaggregated too, where the decode instance loads every full block whatever the reuse
+    (the hand-off, booked apart). The front door's prefix hit ratio is what the clients were
+    told: their cached tokens / their prompt tokens."""
+    prompt = [11 + (i * 13) % 240 for i in range(3 * BS + 7)]
+    chat = {"messages": [{"role": "user", "content": " ".join(f"word{i}" for i in range(60))}], "max_tokens": 2}
+    tag = topology[:4]
+
+    async def post(s: aiohttp.ClientSession, url: str, path: str, body: dict, key: str, streamed: bool) -> dict:
+        headers = {"Authorization": f"Bearer {key}"}
+        if streamed:
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(url + path, json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            if not streamed:
+                return (await r.json())["usage"]
+            events = [json.loads(line[5:]) for line in (await r.read()).split(b"\n")
+                      if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"]
+            return events[-1]["usage"]
+
+    async def run() -> tuple[list[dict], tuple[float, float, float, float]]:
+        async with frontdoor(model_dir, store, servers, "decode0", topology=topology) as door:
+            get = door.frontdoor.metrics.registry.get_sample_value
+            async with aiohttp.ClientSession() as s:
+                told = []
+                for key, first, again in ((f"hits-{tag}-a", False, True), (f"hits-{tag}-b", True, False)):
+                    for streamed in (first, again):
+                        told.append(await post(s, door.url, "/v1/completions",
+                                               {"prompt": prompt, "max_tokens": 2}, key, streamed))
+                for streamed in (False, True):
+                    told.append(await post(s, door.url, "/v1/chat/completions", chat, f"hits-{tag}-c", streamed))
+                async with s.get(door.url + "/metrics") as r:
+                    text = await r.text()
+            ratio = float(next(line.split()[1] for line in text.splitlines()
+                               if line.startswith("kvstore_scheduler_prefix_hit_ratio ")))
+            return told, (get("kvstore_scheduler_prompt_tokens_total"),
+                          get("kvstore_scheduler_cached_prompt_tokens_total"), ratio, handoff_tokens(door))
+
+    told, (prompt_tokens, cached, ratio, handoff) = asyncio.run(run())
+    full = [(u["prompt_tokens"] - 1) // BS * BS for u in told]
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in told] == [0, full[1], 0, full[3], 0, full[5]]
+    assert full[1] == 3 * BS and full[5] > 0
+    assert prompt_tokens == sum(u["prompt_tokens"] for u in told)
+    assert cached == sum(u["prompt_tokens_details"]["cached_tokens"] for u in told)
+    assert ratio == pytest.approx(cached / prompt_tokens)
+    assert handoff == (sum(full) if topology == "disaggregated" else 0)
 
 
 def test_admission_rejects_before_any_prefill_reaches_vllm(model_dir, store, servers) -> None:
@@ -250,7 +311,7 @@ def test_two_tenants_never_share_blocks(model_dir, store, servers) -> None:
                 return a, b
 
     a, b = asyncio.run(run())
-    assert a["cached"] == b["cached"] == 4 * BS        # each loaded its own tenant's blocks
+    assert a["cached"] == b["cached"] == 0       # each tenant's first: nothing reused (decode's load is a hand-off)
     assert held(ns_a) == held(ns_b) == 4
 
 

@@ -162,6 +162,25 @@ def lease_wire(request: pytest.FixtureRequest, make_dram: Any, make_ssd: Any) ->
         yield from _in_process(request.param, make_dram, make_ssd)
 
 
+# -- lookups -----------------------------------------------------------------------------------
+def test_a_lookups_purpose_and_tenant_reach_the_pool(put_wire: Wire) -> None:
+    """What a lookup is for and whose it is reach the node's lookup books over every wire
+    that carries lookups (docs/metrics.md): a reuse lookup counts, a hand-off lookup counts
+    apart, a probe counts nothing; the misses are the named tenant's."""
+    from kvstore.tenants import namespace_stats, tenants_of
+    assert put_wire.pool is not None
+    tenants_of(put_wire.pool)                      # the pool keeps tenant books
+    held = blocks_of("look", [64, 64])
+    put_wire.seed(held)
+    keys = [k for k, _ in held] + [key("look-miss")]
+    c = put_wire.client
+    assert c.lookup(keys, "reuse", "tenant-w").blocks == 2
+    assert c.lookup(keys, "handoff").blocks == 2 and c.lookup(keys, "probe").blocks == 2
+    dram = put_wire.pool.stats()[0]
+    assert (dram.lookup_hits, dram.lookup_misses, dram.handoff_lookups) == (2, 1, 2)
+    assert namespace_stats(put_wire.pool)["tenant-w"].lookup_misses == 1
+
+
 # -- puts --------------------------------------------------------------------------------------
 def test_a_put_stores_the_bytes_and_their_checksum(put_wire: Wire) -> None:
     blocks = blocks_of(f"bytes-{put_wire.name}")

@@ -132,6 +132,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.paged = PagedLayout.from_vllm(vllm_config)
         self.block_size = self.paged.block_size
         self.saves = bool(tc.is_kv_producer)
+        # A kv_consumer (decode) instance looks for what its prefill just stored: a hand-off,
+        # which the pool's lookup books keep apart from reuse (docs/metrics.md).
+        self.lookup_purpose = "reuse" if self.saves else "handoff"
         # kv_both is a cache: its saves run beside the next steps; a producer's hand-off is
         # complete when vLLM answers.
         self.async_saves = self.saves and bool(tc.is_kv_consumer) and self.cfg.async_save
@@ -179,7 +182,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         tr = self._track(request)
         if tr is None:
             return 0, False
-        found = self.link.lookup(tr.keys)
+        found = self.link.lookup(tr.keys, self.lookup_purpose, tr.namespace)
         self.stats.lookups += 1
         tr.saved = min(found, len(tr.keys))
         tr.local_tokens = num_computed_tokens

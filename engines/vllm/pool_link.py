@@ -162,13 +162,15 @@ class PoolLink:
     def _ok(self) -> None:
         self._backoff = BACKOFF_FIRST_S
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure)."""
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> int:
+        """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure);
+        ``purpose``: ``reuse`` or ``handoff`` (a decode instance's: the pool's lookup books
+        count it apart, kvstore/pool_reads.py); ``namespace``: the tenant looking."""
         client = self._get_client() if keys else None
         if client is None:
             return 0
         try:
-            found = client.lookup(list(keys)).blocks
+            found = client.lookup(list(keys), purpose, namespace).blocks
         except (KVStoreError, OSError) as exc:
             self._failed(f"lookup of {len(keys)} blocks in the {self.target}", exc)
             return 0

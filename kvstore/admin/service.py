@@ -127,7 +127,8 @@ class AdminServicer(apb_grpc.AdminServicer):
                                  data_dir=self.control.data_dir, namespaces=[
             apb.NamespaceStats(namespace=s.namespace, bytes=s.bytes, blocks=s.blocks, hits=s.hits,
                                misses=s.misses, evictions=s.evictions, rejected_puts=s.rejected_puts,
-                               quota_bytes=s.quota_bytes, tier_bytes=s.tier_bytes)
+                               quota_bytes=s.quota_bytes, tier_bytes=s.tier_bytes, lookup_hits=s.lookup_hits,
+                               lookup_misses=s.lookup_misses)
             for s in namespace_stats(self.pool).values()])
 
     def _used(self, namespace: str) -> int:

@@ -163,15 +163,17 @@ class ClusterClient:
     # -- lookups ---------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes]) -> list[NodeInfo]:
         """The node holding each block of the longest prefix of ``keys`` held anywhere."""
-        return self._walk(list(keys))[0]
+        return self._walk(list(keys), "probe", None)[0]     # the reads that follow count
 
-    def _walk(self, keys: list[bytes]) -> tuple[list[NodeInfo], list[str]]:
+    def _walk(self, keys: list[bytes], purpose: str,
+              namespace: str | None) -> tuple[list[NodeInfo], list[str]]:
         owners: list[NodeInfo] = []
         tiers: list[str] = []
         live = self.nodes()
         while len(owners) < len(keys) and live:
             rest = keys[len(owners):]
-            answers = list(self._pool.map(self._lookup_one, live, [rest] * len(live)))
+            answers = list(self._pool.map(self._lookup_one, live, [rest] * len(live), [purpose] * len(live),
+                                          [namespace] * len(live)))
             best = max(range(len(live)), key=lambda i: answers[i].blocks)
             if answers[best].blocks == 0:
                 break
@@ -179,16 +181,20 @@ class ClusterClient:
             tiers += answers[best].tiers
         return owners, tiers
 
-    def _lookup_one(self, node: NodeInfo, keys: list[bytes]) -> LookupResult:
+    def _lookup_one(self, node: NodeInfo, keys: list[bytes], purpose: str = "probe",
+                    namespace: str | None = None) -> LookupResult:
         try:
-            return self._client(node).lookup(keys)
+            return self._client(node).lookup(keys, purpose, namespace)
         except (KVStoreError, OSError) as exc:
             self._fail(node, exc)
             return LookupResult(0, ())
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix of the chain ``keys`` held across the live nodes (renews nothing)."""
-        owners, tiers = self._walk(list(keys))
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> LookupResult:
+        """Longest prefix of the chain ``keys`` held across the live nodes (renews nothing).
+        ``purpose``: as :meth:`kvstore.client.StoreClient.lookup`; every live node is asked
+        for the rest of the chain, so each node's lookup books count its own share of the
+        chains (docs/metrics.md)."""
+        owners, tiers = self._walk(list(keys), purpose, namespace)
         return LookupResult(len(owners), tuple(tiers))
 
     # -- reads -----------------------------------------------------------------------------

@@ -99,8 +99,9 @@ class UdsControl:
         """Spare-slot grants asked for and not read yet."""
         return self._owed
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        return w.decode_lookup_reply(self._call(w.OP_LOOKUP, w.encode_keys(keys)))
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
+               namespace: str | None = None) -> tuple[int, list[str]]:
+        return w.decode_lookup_reply(self._call(w.OP_LOOKUP, w.lookup_request(keys, purpose, namespace)))
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
               chain: bool = False) -> LeaseGrant:

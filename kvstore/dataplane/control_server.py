@@ -200,8 +200,8 @@ class ControlServer:
             host.abort(ids)
             return b""
         if op == w.OP_LOOKUP:
-            keys, _ = w.decode_keys(p, 0)
-            return w.lookup_reply(*host.pool.lookup(keys))
+            keys, purpose, namespace = w.decode_lookup_request(p)
+            return w.lookup_reply(*host.pool.lookup(keys, purpose, namespace))
         raise InvalidArgument(f"unknown control op {op}")
 
     def close(self) -> None:

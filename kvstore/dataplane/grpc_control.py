@@ -19,8 +19,9 @@ class GrpcControl:
     def __init__(self, stub: Any, call: Callable[..., Any]) -> None:
         self._stub, self._call = stub, call
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        n, tiers = codec.lookup_of(self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys))))
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
+               namespace: str | None = None) -> tuple[int, list[str]]:
+        n, tiers = codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))
         return n, list(tiers)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,

@@ -78,9 +78,12 @@ class LocalDataPlane(SlabReads, SlabWrites):
         """The control channel: ``uds`` or ``grpc``."""
         return self.control.name
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """Longest prefix of ``keys`` the node holds and the tier of each (renews nothing)."""
-        return self.control.lookup(keys)
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
+               namespace: str | None = None) -> tuple[int, list[str]]:
+        """Longest prefix of ``keys`` the node holds and the tier of each (renews nothing);
+        ``purpose``, ``namespace``: what for and whose (kvstore/pool_reads.py: the node's
+        lookup books)."""
+        return self.control.lookup(keys, purpose, namespace)
 
     def _hasher(self) -> ThreadPoolExecutor:
         """The helper thread that hashes beside large copies (both directions)."""

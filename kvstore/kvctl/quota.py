@@ -62,6 +62,10 @@ def cmd_quota(t: Target, args: argparse.Namespace) -> int:
     return EXIT_OK if found_any else EXIT_INCOMPLETE
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
     docs, rows = [], []
     for node in pick_nodes(t, args.node):
@@ -69,13 +73,16 @@ def cmd_namespaces(t: Target, args: argparse.Namespace) -> int:
             s = admin.stats()
         docs.append({"node": node.node_id, **s})
         for n in s["namespaces"]:
-            looked = n["hits"] + n["misses"]
+            lh, lm = int(n.get("lookup_hits", 0)), int(n.get("lookup_misses", 0))
+            n["lookup_hit_ratio"] = lh / (lh + lm) if lh + lm else None
+            n["read_success_ratio"] = n["hits"] / (n["hits"] + n["misses"]) if n["hits"] + n["misses"] else None
             rows.append([node.node_id, n["namespace"] or "-", n["blocks"], mib(n["bytes"]),
-                         n["quota_bytes"] if n.get("quota_bytes") is not None else "", n["hits"], n["misses"],
-                         f"{n['hits'] / looked:.3f}" if looked else "-", n["evictions"], n["rejected_puts"]])
+                         n["quota_bytes"] if n.get("quota_bytes") is not None else "", lh, lm,
+                         _ratio(n["lookup_hit_ratio"]), n["hits"], n["misses"], _ratio(n["read_success_ratio"]),
+                         n["evictions"], n["rejected_puts"]])
     emit(args, {"nodes": docs}, tabulate(rows, headers=[
-        "node", "namespace", "blocks", "MiB", "quota bytes", "hits", "misses", "hit ratio", "quota evictions",
-        "rejected puts"]))
+        "node", "namespace", "blocks", "MiB", "quota bytes", "lookup hits", "lookup misses", "lookup hit ratio",
+        "read hits", "read misses", "read success", "quota evictions", "rejected puts"]))
     return EXIT_OK
 
 
@@ -88,7 +95,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--node", help="a node id or address (default: every node; a quota is per node)")
     add_json(p)
     p.set_defaults(func=cmd_quota)
-    p = sub.add_parser("namespaces", help="per-tenant accounting: blocks, bytes, hits, misses, quota evictions")
+    p = sub.add_parser("namespaces", help="per-tenant accounting: blocks, bytes, lookup hit ratio (reuse), "
+                                          "read success, quota evictions")
     p.add_argument("--node", help="a node id or address (default: every node)")
     add_json(p)
     p.set_defaults(func=cmd_namespaces)

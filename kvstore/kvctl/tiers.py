@@ -22,6 +22,7 @@ from kvstore.kvctl.common import (
     positive,
     size_text,
 )
+from kvstore.pool_types import lookup_hit_ratio, read_success_ratio
 
 
 def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
@@ -29,13 +30,23 @@ def cmd_tiers(t: Target, args: argparse.Namespace) -> int:
         node, stats = client.stats()
     rows = [[s.name, s.device, s.policy, mib(s.capacity_bytes), mib(s.used_bytes),
              f"{100 * s.used_bytes / s.capacity_bytes:.1f}" if s.capacity_bytes else "-",
-             mib(s.leased_bytes), mib(s.pinned_bytes), s.blocks, s.hits, s.misses, s.evictions, s.demotions,
-             s.promotions, s.integrity_failures, s.quarantines] for s in stats]
+             mib(s.leased_bytes), mib(s.pinned_bytes), s.blocks, s.lookup_hits, s.lookup_misses, s.handoff_lookups,
+             s.hits, s.misses, s.evictions, s.demotions, s.promotions, s.integrity_failures, s.quarantines]
+            for s in stats]
+    lookup, read = lookup_hit_ratio(stats), read_success_ratio(stats)
     text = f"node {node} at {t.store}\n" + tabulate(rows, headers=[
         "tier", "device", "policy", "capacity MiB", "used MiB", "used %", "leased MiB", "pinned MiB", "blocks",
-        "hits", "misses", "evictions", "demotions", "promotions", "integrity failures", "quarantines"])
-    emit(args, {"node_id": node, "address": t.store, "tiers": [asdict(s) for s in stats]}, text)
+        "lookup hits", "lookup misses", "hand-off lookups", "read hits", "read misses", "evictions",
+        "demotions", "promotions", "integrity failures", "quarantines"])
+    text += (f"\nlookup hit ratio (reuse: blocks found / blocks looked up): {_ratio(lookup)}; "
+             f"read success ratio (blocks served / blocks read): {_ratio(read)}")
+    emit(args, {"node_id": node, "address": t.store, "lookup_hit_ratio": lookup, "read_success_ratio": read,
+                "tiers": [asdict(s) for s in stats]}, text)
     return EXIT_OK
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def cmd_evict(t: Target, args: argparse.Namespace) -> int:
@@ -110,7 +121,8 @@ def cmd_health(t: Target, args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("tiers", help="each tier's capacity, usage and counters")
+    p = sub.add_parser("tiers", help="each tier's capacity, usage and counters; the lookup hit ratio (reuse) "
+                                      "and the read success ratio")
     add_json(p)
     p.set_defaults(func=cmd_tiers)
     p = sub.add_parser("evict", help="evict bytes from a tier (says demoted vs dropped; exit 3 when short)")

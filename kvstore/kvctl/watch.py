@@ -1,7 +1,7 @@
-"""``kvctl watch``: a refreshing terminal view of the store's tiers — use, blocks, the hit
-ratio and the rates of hits, misses, evictions, demotions and promotions over the last
-refresh — like ``top`` for the cache (LMCache's ``lmcache`` CLI and ``redis-cli --stat``
-are the anchors).
+"""``kvctl watch``: a refreshing terminal view of the store's tiers — use, blocks, the
+lookup hit ratio (reuse), the read success ratio and the rates of read hits, read misses,
+evictions, demotions and promotions over the last refresh (docs/metrics.md) — like
+``top`` for the cache (LMCache's ``lmcache`` CLI and ``redis-cli --stat`` are the anchors).
 
 Each refresh reads every node's ``Stats`` once (gRPC, no bytes moved). Rates are counter
 differences over the seconds between two refreshes, so the first refresh shows totals only.
@@ -25,7 +25,8 @@ from kvstore.errors import KVStoreError
 from kvstore.kvctl.common import whole_number
 from kvstore.pool_types import TierStats
 
-RATES = ("hits", "misses", "evictions", "demotions", "promotions")
+RATES = ("lookup_hits", "lookup_misses", "hits", "misses", "evictions", "demotions", "promotions")
+SHOWN = ("hits", "misses", "evictions", "demotions", "promotions")   # rates in the table
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -65,15 +66,17 @@ def frame(now: list[NodeReading], before: list[NodeReading] | None, elapsed_s: f
     for r in now:
         tiers = []
         for s in r.tiers or ():
-            reads = s.hits + s.misses
-            row: dict[str, Any] = {**asdict(s), "hit_ratio": s.hits / reads if reads else None}
+            reads, looked = s.hits + s.misses, s.lookup_hits + s.lookup_misses
+            row: dict[str, Any] = {**asdict(s), "read_success_ratio": s.hits / reads if reads else None,
+                                   "lookup_hit_ratio": s.lookup_hits / looked if looked else None}
             p = prev.get((r.address, s.name))
             if p is not None and elapsed_s > 0:
                 delta = {k: getattr(s, k) - getattr(p, k) for k in RATES}
                 row["delta"] = delta
                 row["rate"] = {k: v / elapsed_s for k, v in delta.items()}
-                d_reads = delta["hits"] + delta["misses"]
-                row["interval_hit_ratio"] = delta["hits"] / d_reads if d_reads else None
+                d_reads, d_looked = delta["hits"] + delta["misses"], delta["lookup_hits"] + delta["lookup_misses"]
+                row["interval_read_success_ratio"] = delta["hits"] / d_reads if d_reads else None
+                row["interval_lookup_hit_ratio"] = delta["lookup_hits"] / d_looked if d_looked else None
             tiers.append(row)
         nodes.append({"address": r.address, "node_id": r.node_id, "up": r.tiers is not None,
                       "error": r.error, "tiers": tiers})
@@ -89,20 +92,23 @@ def render(doc: dict[str, Any]) -> str:
     rows = []
     for n in doc["nodes"]:
         if not n["up"]:
-            rows.append([n["node_id"], n["address"], "DOWN: " + n["error"]] + [""] * 10)
+            rows.append([n["node_id"], n["address"], "DOWN: " + n["error"]] + [""] * 12)
             continue
         for t in n["tiers"]:
             rate = t.get("rate")
             rows.append([n["node_id"], n["address"], t["name"], f"{t['used_bytes'] / 2**20:,.1f}",
                          f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}" if t["capacity_bytes"] else "-",
-                         t["blocks"], _pct(t["hit_ratio"]), _pct(t.get("interval_hit_ratio"))]
-                        + [f"{rate[k]:,.1f}" if rate else "-" for k in RATES])
+                         t["blocks"], _pct(t["lookup_hit_ratio"]), _pct(t.get("interval_lookup_hit_ratio")),
+                         _pct(t["read_success_ratio"]), _pct(t.get("interval_read_success_ratio"))]
+                        + [f"{rate[k]:,.1f}" if rate else "-" for k in SHOWN])
     interval = doc["interval_s"]
     when = time.strftime("%H:%M:%S", time.localtime(doc["time"]))
     head = f"kvstore watch  {when}  " + (f"rates per second over the last {interval:.1f} s" if interval
                                          else "totals (rates from the next refresh)")
     return head + "\n" + tabulate(rows, headers=["node", "address", "tier", "used MiB", "used %", "blocks",
-                                                 "hit % (all)", "hit % (interval)", "hits/s", "misses/s",
+                                                 "lookup hit % (all)", "lookup hit % (interval)",
+                                                 "read ok % (all)", "read ok % (interval)", "read hits/s",
+                                                 "read misses/s",
                                                  "evictions/s", "demotions/s", "promotions/s"])
 
 

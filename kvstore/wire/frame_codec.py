@@ -163,6 +163,33 @@ def _failed(state: int) -> bool:
 
 
 # -- LOOKUP ------------------------------------------------------------------------------------
+LOOKUP_PURPOSES = ("reuse", "handoff", "probe")   # the byte after the keys: its index
+
+
+def lookup_request(keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> bytes:
+    """The keys, then one byte: the lookup's purpose (kvstore/pool_reads.py), then the
+    tenant looking (ASCII, to the end of the frame; none: not said)."""
+    return encode_keys(keys) + bytes((LOOKUP_PURPOSES.index(purpose),)) + (namespace or "").encode("ascii")
+
+
+def decode_lookup_request(buf: bytes) -> tuple[list[bytes], str, str | None]:
+    """(keys, purpose, namespace or None); a frame without the purpose byte is a reuse
+    lookup, an unknown purpose a probe (counted nowhere). Raises InvalidArgument for a
+    malformed namespace."""
+    keys, pos = decode_keys(buf, 0)
+    if pos >= len(buf):
+        return keys, "reuse", None
+    code = buf[pos]
+    purpose = LOOKUP_PURPOSES[code] if code < len(LOOKUP_PURPOSES) else "probe"
+    rest = buf[pos + 1:]
+    if not rest:
+        return keys, purpose, None
+    try:
+        return keys, purpose, check_namespace(rest.decode("ascii"))
+    except UnicodeDecodeError:
+        raise InvalidArgument("a lookup's namespace is printable ASCII") from None
+
+
 def lookup_reply(n: int, tiers: Sequence[str]) -> bytes:
     return U32.pack(n) + ",".join(tiers).encode()
 

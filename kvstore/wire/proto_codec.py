@@ -34,6 +34,26 @@ _TIER_FIELDS = tuple(f.name for f in fields(TierStats))
 
 
 # -- Lookup ------------------------------------------------------------------------------------
+_PURPOSES = {"reuse": pb.LOOKUP_REUSE, "handoff": pb.LOOKUP_HANDOFF, "probe": pb.LOOKUP_PROBE}
+_PURPOSE_NAMES = {v: k for k, v in _PURPOSES.items()}
+
+
+def lookup_request(keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> pb.LookupRequest:
+    """``purpose``: reuse, handoff or probe (kvstore/pool_reads.py); raises KeyError for
+    another. ``namespace``: the tenant looking, for its lookup books (None: not said)."""
+    return pb.LookupRequest(keys=list(keys), purpose=_PURPOSES[purpose], namespace=namespace or "")
+
+
+def lookup_namespace_of(request: pb.LookupRequest) -> str | None:
+    """The tenant a Lookup names (None: none); raises InvalidArgument for a malformed one."""
+    return check_namespace(request.namespace) if request.namespace else None
+
+
+def lookup_purpose_of(request: pb.LookupRequest) -> str:
+    """The request's purpose; a value this node does not know counts as a probe (nothing)."""
+    return _PURPOSE_NAMES.get(request.purpose, "probe")
+
+
 def lookup_response(n: int, tiers: Sequence[str]) -> pb.LookupResponse:
     return pb.LookupResponse(prefix_blocks=n, tiers=tiers)
 

@@ -60,10 +60,12 @@ function renderNodes(nodes) {
     use.appendChild(document.createTextNode(" " + pct(frac)));
     use.dataset.field = "use";
     cell(tr, String(tier.blocks)).dataset.field = "blocks";
+    cell(tr, String(tier.lookup_hits)).dataset.field = "lookup-hits";
+    cell(tr, String(tier.lookup_misses)).dataset.field = "lookup-misses";
     cell(tr, String(tier.hits)).dataset.field = "hits";
     cell(tr, String(tier.misses)).dataset.field = "misses";
     const reads = tier.hits + tier.misses;
-    cell(tr, reads ? pct(tier.hits / reads) : "–").dataset.field = "hit-ratio";
+    cell(tr, reads ? pct(tier.hits / reads) : "–").dataset.field = "read-success";
   });
 }
 
@@ -84,7 +86,7 @@ function renderChart(series) {
     label.textContent = 100 * v + "%";
     svg.appendChild(label);
   }
-  for (const [field, colour] of [["tokens", "#4a78c2"], ["blocks", "#e08a1e"]]) {
+  for (const [field, colour] of [["tokens", "#4a78c2"], ["lookups", "#e08a1e"], ["handoff", "#999999"]]) {
     const pts = series.filter((p) => p[field] !== null)
       .map((p) => [(p.t - t0) / span * (W - L - 10) + L + 5, y(p[field])]);
     if (!pts.length) continue;
@@ -116,7 +118,11 @@ function render(s) {
   $("window").textContent = minutes;
   for (const el of document.querySelectorAll(".window-min")) el.textContent = minutes;
   $("hit-tokens").textContent = pct(s.hit_ratio.tokens);
-  $("hit-blocks").textContent = pct(s.hit_ratio.blocks);
+  $("hit-lookups").textContent = pct(s.hit_ratio.lookups);
+  $("hit-reads").textContent = pct(s.hit_ratio.reads);
+  $("hit-handoff").textContent = pct(s.hit_ratio.handoff);
+  const sources = Object.entries(s.hit_ratio.by_source || {}).filter(([, v]) => v);
+  $("hit-sources").textContent = sources.length ? "(" + sources.map(([k, v]) => k + " " + pct(v)).join(", ") + ")" : "";
   renderChart(s.hit_ratio.series);
   renderNodes(s.nodes);
   fill($("instances").tBodies[0], s.instances, (tr, i) => {
