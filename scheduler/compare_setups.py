@@ -17,7 +17,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from scheduler.report import Report, token_rows_note
+from scheduler.report import Report, RequestOutcome, token_rows_note
 
 # vLLM's counters of prompt tokens served from a cache (vllm/v1/metrics/loggers.py, 0.32)
 LOCAL_HITS = "vllm:prefix_cache_hits"
@@ -72,6 +72,16 @@ class SetupRun:
                               "cached_tokens": o.cached_tokens} for o in self.report.outcomes]}
 
 
+def _report_from_dict(d: dict[str, Any], requests: list[dict[str, Any]]) -> Report:
+    """A :class:`Report` back from :meth:`SetupRun.to_dict`'s ``report`` and ``requests``
+    (outcomes with their TTFT, prompt and cached tokens: enough to plot, not every gap)."""
+    fields = {k: v for k, v in d.items() if k in Report.__dataclass_fields__}
+    outcomes = tuple(RequestOutcome(r["status"], r.get("code", ""), r.get("ttft_s"),
+                                    prompt_tokens=r.get("prompt_tokens", 0), cached_tokens=r.get("cached_tokens", 0))
+                     for r in requests)
+    return Report(**fields, outcomes=outcomes)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -117,6 +127,14 @@ class SetupComparison:
         """Per set-up, the fraction of requests whose greedy output equals recompute's."""
         base = self.get("recompute")
         return {r.name: outputs_equal(r.report, base.report) if base else None for r in self.runs}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SetupComparison:
+        """Back from :meth:`to_dict` (a report's JSON), for plotting it again."""
+        runs = tuple(SetupRun(name, r["label"], r["what"], _report_from_dict(r["report"], r.get("requests", [])),
+                              r.get("hit_tokens", {}), r.get("memory_bytes", {}), r.get("startup_s", 0.0))
+                     for name, r in d["setups"].items())
+        return cls(runs, d.get("settings", {}))
 
     def to_dict(self) -> dict[str, Any]:
         return {"setups": {r.name: r.to_dict() for r in self.runs}, "ratios": self.ratios(),

@@ -69,3 +69,11 @@ def test_the_table_and_the_json_name_every_setup_and_ratio() -> None:
     assert d["setups"]["kvstore"]["memory_bytes_total"] == 3 << 20
     assert d["setups"]["kvstore"]["hit_ratio_pool"] == pytest.approx(0.32)
     assert "outcomes" not in d["setups"]["vllm"]["report"]
+
+
+def test_a_comparison_comes_back_from_its_json_with_what_the_plots_need() -> None:
+    c = comparison()
+    back = SetupComparison.from_dict(c.to_dict())
+    assert [r.name for r in back.runs] == ["vllm", "kvstore", "recompute"]
+    assert back.ratios() == c.ratios()
+    assert [o.ttft_s for o in back.get("kvstore").report.outcomes] == [0.5, 0.5, 1.0]
