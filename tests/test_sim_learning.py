@@ -108,7 +108,8 @@ def test_the_conductor_learns_online_from_noisy_observations_and_the_oracle_does
 def test_presets_are_the_readme_experiments():
     assert sorted(PRESETS) == ["capacity", "colocated", "fig5", "fig5-hbm", "overload"]
     fig5 = preset_runs("fig5")
-    assert [c.policy for c in fig5] == ["random", "round_robin", "least_loaded", "local_cache_aware", "conductor"]
+    assert [c.policy for c in fig5] == ["random", "round_robin", "least_loaded", "local_cache_aware", "dynamo_kv",
+                                         "llmd", "sglang_cache_aware", "conductor"]
     assert all(c.pool_dram_tokens == 0 and c.n_prefill == 8 and c.instances == 16 for c in fig5)
     # Each prefill node's local cache holds Mooncake's 3M tokens (FAST'25 §5.3.1-5.3.2): its
     # HBM's KV room (1,326,904 LLaMA3-70B tokens on 8xA800), then DRAM below it.
