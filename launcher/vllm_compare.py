@@ -7,43 +7,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import parse_bytes
 from kvstore.errors import KVStoreError, Unavailable
 from launcher.vllm_setups import COMPARED, SETUPS, RunningSetup, instance_metrics, replay_kwargs, start_setup
 
 
-def kv_bytes_per_token(model_dir: str) -> int | None:
-    """Bytes of KV one token takes in every layer (keys and values; float32, as the
-    instances run), from the checkpoint's ``config.json``; None when it does not say."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
+def kv_bytes_per_token(model_dir: str) -> int:
+    """Bytes of KV one token takes in every layer, keys and values, float32 as the instances
+    run: the layout the connector keys (:class:`scheduler.vllm_instances.VLLMModel`)."""
+    from engines.kv import block_bytes
+    from scheduler.vllm_instances import VLLMModel
+    return block_bytes(VLLMModel.from_dir(model_dir, dtype="float32").paged.layout, 1, 4)
 
 
 def provenance() -> dict[str, Any]:
-    """When, on what and from which commit a figure was measured."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10, check=False).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"}
+    """When, on what and from which commit a figure was measured (:func:`launcher.run_info.run_info`)."""
+    from launcher.run_info import run_info
+    run = run_info()
+    return {"date": run["time_utc"], "commit": run["commit"], "machine": run["machine"]["summary"]}
 
 
 def _run_one(args: argparse.Namespace, name: str, model: str, http_port: int, tokens: dict[str, str],
@@ -86,12 +74,12 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
         print("stopped all services", flush=True)
     first = runs[0].report.settings
     per_token = kv_bytes_per_token(model)
-    kv_tokens = args_kv_tokens(args, per_token)
+    kv_tokens = parse_bytes(args.vllm_kv_cache) // per_token
     settings = {**{k: v for k, v in first.items() if k != "target"}, "model": model,
                 "kv_bytes_per_token": per_token, "instances": args.prefill_instances + args.decode_instances,
                 "topology_kvstore": args.topology, "instance_kv_tokens": kv_tokens,
                 "instance_kv_vs_working_set": (kv_tokens / first["working_set_tokens"]
-                                               if kv_tokens and first.get("working_set_tokens") else None),
+                                               if first.get("working_set_tokens") else None),
                 "wall_s_all_setups": time.monotonic() - t0, **provenance()}
     comparison = SetupComparison(tuple(runs), settings)
     print(format_setups(comparison), flush=True)
@@ -110,9 +98,3 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
         for png in write_plots(comparison, args.plots):
             print(f"plot written to {png}", flush=True)
     return 0 if all(r.report.completed for r in runs) else 1
-
-
-def args_kv_tokens(args: argparse.Namespace, per_token: int | None) -> int | None:
-    """Tokens one instance's own KV cache (``--vllm-kv-cache``) holds."""
-    from kvstore.config import parse_bytes
-    return parse_bytes(args.vllm_kv_cache) // per_token if per_token else None

@@ -108,19 +108,14 @@ class SetupComparison:
     def ratios(self) -> dict[str, float | None]:
         """kvstore / vLLM alone and kvstore / recompute of the headline figures (None where a
         set-up did not run or a figure is missing)."""
-        k, v, r = (self.get(n) for n in ("kvstore", "vllm", "recompute"))
+        kvstore = self.get("kvstore")
         out: dict[str, float | None] = {}
-        for other, tag in ((v, "vllm"), (r, "recompute")):
-            kr = k.report if k else None
-            orep = other.report if other else None
-
-            def pick(rep: Report | None, attr: str) -> float | None:
-                return None if rep is None else getattr(rep, attr)
-            out[f"ttft_p50_kvstore_vs_{tag}"] = _ratio(pick(kr, "ttft_p50_s"), pick(orep, "ttft_p50_s"))
-            out[f"ttft_p99_kvstore_vs_{tag}"] = _ratio(pick(kr, "ttft_p99_s"), pick(orep, "ttft_p99_s"))
-            out[f"itl_p99_kvstore_vs_{tag}"] = _ratio(pick(kr, "tbt_p99_s"), pick(orep, "tbt_p99_s"))
-            out[f"goodput_kvstore_vs_{tag}"] = _ratio(pick(kr, "goodput_rps"), pick(orep, "goodput_rps"))
-            out[f"prefill_tokens_kvstore_vs_{tag}"] = _ratio(pick(kr, "prefill_tokens"), pick(orep, "prefill_tokens"))
+        for tag in ("vllm", "recompute"):
+            other = self.get(tag)
+            for key, attr in (("ttft_p50", "ttft_p50_s"), ("ttft_p99", "ttft_p99_s"), ("itl_p99", "tbt_p99_s"),
+                              ("goodput", "goodput_rps"), ("prefill_tokens", "prefill_tokens")):
+                out[f"{key}_kvstore_vs_{tag}"] = (None if kvstore is None or other is None else
+                                                  _ratio(getattr(kvstore.report, attr), getattr(other.report, attr)))
         return out
 
     def output_match(self) -> dict[str, float | None]:

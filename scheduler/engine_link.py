@@ -4,7 +4,13 @@ the built-in engines' :class:`engines.client.EngineClient` (gRPC) and a vLLM ins
 :class:`scheduler.router.Router` (generic in the client) routes over either."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
+
+from engines.types import EngineInfo
+from kvstore.errors import InvalidArgument
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 class EngineLink(Protocol):
@@ -20,3 +26,14 @@ class EngineLink(Protocol):
 
 
 C = TypeVar("C", bound=EngineLink)   # the engine client a router and its instances hold
+
+
+def check_compatible(infos: Sequence[EngineInfo]) -> None:
+    """Raises InvalidArgument when the engines disagree on the model, its revision, the KV
+    layout, the block size or the vocabulary (one router keys one model's prompts)."""
+    first = infos[0]
+    for info in infos[1:]:
+        for name in ("model_id", "revision", "layout", "block_size", "vocab_size"):
+            if getattr(info, name) != getattr(first, name):
+                raise InvalidArgument(f"engines disagree on {name}: {info.engine_id} has "
+                                      f"{getattr(info, name)!r}, {first.engine_id} has {getattr(first, name)!r}")

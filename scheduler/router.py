@@ -15,12 +15,11 @@ The live engines fetch a longer pool hit themselves — no further than the plan
 ``max_load_blocks`` when the policy chose to recompute — and cannot read a peer's cache, so
 the router runs policies with ``peer_fetch`` off. The prefill engines report how long their
 pool reads took and how many bytes they moved; :meth:`Router.prefill_finished` feeds that to
-the policy's bandwidth estimate (seeded from the configured defaults until then). A
-prefill instance keeps what it fetched, and its events tell the replica so (hot prefixes
-replicate by themselves). KV transfers a request owns in-process
-(:mod:`scheduler.request_transfers`) are registered in ``transfers`` and aborted by ``finished``; the
-engines' own transfers go through the store service, whose streamed put aborts its
-reservation when the stream breaks.
+the policy's bandwidth estimate (seeded from the configured defaults until then). A prefill
+instance keeps what it fetched, and its events tell the replica so (hot prefixes replicate by
+themselves). KV transfers a request owns in-process (:mod:`scheduler.request_transfers`) are
+registered in ``transfers`` and aborted by ``finished``; the engines' own transfers go through
+the store service, whose streamed put aborts its reservation when the stream breaks.
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from scheduler.admission import AdmissionConfig, Rejection
 from scheduler.backlog import PrefillBacklog
 from scheduler.cache_index import split_hits, start_replica, store_address_of
 from scheduler.conductor import Conductor, ConductorConfig
-from scheduler.engine_link import C
+from scheduler.engine_link import DTYPE_BYTES, C, check_compatible
 from scheduler.profiles import seeded_from_engines
 from scheduler.request_transfers import TransferTable
 from scheduler.route_plan import DecodeInstance, PrefillInstance, RoutePlan
@@ -62,9 +61,6 @@ from scheduler.views import (
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
-
 class Router(Generic[C]):
     """Holds the engine clients, the policy and the in-flight state. Used from one event
     loop; ``plan`` is the only coroutine, so a caller that calls ``begin`` right after
@@ -80,7 +76,7 @@ class Router(Generic[C]):
         if not prefill or not decode:
             raise InvalidArgument(f"need at least one prefill and one decode engine, got "
                                   f"{len(prefill)} prefill and {len(decode)} decode")
-        _check_compatible([p.info for p in prefill] + [d.info for d in decode])
+        check_compatible([p.info for p in prefill] + [d.info for d in decode])
         self.prefill = {p.info.engine_id: p for p in prefill}
         self.decode = {d.info.engine_id: d for d in decode}
         if len(self.prefill) != len(prefill) or len(self.decode) != len(decode):
@@ -402,12 +398,3 @@ class Router(Generic[C]):
 
     def decode_running(self) -> dict[str, int]:
         return {engine_id: inst.running for engine_id, inst in self.decode.items()}
-
-
-def _check_compatible(infos: Sequence[EngineInfo]) -> None:
-    first = infos[0]
-    for info in infos[1:]:
-        for name in ("model_id", "revision", "layout", "block_size", "vocab_size"):
-            if getattr(info, name) != getattr(first, name):
-                raise InvalidArgument(f"engines disagree on {name}: {info.engine_id} has "
-                                      f"{getattr(info, name)!r}, {first.engine_id} has {getattr(first, name)!r}")

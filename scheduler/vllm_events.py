@@ -55,7 +55,7 @@ from engines.vllm.layout import PagedLayout
 from kvstore.errors import InvalidArgument
 from kvstore.events.event import EventKind, KVEvent
 from kvstore.events.replica import IndexReplica
-from scheduler.router import DTYPE_BYTES
+from scheduler.engine_link import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
 
