@@ -19,7 +19,7 @@ FUZZ_SCALE ?= 20
 setup: $(STAMP) $(PROTO_OUT)
 
 # libibverbs1 is what `import mooncake` needs (the transfer engine links it); chromium is the
-# headless browser tests/test_status_page.py loads the front door's status page in.
+# headless browser tests/scheduler/frontdoor/test_status_page.py loads the front door's status page in.
 system-deps:
 	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then \
 	  echo "installing Debian package libibverbs1 (needed by mooncake-transfer-engine)"; \
@@ -63,10 +63,10 @@ test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-# The fuzz targets (tests/test_fuzz_*.py) run short and derandomized inside `make test`; here
+# The fuzz targets (tests/**/test_fuzz_*.py) run short and derandomized inside `make test`; here
 # FUZZ_SCALE times as many inputs each, freshly random (minutes; executions per wire at the end).
 fuzz: setup
-	KVSTORE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider -o timeout=0 tests/test_fuzz_*.py
+	KVSTORE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider -o timeout=0 $$(find tests -name 'test_fuzz_*.py')
 
 # LMCache (the vLLM connector peer of benchmarks/bench_vllm.py) pins older numpy, protobuf and
 # grpcio than kvstore's, so it lives in a venv of its own; torch is pinned first, as above.

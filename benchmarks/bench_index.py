@@ -188,7 +188,7 @@ def bench_events() -> dict[str, float]:
         return {}
     from kvstore.cluster.redis_server import start_private_redis, stop_private_redis
     from kvstore.events import PublishingIndex, RedisEventChannel
-    from kvstore.pool import KVPool
+    from kvstore.pool.pool import KVPool
     from kvstore.tiers import TIERS
 
     redis_proc, url = start_private_redis()

@@ -12,7 +12,7 @@ node with SIGKILL while puts are in flight. After each restart:
   file, read with py-lmdb while the node was down; must be equal.
 
 Run: ``.venv/bin/python benchmarks/bench_kill9.py [--cycles 20]``; prints the figures and
-writes benchmarks/results/kill9.json. tests/test_kill9.py runs 3 cycles.
+writes benchmarks/results/kill9.json. tests/kvstore/test_kill9.py runs 3 cycles.
 """
 from __future__ import annotations
 

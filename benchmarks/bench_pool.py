@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.run_info import write_results  # noqa: E402
-from kvstore.pool import KVPool, PoolSettings  # noqa: E402
+from kvstore.pool.pool import KVPool, PoolSettings  # noqa: E402
 from kvstore.tiers import TIERS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pool.json"

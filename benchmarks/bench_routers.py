@@ -10,7 +10,7 @@ baselines (least-loaded, local cache-aware) and the peer routers (``dynamo_kv``,
 Mooncake's conversation trace: the conversations with the most turns within ``--window-s``
 trace seconds of request ``--start``, so that later turns reuse earlier ones; open loop at
 ``--speed`` × their timestamps, output capped at ``--max-output-tokens``) with
-:func:`scheduler.replay.run_replay`. The instances and the store stay up across policies, so
+:func:`scheduler.replay.run.run_replay`. The instances and the store stay up across policies, so
 each replay maps the trace's blocks to tokens of its own (a seed per replay) — same lengths,
 same sharing, same timing, nothing cached by an earlier replay. The machine is shared and
 drifts over minutes, so the policies run ``--rounds`` times, in the listed order and then
@@ -44,13 +44,13 @@ from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, ipc_endpoints, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
-from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
-from scheduler.replay import run_replay  # noqa: E402
-from scheduler.report import Report  # noqa: E402
+from scheduler.policy.admission import AdmissionConfig  # noqa: E402
+from scheduler.replay.report import Report  # noqa: E402
+from scheduler.replay.run import run_replay  # noqa: E402
 from scheduler.sim.presets import PEER_ROUTER_POLICIES  # noqa: E402
 from scheduler.stats import percentile  # noqa: E402
-from scheduler.vllm_app import start_vllm_frontdoor  # noqa: E402
+from scheduler.vllm.app import start_vllm_frontdoor  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"

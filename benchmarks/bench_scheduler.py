@@ -2,7 +2,7 @@
 
 A decision is what the router does per request between the store's answer and ``begin``:
 match the prompt's block keys in a warm prefix index (every prefill instance's ``hbm`` copies
-and the store node's ``dram``/``ssd`` copies), build the views (:mod:`scheduler.views`) and
+and the store node's ``dram``/``ssd`` copies), build the views (:mod:`scheduler.policy.views`) and
 run the policy's ``decide``. Measured in-process for 16 and 64 prefill instances (16 decode
 instances with 8 requests each) and prompts of 8, 32, 64, 128 and 256 blocks drawn from 2,000
 chains of which each instance caches a random prefix of some; p50 and p99 over all prompt
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.run_info import write_results  # noqa: E402
 from kvstore.index.prefix_index import PrefixIndex  # noqa: E402
-from scheduler.baselines import make_policy  # noqa: E402
-from scheduler.views import NO_HIT, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit  # noqa: E402
+from scheduler.policy.baselines import make_policy  # noqa: E402
+from scheduler.policy.views import NO_HIT, ClusterView, DecodeView, DecodeWork, PrefillView, RequestView, TierHit  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scheduler.json"
 BS = 16

@@ -1,4 +1,4 @@
-"""vLLM's KV events into the router (scheduler/vllm_events.py): how fast the bridge turns
+"""vLLM's KV events into the router (scheduler/vllm/events.py): how fast the bridge turns
 vLLM's published batches into the connector's block keys in the router's index replica,
 against the floor — computing the same keys alone (``PagedLayout.keys``, what the bridge
 must do per stored block) — in the same run.
@@ -41,7 +41,7 @@ def main() -> int:
     from kvstore.events.channel import LocalEventChannel
     from kvstore.events.replica import IndexReplica
     from kvstore.index.keys import KVLayout
-    from scheduler.vllm_events import VLLMEventBridge
+    from scheduler.vllm.events import VLLMEventBridge
 
     layout = PagedLayout("llama3-70b", "main", KVLayout(dtype="bfloat16", num_layers=80, num_kv_heads=8,
                                                          head_dim=128, block_size=BLOCK))

@@ -39,13 +39,13 @@ from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
-from scheduler.admission import AdmissionConfig  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
-from scheduler.replay import _one  # noqa: E402
-from scheduler.report import summarize  # noqa: E402
+from scheduler.policy.admission import AdmissionConfig  # noqa: E402
+from scheduler.replay.report import summarize  # noqa: E402
+from scheduler.replay.run import _one  # noqa: E402
 from scheduler.stats import percentile  # noqa: E402
 from scheduler.trace import TraceMapping, best_possible_hit_blocks, load_trace  # noqa: E402
-from scheduler.vllm_app import start_vllm_frontdoor  # noqa: E402
+from scheduler.vllm.app import start_vllm_frontdoor  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"

@@ -1,6 +1,6 @@
 """Fault injection against a real ``kvstore up``: start the stack as a user does, drive it
 with streaming clients, ``kill -9`` one of its processes, and sort every answer into what
-it was. Used by ``benchmarks/bench_faults.py`` (the figures) and ``tests/test_faults.py``.
+it was. Used by ``benchmarks/bench_faults.py`` (the figures) and ``tests/benchmarks/test_faults.py``.
 
 Every answer is one of: ``ok`` (a complete stream ending in ``[DONE]``, no error event);
 ``rejected`` (429 with ``Retry-After`` and OpenAI's error shape); ``clean`` (another 4xx/5xx

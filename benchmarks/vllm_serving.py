@@ -77,8 +77,8 @@ def plot(out_dir: Path) -> list[Path]:
     the README shows)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from scheduler.compare_setups import SetupComparison
-    from scheduler.replay_plots import write_plots
+    from scheduler.replay.compare_setups import SetupComparison
+    from scheduler.replay.plots import write_plots
     return write_plots(SetupComparison.from_dict(json.loads(RESULTS.read_text())), out_dir)
 
 

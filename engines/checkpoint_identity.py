@@ -1,6 +1,6 @@
 """Who computed a block's KV, as its key names it: a local checkpoint's (model id, revision)
 and a LoRA adapter's identity. The built-in engines (engines/model.py), the vLLM connector
-(engines/vllm/) and the front door over vLLM (scheduler/vllm_instances.py) all name a
+(engines/vllm/) and the front door over vLLM (scheduler/vllm/instances.py) all name a
 checkpoint through :func:`model_identity`, so their keys agree.
 
 A local checkpoint's revision hashes its ``config.json`` and its weight files' names, sizes

@@ -21,7 +21,7 @@ from kvstore.events.channel import EventChannel
 from kvstore.events.publisher import PublishingIndex
 from kvstore.identity import IdentityCheck, block_tags, seal
 from kvstore.index.keys import block_keys, usable_prefix_tokens
-from kvstore.quotas import accounting_namespace
+from kvstore.pool.quotas import accounting_namespace
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_S = 0.05   # how often a prefill waiting for the model asks whether its caller is still there
@@ -255,7 +255,7 @@ class PrefillEngine:
                  namespace: str) -> tuple[set[bytes], set[bytes]]:
         """Put ``blocks`` as one chain extending ``parent`` (so the pool evicts the chain's
         tail before its head), for tenant ``namespace`` (the string the keys are salted
-        with: the pool's per-tenant books and quota; kvstore/tenants.py). Returns the keys
+        with: the pool's per-tenant books and quota; kvstore/pool/tenants.py). Returns the keys
         newly stored and the keys the pool holds after the put (new or existing); a pool
         that cannot be reached, or a tenant over its quota, holds none of them as far as
         this request counts (decode then recomputes from the KV sent with the result)."""

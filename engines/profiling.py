@@ -1,6 +1,6 @@
 """The profiling pass an engine runs at start, before it serves: a few prefills and decode
 steps of random tokens timed on this engine's model and device, which the scheduler's router
-fits to seed its T_prefill and TBT predictors (:mod:`scheduler.profiles`) before any request
+fits to seed its T_prefill and TBT predictors (:mod:`scheduler.policy.profiles`) before any request
 has been observed — as a deployment profiles its engines before it serves, and as the
 simulator's Conductor is seeded (``scheduler/sim/profiling.py``).
 
@@ -16,7 +16,7 @@ between one request's tokens are a whole round of the batch. On the tiny CPU mod
 checkpoint served at 128k tokens from prefilling 64k-token prompts on a CPU for minutes
 before it serves (the fit extrapolates past ``L``), and no point is started once the pass
 has run :data:`BUDGET_S` seconds: it keeps those it has (the shortest come first; a fit
-needs three lengths or decode points, :mod:`scheduler.profiles`). Prefills and decode
+needs three lengths or decode points, :mod:`scheduler.policy.profiles`). Prefills and decode
 steps run as the engines run them (:func:`engines.model.run`: the last position's logits
 only; each step's token chosen from them, which waits for the device as the engine's
 sampler does). The timings are what the machine gave at that moment: an engine profiled

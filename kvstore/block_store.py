@@ -23,7 +23,7 @@ class BlockStore(Protocol):
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> LookupResult:
         """Longest prefix of the key chain ``keys`` (head first) that the store holds, and
         the tier of each of its blocks; renews nothing. ``purpose``: reuse, handoff or probe
-        (what the store's lookup books count it as: kvstore/pool_reads.py); ``namespace``:
+        (what the store's lookup books count it as: kvstore/pool/reads.py); ``namespace``:
         the tenant looking (None: not said)."""
         ...
 
@@ -36,7 +36,7 @@ class BlockStore(Protocol):
                    parent: bytes | None = None, namespace: str | None = None) -> list[PutResult]:
         """Put ``(key, bytes)`` blocks; one result per block, in order. ``chain``: the blocks
         form one prefix chain (head first) extending ``parent``, so the tail is evicted
-        before the head. ``namespace``: the tenant the blocks belong to (kvstore/tenants.py:
+        before the head. ``namespace``: the tenant the blocks belong to (kvstore/pool/tenants.py:
         per-tenant accounting and byte quotas; None: unattributed); its quota refusing a
         block is ``QuotaExceeded`` from one node, ``ok=False`` naming it from a cluster."""
         ...

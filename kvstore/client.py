@@ -16,8 +16,8 @@ from kvstore.auth import bearer_metadata
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, Unavailable
 from kvstore.events.event import NodeSnapshot
 from kvstore.limits import MAX_KEYS_PER_CALL
-from kvstore.quotas import check_namespace
-from kvstore.tenants import NAMESPACE_METADATA
+from kvstore.pool.quotas import check_namespace
+from kvstore.pool.tenants import NAMESPACE_METADATA
 from kvstore.tiers.buffers import Segments, to_bytes
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.channel import GRPC_OPTIONS
@@ -159,7 +159,7 @@ class StoreClient:
         ``purpose``: what for — ``reuse`` (an engine about to compute the prompt), ``handoff``
         (a decode instance after its prefill's blocks) or ``probe`` (planning, looking): the
         node's lookup books count the first as reuse, the second apart, the third nowhere
-        (kvstore/pool_reads.py, docs/metrics.md); ``namespace``: the tenant looking, whose
+        (kvstore/pool/reads.py, docs/metrics.md); ``namespace``: the tenant looking, whose
         books count the lookup (None: the node attributes it by the blocks it holds)."""
         if len(keys) > MAX_KEYS_PER_CALL:
             n = 0
@@ -184,7 +184,7 @@ class StoreClient:
         """Put several blocks in one streamed call; one result per block, in order.
         ``chain``: the blocks form one prefix chain (head first; ``parent``: the key the
         head extends), so the node evicts its tail before its head. ``namespace``: the
-        tenant the blocks belong to (kvstore/tenants.py: per-tenant accounting and quotas),
+        tenant the blocks belong to (kvstore/pool/tenants.py: per-tenant accounting and quotas),
         carried by every wire (the same-host frames and the gRPC stream). Raises
         QuotaExceeded when the tenant is over its quota and its own blocks cannot make room
         (the blocks before the refused one are stored)."""
@@ -324,7 +324,7 @@ class StoreClient:
 
     def scrub(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Report blocks that failed their checksum here: the node verifies every copy it
-        holds of ``keys`` and drops those that fail (kvstore/pool_reads.py ``scrub``), so the
+        holds of ``keys`` and drops those that fail (kvstore/pool/reads.py ``scrub``), so the
         next reader misses at once instead of copying damaged bytes again. Returns (copies
         checked, copies dropped). Raises as every call (InvalidArgument for bad keys)."""
         resp = self._call(self._stub.Scrub, pb.ScrubRequest(keys=list(keys)))

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
 
-from kvstore.eviction import POLICIES
-from kvstore.pool_types import PoolSettings
+from kvstore.pool.eviction import POLICIES
+from kvstore.pool.types import PoolSettings
 from kvstore.tiers import registry
 from kvstore.tiers.ssd import FSYNC_POLICIES
 
@@ -93,7 +93,7 @@ class StoreConfig:
     kind whose ``<kind>_bytes`` field is > 0 (``hbm_bytes`` > 0 adds an HBM tier on
     ``hbm_device`` — ``auto``: CUDA when present, else the CPU — above DRAM);
     :meth:`tier_list` gives the one in force. Watermarks, policy, lease TTL and reservation
-    timeout are the pool's (kvstore/pool_types.py ``PoolSettings``)."""
+    timeout are the pool's (kvstore/pool/types.py ``PoolSettings``)."""
 
     node_id: str = "node-0"
     host: str = "127.0.0.1"

@@ -32,13 +32,13 @@ Read at scrape time from the pool (:class:`PoolCollector`: nothing on the hot pa
 ``kvstore_node_info``                gauge   1, with ``version``
 ==================================== ======= ===============================================
 
-Per tenant (``namespace`` label; where the pool keeps tenant books, kvstore/tenants.py):
+Per tenant (``namespace`` label; where the pool keeps tenant books, kvstore/pool/tenants.py):
 ``kvstore_namespace_bytes``, ``kvstore_namespace_blocks``, ``kvstore_namespace_quota_bytes``,
 ``kvstore_namespace_tier_bytes`` (with ``tier``) are gauges; ``kvstore_namespace_lookup_hits_total``,
 ``kvstore_namespace_lookup_misses_total``, ``kvstore_namespace_read_hits_total``,
 ``kvstore_namespace_read_misses_total``, ``kvstore_namespace_quota_evictions_total``,
 ``kvstore_namespace_rejected_puts_total`` counters. A namespace is a hash of a tenant's API
-key (scheduler/tenancy.py), never the key, or of a vLLM ``cache_salt`` the front door did not
+key (scheduler/routing/tenancy.py), never the key, or of a vLLM ``cache_salt`` the front door did not
 set (engines/vllm/layout.py), never the salt, so the labels name no secret; there is one series
 set per tenant.
 
@@ -68,8 +68,8 @@ from prometheus_client.registry import Collector
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.metrics_http import MetricsServer
-from kvstore.pool import KVPool
-from kvstore.pool_types import lookup_hit_ratio, read_success_ratio
+from kvstore.pool.pool import KVPool
+from kvstore.pool.types import lookup_hit_ratio, read_success_ratio
 
 # Seconds: a same-host control op takes tens of microseconds, a gRPC stream of many MiB
 # seconds.
@@ -171,11 +171,11 @@ class PoolCollector(Collector):
         yield from self._namespaces(node)
 
     def _namespaces(self, node: str) -> Iterable[Metric]:
-        """Per-tenant series from the pool's tenant books (kvstore/tenants.py, where this
+        """Per-tenant series from the pool's tenant books (kvstore/pool/tenants.py, where this
         build has them): ``namespace`` is the block's tenant, :data:`UNATTRIBUTED` for
         blocks put without one."""
         try:
-            tenants = importlib.import_module("kvstore.tenants")
+            tenants = importlib.import_module("kvstore.pool.tenants")
         except ImportError:
             return
         per = tenants.namespace_stats(self.pool)

@@ -13,7 +13,7 @@ from kvstore.config import StoreConfig
 from kvstore.dataplane.control_server import NODE_POLL_S, UdsServer
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.events import PublishingIndex, make_channel
-from kvstore.pool import KVPool
+from kvstore.pool.pool import KVPool
 from kvstore.service import grpc_server
 from kvstore.tiers.registry import build_tiers
 

@@ -20,7 +20,6 @@ from kvstore.auth import interceptors_for
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded
 from kvstore.events.publisher import snapshot_of
-from kvstore.lease import Reservation
 from kvstore.limits import (
     MAX_OPEN_STREAMS,
     STREAM_IDLE_S,
@@ -31,7 +30,8 @@ from kvstore.limits import (
     check_keys,
     check_ttl,
 )
-from kvstore.pool import KVPool, PutResult
+from kvstore.pool.lease import Reservation
+from kvstore.pool.pool import KVPool, PutResult
 from kvstore.tiers.buffers import to_bytes
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.channel import CHUNK_BYTES, SERVER_OPTIONS, listen
@@ -288,9 +288,9 @@ class StoreServicer(pb_grpc.KVStoreServicer):
 
 def _namespace_of(context: grpc.ServicerContext) -> str | None:
     """The tenant a Put's blocks belong to: its ``kvstore-namespace`` metadata
-    (kvstore/tenants.py), None without one. A malformed one aborts INVALID_ARGUMENT."""
-    from kvstore.quotas import check_namespace
-    from kvstore.tenants import NAMESPACE_METADATA
+    (kvstore/pool/tenants.py), None without one. A malformed one aborts INVALID_ARGUMENT."""
+    from kvstore.pool.quotas import check_namespace
+    from kvstore.pool.tenants import NAMESPACE_METADATA
     value = codec.namespace_of(context.invocation_metadata())
     if not value:
         return None
@@ -307,7 +307,7 @@ class _StreamParseGuard(grpc.ServerInterceptor):
     """gRPC (1.85) answers a client-streamed message that does not parse by sending the
     call's status itself and ending the handler's request iterator; the handler's reply is
     then a second status on that call, whose batch never completes, and the server never
-    stops (``server.stop()`` hung after one such Put, found by tests/test_fuzz_store_grpc.py).
+    stops (``server.stop()`` hung after one such Put, found by tests/kvstore/test_fuzz_store_grpc.py).
     This wraps the deserializer of client-streamed requests: a message that does not parse
     arrives as :data:`UNPARSED`, and the handler refuses it (INVALID_ARGUMENT)."""
 

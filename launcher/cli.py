@@ -131,13 +131,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.vllm_prefill or args.vllm_decode or args.vllm_colocated:
-        from scheduler.vllm_app import serve_vllm_frontdoor_forever
+        from scheduler.vllm.app import serve_vllm_frontdoor_forever
         return serve_vllm_frontdoor_forever(args)
     if not args.prefill or not args.decode:
         print("kvstore scheduler: give --prefill and --decode (engines), or --vllm-prefill and "
               "--vllm-decode (or --vllm-colocated) URLs", file=sys.stderr)
         return 2
-    from scheduler.app import serve_frontdoor_forever
+    from scheduler.frontdoor.app import serve_frontdoor_forever
     return serve_frontdoor_forever(args)
 
 
@@ -157,7 +157,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from scheduler.app import replay_command
+    from scheduler.frontdoor.app import replay_command
     return replay_command(args)
 
 

@@ -15,11 +15,11 @@ from kvstore.config import (
     non_negative_int,
     positive_int,
 )
-from kvstore.pool_types import PoolSettings
+from kvstore.pool.types import PoolSettings
 from kvstore.tiers import registry
 from kvstore.tiers.ssd import FSYNC_POLICIES
-from scheduler.scheduling_policy import DEFAULT_POLICY
-from scheduler.scheduling_policy import POLICIES as SCHEDULING_POLICIES
+from scheduler.policy.registry import DEFAULT_POLICY
+from scheduler.policy.registry import POLICIES as SCHEDULING_POLICIES
 
 
 def _positive_finite(text: str, unit: str) -> float:

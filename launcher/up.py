@@ -4,7 +4,7 @@
 ``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
 scheduler's front door (``--policy``), engines and front door limited to ``--max-model-len``
 tokens — then a trace replay through the front door (``--replay``: by default twice, pool
-on then pool off, side by side; scheduler/compare.py) or serving until Ctrl-C."""
+on then pool off, side by side; scheduler/replay/compare.py) or serving until Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -184,7 +184,7 @@ def run_up(args: argparse.Namespace) -> int:
         private_redis = False
         # A private Redis unless one is given: a cluster's registry, and in every case the
         # channel of the KV events the scheduler's index replica reads (the store nodes' and
-        # the prefill engines' caches, scheduler/cache_index.py).
+        # the prefill engines' caches, scheduler/routing/cache_index.py).
         if not redis_url and (n_store > 1 or shutil.which("redis-server")):
             from kvstore.cluster.redis_server import redact_url, start_private_redis
             os.makedirs(stack.log_dir, exist_ok=True)
@@ -254,7 +254,7 @@ def run_up(args: argparse.Namespace) -> int:
             print("serving; Ctrl-C stops everything", flush=True)
             _serve_until_signal(stack)
             return 0
-        from scheduler.app import replay_and_report
+        from scheduler.frontdoor.app import replay_and_report
         return replay_and_report(url, args.replay, args)
     except (RuntimeError, Unavailable, OSError, ValueError) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)
@@ -341,8 +341,8 @@ def write_api_keys(args: argparse.Namespace) -> str | None:
     """The front door's API keys (``--api-key``, ``--api-keys-file``) in one file (mode 0600,
     under ``--data-dir``) for the scheduler's ``--api-keys-file``, keeping them off its
     command line; None when none were given. Raises OSError / ValueError as
-    :func:`scheduler.api_keys.load_api_keys`."""
-    from scheduler.api_keys import load_api_keys
+    :func:`scheduler.frontdoor.api_keys.load_api_keys`."""
+    from scheduler.frontdoor.api_keys import load_api_keys
     keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
     if not keys:
         return None

@@ -118,7 +118,7 @@ def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens:
             print("serving; Ctrl-C stops everything", flush=True)
             _serve_until_signal(running.stack)
             return 0
-        from scheduler.app import replay_and_report
+        from scheduler.frontdoor.app import replay_and_report
         return replay_and_report(running.url, args.replay, args)
     except (RuntimeError, Unavailable) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)

@@ -21,9 +21,9 @@ from launcher.vllm_setups import COMPARED, SETUPS, RunningSetup, instance_metric
 
 def kv_bytes_per_token(model_dir: str) -> int:
     """Bytes of KV one token takes in every layer, keys and values, float32 as the instances
-    run: the layout the connector keys (:class:`scheduler.vllm_instances.VLLMModel`)."""
+    run: the layout the connector keys (:class:`scheduler.vllm.instances.VLLMModel`)."""
     from engines.kv import block_bytes
-    from scheduler.vllm_instances import VLLMModel
+    from scheduler.vllm.instances import VLLMModel
     return block_bytes(VLLMModel.from_dir(model_dir, dtype="float32").paged.layout, 1, 4)
 
 
@@ -36,8 +36,8 @@ def provenance() -> dict[str, Any]:
 
 def _run_one(args: argparse.Namespace, name: str, model: str, http_port: int, tokens: dict[str, str],
              keys_file: str | None, step: str):
-    from scheduler.compare_setups import SetupRun, cache_hits
-    from scheduler.replay import run_setup_replay
+    from scheduler.replay.compare_setups import SetupRun, cache_hits
+    from scheduler.replay.run import run_setup_replay
     setup = SETUPS[name]
     print(f"== {step} {setup.label}: {setup.what}", flush=True)
     running: RunningSetup = start_setup(args, setup, model, http_port, tokens, keys_file,
@@ -60,7 +60,7 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
                    keys_file: str | None) -> int:
     """Run every set-up of :data:`COMPARED` on ``--replay``'s requests and print them side by
     side. Returns 0, 1 when a set-up could not run or completed no request."""
-    from scheduler.compare_setups import SetupComparison, format_setups
+    from scheduler.replay.compare_setups import SetupComparison, format_setups
     t0 = time.monotonic()
     runs = []
     try:
@@ -94,7 +94,7 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
         path.write_text(json.dumps(comparison.to_dict(), indent=2) + "\n")
         print(f"report written to {path}", flush=True)
     if getattr(args, "plots", None):
-        from scheduler.replay_plots import write_plots
+        from scheduler.replay.plots import write_plots
         for png in write_plots(comparison, args.plots):
             print(f"plot written to {png}", flush=True)
     return 0 if all(r.report.completed for r in runs) else 1

@@ -191,8 +191,8 @@ async def instance_metrics(running: RunningSetup) -> list[str]:
 
 
 def replay_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The replay flags (``--requests``, ``--speed``, ...) as :func:`scheduler.replay.run_replay`'s keywords."""
-    from scheduler.app import _replay_key
+    """The replay flags (``--requests``, ``--speed``, ...) as :func:`scheduler.replay.run.run_replay`'s keywords."""
+    from scheduler.frontdoor.app import _replay_key
     window_s = None if getattr(args, "contiguous", False) else getattr(args, "window_s", None)
     return {"requests": args.requests, "speed": args.speed, "max_output_tokens": args.max_output_tokens,
             "tokens_per_block": args.tokens_per_block, "ttft_slo_s": args.ttft_slo_s,

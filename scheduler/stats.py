@@ -1,4 +1,4 @@
-"""Latency statistics shared by the live replay report (:mod:`scheduler.report`) and the
+"""Latency statistics shared by the live replay report (:mod:`scheduler.replay.report`) and the
 simulator (:mod:`scheduler.sim`): percentiles and Mooncake's TBT, one definition each.
 
 Mooncake's TBT of a request (FAST'25, §8.1): the mean of the longest 10% of its token

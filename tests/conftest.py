@@ -49,7 +49,7 @@ def store_node(make_dram, make_ssd) -> Iterator[tuple[object, str]]:
     """A real store service on 127.0.0.1 (port 0) over a DRAM (64 MiB) + SSD (256 MiB) pool,
     with the Admin service (kvstore/admin) on the same port. Yields (pool, "127.0.0.1:port")."""
     from kvstore.admin.service import NodeControl, admin_service
-    from kvstore.pool import KVPool
+    from kvstore.pool.pool import KVPool
     from kvstore.service import serve_store
 
     pool = KVPool([make_dram(64 << 20), make_ssd(256 << 20)])
@@ -68,7 +68,7 @@ def same_host_store() -> Iterator[tuple[object, str]]:
     import uuid
 
     from kvstore.node import StoreNode
-    from kvstore.pool import KVPool, PoolSettings
+    from kvstore.pool.pool import KVPool, PoolSettings
     from kvstore.tiers.dram import DramTier
 
     tier = DramTier(256 << 20)
@@ -86,8 +86,8 @@ def slab_node(make_dram, make_ssd):
     """Yields a factory: ``start(dram_bytes, ssd_bytes=0, socket=True, token=None, **settings)``
     → (pool, address, socket path or ""); everything is stopped after the test."""
     from kvstore.node import StoreNode
-    from kvstore.pool import KVPool, PoolSettings
-    from tests.dataplane_helpers import socket_path
+    from kvstore.pool.pool import KVPool, PoolSettings
+    from tests.helpers.dataplane_helpers import socket_path
 
     started: list[StoreNode] = []
 
@@ -211,9 +211,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untype
 
 # -- fuzz targets (tests/test_fuzz_*.py): executions per wire ----------------------------------
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    """Print each fuzz target's executions per second (tests/fuzzing.py) after the run."""
+    """Print each fuzz target's executions per second (tests/helpers/fuzzing.py) after the run."""
     import sys
-    fuzzing = sys.modules.get("tests.fuzzing")
+    fuzzing = sys.modules.get("tests.helpers.fuzzing")
     lines = fuzzing.summary_lines() if fuzzing is not None else []
     if lines:
         terminalreporter.section("fuzz: executions per wire")

@@ -1,6 +1,6 @@
 """The docs stay true as code moves: every relative link in README.md and docs/*.md
 points at a file that exists, and every repository path named in backticks in docs/ (like
-``kvstore/pool.py`` or ``tests/test_keys.py::test_x``) exists, and no code or test cites the
+``kvstore/pool/pool.py`` or ``tests/kvstore/index/test_keys.py::test_x``) exists, and no code or test cites the
 design files a clone does not have (docs/README.md says why). The README stays a front page
 (at most 300 lines; every other topic has its home in docs/), nothing in the product speaks
 of its development history, and the benchmark figures are the tables benchmarks/report.py
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\n]+)`")
 # A backticked word is taken as a repository path when it starts at a top-level entry of
-# the repository and has no spaces or placeholders: `kvstore/pool.py`, `docs/grafana/`.
+# the repository and has no spaces or placeholders: `kvstore/pool/pool.py`, `docs/grafana/`.
 TOP_LEVEL = sorted(p.name for p in ROOT.iterdir() if not p.name.startswith("."))
 PATHLIKE = re.compile(r"^[A-Za-z0-9_.\-/]+(::[A-Za-z0-9_\[\]\-]+)?$")
 
@@ -100,11 +100,12 @@ def test_every_path_in_backticks_exists(doc: Path) -> None:
 def test_the_checks_catch_what_moved() -> None:
     """The checkers are not vacuous: on a page naming a moved module, a missing test, a dead
     link and a dead anchor they report each, and they see the real paths of the docs."""
-    page = ("See `kvstore/pool.py`, `kvstore/no_such_module.py`, `tests/test_docs.py::test_nothing_here`,\n"
+    page = ("See `kvstore/pool/pool.py`, `kvstore/no_such_module.py`, `tests/test_docs.py::test_nothing_here`,\n"
             "`tests/test_docs.py::test_the_checks_catch_what_moved`, `a phrase/with spaces`, `/dev/shm/x`,\n"
             "[gone](no-such-page.md), [arch](architecture.md#7-how-a-request-flows), "
             "[dead](architecture.md#no-such-section).\n```\n`kvstore/in_a_code_block.py`\n```\n")
-    assert paths_in(page) == ["kvstore/pool.py", "kvstore/no_such_module.py", "tests/test_docs.py::test_nothing_here",
+    assert paths_in(page) == ["kvstore/pool/pool.py", "kvstore/no_such_module.py",
+                              "tests/test_docs.py::test_nothing_here",
                               "tests/test_docs.py::test_the_checks_catch_what_moved"]
     assert paths_missing(page) == ["kvstore/no_such_module.py", "tests/test_docs.py::test_nothing_here"]
     assert links_missing(ROOT / "docs" / "x.md", page) == ["no-such-page.md", "architecture.md#no-such-section"]

@@ -14,10 +14,10 @@ from engines.metrics import EngineMetrics
 from engines.model import ModelConfig, load_model
 from engines.prefill import PrefillEngine
 from kvstore.metrics import StoreMetrics
-from kvstore.pool import KVPool
-from scheduler.metrics import FrontdoorMetrics
+from kvstore.pool.pool import KVPool
+from scheduler.frontdoor.metrics import FrontdoorMetrics
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvstore.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvstore.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
             "summary": ("", "_sum", "_count"), "info": ("_info",), "unknown": ("",)}
 

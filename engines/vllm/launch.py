@@ -40,7 +40,7 @@ class VLLMServerSpec:
     (vLLM's own paged cache; without it vLLM reserves most of the RAM); ``max_model_len``
     (tokens); ``prefix_caching`` (vLLM's own prefix cache); ``kv_events``: (PUB, replay)
     ZeroMQ endpoints where vLLM publishes its prefix cache's KV events (None: none;
-    :func:`ipc_endpoints`; read by :mod:`scheduler.vllm_events`); ``cpus``: cores to pin the
+    :func:`ipc_endpoints`; read by :mod:`scheduler.vllm.events`); ``cpus``: cores to pin the
     server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype;
     ``connector``: False serves plain vLLM, no kvstore connector (the baselines of
     ``kvstore up``'s comparison: ``store`` and ``store_token`` are then unused)."""

@@ -26,11 +26,11 @@ from engines.checkpoint_identity import model_identity
 from kvstore.errors import InvalidArgument
 from kvstore.identity import block_tags
 from kvstore.index.keys import KeyExtras, KVLayout, block_keys
-from kvstore.quotas import accounting_namespace, salt_namespace
+from kvstore.pool.quotas import accounting_namespace, salt_namespace
 from kvstore.tiers.buffers import Segments
 
 DEFAULT_NAMESPACE = "default"
-# The tenant names the front door puts in cache_salt (scheduler/tenancy.py
+# The tenant names the front door puts in cache_salt (scheduler/routing/tenancy.py
 # namespace_from_authorization: "key-" + 16 hex digits of a hash of the API key, or
 # "public"): taken as the tenant's name. Any other salt came from a client straight to
 # vLLM, which may keep it secret (vLLM: a salt "should be random, protected from access by
@@ -95,10 +95,10 @@ class PagedLayout:
                          other=(BLOCK_FORMAT, *self.variant))
 
     def namespace(self, cache_salt: str | None) -> str:
-        """The tenant a request's puts name (kvstore/tenants.py: the pool's per-tenant books,
+        """The tenant a request's puts name (kvstore/pool/tenants.py: the pool's per-tenant books,
         quotas and ``namespace`` metrics labels): ``default`` without a salt, the salt itself
         when the front door set it (a tenant name, :data:`_FRONT_DOOR_TENANT`), else
-        ``salt-`` + 32 hex digits of its SHA-256 (kvstore/quotas.py ``salt_namespace``), so a
+        ``salt-`` + 32 hex digits of its SHA-256 (kvstore/pool/quotas.py ``salt_namespace``), so a
         client's own salt is never shown. Accounting
         only: the keys carry the salt already."""
         salt = self.extras(cache_salt).namespace

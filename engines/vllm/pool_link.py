@@ -165,7 +165,7 @@ class PoolLink:
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> int:
         """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure);
         ``purpose``: ``reuse`` or ``handoff`` (a decode instance's: the pool's lookup books
-        count it apart, kvstore/pool_reads.py); ``namespace``: the tenant looking."""
+        count it apart, kvstore/pool/reads.py); ``namespace``: the tenant looking."""
         client = self._get_client() if keys else None
         if client is None:
             return 0

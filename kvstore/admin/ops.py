@@ -4,7 +4,7 @@ single blocks. The store's Admin gRPC service (kvstore/admin/service.py) calls t
 
 They work on the pool's placement (its per-tier books, pins and chain links) under the
 pool's lock, through :func:`_books`, the one place that reaches inside
-:class:`kvstore.pool.KVPool`. The same rules as the pool's own moves hold: a leased copy
+:class:`kvstore.pool.pool.KVPool`. The same rules as the pool's own moves hold: a leased copy
 is never dropped (a reader is copying it), the index forgets a copy before its bytes go.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidArgument
-from kvstore.ledger import BlockMeta
-from kvstore.placement import Placement
-from kvstore.tenants import TenantBooks, tenants_of
+from kvstore.pool.ledger import BlockMeta
+from kvstore.pool.placement import Placement
+from kvstore.pool.tenants import TenantBooks, tenants_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ def _books(pool: Any) -> tuple[Placement, Any]:
 
 def _settle(pool: Any) -> None:
     """Do the byte work the locked changes planned (a demotion's write into a slow tier, a
-    promotion's copy, a slow tier's deletes: kvstore/moves.py), after the lock."""
+    promotion's copy, a slow tier's deletes: kvstore/pool/moves.py), after the lock."""
     pool._mover.settle()
 
 

@@ -22,8 +22,8 @@ import grpc
 from kvstore.admin import ops
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.limits import check_count, check_key, check_keys
-from kvstore.quotas import check_namespace
-from kvstore.tenants import TenantBooks, namespace_stats, tenants_of
+from kvstore.pool.quotas import check_namespace
+from kvstore.pool.tenants import TenantBooks, namespace_stats, tenants_of
 from kvstore.wire.errors import refusing
 from protos import admin_pb2 as apb
 from protos import admin_pb2_grpc as apb_grpc
@@ -167,8 +167,8 @@ def attach_tenants(cfg: Any, pool: Any) -> TenantBooks:
     cannot be read."""
     import os
 
-    from kvstore.quotas import QUOTA_FILE, QuotaStore
-    from kvstore.tenants import attach
+    from kvstore.pool.quotas import QUOTA_FILE, QuotaStore
+    from kvstore.pool.tenants import attach
     return attach(pool, QuotaStore(os.path.join(cfg.data_dir, cfg.node_id, QUOTA_FILE)))
 
 

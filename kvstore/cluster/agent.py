@@ -15,7 +15,7 @@ from kvstore.config import StoreConfig
 from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.dataplane.host import DataPlaneHost
 from kvstore.events.publisher import PublishingIndex
-from kvstore.pool import KVPool
+from kvstore.pool.pool import KVPool
 from kvstore.tiers import registry as tier_registry
 from kvstore.tiers.dram import DramTier
 from kvstore.transfer.engine import NodeTransferEngine, TransferEngineUnavailable

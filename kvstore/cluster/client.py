@@ -17,7 +17,7 @@ from kvstore.cluster.health import ClusterHealth, NodeProblem
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
 from kvstore.errors import KVStoreError, QuotaExceeded, Unavailable
-from kvstore.pool import PutResult
+from kvstore.pool.pool import PutResult
 from kvstore.tiers.slab import page_footprint
 from kvstore.transfer import BlockTransport, open_transport
 from kvstore.wire.types import LookupResult
@@ -251,7 +251,7 @@ class ClusterClient:
         """Put blocks across the nodes (see the class docstring); one result per block, in
         order. A block no live node took is ``ok=False`` with the reason, not an exception.
         ``namespace``: the tenant the blocks belong to, sent to each node that takes some
-        (kvstore/tenants.py: its books and quota there). A node whose quota for the tenant
+        (kvstore/pool/tenants.py: its books and quota there). A node whose quota for the tenant
         refuses a part stays in use (the tenant is over, not the node): that part's blocks
         are ``ok=False`` naming the quota (the ones before the refused block may be stored;
         a put again finds them ``existed``)."""

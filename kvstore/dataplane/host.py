@@ -11,9 +11,9 @@ from collections.abc import Container, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError, QuotaExceeded
 from kvstore.integrity import checksum_of
-from kvstore.lease import Lease, Reservation
 from kvstore.limits import MAX_KEY_BYTES, check_key, check_ttl
-from kvstore.pool import KVPool, PutResult
+from kvstore.pool.lease import Lease, Reservation
+from kvstore.pool.pool import KVPool, PutResult
 from kvstore.tiers.dram import PAGE_BYTES, DramTier
 from kvstore.wire.types import (
     ELSEWHERE,
@@ -131,7 +131,7 @@ class DataPlaneHost:
                 parent: bytes | None = None, namespace: str | None = None) -> list[SlotGrant]:
         """A slab slot per (key, size bytes); ``chain``: block i extends block i - 1 (the
         first extends ``parent``); ``namespace``: the tenant the blocks belong to
-        (kvstore/tenants.py). A key already stored gets SLOT_EXISTED; one that cannot fit
+        (kvstore/pool/tenants.py). A key already stored gets SLOT_EXISTED; one that cannot fit
         (or is malformed) SLOT_FAILED with the reason; the block its namespace's quota
         refuses, and every block after it, SLOT_QUOTA with the reason (the writer commits
         the ones before and raises QuotaExceeded, as a gRPC Put stream ends there)."""

@@ -81,7 +81,7 @@ class LocalDataPlane(SlabReads, SlabWrites):
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
                namespace: str | None = None) -> tuple[int, list[str]]:
         """Longest prefix of ``keys`` the node holds and the tier of each (renews nothing);
-        ``purpose``, ``namespace``: what for and whose (kvstore/pool_reads.py: the node's
+        ``purpose``, ``namespace``: what for and whose (kvstore/pool/reads.py: the node's
         lookup books)."""
         return self.control.lookup(keys, purpose, namespace)
 

@@ -24,7 +24,7 @@ from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
 from kvstore.client import StoreClient
 from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
-from kvstore.quotas import check_namespace
+from kvstore.pool.quotas import check_namespace
 
 DEFAULT_STORE = "127.0.0.1:50051"
 UP_FILE_ENV = "KVSTORE_UP_FILE"
@@ -337,7 +337,7 @@ list_limit = whole_number(0, 2**32 - 1)   # ListBlocks' uint32: a larger one was
 
 
 def namespace_arg(text: str) -> str:
-    """An argparse type: a namespace as every wire takes it (kvstore/quotas.py
+    """An argparse type: a namespace as every wire takes it (kvstore/pool/quotas.py
     ``check_namespace``: 1-256 printable ASCII characters) or ``''`` (the blocks put without
     one), else a usage error — a name no node can hold would match nothing, silently."""
     if text == "":

@@ -6,7 +6,7 @@ the stack's first engine): model id, revision and KV layout, which with the tena
 namespace form the key extras (``engines.types.extras_for``: ``KeyExtras(model, revision,
 layout, namespace)``), and the block size. ``--model``/``--revision``/``--layout``/
 ``--block-size`` give them by hand instead. The namespace is the front door's
-(``scheduler.tenancy.namespace_from_authorization``): ``key-`` + the first 16 hex digits of
+(``scheduler.routing.tenancy.namespace_from_authorization``): ``key-`` + the first 16 hex digits of
 SHA-256 of the tenant's API key (``--tenant KEY``), or ``public`` without one.
 ``--prompt TEXT`` is tokenized as the tiny model's byte tokenizer does (UTF-8 bytes + 3,
 engines/tokenizer.py) or, with ``--tokenizer DIR``, by that checkpoint's tokenizer

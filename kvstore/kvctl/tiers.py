@@ -8,7 +8,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvstore.eviction import POLICIES
 from kvstore.kvctl.common import (
     EXIT_INCOMPLETE,
     EXIT_OK,
@@ -22,7 +21,8 @@ from kvstore.kvctl.common import (
     positive,
     size_text,
 )
-from kvstore.pool_types import lookup_hit_ratio, read_success_ratio
+from kvstore.pool.eviction import POLICIES
+from kvstore.pool.types import lookup_hit_ratio, read_success_ratio
 
 
 def cmd_tiers(t: Target, args: argparse.Namespace) -> int:

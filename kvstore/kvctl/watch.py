@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from kvstore.errors import KVStoreError
 from kvstore.kvctl.common import whole_number
-from kvstore.pool_types import TierStats
+from kvstore.pool.types import TierStats
 
 RATES = ("lookup_hits", "lookup_misses", "hits", "misses", "evictions", "demotions", "promotions")
 SHOWN = ("hits", "misses", "evictions", "demotions", "promotions")   # rates in the table

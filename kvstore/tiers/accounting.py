@@ -1,9 +1,9 @@
 """The accounting tier: a tier that keeps sizes and checksums but no bytes, so a real
-:class:`kvstore.pool.KVPool` — its ledger, placement, eviction, demotion, pins and index —
+:class:`kvstore.pool.pool.KVPool` — its ledger, placement, eviction, demotion, pins and index —
 can account for blocks whose payloads live elsewhere or nowhere (the cluster simulator,
 ``scheduler/sim/``, accounts whole clusters' KV this way in virtual time).
 
-A pool over accounting tiers takes blocks with :meth:`kvstore.pool.KVPool.account_chain`
+A pool over accounting tiers takes blocks with :meth:`kvstore.pool.pool.KVPool.account_chain`
 (sizes only); a read hands the sink an empty view.
 """
 from __future__ import annotations

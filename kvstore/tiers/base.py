@@ -119,7 +119,7 @@ class Tier(ABC):
 
     def verify(self, key: bytes) -> bool:
         """Whether the committed block still matches the checksum taken at put (a scrub:
-        :meth:`kvstore.pool.KVPool.scrub`). This default reads it; a tier that verifies its
+        :meth:`kvstore.pool.pool.KVPool.scrub`). This default reads it; a tier that verifies its
         reads and raises IntegrityError says False. Raises KeyError for an absent key."""
         info = self.info(key)
         if info is None:

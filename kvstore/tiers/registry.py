@@ -6,7 +6,7 @@ restart, its default capacity and the factory that builds it from a node's confi
 Everything that names a tier kind reads it from here: the pool's tier order
 (:func:`ordered`), :class:`kvstore.config.StoreConfig`'s tier list and its TOML keys,
 ``kvstore serve``'s ``--tier`` / ``--hbm`` / ``--dram`` / ``--ssd`` flags, the prefix
-index's tier ranks and ``scheduler/costing.py``'s default bandwidths.
+index's tier ranks and ``scheduler/policy/costing.py``'s default bandwidths.
 
 Adding a tier: write its :class:`kvstore.tiers.base.Tier` (a module under kvstore/tiers/,
 imported by kvstore/tiers/__init__.py) and add one :class:`TierKind` to :data:`KINDS` with a

@@ -23,7 +23,7 @@ def pages_for(size: int) -> int:
 def page_footprint(size: int) -> int:
     """Bytes of the whole pages a block of ``size`` bytes takes of a slab (at least one
     page): :meth:`SlabTier.footprint`, what a tenant's quota charges
-    (``kvstore.tenants.charge``) and cluster placement counts."""
+    (``kvstore.pool.tenants.charge``) and cluster placement counts."""
     return pages_for(size) * PAGE_BYTES
 
 

@@ -32,7 +32,7 @@ class SsdTier(SsdStorage, TableTier[tuple[int, int]]):
 
     Three named databases: ``blocks`` (key → bytes), ``meta`` (key → size, checksum, write
     sequence) and ``owners`` (key → its tenant's namespace, when it has one; ``owner_of``,
-    set by kvstore/tenants.py ``attach``, names it at each write); all change in one
+    set by kvstore/pool/tenants.py ``attach``, names it at each write); all change in one
     transaction, so a block is on disk completely or not at all. ``fsync``: ``"never"`` (the
     OS flushes; a machine crash may lose the last puts) or ``"commit"`` (each commit is
     durable). The map starts at ``initial_map_bytes`` (or twice

@@ -22,7 +22,7 @@ an exclusive ``flock`` on ``kvstore.lock`` in it (its holder's pid written in it
 to close, so a second node on the same directory fails at once instead of sharing the LMDB
 environment (their books diverge and reads fail with MDB_MAP_RESIZED).
 
-The third database, ``owners`` (key → the tenant's namespace, utf-8; kvstore/tenants.py),
+The third database, ``owners`` (key → the tenant's namespace, utf-8; kvstore/pool/tenants.py),
 keeps a block's tenant across a restart: read at open into ``recovered_owners``. A row that
 is not a namespace is left out (the block is then unattributed, ``""``) with one log line.
 """
@@ -359,7 +359,7 @@ class SsdStorage:
         """The ``owners`` rows of blocks held: key → namespace. Rows that are not a
         namespace are left out (one log line with their count)."""
         from kvstore.errors import InvalidArgument
-        from kvstore.quotas import check_namespace
+        from kvstore.pool.quotas import check_namespace
         out: dict[bytes, str] = {}
         bad = 0
         with self._env.begin(db=self._owners) as txn:

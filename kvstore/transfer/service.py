@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore.pool import KVPool
+from kvstore.pool.pool import KVPool
 from kvstore.transfer.engine import NodeTransferEngine
 from kvstore.wire.transfer_codec import info_response
 from kvstore.wire.types import TransferInfo

@@ -7,7 +7,7 @@
 - :mod:`kvstore.wire.errors`: kvstore's errors ↔ gRPC status codes and frame status bytes;
 - :mod:`kvstore.wire.channel`: chunk size and gRPC options both ends use.
 
-tests/test_wire_conformance.py checks each option and each error over every wire.
+tests/kvstore/wire/test_wire_conformance.py checks each option and each error over every wire.
 
 Adding an option to a put or a lease: a field of the request type in ``types.py``; the
 proto field (protos/kvstore.proto, then regenerate) and its line in ``proto_codec.py``; its

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.limits import check_count, check_key
-from kvstore.quotas import check_namespace
+from kvstore.pool.quotas import check_namespace
 from kvstore.wire.errors import FRAME_ERRORS, FRAME_OK
 from kvstore.wire.types import (
     SLOT_FAILED,
@@ -144,7 +144,7 @@ def encode_namespace(namespace: str) -> bytes:
 
 
 def decode_namespace(buf: bytes, pos: int) -> tuple[str, int]:
-    """The namespace at ``pos`` of ``buf`` (checked: kvstore/quotas.py ``check_namespace``)
+    """The namespace at ``pos`` of ``buf`` (checked: kvstore/pool/quotas.py ``check_namespace``)
     and the position after it. Raises InvalidArgument for a truncated or malformed one."""
     if pos + 2 > len(buf):
         raise InvalidArgument("truncated namespace")
@@ -167,7 +167,7 @@ LOOKUP_PURPOSES = ("reuse", "handoff", "probe")   # the byte after the keys: its
 
 
 def lookup_request(keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> bytes:
-    """The keys, then one byte: the lookup's purpose (kvstore/pool_reads.py), then the
+    """The keys, then one byte: the lookup's purpose (kvstore/pool/reads.py), then the
     tenant looking (ASCII, to the end of the frame; none: not said)."""
     return encode_keys(keys) + bytes((LOOKUP_PURPOSES.index(purpose),)) + (namespace or "").encode("ascii")
 

@@ -13,8 +13,8 @@ from dataclasses import fields
 from typing import Any
 
 from kvstore.integrity import checksum_of
-from kvstore.quotas import check_namespace
-from kvstore.tenants import NAMESPACE_METADATA
+from kvstore.pool.quotas import check_namespace
+from kvstore.pool.tenants import NAMESPACE_METADATA
 from kvstore.wire.channel import CHUNK_BYTES
 from kvstore.wire.types import (
     BlockLocation,
@@ -39,7 +39,7 @@ _PURPOSE_NAMES = {v: k for k, v in _PURPOSES.items()}
 
 
 def lookup_request(keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> pb.LookupRequest:
-    """``purpose``: reuse, handoff or probe (kvstore/pool_reads.py); raises KeyError for
+    """``purpose``: reuse, handoff or probe (kvstore/pool/reads.py); raises KeyError for
     another. ``namespace``: the tenant looking, for its lookup books (None: not said)."""
     return pb.LookupRequest(keys=list(keys), purpose=_PURPOSES[purpose], namespace=namespace or "")
 
@@ -77,7 +77,7 @@ def put_chunks(blocks: Sequence[tuple[bytes, Any]], chain: bool = False,
 
 
 def namespace_metadata(namespace: str | None) -> tuple[tuple[str, str], ...]:
-    """The call metadata naming a put's tenant (``kvstore-namespace``, kvstore/tenants.py);
+    """The call metadata naming a put's tenant (``kvstore-namespace``, kvstore/pool/tenants.py);
     empty without one."""
     return ((NAMESPACE_METADATA, namespace),) if namespace else ()
 

@@ -3,7 +3,7 @@ gRPC API, protos/kvstore.proto; the same-host and TCP control frames,
 kvstore/wire/frame_codec.py; the transfer-engine endpoint, protos/transfer.proto) and the
 pool and the data plane take. Each wire's codec maps its messages to these types and back,
 so adding an option to a put or a lease means: a field here, a line in each codec, and a
-case in tests/test_wire_conformance.py (which checks every option over every wire).
+case in tests/kvstore/wire/test_wire_conformance.py (which checks every option over every wire).
 
 Times are ``time.monotonic()`` seconds: CLOCK_MONOTONIC is one clock for every process of a
 host, so a lease deadline the store sets can be checked by a client on that host after its
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvstore.pool_types import PutResult, TierStats
+from kvstore.pool.types import PutResult, TierStats
 
 __all__ = ["BlockLocation", "DataPlaneInfo", "ELSEWHERE", "LeaseGrant", "LeaseRequest", "LookupResult", "MAPPED",
            "MISS", "PutResult", "ReserveRequest", "SLOT_EXISTED", "SLOT_FAILED", "SLOT_OPEN", "SLOT_QUOTA", "SlotGrant",
@@ -61,7 +61,7 @@ as the results: one is made per call on the hot path.)"""
 class ReserveRequest(NamedTuple):
     """Slab slots for ``items`` = (key, size bytes); ``chain``: block i extends block i - 1,
     ``parent``: the key the first block extends (None: none); ``namespace``: the tenant the
-    blocks belong to (kvstore/tenants.py: accounting and its byte quota; None: unattributed).
+    blocks belong to (kvstore/pool/tenants.py: accounting and its byte quota; None: unattributed).
     A namespace is bookkeeping only: block keys are salted with it already, so it never
     opens another tenant's blocks to the writer."""
 

@@ -1,5 +1,5 @@
 """The cluster simulator (``kvstore simulate``): Mooncake's trace replayed in virtual time
-against the real scheduler (:mod:`scheduler.conductor`, :mod:`scheduler.baselines`), the
+against the real scheduler (:mod:`scheduler.policy.conductor`, :mod:`scheduler.policy.baselines`), the
 real prefix index, and cost-model engines (:mod:`engines.cost_model`).
 
     from scheduler.sim import SimConfig, simulate

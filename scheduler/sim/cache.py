@@ -1,7 +1,7 @@
-"""The simulated cluster's caches are real :class:`kvstore.pool.KVPool` objects over
+"""The simulated cluster's caches are real :class:`kvstore.pool.pool.KVPool` objects over
 :class:`kvstore.tiers.accounting.AccountingTier` tiers: an instance's HBM prefix cache, and
 the KV pool's DRAM and SSD tiers. The pool's own ledger, placement, eviction strategies
-(:mod:`kvstore.eviction`: lru, lfu, fifo, s3fifo), chain order (tails before heads),
+(:mod:`kvstore.pool.eviction`: lru, lfu, fifo, s3fifo), chain order (tails before heads),
 demotion to the next tier and its index updates do the accounting; only the payload bytes
 are missing. Every copy lands in the one real
 :class:`kvstore.index.prefix_index.PrefixIndex` the scheduler reads.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.index.prefix_index import PrefixIndex
-from kvstore.pool import KVPool, PoolSettings
+from kvstore.pool.pool import KVPool, PoolSettings
 from kvstore.tiers.accounting import UNBOUNDED, AccountingTier
 
 

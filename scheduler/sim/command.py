@@ -18,8 +18,8 @@ from tabulate import tabulate
 from engines.cost_model import load_model
 from kvstore.config import positive_int
 from kvstore.errors import InvalidArgument
-from kvstore.eviction import POLICIES as EVICTION_POLICIES
-from scheduler.scheduling_policy import DEFAULT_POLICY, POLICIES
+from kvstore.pool.eviction import POLICIES as EVICTION_POLICIES
+from scheduler.policy.registry import DEFAULT_POLICY, POLICIES
 from scheduler.sim import plots, simulate
 from scheduler.sim.config import ADMISSIONS, TOPOLOGIES, SimConfig
 from scheduler.sim.metrics import SimResult

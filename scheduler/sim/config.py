@@ -39,7 +39,7 @@ class SimConfig:
     ``max_running``: decode batch limit. ``peer_fetch``: the Conductor may fetch a prefix from
     another prefill instance's cache. ``chunked_prefill_tokens``: colocated only, prefill in
     chunks of this many tokens fused with decode steps (None: a prefill pauses the batch).
-    ``eviction``: the caches' eviction strategy (:mod:`kvstore.eviction`). ``seed``: of the
+    ``eviction``: the caches' eviction strategy (:mod:`kvstore.pool.eviction`). ``seed``: of the
     random policy and of the engines' noise. ``prefill_cv``/``decode_cv``/``straggler_prob``/
     ``straggler_factor``: the engines' variance (:class:`engines.cost_model.Variance`, where
     each is explained). ``oracle``: the Conductor's predictors are the cost model's exact mean
@@ -87,7 +87,7 @@ class SimConfig:
             raise InvalidArgument("SLOs must be > 0 seconds")
         if self.chunked_prefill_tokens is not None and self.chunked_prefill_tokens < 1:
             raise InvalidArgument(f"chunked_prefill_tokens must be >= 1 or None, got {self.chunked_prefill_tokens}")
-        from kvstore.eviction import POLICIES as EVICTIONS
+        from kvstore.pool.eviction import POLICIES as EVICTIONS
         if self.eviction not in EVICTIONS:
             raise InvalidArgument(f"unknown eviction policy {self.eviction!r}; valid: {sorted(EVICTIONS)}")
         if self.max_running < 1:

@@ -19,9 +19,9 @@ from bisect import bisect_right
 from collections import deque
 
 from engines.cost_model import NO_VARIANCE, CostModel, CostModelEngine, Variance
-from scheduler.backlog import PrefillBacklog
+from scheduler.policy.backlog import PrefillBacklog
+from scheduler.policy.views import DecodeView, PrefillView, TierHit
 from scheduler.sim.workload import SimRequest
-from scheduler.views import DecodeView, PrefillView, TierHit
 
 _EPS = 1e-9
 
@@ -78,7 +78,7 @@ class Instance:
     # -- prefill ---------------------------------------------------------------------------
     def queue_s(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a new request (T_queue,
-        :mod:`scheduler.backlog`)."""
+        :mod:`scheduler.policy.backlog`)."""
         return self.backlog.queue_s(now)
 
     def queued(self) -> int:

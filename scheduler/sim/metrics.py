@@ -72,7 +72,7 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
               prefill_log_error: tuple[float, float] | None = None) -> SimResult:
     """Fold a finished run's requests into a :class:`SimResult`; ``prefill_log_error``: the
     policy's T_prefill predictor's error over the run
-    (:attr:`scheduler.costing.PrefillModel.log_error`)."""
+    (:attr:`scheduler.policy.costing.PrefillModel.log_error`)."""
     ok = [r for r in reqs if r.status == "ok"]
     prefilled = [r for r in reqs if r.first_token_s >= 0]
     ttfts = [r.first_token_s - r.arrival_s for r in ok]

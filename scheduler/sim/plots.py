@@ -77,7 +77,7 @@ def hit_vs_capacity(points: list[tuple[float | None, float]], best: float, path:
 
 def save_figure(fig: Any, plt: Any, path: str | Path) -> Path:
     """Write a matplotlib figure to ``path`` as PNG (110 dpi; parents made) and close it;
-    the simulator's and the replay's plots (scheduler/replay_plots.py) both go through it."""
+    the simulator's and the replay's plots (scheduler/replay/plots.py) both go through it."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -1,14 +1,14 @@
 """What the simulated Conductor knows before the first request: its predictors' seeds.
 
 Live, the router's T_prefill and TBT predictors start from a profile fitted to the pass its
-engines run at start (engines/profiling.py, :mod:`scheduler.profiles`) and learn online from
+engines run at start (engines/profiling.py, :mod:`scheduler.policy.profiles`) and learn online from
 what the engines report. The simulator
 does the same, so that the Conductor is measured as it would run:
 
 * learned (default): a *profiling pass* measures a few prefills and decode steps on a
   cost-model engine of the run's hardware and model, with the run's variance
   (:class:`engines.cost_model.Variance`) — what a deployment does before it serves — and a
-  least-squares fit of those measurements seeds the profiles (:mod:`scheduler.profiles`,
+  least-squares fit of those measurements seeds the profiles (:mod:`scheduler.policy.profiles`,
   the live router's fit of its engines' own pass at start); the online fits then refine
   them from every prefill and decode segment the run observes (noisy, stragglers included);
 * ``oracle``: the cost model's exact mean coefficients, frozen (no learning) — the perfect
@@ -17,12 +17,12 @@ does the same, so that the Conductor is measured as it would run:
 from __future__ import annotations
 
 from engines.cost_model import CostModel, CostModelEngine, Variance
-from scheduler.admission import AdmissionConfig
-from scheduler.conductor import ConductorConfig
-from scheduler.costing import Bandwidths, PrefillProfile
-from scheduler.profiles import fit_decode, fit_prefill
+from scheduler.policy.admission import AdmissionConfig
+from scheduler.policy.conductor import ConductorConfig
+from scheduler.policy.costing import Bandwidths, PrefillProfile
+from scheduler.policy.profiles import fit_decode, fit_prefill
+from scheduler.policy.tbt import DecodeProfile
 from scheduler.sim.config import SimConfig
-from scheduler.tbt import DecodeProfile
 
 # The profiling pass: prompt lengths (tokens), each measured PROFILE_REPEATS times; decode
 # steps at these (batch, mean context) points. A handful of points, as a profiling script has.
@@ -47,7 +47,7 @@ def exact_profiles(cost: CostModel) -> tuple[PrefillProfile, DecodeProfile]:
 
 
 def profiled(cost: CostModel, variance: Variance) -> tuple[PrefillProfile, DecodeProfile]:
-    """Seeds fitted (:mod:`scheduler.profiles`, as the live router fits the engines' own pass)
+    """Seeds fitted (:mod:`scheduler.policy.profiles`, as the live router fits the engines' own pass)
     from a profiling pass on a noisy engine (module docstring); they learn."""
     engine = CostModelEngine(cost, "profiler", "colocated", 512, variance)
     prefills = []

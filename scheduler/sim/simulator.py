@@ -3,10 +3,10 @@
 Events (a heap of ``(time, seq, kind, …)``; no sleeping): arrival, prefill end, KV ready at
 decode, and decode-batch boundaries (a request joins or leaves; see
 :mod:`scheduler.sim.instance`). Per arrival the simulator builds the frozen views of
-:mod:`scheduler.views` from virtual state — each instance's predicted queue, its own prefix
+:mod:`scheduler.policy.views` from virtual state — each instance's predicted queue, its own prefix
 hit and the pool's hit from the real :class:`~kvstore.index.prefix_index.PrefixIndex`, each
 decode instance's running and incoming work — and calls the real policy's ``decide`` (any
-policy of :mod:`scheduler.baselines`); it feeds back ``observe_prefill``/``observe_decode``
+policy of :mod:`scheduler.policy.baselines`); it feeds back ``observe_prefill``/``observe_decode``
 as the live router does, and re-times a request's incoming decode work when its prefill
 starts (it joins at that prefill's predicted end) and ends, as the router does.
 
@@ -16,9 +16,9 @@ prefill start an instance finds the longest prefix among its own cache (HBM, the
 local DRAM read over PCIe, with ``local_dram_tokens``), the pool
 (disaggregated) and the peer the decision planned to fetch from; its engine loads it — from
 the pool no further than the decision's ``max_load_blocks`` when the policy chose to
-recompute (:func:`scheduler.views.load_limit`, as the live router tells the live engines) —
+recompute (:func:`scheduler.policy.views.load_limit`, as the live router tells the live engines) —
 and computes the rest; it keeps the prompt's blocks in its HBM cache and (disaggregated)
-writes them to the pool's DRAM. The caches are real :class:`kvstore.pool.KVPool` objects
+writes them to the pool's DRAM. The caches are real :class:`kvstore.pool.pool.KVPool` objects
 accounting bytes without payloads (:mod:`scheduler.sim.cache`). Colocated, the decision API
 is told so (``ClusterView.colocated``): a request decodes on its prefill instance, and
 admission judges that one. The KV streams to the decode instance layer by layer during
@@ -43,16 +43,9 @@ import math
 
 from engines.cost_model import CostModel, LoadedPrefix, load_model, load_profile
 from kvstore.index.prefix_index import PrefixIndex
-from scheduler.admission import Rejection
-from scheduler.baselines import make_policy
-from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
-from scheduler.sim.config import SimConfig
-from scheduler.sim.instance import Instance
-from scheduler.sim.metrics import SimResult, summarize
-from scheduler.sim.profiling import conductor_config, variance_of
-from scheduler.sim.workload import SimRequest
-from scheduler.trace import TRACE_BLOCK_TOKENS
-from scheduler.views import (
+from scheduler.policy.admission import Rejection
+from scheduler.policy.baselines import make_policy
+from scheduler.policy.views import (
     NO_HIT,
     POOL,
     ClusterView,
@@ -64,6 +57,13 @@ from scheduler.views import (
     held_work,
     load_limit,
 )
+from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
+from scheduler.sim.config import SimConfig
+from scheduler.sim.instance import Instance
+from scheduler.sim.metrics import SimResult, summarize
+from scheduler.sim.profiling import conductor_config, variance_of
+from scheduler.sim.workload import SimRequest
+from scheduler.trace import TRACE_BLOCK_TOKENS
 
 ARRIVAL, PREFILL_END, DECODE_READY, BOUNDARY = 0, 1, 2, 3
 BLOCK = TRACE_BLOCK_TOKENS
@@ -187,9 +187,9 @@ class Simulator:
         """The decode instance as the live router sees it: each request routed there at the
         span its decision predicted, re-timed as its prefill started and ended; a running one,
         from its second token on, at its tokens still to come at its mean pace since its
-        first (:func:`scheduler.views.decoding_finish`, what ``Router.decode_progress``
+        first (:func:`scheduler.policy.views.decoding_finish`, what ``Router.decode_progress``
         does with the tokens it streams); one held past its finish shown as just ending
-        (:func:`scheduler.views.held_work`). Never the engine's own finish step or the noise
+        (:func:`scheduler.policy.views.held_work`). Never the engine's own finish step or the noise
         of the segments to come. Rebuilt when the batch changes or steps on."""
         step = inst.step_at(now) if inst.running else -1
         if inst.view_dirty or inst.view is None or now >= inst.view_expires or step != inst.view_step:

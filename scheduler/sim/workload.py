@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.index.keys import KeyExtras, block_keys
+from scheduler.policy.views import Decision
 from scheduler.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
-from scheduler.views import Decision
 
 SIM_EXTRAS = KeyExtras(model="sim", namespace="sim")
 _KEY_CACHE: dict[tuple[str, int | None], tuple[list[TraceRequest], list[tuple[bytes, ...]]]] = {}

@@ -1,0 +1,81 @@
+"""``kvstore up --replay`` as ``make demo`` runs it, with no ``--engine`` (vLLM): three set-ups —
+vLLM alone, kvstore, recompute — one after another on the same 10 trace requests, each on two
+vLLM instances of the bench checkpoint. Each instance's own KV cache is cut to 1,280 tokens
+here, below the requests' working set (1,760), so that what the pool adds shows in ten
+requests; it still holds the longest prompt beside a short one, so the front door's
+decode-capacity admission refuses none."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RATIOS = ("ttft_p50_kvstore_vs_vllm", "ttft_p99_kvstore_vs_vllm", "goodput_kvstore_vs_vllm",
+          "ttft_p50_kvstore_vs_recompute", "prefill_tokens_kvstore_vs_vllm")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    tmp = tmp_path_factory.mktemp("demo-vllm")
+    out, plots = tmp / "demo.json", tmp / "plots"
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp / "cache"))    # the bench checkpoint is written there
+    proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--replay", str(TRACE), "--requests", "10",
+                           "--speed", "10", "--port", "0", "--data-dir", str(tmp / "up"), "--json", str(out),
+                           "--plots", str(plots), "--vllm-kv-cache", "40MiB", "--vllm-max-model-len", "1088",
+                           "--dram", "512MiB"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text()), plots
+
+
+@pytest.mark.slow
+def test_kvstore_up_without_engine_runs_vllm_in_three_setups_on_the_same_requests(demo) -> None:
+    proc, report, plots = demo
+    setups = report["setups"]
+    assert list(setups) == ["vllm", "kvstore", "recompute"]
+    assert "vLLM kv_both" in proc.stdout and "kvstore connector on" in proc.stdout
+    for name, run in setups.items():
+        r = run["report"]
+        # every request is served; with caches this small the front door may refuse one
+        # early when an instance's KV would be full (429 decode_capacity, before any prefill)
+        assert (r["requests_sent"], r["failed"], r["skipped"]) == (10, 0, 0), name
+        assert r["completed"] >= 8 and set(r["rejected_by_reason"]) <= {"decode_capacity"}, (name, r)
+        assert r["prompt_tokens"] == setups["recompute"]["report"]["prompt_tokens"] > 0
+    # the pool only in kvstore; no reuse at all in recompute
+    assert setups["recompute"]["hit_tokens"]["local"] == setups["recompute"]["hit_tokens"]["pool"] == 0
+    assert setups["vllm"]["hit_tokens"]["pool"] == 0
+    assert setups["kvstore"]["memory_bytes"]["pool_dram"] == 512 << 20
+    assert setups["vllm"]["memory_bytes"] == setups["recompute"]["memory_bytes"] == {"instances_kv": 2 * (40 << 20)}
+    # the share of the completed requests' prompt tokens each set-up computed
+    computed = {name: run["report"]["prefill_tokens"] / sum(q["prompt_tokens"] for q in run["requests"]
+                                                           if q["status"] == "ok")
+                for name, run in setups.items()}
+    assert computed["kvstore"] < computed["vllm"] < computed["recompute"] == 1.0
+    ratios = report["ratios"]
+    for key in RATIOS:
+        assert ratios[key] is not None and ratios[key] > 0, key
+    assert ratios["prefill_tokens_kvstore_vs_vllm"] == pytest.approx(
+        setups["kvstore"]["report"]["prefill_tokens"] / setups["vllm"]["report"]["prefill_tokens"])
+    # greedy: the loaded KV gives the tokens recomputing gives, in every set-up
+    assert report["output_match_vs_recompute"]["kvstore"] == report["output_match_vs_recompute"]["vllm"] == 1.0
+    assert report["settings"]["instance_kv_vs_working_set"] < 1.0
+    for key in ("date", "commit", "machine"):
+        assert report["settings"][key]
+    assert "kvstore / vLLM" in proc.stdout and "stopped all services" in proc.stdout
+    for name in ("demo_ttft_cdf.png", "demo_hit_ratio.png"):
+        data = (plots / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
+    from launcher.vllm_setups import cpu_sets
+    assert cpu_sets(2, [0, 1]) == [(0,), (1,)]
+    assert cpu_sets(2, [0, 1, 2, 3, 4]) == [(0, 1), (2, 3)]
+    assert cpu_sets(3, [0, 1]) == [(), (), ()]      # fewer cores than instances: none pinned

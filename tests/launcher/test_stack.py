@@ -1,0 +1,231 @@
+"""``kvstore up``'s supervision (launcher/supervisor.py) with real child processes: a child that
+exits is restarted after a back-off that doubles, at most ``max_restarts`` times, then the
+stack gives up with the child's log; a child that cannot be restarted stops the stack."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from launcher.supervisor import BACKOFF_S, Stack
+
+
+def test_a_crashing_child_is_restarted_with_back_off_then_given_up(tmp_path, capsys):
+    stack = Stack(log_dir=str(tmp_path / "logs"), max_restarts=2)
+    stack.start("flaky", "--version")              # prints the version and exits 0 at once
+    now, delays = 0.0, []
+    try:
+        with pytest.raises(RuntimeError, match="flaky exited .*2 restarts within 300 s already"):
+            for _ in range(10):
+                stack.children["flaky"].proc.wait(30)
+                stack.supervise(now)                # sees the exit: schedules a restart
+                child = stack.children["flaky"]
+                delays.append(child.restart_at - now)
+                stack.supervise(now + delays[-1] - 0.01)
+                assert child.restart_at is not None  # not before its back-off
+                now += delays[-1]
+                stack.supervise(now)                # restarts it
+                assert child.restart_at is None
+    finally:
+        stack.stop()
+    assert delays == [BACKOFF_S[0], 2 * BACKOFF_S[0]]
+    assert stack.restarts == 2
+    out = capsys.readouterr().out
+    assert out.count("restarted (pid") == 2 and "restart 2 of 2 in 1.0 s" in out
+    assert (tmp_path / "logs" / "flaky.log").read_text().count("kvstore ") == 3   # appended
+
+
+def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    stack.adopt("redis", proc)
+    proc.wait(30)
+    with pytest.raises(RuntimeError, match="redis exited .*cannot be restarted"):
+        stack.supervise()
+    stack.stop()
+
+
+def test_an_adopted_child_with_a_respawn_is_restarted_through_it(tmp_path, capsys):
+    """A process started elsewhere (a vLLM server) is restarted by its own respawn callable,
+    with the same back-off, and the stack stops the new process."""
+    started: list[subprocess.Popen] = []
+
+    def respawn() -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    stack.adopt("vllm-prefill-0", first, respawn=respawn)
+    first.wait(30)
+    try:
+        stack.supervise(0.0)
+        assert stack.children["vllm-prefill-0"].restart_at == BACKOFF_S[0] and not started
+        stack.supervise(BACKOFF_S[0])
+        assert len(started) == 1 and stack.children["vllm-prefill-0"].proc is started[0]
+        assert started[0].poll() is None
+        stack.supervise(BACKOFF_S[0] + 1)            # alive: nothing more
+        assert len(started) == 1
+    finally:
+        stack.stop()
+    assert started[0].returncode is not None         # the restarted process was stopped too
+    out = capsys.readouterr().out
+    assert "vllm-prefill-0 exited (exit status 3); restart 1 of 5" in out
+    assert f"vllm-prefill-0 restarted (pid {started[0].pid})" in out
+
+
+def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
+    """--data-dir is wiped at start: an empty or new directory, or one kvstore up made, is
+    (re)made 0700; a directory holding anything else is refused with the reason, untouched."""
+    from launcher.up import STACK_MARK, fresh_data_dir
+
+    mine = tmp_path / "up"
+    assert fresh_data_dir(str(mine), keep=False) is None
+    assert (mine / STACK_MARK).exists() and (mine.stat().st_mode & 0o777) == 0o700
+    (mine / "old.log").write_text("x")
+    assert fresh_data_dir(str(mine), keep=False) is None and not (mine / "old.log").exists()
+    theirs = tmp_path / "home"
+    theirs.mkdir()
+    (theirs / "important.txt").write_text("keep me")
+    problem = fresh_data_dir(str(theirs), keep=False)
+    assert problem and "not made by kvstore up" in problem and "--keep-data" in problem
+    assert (theirs / "important.txt").read_text() == "keep me"
+    assert fresh_data_dir(str(theirs), keep=True) is None and (theirs / "important.txt").exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    problem = fresh_data_dir(str(a_file), keep=False)      # was a raw "[Errno 17] File exists"
+    assert problem and "cannot be used as a directory" in problem and a_file.read_text() == "not a directory"
+
+
+def test_kvstore_up_never_wipes_a_running_stack_or_an_unmarked_directory(tmp_path) -> None:
+    """A directory holding logs/ and store/ but no mark is someone's (never taken for an old
+    kvstore up's and wiped); a directory a running kvstore up holds is refused whole (a second
+    kvstore up never wipes the first one's tokens and blocks); a link to a directory is that
+    directory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launcher.up import STACK_MARK, fresh_data_dir
+
+    theirs = tmp_path / "project"
+    (theirs / "logs").mkdir(parents=True)
+    (theirs / "store").mkdir()
+    (theirs / "important.txt").write_text("keep me")
+    problem = fresh_data_dir(str(theirs), keep=False)
+    assert problem and "not made by kvstore up" in problem and (theirs / "important.txt").exists()
+
+    running = tmp_path / "up"
+    root = Path(__file__).resolve().parents[2]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from launcher.up import fresh_data_dir; "
+         f"assert fresh_data_dir({str(running)!r}, keep=False) is None; print('held', flush=True); time.sleep(60)"],
+        cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (running / "auth.env").write_text("the running stack's tokens")
+        for keep in (False, True):
+            problem = fresh_data_dir(str(running), keep=keep)
+            assert problem and "in use by another kvstore up that is still running" in problem
+        assert (running / "auth.env").read_text() == "the running stack's tokens"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert fresh_data_dir(str(running), keep=False) is None and not (running / "auth.env").exists()
+
+    target = tmp_path / "big-disk"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert fresh_data_dir(str(link), keep=False) is None and (target / STACK_MARK).exists()
+    (target / "old.log").write_text("x")
+    assert fresh_data_dir(str(link), keep=False) is None and not (target / "old.log").exists()
+    assert link.is_symlink() and (target / STACK_MARK).exists()
+
+
+def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -> None:
+    """``kvstore up --dram nan`` started the private Redis before the store node refused the
+    size; the sizes are checked first now, exit 2 naming the flag, nothing started. So are
+    the replay's flags and its --start in the trace."""
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    for flags, said in ((["--dram", "nan"], "--dram: cannot read 'nan' as a size"),
+                        (["--dram", "0"], "--dram: a tier of 0 bytes"),
+                        (["--ssd", "9999999999TiB"], "--ssd: a tier of"),
+                        # the replay's flags: these were refused only after the stack had started
+                        (["--replay", str(root / "data" / "traces" / "conversation_trace.jsonl"), "--start",
+                          "999999"], "--start 999999 is outside the trace (requests 0 to 12030)"),
+                        (["--speed", "0"], "--speed: must be > 0 and finite, got 0"),
+                        (["--window-s", "-1"], "--window-s: must be > 0 seconds"),
+                        (["--max-output-tokens", "0"], "--max-output-tokens")):
+        proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir",
+                               str(tmp_path / "up"), *flags], cwd=root, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert "redis" not in proc.stdout.lower() and not (tmp_path / "up").exists(), proc.stdout
+
+
+def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
+    """A stack that just stopped leaves its front door's port in TIME-WAIT: kvstore up takes
+    it (the services bind with SO_REUSEADDR too), and refuses a port something listens on."""
+    import socket
+
+    from launcher.supervisor import port_is_free
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()                 # the server side closes first: its end waits in TIME-WAIT
+    client.close()
+    assert not port_is_free("127.0.0.1", port)       # still listening
+    server.close()
+    assert port_is_free("127.0.0.1", port)
+
+
+def test_the_log_tail_leaves_out_the_resource_tracker_notes_of_a_killed_child(tmp_path):
+    """A killed node's resource tracker reports the slab it unlinks as "leaked" (its cleanup,
+    once per kill); those lines filled the tail shown when ``kvstore up`` gives up."""
+    import os
+    import signal
+    import time
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    os.makedirs(stack.log_dir)
+    code = ("from multiprocessing import shared_memory; import time; "
+            "s = shared_memory.SharedMemory(create=True, size=4096); print('node serving', flush=True); time.sleep(60)")
+    with open(os.path.join(stack.log_dir, "store.log"), "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    log_path = os.path.join(stack.log_dir, "store.log")
+    deadline = time.monotonic() + 30
+    while "node serving" not in open(log_path).read():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    while "resource_tracker" not in open(log_path).read():   # the tracker notices and cleans up
+        assert time.monotonic() < deadline, open(log_path).read()
+        time.sleep(0.05)
+    tail = stack.log_tail("store")
+    assert "node serving" in tail and "resource_tracker" not in tail and "warnings.warn" not in tail, tail
+
+
+def test_service_ports_are_taken_in_order_and_a_busy_one_is_named(tmp_path):
+    import socket
+
+    from launcher.supervisor import free_port, port_taker
+    first = free_port()
+    take = port_taker("127.0.0.1", first)
+    assert take() == first
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", first + 1))
+        except OSError:
+            pytest.skip(f"port {first + 1} is in use already")
+        busy.listen()
+        with pytest.raises(RuntimeError, match=rf"--service-ports {first}: port {first + 1} on 127.0.0.1 is not free"):
+            take()
+    assert port_taker("127.0.0.1")() > 0                 # 0: a free port the system picks

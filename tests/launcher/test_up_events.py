@@ -1,0 +1,101 @@
+"""``kvstore up`` with one store node still gives the router the store's index over KV events:
+it starts a private Redis, the store node and the prefill engine publish there, and the
+scheduler's replica applies their events (seen in its /metrics). Real processes throughout:
+the launcher, redis-server, the store node, the engines, the front door."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from launcher.supervisor import free_port
+
+
+def _free_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports on 127.0.0.1 (for ``--service-ports``)."""
+    import random
+    for _ in range(200):
+        first = random.randrange(20000, 30000)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def _metric(url: str, what: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf'^kvstore_scheduler_kv_index_replica\{{what="{what}"\}} ([0-9.e+]+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else -1.0
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path: Path) -> None:
+    port = free_port()
+    first = _free_run(6)      # --service-ports: store, prefill, decode, then their 3 metrics ports
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for name in ("KVSTORE_REDIS_URL", "KVSTORE_EVENTS_URL"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--engine", "builtin",
+                             "--host", "127.0.0.1",
+                             "--port", str(port), "--data-dir", str(tmp_path / "up"), "--dram", "64MiB",
+                             "--ssd", "64MiB", "--service-ports", str(first)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("front door"):
+                ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert ready.wait(300), "".join(lines[-40:])
+        assert any(line.startswith("redis ") and "KV events" in line for line in lines), "".join(lines)
+        banner = "".join(lines)
+        assert f"store node     127.0.0.1:{first}  " in banner and f"127.0.0.1:{first + 3}/metrics" in banner
+        assert f"prefill engine prefill-0 127.0.0.1:{first + 1}" in banner, banner
+        assert f"decode engine decode-0 127.0.0.1:{first + 2}" in banner, banner
+        body = json.dumps({"prompt": list(range(1, 70)), "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        for _ in range(2):
+            with urllib.request.urlopen(req, timeout=120) as r:
+                answer = json.loads(r.read())
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * 16
+        deadline = time.monotonic() + 30
+        while _metric(url, "events") <= 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # The store node's and the prefill engine's events: NodeCleared and BlockStored each.
+        assert _metric(url, "events") >= 2 + 2 * 4, "".join(lines[-40:])
+        assert _metric(url, "resync_failures") == 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
