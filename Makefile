@@ -58,9 +58,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# pytest exits 5 when it collected no test: that is a failure here, not green.
+# pytest exits 5 when it collected no test: that is a failure here, not green. Two workers
+# (pytest-xdist): the tests that start vLLM go to one of them in turn (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # The fuzz targets (tests/**/test_fuzz_*.py) run short and derandomized inside `make test`; here

@@ -219,3 +219,22 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
         terminalreporter.section("fuzz: executions per wire")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# -- parallel runs (make test: pytest-xdist, two workers) ------------------------------------
+# The tests that start vLLM pin its instances to the machine's cores (one per core): two such
+# tests at once would oversubscribe them and run slower than one after the other. They share
+# one xdist group, so `--dist loadgroup` gives them to one worker in turn while the other
+# worker runs the rest.
+_STARTS_VLLM = ("tests.helpers.vllm_driver", "engines.vllm.launch", "launcher.vllm_setups")
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in sources:
+            text = path.read_text()
+            sources[path] = any(name in text for name in _STARTS_VLLM)
+        if sources[path]:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
