@@ -204,6 +204,9 @@ def test_the_vllm_command_parses_with_vllms_parser() -> None:
     assert args.host == DOWNWARD["status.podIP"] and args.block_size == 32
     from engines.vllm import connector
     assert hasattr(connector, "KVStoreConnector")
+    for words in doc_commands("python -m engines.vllm.api_server"):     # docs/deploy.md's, by hand
+        doc = make_arg_parser(FlexibleArgumentParser()).parse_args(words)
+        assert doc.kv_transfer_config.kv_connector == "KVStoreConnector" and doc.block_size == 32
 
 
 # -- secrets and binding ---------------------------------------------------------------------
@@ -318,3 +321,39 @@ def test_the_image_installs_as_the_makefile_does() -> None:
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     images = {c["image"] for _, t in pod_templates() for c in containers(t) if not c["image"].startswith("redis:")}
     assert images == {f"kvstore:{version}"}
+
+
+# -- docs/deploy.md's commands ---------------------------------------------------------------
+
+def doc_commands(program: str) -> list[list[str]]:
+    """The command lines of docs/deploy.md's shell blocks that run ``program`` (continuations
+    joined; leading VAR=value assignments dropped)."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = re.findall(r"^```sh\n(.*?)^```", text, flags=re.S | re.M)
+    out = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        words = shlex.split(line.split(" #")[0]) if line.strip() and not line.startswith("#") else []
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words.pop(0)
+        if words[:len(program.split())] == program.split():
+            out.append(words[len(program.split()):])
+    return out
+
+
+def test_the_docs_commands_parse() -> None:
+    """Every ``kvstore`` line of docs/deploy.md parses with the CLI; every vLLM line's
+    connector settings with the connector's."""
+    from engines.vllm.pool_link import ConnectorConfig
+    kvstore_lines = doc_commands("kvstore")
+    assert {"serve", "scheduler"} <= {words[0] for words in kvstore_lines}
+    for words in kvstore_lines:
+        try:
+            build_parser().parse_args(words)
+        except SystemExit:
+            pytest.fail(f"docs/deploy.md: `kvstore {shlex.join(words)}` does not parse (see stderr)")
+    vllm_lines = doc_commands("python -m engines.vllm.api_server")
+    assert len(vllm_lines) == 2
+    for words in vllm_lines:
+        kv = json.loads(words[words.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_module_path"] == "engines.vllm.connector"
+        ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
