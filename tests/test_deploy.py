@@ -284,6 +284,9 @@ def test_every_metrics_port_carries_prometheus_annotations() -> None:
         assert len(ports) == 1 and ports <= declared, f"{name}: metrics on {ports}, declared {declared}"
         assert notes.get("prometheus.io/scrape") == "true", name
         assert notes.get("prometheus.io/port") == str(ports.pop()) and notes.get("prometheus.io/path") == "/metrics"
+        # a scraper needs only the read-only metrics token: the service takes it
+        assert any(container_env(c).get("KVSTORE_METRICS_TOKEN") == "kvstore-tokens/metrics-token"
+                   for c in containers(t)), f"{name}: no KVSTORE_METRICS_TOKEN"
         scraped += 1
     assert scraped == 3   # store nodes, vLLM instances, the front door
 

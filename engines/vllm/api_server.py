@@ -7,18 +7,25 @@ vLLM 0.32's key guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/
 completions to any caller, with any ``cache_salt`` — that is, in any tenant's namespace of the
 pool — and ``/tokenize``, ``/metrics`` and the rest answer too. ``kvstore up --engine vllm``
 gives its instances a key only the front door holds, so here every request without it is a
-401; ``/health`` stays open for readiness probes."""
+401; ``/health`` stays open for readiness probes. ``/metrics`` also takes the read-only
+metrics token (``KVSTORE_METRICS_TOKEN``, kvstore/auth.py) as every kvstore metrics port does, so
+a Prometheus scraper needs not the key, which runs requests."""
 from __future__ import annotations
 
+import os
 import runpy
 from typing import Any
 
+from kvstore.auth import METRICS_TOKEN_ENV, bearer_matches
+
 OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
 
 
 def guard_every_path() -> None:
     """Make vLLM's AuthenticationMiddleware (present only when a key is set) check every path
-    but :data:`OPEN_PATHS`, instead of its guarded prefixes."""
+    but :data:`OPEN_PATHS`, instead of its guarded prefixes; :data:`METRICS_PATH` also takes
+    the metrics token when ``KVSTORE_METRICS_TOKEN`` is set."""
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.middleware import authenticate
@@ -26,7 +33,10 @@ def guard_every_path() -> None:
     def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:   # replaces the method
         if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
             path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path not in OPEN_PATHS and not self.verify_token(Headers(scope=scope)):
+            headers = Headers(scope=scope)
+            scrape = path == METRICS_PATH and bool(token := os.environ.get(METRICS_TOKEN_ENV)) and \
+                bearer_matches(headers.get("authorization"), token)
+            if path not in OPEN_PATHS and not scrape and not self.verify_token(headers):
                 return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
         return self.app(scope, receive, send)
 

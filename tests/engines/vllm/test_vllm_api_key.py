@@ -2,7 +2,7 @@
 ``api_key``, only the front door holds it) answers no caller without it, on any path but
 ``/health``: vLLM's own key guards ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only, and
 serves completions on ``/invocations`` to anyone (with any ``cache_salt``: any tenant's
-namespace in the pool)."""
+namespace in the pool). The read-only metrics token opens ``/metrics`` alone."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,7 @@ from launcher.supervisor import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "vllm-instance-key-0123456789"
+SCRAPE = "metrics-scrape-token-0123456789"
 
 
 def _call(url: str, body: dict | None = None, key: str | None = None) -> int:
@@ -30,10 +31,11 @@ def _call(url: str, body: dict | None = None, key: str | None = None) -> int:
         return exc.code
 
 
-def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_path):
+def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_path, monkeypatch):
     from engines.vllm.checkpoint import write_checkpoint
     model_dir = write_checkpoint(str(tmp_path / "tiny-llama"), "tiny", max_model_len=2048)
     _, address = same_host_store
+    monkeypatch.setenv("KVSTORE_METRICS_TOKEN", SCRAPE)      # the server's environment is this one's
     spec = VLLMServerSpec(model_dir, free_port(), "kv_both", address, kv_cache_bytes=64 << 20,
                           max_model_len=2048, api_key=KEY)
     (server,) = start_servers([spec], tmp_path / "logs", ["keyed"], timeout_s=300)
@@ -45,5 +47,8 @@ def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_pa
             assert _call(server.url + path, body if path != "/metrics" else None) == 401, path
         assert _call(server.url + "/v1/completions", body, KEY) == 200
         assert _call(server.url + "/metrics", None, KEY) == 200
+        assert _call(server.url + "/metrics", None, SCRAPE) == 200                # the read-only token: metrics
+        for path in ("/invocations", "/v1/completions", "/tokenize"):            # and nothing else
+            assert _call(server.url + path, body, SCRAPE) == 401, path
     finally:
         server.stop(grace_s=10)
