@@ -360,3 +360,38 @@ def test_the_docs_commands_parse() -> None:
         kv = json.loads(words[words.index("--kv-transfer-config") + 1])
         assert kv["kv_connector_module_path"] == "engines.vllm.connector"
         ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
+
+
+def test_the_redis_container_serves_only_with_its_password(tmp_path: Path) -> None:
+    """The Redis container's own script, run here (its config directory and port moved): the
+    config it writes is one redis-server takes, bound to the pod's address, with the password."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    from launcher.supervisor import free_port
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    c = the("kvstore-redis", "redis")
+    assert c["command"] == ["sh", "-c"]
+    port = free_port()
+    script = c["args"][0].replace("/run/redis", str(tmp_path)).replace("port 6379", f"port {port}")
+    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "POD_IP": "127.0.0.2", "REDIS_PASSWORD": "pw-0123456789"}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    try:
+        good = redis.Redis(host="127.0.0.2", port=port, password="pw-0123456789", socket_timeout=5)
+        for _ in range(100):
+            try:
+                assert good.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server exited: the config it was given is not valid"
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.2", port=port, socket_timeout=5).set("k", "v")
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0     # the password file: owner only
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -22,6 +22,12 @@ OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 
 
+def _is_scraper(header: str | None) -> bool:
+    """Whether ``header`` carries the metrics token (none set: no one is)."""
+    token = os.environ.get(METRICS_TOKEN_ENV)
+    return bool(token) and bearer_matches(header, token or "")
+
+
 def guard_every_path() -> None:
     """Make vLLM's AuthenticationMiddleware (present only when a key is set) check every path
     but :data:`OPEN_PATHS`, instead of its guarded prefixes; :data:`METRICS_PATH` also takes
@@ -34,8 +40,7 @@ def guard_every_path() -> None:
         if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
             path = scope["path"].removeprefix(scope.get("root_path", ""))
             headers = Headers(scope=scope)
-            scrape = path == METRICS_PATH and bool(token := os.environ.get(METRICS_TOKEN_ENV)) and \
-                bearer_matches(headers.get("authorization"), token)
+            scrape = path == METRICS_PATH and _is_scraper(headers.get("authorization"))
             if path not in OPEN_PATHS and not scrape and not self.verify_token(headers):
                 return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
         return self.app(scope, receive, send)
