@@ -173,8 +173,7 @@ class StoreClient:
         plane = self._local()
         if plane is not None:
             try:
-                n, tiers = plane.lookup(keys, purpose, namespace)
-                return LookupResult(n, tuple(tiers))
+                return plane.lookup(keys, purpose, namespace)
             except Unavailable as exc:
                 self._drop_plane(exc)
         return codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))

@@ -63,7 +63,7 @@ class StoreServicer(pb_grpc.KVStoreServicer):
     @refusing
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         check_keys(request.keys)
-        return codec.lookup_response(*self.pool.lookup(list(request.keys), codec.lookup_purpose_of(request),
+        return codec.lookup_response(self.pool.lookup(list(request.keys), codec.lookup_purpose_of(request),
                                                        codec.lookup_namespace_of(request)))
 
     def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext) -> pb.PutResponse:

@@ -162,7 +162,7 @@ def test_malformed_requests_are_refused(slab_node) -> None:
     assert not results[0].ok
     with pytest.raises(InvalidArgument):
         ctl._call(99, b"")
-    assert ctl.lookup([key_of(1)]) == (0, [])  # the connection survives a refused request
+    assert ctl.lookup([key_of(1)]) == (0, ())  # the connection survives a refused request
     ctl.close()
 
 
@@ -236,7 +236,7 @@ def test_a_malformed_release_frame_ends_only_that_connection(slab_node) -> None:
     with pytest.raises((Unavailable, OSError)):
         ctl.lookup([key_of(1)])
     ctl.close()
-    assert UdsControl(path).lookup([key_of(1)]) == (0, [])
+    assert UdsControl(path).lookup([key_of(1)]) == (0, ())
 
 
 @pytest.mark.parametrize("node_poll_s, reply_poll_s", [(0.0, 0.0), (200e-6, 500e-6), (0.05, 0.0)])
@@ -301,7 +301,7 @@ def test_bad_frames_and_leases_get_clear_errors(slab_node) -> None:
             ctl.lease([key_of(1)], ttl_s=ttl)
     with pytest.raises(InvalidArgument, match="at most"):
         ctl.lease([key_of(1)] * (MAX_KEYS_PER_CALL + 1))
-    assert ctl.lookup([key_of(1)]) == (0, []) and pool.stats()[0].leased_bytes == 0
+    assert ctl.lookup([key_of(1)]) == (0, ()) and pool.stats()[0].leased_bytes == 0
     ctl.close()
 
 
@@ -364,7 +364,7 @@ def test_the_accept_loop_survives_accept_errors(slab_node) -> None:
         time.sleep(0.01)
     assert flaky.failures == 0
     ctl = UdsControl(path)             # served after the failures
-    assert ctl.lookup([key_of(1)]) == (0, [])
+    assert ctl.lookup([key_of(1)]) == (0, ())
     ctl.close()
 
 

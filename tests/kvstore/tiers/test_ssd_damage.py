@@ -131,8 +131,8 @@ def test_a_file_that_shrinks_under_a_running_pool(make_dram, tmp_path: Path, cap
     try:
         for i in range(12):
             assert pool.put(_key(i), _block(i)).ok
-        on_ssd = [i for i in range(12) if pool.lookup([_key(i)])[1] == ["ssd"]]
-        in_dram = [i for i in range(12) if pool.lookup([_key(i)])[1] == ["dram"]]
+        on_ssd = [i for i in range(12) if pool.lookup([_key(i)]).tiers == ("ssd",)]
+        in_dram = [i for i in range(12) if pool.lookup([_key(i)]).tiers == ("dram",)]
         assert len(on_ssd) >= 6 and in_dram
         data = tmp_path / "ssd" / "data.mdb"
         os.truncate(data, data.stat().st_size // 3)
@@ -147,10 +147,10 @@ def test_a_file_that_shrinks_under_a_running_pool(make_dram, tmp_path: Path, cap
         assert ssd_stats.integrity_failures == len(on_ssd) and ssd_stats.blocks == 0
         assert ssd_stats.used_bytes == 0
         pool.check_integrity()
-        assert pool.lookup([_key(on_ssd[0])]) == (0, [])
+        assert pool.lookup([_key(on_ssd[0])]) == (0, ())
         for i in range(12, 24):                       # puts and demotions go on into the fresh env
             assert pool.put(_key(i), _block(i)).ok
-        assert any(pool.lookup([_key(i)])[1] == ["ssd"] for i in range(12, 24))
+        assert any(pool.lookup([_key(i)]).tiers == ("ssd",) for i in range(12, 24))
         assert all(pool.get(_key(i)) == _block(i) for i in range(12, 24))
         pool.check_integrity()
     finally:
