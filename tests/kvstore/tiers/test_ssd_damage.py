@@ -552,7 +552,7 @@ def test_only_the_newest_damaged_environments_are_kept(tmp_path: Path, caplog) -
     """A disk damaging the tier again and again does not fill itself with moved-aside
     copies: the newest KEEP_DAMAGED stay for a post-mortem, older ones are removed with a
     line each, and a link of such a name is neither removed nor followed."""
-    from kvstore.tiers.ssd_storage import KEEP_DAMAGED
+    from kvstore.tiers.ssd_directory import KEEP_DAMAGED
     path = tmp_path / "ssd"
     target = tmp_path / "elsewhere"
     target.mkdir()
@@ -582,7 +582,7 @@ def test_a_moved_aside_copy_a_person_renamed_is_never_removed(tmp_path: Path, ca
     ``-<n>``) are removed when older than the newest KEEP_DAMAGED: a directory a person
     renamed to keep for a post-mortem (``ssd.damaged-<time>.keep``, ``ssd.damaged-old``)
     is not the tier's (it was taken for the oldest, and removed)."""
-    from kvstore.tiers.ssd_storage import KEEP_DAMAGED
+    from kvstore.tiers.ssd_directory import KEEP_DAMAGED
     path = tmp_path / "ssd"
     kept = [tmp_path / "ssd.damaged-1700000000.keep", tmp_path / "ssd.damaged-old"]
     for d in kept:
