@@ -78,14 +78,68 @@ def te_probe() -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+Best = dict[tuple[str, str, str], float]
+
+
+def _timed(best: Best, key: tuple[str, str, str], rnd: int, fn: Callable[..., object], *args: Any,
+           **kw: Any) -> None:
+    """Run ``fn(*args, **kw)`` and keep its time in ``best[key]`` when it is the fastest of
+    the measured rounds (round 0 is the warm-up)."""
+    t0 = time.perf_counter()
+    fn(*args, **kw)
+    dt = time.perf_counter() - t0
+    if rnd:
+        best[key] = min(best.get(key, dt), dt)
+
+
+def _kvstore_extras(sysm: Any, case: Case, keys: list[str], te_case: Case, rnd: int, best: Best,
+                    checks: dict[str, bool]) -> None:
+    """kvstore's further paths on the same keys: the transfer engine (on the blocks just put),
+    the 1 MiB and 16 MiB blocks in one call each (as Redis gets them, pipelined), and a get
+    without the checksum (its share of a get)."""
+    if case is te_case:
+        _timed(best, ("kvstore-te", case.label, "get"), rnd, sysm.get_te, case, keys)
+        if rnd == 0:
+            checks[f"kvstore-te/{case.label}"] = case.check()
+    if not case.batch:
+        bkeys = [k + "-b" for k in keys]
+        for op in ("put", "get"):
+            _timed(best, ("kvstore-batched", case.label, op), rnd, getattr(sysm, op), case, bkeys, batch=True)
+    plane = sysm.client._local()
+    plane.verify = False
+    _timed(best, ("kvstore-noverify", case.label, "get"), rnd, sysm.get, case, keys)
+    plane.verify = True
+
+
+def _measure(systems: list[Any], cases: list[Case], te_case: Case, rounds: int,
+             started: float) -> tuple[Best, dict[str, bool]]:
+    """Each system's put and get of each case, ``rounds`` times after a warm-up round: the
+    best seconds per (system, block, op), and whether each system gave the bytes back whole."""
+    best: Best = {}
+    checks: dict[str, bool] = {}
+    for rnd in range(rounds + 1):
+        for case in cases:
+            for sysm in systems:
+                keys = case.keys(sysm.name, rnd)
+                for op in ("put", "get"):
+                    fn: Callable[[Case, list[str]], None] = getattr(sysm, op)
+                    _timed(best, (sysm.name, case.label, op), rnd, fn, case, keys)
+                if rnd == 0:
+                    checks[f"{sysm.name}/{case.label}"] = case.check()
+                if sysm.name == "kvstore":
+                    _kvstore_extras(sysm, case, keys, te_case, rnd, best, checks)
+                sysm.clear(case, keys)
+        print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done ({time.perf_counter() - started:.0f} s)",
+              flush=True)
+    return best, checks
+
+
 def run(rounds: int) -> dict:
     started = time.perf_counter()
     procs = Processes()
     tmp = tempfile.mkdtemp(prefix="kvstore-bench-dp-")
     cases = [Case(*c) for c in CASES]
     systems: list[Any] = []
-    best: dict[tuple[str, str, str], float] = {}
-    checks: dict[str, bool] = {}
     try:
         systems = [KVStore(procs, tmp), Mooncake(procs, tmp, cases), Redis(procs, tmp), CopyTo()]
         kv_path = systems[0].path
@@ -93,53 +147,7 @@ def run(rounds: int) -> dict:
         systems[0].open_te(te_case)
         print(f"started kvstore ({kv_path}), Mooncake Store, Redis in {time.perf_counter() - started:.1f} s",
               flush=True)
-        for rnd in range(rounds + 1):
-            for case in cases:
-                for sysm in systems:
-                    keys = case.keys(sysm.name, rnd)
-                    for op in ("put", "get"):
-                        fn: Callable[[Case, list[str]], None] = getattr(sysm, op)
-                        t0 = time.perf_counter()
-                        fn(case, keys)
-                        dt = time.perf_counter() - t0
-                        if rnd:
-                            k = (sysm.name, case.label, op)
-                            best[k] = min(best.get(k, dt), dt)
-                    if rnd == 0:
-                        checks[f"{sysm.name}/{case.label}"] = case.check()
-                    # the checksum's share of a kvstore get, on the same keys; and the 1 MiB and
-                    # 16 MiB blocks in one call each (as Redis gets them, pipelined)
-                    if sysm.name == "kvstore":
-                        if case is te_case:  # the transfer-engine path, on the blocks just put
-                            t0 = time.perf_counter()
-                            sysm.get_te(case, keys)
-                            dt = time.perf_counter() - t0
-                            if rnd:
-                                k = ("kvstore-te", case.label, "get")
-                                best[k] = min(best.get(k, dt), dt)
-                            if rnd == 0:
-                                checks[f"kvstore-te/{case.label}"] = case.check()
-                        if not case.batch:
-                            bkeys = [k + "-b" for k in keys]
-                            for op in ("put", "get"):
-                                t0 = time.perf_counter()
-                                getattr(sysm, op)(case, bkeys, batch=True)
-                                dt = time.perf_counter() - t0
-                                if rnd:
-                                    k = ("kvstore-batched", case.label, op)
-                                    best[k] = min(best.get(k, dt), dt)
-                        plane = sysm.client._local()
-                        plane.verify = False
-                        t0 = time.perf_counter()
-                        sysm.get(case, keys)
-                        dt = time.perf_counter() - t0
-                        plane.verify = True
-                        if rnd:
-                            k = ("kvstore-noverify", case.label, "get")
-                            best[k] = min(best.get(k, dt), dt)
-                    sysm.clear(case, keys)
-            print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done ({time.perf_counter() - started:.0f} s)",
-                  flush=True)
+        best, checks = _measure(systems, cases, te_case, rounds, started)
     finally:
         for sysm in systems:
             try:
@@ -148,7 +156,12 @@ def run(rounds: int) -> dict:
                 pass
         procs.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    return _report(best, checks, cases, rounds, kv_path, started)
 
+
+def _report(best: Best, checks: dict[str, bool], cases: list[Case], rounds: int, kv_path: str,
+            started: float) -> dict:
+    """The benchmark's JSON: a row per (system, block, op), the ratios the targets name."""
     rows = []
     for (name, label, op), secs in sorted(best.items()):
         case = next(c for c in cases if c.label == label)

@@ -213,19 +213,10 @@ def ratios_of(f5: dict, ovl: dict, oracle: bool) -> dict[str, float]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="first 2,000 requests only")
-    args = ap.parse_args()
-    limit = 2000 if args.quick else None
-    sweep_limit = 2000 if args.quick else 4000
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out: dict[str, object] = {"setups": __doc__, "quick": args.quick,
-                              "presets": {n: describe(n, preset_runs(n)) for n in ("fig5", "fig5-hbm", "colocated",
-                                                                                   "overload", "capacity")}}
-    base, oracle = SimConfig(), SimConfig(oracle=True)
-    table = []
-
+def _fig5(base: SimConfig, oracle: SimConfig, limit: int | None,
+          table: list) -> tuple[dict, dict, dict[str, Any]]:
+    """Prefill scheduling (FAST'25 Fig. 5): each policy's run, learned and oracle, and the
+    JSON's section."""
     print("== 1. prefill scheduling (FAST'25 Fig. 5): --preset fig5 (learned, then oracle)")
     fig5_res = fig5(base, limit)
     fig5_oracle = fig5(oracle, limit, ("least_loaded", "local_cache_aware", "conductor"))
@@ -234,14 +225,17 @@ def main() -> int:
     busier = {p: run(dataclasses.replace(preset_runs("fig5", base)[0], policy=p, speed=1.2), limit)[0].ttft_mean_s
               for p in ("least_loaded", "conductor")}
     order = [avg["random"], avg["least_loaded"], avg["local_cache_aware"], avg["conductor"]]
-    out["fig5"] = {"avg_ttft_s": avg, "avg_ttft_s_oracle": {p: r.ttft_mean_s for p, r in fig5_oracle.items()},
-                   "paper_avg_ttft_s": PAPER_FIG5_AVG_TTFT,
-                   "wall_s": {p: r.wall_s for p, r in fig5_res.items()},
-                   "ordering_reproduced": all(a > b for a, b in zip(order, order[1:])),
-                   "avg_ttft_s_speed_1.2": busier}
+    return fig5_res, fig5_oracle, {
+        "avg_ttft_s": avg, "avg_ttft_s_oracle": {p: r.ttft_mean_s for p, r in fig5_oracle.items()},
+        "paper_avg_ttft_s": PAPER_FIG5_AVG_TTFT,
+        "wall_s": {p: r.wall_s for p, r in fig5_res.items()},
+        "ordering_reproduced": all(a > b for a, b in zip(order, order[1:])),
+        "avg_ttft_s_speed_1.2": busier}
 
+
+def _colocated(base: SimConfig, limit: int | None, table: list, slos: tuple[float, ...]) -> dict:
+    """Disaggregated vs colocated (and chunked): throughput, TBT, capacity at each TBT SLO."""
     print("== 2. disaggregated vs colocated: --preset colocated")
-    slos = (0.1, 0.2, 0.3)
     pd = {}
     for name, cfg in zip(("disaggregated", "colocated", "colocated_chunked512"), preset_runs("colocated", base)):
         r, rescored = run(cfg, limit, slos)
@@ -251,22 +245,29 @@ def main() -> int:
                     for s, x in rescored.items()}
         pd[name]["throughput_tok_s"] = r.throughput_tok_s
         pd[name]["tbt_p90_s"], pd[name]["tbt_p99_s"] = r.tbt_p90_s, r.tbt_p99_s
-    out["disagg_vs_colocated"] = pd
+    return pd
 
+
+def _overloads(base: SimConfig, oracle: SimConfig, limit: int | None, table: list) -> tuple[dict, dict]:
+    """Overload: each admission's rejections, learned and oracle."""
     print("== 3. overload: after-prefill, current-load and prediction-based rejection: --preset overload")
     rej, rej_oracle = overload(base, limit), overload(oracle, limit)
     for d in (rej, rej_oracle):
         for v in d.values():
             table.append(v.pop("_result"))
-    out["overload"], out["overload_oracle"] = rej, rej_oracle
+    return rej, rej_oracle
 
+
+def _sweeps(base: SimConfig, limit: int | None,
+            sweep_limit: int) -> tuple[list, float, dict[str, list[tuple[float, float]]]]:
+    """Hit ratio against pool capacity (its points and the best possible) and goodput against
+    request rate."""
     print("== 4. sweeps: hit ratio against pool capacity (--preset capacity); goodput against request rate")
     hit_points, best = [], 0.0
     for cfg in preset_runs("capacity", base):
         r, _ = run(cfg, limit)
         hit_points.append((cfg.pool_dram_tokens, r.hit_ratio))
         best = r.best_possible_hit_ratio
-    out["hit_vs_pool_capacity"] = {"points": hit_points, "best_possible_hit_ratio": best}
     trace, _ = load_workload(TRACE, sweep_limit)
     rate = len(trace) / ((trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0)
     goodput: dict[str, list[tuple[float, float]]] = {}
@@ -275,19 +276,11 @@ def main() -> int:
             cfg = dataclasses.replace(preset_runs("fig5", base)[0], policy=policy, speed=speed, admission="predictive")
             r, _ = run(cfg, sweep_limit)
             goodput.setdefault(policy, []).append((rate * speed, r.goodput_rps))
-    out["goodput_vs_rate"] = goodput
+    return hit_points, best, goodput
 
-    sweep = seed_sweep(limit)
-    out["seeds"] = sweep
 
-    files = {
-        "ttft_cdf": plots.ttft_cdf(list(fig5_res.values()), RESULTS / "simulate_ttft_cdf.png"),
-        "goodput_vs_rate": plots.goodput_vs_rate(goodput, RESULTS / "simulate_goodput_vs_rate.png"),
-        "hit_vs_capacity": plots.hit_vs_capacity(hit_points, best,
-                                                 RESULTS / "simulate_hit_vs_capacity.png"),
-    }
-    out["plots"] = {k: str(v.relative_to(ROOT)) for k, v in files.items()}
-
+def _headline(fig5_res: dict, rej: dict, busier: dict, pd: dict, hit_points: list, best: float) -> dict:
+    """Seed 0's ratios, beside the paper's."""
     ratios = ratios_of(fig5_res, rej, oracle=False)
     ratios.update({
         "wall_s_full_trace_max_policy": max(r.wall_s for r in fig5_res.values()),
@@ -305,17 +298,11 @@ def main() -> int:
         "throughput_disagg_vs_colocated": pd["disaggregated"]["throughput_tok_s"] / pd["colocated"]["throughput_tok_s"],
         "unbounded_pool_hit_vs_best_possible": hit_points[-1][1] / best if best else 0.0,
     })
-    # The headline keys are the seeds' means (one chaotic run is not a measurement); seed 0's
-    # single runs stay beside them.
-    out["ratios_seed0"] = {**ratios, **peers.seed0_ratios(fig5_res)}
-    out["ratios_oracle_seed0"] = ratios_of(fig5_oracle, rej_oracle, oracle=True)
-    ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
-    ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
-    ratios.update({k: v["mean"] for k, v in sweep["peer_routers"]["ratios"].items()
-                   if k.startswith("conductor_vs_best_peer_router")})
-    out["ratios"] = ratios
-    out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
-    out["results"] = [r.to_dict() for r in table]
+    return ratios
+
+
+def _print_summary(out: dict, table: list, fig5_oracle: dict, avg: dict, pd: dict, slos: tuple[float, ...],
+                   sweep: dict) -> None:
     print(format_table(table))
     print("\nFig. 5 average TTFT (s), simulated (learned / oracle) vs paper:")
     for p in POLICIES:
@@ -329,8 +316,8 @@ def main() -> int:
               f" / {pd['colocated'][k]['effective_capacity']:.3f}"
               f" / {pd['colocated_chunked512'][k]['effective_capacity']:.3f}")
     print("\nratios, seed 0 (learned | oracle):")
-    for k, v in out["ratios_seed0"].items():  # type: ignore[union-attr]
-        o = out["ratios_oracle_seed0"].get(k)  # type: ignore[union-attr]
+    for k, v in out["ratios_seed0"].items():
+        o = out["ratios_oracle_seed0"].get(k)
         print(f"  {k}: {v:.3f}" + ("" if o is None else f" | {o:.3f}"))
     print(f"\nover seeds {SEEDS[0]}-{SEEDS[-1]}: mean [min, max], learned | oracle")
     for k, v in sweep["ratios"].items():
@@ -349,6 +336,53 @@ def main() -> int:
     for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items():
         print(f"  {k}: {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
     peers.print_sweep(sweep["peer_routers"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="first 2,000 requests only")
+    args = ap.parse_args()
+    limit = 2000 if args.quick else None
+    sweep_limit = 2000 if args.quick else 4000
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"setups": __doc__, "quick": args.quick,
+                           "presets": {n: describe(n, preset_runs(n)) for n in ("fig5", "fig5-hbm", "colocated",
+                                                                                "overload", "capacity")}}
+    base, oracle = SimConfig(), SimConfig(oracle=True)
+    table: list = []
+    fig5_res, fig5_oracle, out["fig5"] = _fig5(base, oracle, limit, table)
+    slos = (0.1, 0.2, 0.3)
+    out["disagg_vs_colocated"] = pd = _colocated(base, limit, table, slos)
+    rej, rej_oracle = _overloads(base, oracle, limit, table)
+    out["overload"], out["overload_oracle"] = rej, rej_oracle
+    hit_points, best, goodput = _sweeps(base, limit, sweep_limit)
+    out["hit_vs_pool_capacity"] = {"points": hit_points, "best_possible_hit_ratio": best}
+    out["goodput_vs_rate"] = goodput
+
+    sweep = seed_sweep(limit)
+    out["seeds"] = sweep
+
+    files = {
+        "ttft_cdf": plots.ttft_cdf(list(fig5_res.values()), RESULTS / "simulate_ttft_cdf.png"),
+        "goodput_vs_rate": plots.goodput_vs_rate(goodput, RESULTS / "simulate_goodput_vs_rate.png"),
+        "hit_vs_capacity": plots.hit_vs_capacity(hit_points, best,
+                                                 RESULTS / "simulate_hit_vs_capacity.png"),
+    }
+    out["plots"] = {k: str(v.relative_to(ROOT)) for k, v in files.items()}
+
+    ratios = _headline(fig5_res, rej, out["fig5"]["avg_ttft_s_speed_1.2"], pd, hit_points, best)
+    # The headline keys are the seeds' means (one chaotic run is not a measurement); seed 0's
+    # single runs stay beside them.
+    out["ratios_seed0"] = {**ratios, **peers.seed0_ratios(fig5_res)}
+    out["ratios_oracle_seed0"] = ratios_of(fig5_oracle, rej_oracle, oracle=True)
+    ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
+    ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
+    ratios.update({k: v["mean"] for k, v in sweep["peer_routers"]["ratios"].items()
+                   if k.startswith("conductor_vs_best_peer_router")})
+    out["ratios"] = ratios
+    out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
+    out["results"] = [r.to_dict() for r in table]
+    _print_summary(out, table, fig5_oracle, out["fig5"]["avg_ttft_s"], pd, slos, sweep)
     path = RESULTS / "simulate.json"
     write_results(path, out, default=str)
     print(f"\nwrote {path.relative_to(ROOT)} and {', '.join(str(f.relative_to(ROOT)) for f in files.values())}")

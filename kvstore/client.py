@@ -22,7 +22,7 @@ from kvstore.tiers.buffers import Segments, to_bytes
 from kvstore.wire import proto_codec as codec
 from kvstore.wire.channel import GRPC_OPTIONS
 from kvstore.wire.errors import from_rpc_error
-from kvstore.wire.types import LookupResult, PutResult, TierStats
+from kvstore.wire.types import DataPlaneInfo, LookupResult, PutResult, TierStats
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -59,6 +59,7 @@ class StoreClient:
         self._meta = bearer_metadata(auth_token)
         self._token = auth_token
         self._plane: Any = None          # a kvstore.dataplane.local.LocalDataPlane once attached
+        self._info: DataPlaneInfo | None = None   # what the node announced of its slab
         self._plane_decided = data_path == "grpc"
         self._plane_lock = threading.Lock()
         self._prefault = prefault
@@ -77,15 +78,23 @@ class StoreClient:
         plane = self._local()
         return "grpc" if plane is None else f"same-host/{plane.channel}"
 
+    def dataplane_info(self) -> DataPlaneInfo | None:
+        """What the node announced of its DRAM slab (None: no slab, a ``grpc`` data path, or
+        not reached yet), asked once: the input of :func:`kvstore.transfer.pick_transport`."""
+        self._local()
+        return self._info
+
     def _local(self) -> Any:
-        """The same-host data plane, attached on first use; None when the node is elsewhere
-        (or old, or has no DRAM slab). A node that cannot be reached yet is asked again."""
+        """The same-host data plane, attached on first use when the transfer registry picks
+        ``same_host`` for the node (:func:`kvstore.transfer.pick_transport`); None otherwise.
+        A node that cannot be reached yet is asked again."""
         if self._plane_decided:
             return self._plane
         with self._plane_lock:
             if self._plane_decided:
                 return self._plane
             from kvstore.dataplane.local import LocalDataPlane
+            from kvstore.transfer.base import pick_transport
             try:
                 resp = self._stub.DataPlaneInfo(pb.DataPlaneInfoRequest(), timeout=self.timeout_s,
                                                 metadata=self._meta)
@@ -96,11 +105,10 @@ class StoreClient:
                 log.info("store client -> %s: gRPC stream data path (%s)", self.address, exc.code().name)
                 return None
             self._plane_decided = True
-            info = codec.dataplane_info_of(resp)
-            if info is None or not info.puts_in_slab:
-                # no slab, or a tier above it (HBM) that takes puts and promotions in the node
-                log.info("store client -> %s: gRPC stream data path (the node's top tier is not a DRAM slab)",
-                         self.address)
+            info = self._info = codec.dataplane_info_of(resp)
+            pick = pick_transport("auto", info)     # this client moves bytes itself: same_host or grpc_stream
+            if pick.name != "same_host" or info is None:
+                log.info("store client -> %s: gRPC stream data path (%s)", self.address, pick.why)
                 return None
             try:
                 self._plane = LocalDataPlane(info, self._control(info), fetch=self._grpc_get_blocks,
@@ -173,8 +181,7 @@ class StoreClient:
         plane = self._local()
         if plane is not None:
             try:
-                n, tiers = plane.lookup(keys, purpose, namespace)
-                return LookupResult(n, tuple(tiers))
+                return plane.lookup(keys, purpose, namespace)
             except Unavailable as exc:
                 self._drop_plane(exc)
         return codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from engines.types import ROLES
 from kvstore import __version__
@@ -174,12 +175,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what the services log to stderr (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_serve(sub)
+    _add_engine(sub)
+    _add_scheduler(sub)
+    _add_up(sub)
+    _add_replay(sub)
+    _add_simulate(sub)
+    return parser
+
+
+def _add_serve(sub: Any) -> None:
+    """``kvstore serve``: run a store node."""
     p = sub.add_parser("serve", help="run a store node",
                        description="Run a store node: a DRAM tier (shared-memory slab) over an SSD "
                                    "tier (LMDB), behind the gRPC API of protos/kvstore.proto.")
     add_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_engine(sub: Any) -> None:
+    """``kvstore engine``: run a prefill or decode engine."""
     p = sub.add_parser("engine", help="run a prefill or decode engine", formatter_class=_formatter,
                        description="Run a prefill or decode engine around a transformers causal LM "
                                    "(the tiny seeded Llama unless --model is given).")
@@ -222,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "one another's timings (kvstore up gives its engines one)")
     p.set_defaults(func=cmd_engine)
 
+
+def _add_scheduler(sub: Any) -> None:
+    """``kvstore scheduler``: run the HTTP front door."""
     p = sub.add_parser("scheduler", help="run the HTTP front door", formatter_class=_formatter,
                        description="Run the scheduler's HTTP front door (OpenAI-compatible "
                                    "/v1/completions and /v1/chat/completions, /v1/models, /health, "
@@ -253,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_scheduler_flags(p)
     p.set_defaults(func=cmd_scheduler)
 
+
+def _add_up(sub: Any) -> None:
+    """``kvstore up``: run the whole stack on this host."""
     p = sub.add_parser("up", help="run the whole stack on this host", formatter_class=_formatter,
                        description="Start a store node, vLLM instances with the kvstore connector (or, with "
                                    "--engine builtin, the built-in prefill and decode engines) and the front door "
@@ -297,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up, tokens_per_block=None, speed=None)
 
+
+def _add_replay(sub: Any) -> None:
+    """``kvstore replay``: replay a trace against a running front door."""
     p = sub.add_parser("replay", help="replay a trace against a running front door", formatter_class=_formatter,
                        description="Send a Mooncake-format trace's requests to a running front door "
                                    "at their timestamps / speed and report TTFT, TBT, hit ratio, goodput.")
@@ -308,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_flags(p)
     p.set_defaults(func=cmd_replay)
 
+
+def _add_simulate(sub: Any) -> None:
+    """``kvstore simulate``: replay a trace on a simulated cluster."""
     p = sub.add_parser("simulate", help="replay a trace on a simulated cluster", formatter_class=_formatter,
                        description="Replay a Mooncake-format trace in virtual time on a simulated cluster: "
                                    "cost-model engines (configs/), the real scheduler policies, prefix index "
@@ -316,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
     from scheduler.sim.command import add_simulate_flags
     add_simulate_flags(p, DEFAULT_TRACE)
     p.set_defaults(func=cmd_simulate)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV, new_token, token_from
 from kvstore.errors import Unavailable
@@ -153,27 +154,42 @@ def _size_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+@dataclass
+class _Layout:
+    """Where each service of ``kvstore up`` listens on ``host``: the front door's
+    ``http_port``, the store nodes', the engines' (name, role, port) and every store node's
+    and engine's metrics port (the front door has its /metrics)."""
+
+    host: str
+    http_port: int
+    store_ports: list[int]
+    engines: list[tuple[str, str, int]]
+    metrics_ports: dict[str, int]
+
+    def store_name(self, i: int) -> str:
+        return "store" if len(self.store_ports) == 1 else f"store-{i}"
+
+
+def _layout(args: argparse.Namespace, http_port: int) -> _Layout:
+    n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
+    n_store = getattr(args, "store_nodes", 1)
+    take_port = port_taker(args.host, getattr(args, "service_ports", 0), frozenset({http_port}))
+    store_ports = [take_port() for _ in range(n_store)]
+    engines = [(f"prefill-{i}", "prefill", take_port()) for i in range(n_prefill)]
+    engines += [(f"decode-{i}", "decode", take_port()) for i in range(n_decode)]
+    lay = _Layout(args.host, http_port, store_ports, engines, {})
+    lay.metrics_ports = {name: take_port() for name in
+                         [lay.store_name(i) for i in range(n_store)] + [e[0] for e in engines]}
+    return lay
+
+
 def run_up(args: argparse.Namespace) -> int:
-    host = args.host
     http_port = preflight(args)
     if http_port is None:
         return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"),
                   max_restarts=getattr(args, "max_restarts", MAX_RESTARTS))
-    n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
-    n_store = getattr(args, "store_nodes", 1)
-    redis_url = getattr(args, "redis", None)
-    take_port = port_taker(host, getattr(args, "service_ports", 0), frozenset({http_port}))
-    store_ports = [take_port() for _ in range(n_store)]
-    store_port = store_ports[0]
-    engines = [(f"prefill-{i}", "prefill", take_port()) for i in range(n_prefill)]
-    engines += [(f"decode-{i}", "decode", take_port()) for i in range(n_decode)]
-    # Prometheus metrics of every store node and engine (the front door has its /metrics).
-    metrics_ports = {name: take_port() for name in
-                     [("store" if n_store == 1 else f"store-{i}") for i in range(n_store)] + [e[0] for e in engines]}
-    store = f"{host}:{store_port}"
-    model = ["--model", args.model] if args.model else []
-    max_len = ["--max-model-len", str(args.max_model_len)] if getattr(args, "max_model_len", None) else []
+    lay = _layout(args, http_port)
     t0 = time.monotonic()
     _install_stop_handlers(stack)
     stack.handlers_installed = True
@@ -181,74 +197,14 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
-        private_redis = False
-        # A private Redis unless one is given: a cluster's registry, and in every case the
-        # channel of the KV events the scheduler's index replica reads (the store nodes' and
-        # the prefill engines' caches, scheduler/routing/cache_index.py).
-        if not redis_url and (n_store > 1 or shutil.which("redis-server")):
-            from kvstore.cluster.redis_server import redact_url, start_private_redis
-            os.makedirs(stack.log_dir, exist_ok=True)
-            proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token())
-            stack.adopt("redis", proc)
-            print(f"redis          {redact_url(redis_url)}  (private: KV events"
-                  f"{', membership' if n_store > 1 else ''}; no persistence)", flush=True)
-            if n_store > 1:
-                stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
-            private_redis = True
-        elif not redis_url:
-            print("kvstore up: no redis-server installed: the scheduler sees no engine's own cache and "
-                  "looks pool hits up per request", file=sys.stderr, flush=True)
-        if redis_url:
-            stack.env[EVENTS_URL_ENV] = redis_url       # KV events: store nodes, engines, scheduler
+        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports))
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
         redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
-        pool_flags = redis_flags if n_store > 1 else ["--store", store]
-        for i, port in enumerate(store_ports):
-            name = "store" if n_store == 1 else f"store-{i}"
-            stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
-                        "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
-                        "--node-id", name, *redis_flags, "--metrics-port", str(metrics_ports[name]),
-                        # every node is on this host: the mapped slab serves them, and the
-                        # transfer engine (which listens on every interface) stays off
-                        "--transfer-engine", "off")
-        # one profiling pass at a time: passes run side by side on a few cores time each other
-        profile = (["--profile-lock", os.path.join(args.data_dir, "profile.lock")]
-                   if getattr(args, "profile", True) else ["--no-profile"])
-        for name, role, port in engines:
-            stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
-                        "--port", str(port), "--engine-id", name, *model, *max_len, *profile,
-                        "--metrics-port", str(metrics_ports[name]))
-        for i, port in enumerate(store_ports):
-            _wait_grpc(stack, f"{host}:{port}", 60)
-            name = "store" if n_store == 1 else f"store-{i}"
-            print(f"store node     {host}:{port}  (DRAM {args.dram}, SSD {args.ssd} under "
-                  f"{args.data_dir}/store{'' if n_store == 1 else f', {name}'}; metrics "
-                  f"http://{host}:{metrics_ports[name]}/metrics)", flush=True)
-        # each engine may wait for every other's profiling pass (up to its budget) before its own
-        engine_wait_s = 180 + (len(engines) * (PROFILE_BUDGET_S + 10) if getattr(args, "profile", True) else 0)
-        for name, role, port in engines:
-            _wait_grpc(stack, f"{host}:{port}", engine_wait_s)
-            print(f"{role} engine {name} {host}:{port}  (metrics http://{host}:{metrics_ports[name]}/metrics)",
-                  flush=True)
-        prefill = ",".join(f"{host}:{port}" for _, role, port in engines if role == "prefill")
-        decode = ",".join(f"{host}:{port}" for _, role, port in engines if role == "decode")
-        stack.start("scheduler", "scheduler", "--prefill", prefill,
-                    "--decode", decode, *pool_flags, "--host", host,
-                    "--port", str(http_port), "--max-inflight", str(args.max_inflight),
-                    *([] if args.max_inflight_per_tenant is None else
-                      ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
-                    *connection_flags(args),
-                    "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
-                    "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
-                    "--balancing-threshold", str(args.balancing_threshold), *model, *max_len,
-                    *(["--api-keys-file", keys_file] if keys_file else []))
-        url = f"http://{host}:{http_port}"
-        _wait_http(stack, f"{url}/health", 120)
-        stack.check_alive()  # the answer must come from our own front door
-        print(f"front door     {url}  (POST /v1/completions and /v1/chat/completions, "
-              "GET /health, GET /metrics, GET /status)", flush=True)
-        up_record = record_stack([f"{host}:{p}" for p in store_ports], [f"{host}:{p}" for _, _, p in engines],
-                                 url, args.data_dir, redis_url)
+        pool_flags = redis_flags if len(lay.store_ports) > 1 else ["--store", f"{lay.host}:{lay.store_ports[0]}"]
+        _start_stores_and_engines(stack, args, lay, redis_flags, pool_flags)
+        url = _start_front_door(stack, args, lay, pool_flags, keys_file)
+        up_record = record_stack([f"{lay.host}:{p}" for p in lay.store_ports],
+                                 [f"{lay.host}:{p}" for _, _, p in lay.engines], url, args.data_dir, redis_url)
         print(f"started in {time.monotonic() - t0:.1f} s; logs in {stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)
@@ -269,6 +225,91 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopped all services", flush=True)
 
 
+def _redis(stack: Stack, redis_url: str | None, n_store: int) -> tuple[str | None, bool]:
+    """The Redis of the stack and whether it is a private one started here. A private Redis
+    unless one is given: a cluster's registry, and in every case the channel of the KV events
+    the scheduler's index replica reads (the store nodes' and the prefill engines' caches,
+    scheduler/routing/cache_index.py)."""
+    private_redis = False
+    if not redis_url and (n_store > 1 or shutil.which("redis-server")):
+        from kvstore.cluster.redis_server import redact_url, start_private_redis
+        os.makedirs(stack.log_dir, exist_ok=True)
+        proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token())
+        stack.adopt("redis", proc)
+        print(f"redis          {redact_url(redis_url)}  (private: KV events"
+              f"{', membership' if n_store > 1 else ''}; no persistence)", flush=True)
+        if n_store > 1:
+            stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
+        private_redis = True
+    elif not redis_url:
+        print("kvstore up: no redis-server installed: the scheduler sees no engine's own cache and "
+              "looks pool hits up per request", file=sys.stderr, flush=True)
+    if redis_url:
+        stack.env[EVENTS_URL_ENV] = redis_url       # KV events: store nodes, engines, scheduler
+    return redis_url, private_redis
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """The engines' and the front door's ``--model`` and ``--max-model-len``, when given."""
+    return ((["--model", args.model] if args.model else [])
+            + (["--max-model-len", str(args.max_model_len)] if getattr(args, "max_model_len", None) else []))
+
+
+def _start_stores_and_engines(stack: Stack, args: argparse.Namespace, lay: _Layout, redis_flags: list[str],
+                              pool_flags: list[str]) -> None:
+    """Start the store nodes and the engines, and wait until each answers."""
+    host, n_store = lay.host, len(lay.store_ports)
+    for i, port in enumerate(lay.store_ports):
+        name = lay.store_name(i)
+        stack.start(name, "serve", "--host", host, "--port", str(port), "--dram", args.dram,
+                    "--ssd", args.ssd, "--data-dir", os.path.join(args.data_dir, "store"),
+                    "--node-id", name, *redis_flags, "--metrics-port", str(lay.metrics_ports[name]),
+                    # every node is on this host: the mapped slab serves them, and the
+                    # transfer engine (which listens on every interface) stays off
+                    "--transfer-engine", "off")
+    # one profiling pass at a time: passes run side by side on a few cores time each other
+    profile = (["--profile-lock", os.path.join(args.data_dir, "profile.lock")]
+               if getattr(args, "profile", True) else ["--no-profile"])
+    for name, role, port in lay.engines:
+        stack.start(name, "engine", "--role", role, *pool_flags, "--host", host,
+                    "--port", str(port), "--engine-id", name, *_model_flags(args), *profile,
+                    "--metrics-port", str(lay.metrics_ports[name]))
+    for i, port in enumerate(lay.store_ports):
+        _wait_grpc(stack, f"{host}:{port}", 60)
+        name = lay.store_name(i)
+        print(f"store node     {host}:{port}  (DRAM {args.dram}, SSD {args.ssd} under "
+              f"{args.data_dir}/store{'' if n_store == 1 else f', {name}'}; metrics "
+              f"http://{host}:{lay.metrics_ports[name]}/metrics)", flush=True)
+    # each engine may wait for every other's profiling pass (up to its budget) before its own
+    engine_wait_s = 180 + (len(lay.engines) * (PROFILE_BUDGET_S + 10) if getattr(args, "profile", True) else 0)
+    for name, role, port in lay.engines:
+        _wait_grpc(stack, f"{host}:{port}", engine_wait_s)
+        print(f"{role} engine {name} {host}:{port}  (metrics http://{host}:{lay.metrics_ports[name]}/metrics)",
+              flush=True)
+
+
+def _start_front_door(stack: Stack, args: argparse.Namespace, lay: _Layout, pool_flags: list[str],
+                      keys_file: str | None) -> str:
+    """Start the front door over the engines and wait for its /health; returns its URL."""
+    host = lay.host
+    prefill = ",".join(f"{host}:{port}" for _, role, port in lay.engines if role == "prefill")
+    decode = ",".join(f"{host}:{port}" for _, role, port in lay.engines if role == "decode")
+    stack.start("scheduler", "scheduler", "--prefill", prefill,
+                "--decode", decode, *pool_flags, "--host", host,
+                "--port", str(lay.http_port), "--max-inflight", str(args.max_inflight),
+                *([] if args.max_inflight_per_tenant is None else
+                  ["--max-inflight-per-tenant", str(args.max_inflight_per_tenant)]),
+                *connection_flags(args),
+                "--admit-ttft-s", str(args.admit_ttft_s), "--admit-tbt-s", str(args.admit_tbt_s),
+                "--policy", args.policy, "--decode-max-running", str(args.decode_max_running),
+                "--balancing-threshold", str(args.balancing_threshold), *_model_flags(args),
+                *(["--api-keys-file", keys_file] if keys_file else []))
+    url = f"http://{host}:{lay.http_port}"
+    _wait_http(stack, f"{url}/health", 120)
+    stack.check_alive()  # the answer must come from our own front door
+    print(f"front door     {url}  (POST /v1/completions and /v1/chat/completions, "
+          "GET /health, GET /metrics, GET /status)", flush=True)
+    return url
 
 
 def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore.cluster.membership import Heartbeat, NodeInfo, registry_for
+from kvstore.cluster.heartbeat import Heartbeat
+from kvstore.cluster.membership import NodeInfo, registry_for
 from kvstore.config import StoreConfig
 from kvstore.dataplane.control_server import TcpControlServer
 from kvstore.dataplane.host import DataPlaneHost

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from kvstore.wire.types import LeaseGrant, PutResult, SlotGrant
+from kvstore.wire.types import LeaseGrant, LookupResult, PutResult, SlotGrant
 
 # what commit_pipelined takes: chunks of (reservation ids, keys, parents, checksums)
 CommitChunk = tuple[Sequence[int], Sequence[bytes], Sequence[bytes | None], Sequence[int]]
@@ -21,7 +21,7 @@ class Control(Protocol):
     spares_owed: int
 
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
-               namespace: str | None = None) -> tuple[int, list[str]]: ...
+               namespace: str | None = None) -> LookupResult: ...
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
               chain: bool = False) -> LeaseGrant: ...
     def release(self, lease_id: int) -> None: ...

@@ -14,7 +14,7 @@ from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.wire import frame_codec as w
 from kvstore.wire.errors import frame_error
 from kvstore.wire.frame_codec import CommitRequest
-from kvstore.wire.types import LeaseGrant, LeaseRequest, PutResult, ReserveRequest, SlotGrant
+from kvstore.wire.types import LeaseGrant, LeaseRequest, LookupResult, PutResult, ReserveRequest, SlotGrant
 
 # Polling instead of sleeping while a reply or the next request is due: on this project's
 # 2-core VM, one-block 1 MiB gets went from 217 to 141-161 us (the lease's round trip from
@@ -100,7 +100,7 @@ class UdsControl:
         return self._owed
 
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
-               namespace: str | None = None) -> tuple[int, list[str]]:
+               namespace: str | None = None) -> LookupResult:
         return w.decode_lookup_reply(self._call(w.OP_LOOKUP, w.lookup_request(keys, purpose, namespace)))
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,

@@ -201,7 +201,7 @@ class ControlServer:
             return b""
         if op == w.OP_LOOKUP:
             keys, purpose, namespace = w.decode_lookup_request(p)
-            return w.lookup_reply(*host.pool.lookup(keys, purpose, namespace))
+            return w.lookup_reply(host.pool.lookup(keys, purpose, namespace))
         raise InvalidArgument(f"unknown control op {op}")
 
     def close(self) -> None:

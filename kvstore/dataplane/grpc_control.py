@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.wire import proto_codec as codec
-from kvstore.wire.types import LeaseGrant, LeaseRequest, PutResult, ReserveRequest, SlotGrant
+from kvstore.wire.types import LeaseGrant, LeaseRequest, LookupResult, PutResult, ReserveRequest, SlotGrant
 from protos import kvstore_pb2 as pb
 
 
@@ -20,9 +20,8 @@ class GrpcControl:
         self._stub, self._call = stub, call
 
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
-               namespace: str | None = None) -> tuple[int, list[str]]:
-        n, tiers = codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))
-        return n, list(tiers)
+               namespace: str | None = None) -> LookupResult:
+        return codec.lookup_of(self._call(self._stub.Lookup, codec.lookup_request(keys, purpose, namespace)))
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
               chain: bool = False) -> LeaseGrant:

@@ -21,7 +21,7 @@ from kvstore.dataplane.slab_writes import SlabWrites
 from kvstore.dataplane.spares import SpareStock
 from kvstore.errors import Unavailable
 from kvstore.tiers.prefault import Prefaulter
-from kvstore.wire.types import DataPlaneInfo, host_id
+from kvstore.wire.types import DataPlaneInfo, LookupResult, host_id
 
 
 def map_slab(info: DataPlaneInfo) -> tuple[mmap.mmap, np.ndarray]:
@@ -79,7 +79,7 @@ class LocalDataPlane(SlabReads, SlabWrites):
         return self.control.name
 
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse",
-               namespace: str | None = None) -> tuple[int, list[str]]:
+               namespace: str | None = None) -> LookupResult:
         """Longest prefix of ``keys`` the node holds and the tier of each (renews nothing);
         ``purpose``, ``namespace``: what for and whose (kvstore/pool/reads.py: the node's
         lookup books)."""

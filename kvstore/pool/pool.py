@@ -229,7 +229,7 @@ class KVPool(PoolReads):
         """Pin the longest prefix of the chain this node holds; returns distinct blocks
         pinned (a chain that names a block twice counts it once)."""
         with self._lock:
-            return self.pin(chain[:self.lookup(chain, PROBE)[0]], hard, ttl_s)
+            return self.pin(chain[:self.lookup(chain, PROBE).blocks], hard, ttl_s)
 
     def unpin_prefix(self, chain: Sequence[bytes]) -> int:
         """Unpin the chain's blocks up to the first one this node does not hold."""

@@ -26,7 +26,7 @@ from kvstore.pool.lease import Lease
 from kvstore.pool.ledger import BlockMeta
 from kvstore.pool.moves import Mover
 from kvstore.pool.placement import Placement
-from kvstore.pool.types import PoolSettings
+from kvstore.pool.types import LookupResult, PoolSettings
 from kvstore.tiers.base import Tier
 from kvstore.tiers.buffers import copy_into, to_bytes
 
@@ -231,7 +231,7 @@ class PoolReads:
 
     # -- lookups and locked matches ----------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], purpose: str = REUSE,
-               namespace: str | None = None) -> tuple[int, list[str]]:
+               namespace: str | None = None) -> LookupResult:
         """Longest prefix of ``keys`` this node holds, and the fastest tier of each of those
         blocks. Changes no recency, renews no lease. ``purpose`` (:data:`PURPOSES`): what the
         caller looks for, so the node's lookup books measure reuse: a :data:`REUSE` lookup
@@ -242,12 +242,12 @@ class PoolReads:
         the tenant looking, whose books count the blocks not found (kvstore/pool/tenants.py)."""
         with self._lock:
             match = self.index.match(keys, nodes=[self.node_id])
-            tiers = list(match.per_node.get(self.node_id, ()))
+            tiers = tuple(match.per_node.get(self.node_id, ()))
             if purpose != PROBE:
                 self._count_lookup(keys, tiers, purpose, namespace)
-            return len(tiers), tiers
+            return LookupResult(len(tiers), tiers)
 
-    def _count_lookup(self, keys: Sequence[bytes], tiers: list[str], purpose: str, namespace: str | None) -> None:
+    def _count_lookup(self, keys: Sequence[bytes], tiers: Sequence[str], purpose: str, namespace: str | None) -> None:
         place = self._place
         books = place.books
         if purpose == HANDOFF:

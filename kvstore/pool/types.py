@@ -1,5 +1,5 @@
-"""The small frozen types the pool meets the rest of kvstore through: its settings, a put's
-per-block result and a tier's figures."""
+"""The small frozen types the pool meets the rest of kvstore through: its settings, a lookup's
+answer, a put's per-block result and a tier's figures."""
 from __future__ import annotations
 
 import math
@@ -43,6 +43,15 @@ class PoolSettings:
         for name in ("lease_ttl_s", "reservation_timeout_s", "soft_pin_ttl_s"):
             if not 0 < getattr(self, name) < math.inf:   # NaN or inf: a lease that never ends
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
+
+
+class LookupResult(NamedTuple):
+    """A lookup's answer, the one shape every layer hands on (the pool, the control channels,
+    the wires, StoreClient, ClusterClient): ``blocks``: longest prefix of a key chain held;
+    ``tiers``: the tier of each of those blocks."""
+
+    blocks: int
+    tiers: tuple[str, ...]
 
 
 class PutResult(NamedTuple):

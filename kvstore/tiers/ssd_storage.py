@@ -6,9 +6,10 @@ LMDB maps its file, so touching a page past the end of a truncated file is SIGBU
 therefore checks the file's size against the pages LMDB uses (``(last_pgno + 1) * page
 size``) when it opens and before every read and write (one ``fstat``), and treats LMDB's own
 corruption errors the same way; at open, a child process first reads every record
-(``_PROBE``), since a damaged page can also lead LMDB outside the file with the size
-intact, and its death by a signal is damage. A damaged environment is moved aside
-(``ssd.damaged-<unix time>``; the newest :data:`KEEP_DAMAGED` are kept, older ones removed)
+(kvstore/tiers/ssd_directory.py ``probe_faults``), since a damaged page can also lead LMDB
+outside the file with the size intact, and its death by a signal is damage. A damaged
+environment is moved aside (``ssd.damaged-<unix time>``; the newest ``KEEP_DAMAGED`` are
+kept, older ones removed)
 and an empty one opened in its place; the blocks it held are
 reported to the pool (``on_lost``) as lost, one log line says what happened and
 ``quarantines`` counts it. A ``data.mdb`` or ``lock.mdb`` that is not a regular file (a
@@ -16,11 +17,9 @@ symbolic link, a FIFO, a device, a directory) is damage too, found with ``lstat`
 anything opens or probes it: LMDB would follow a link and write outside the directory, and
 a FIFO would hang the probe.
 
-The directory is this user's alone: made 0700, and one that is another user's or writable
-by group or others is refused (another user could plant such links there). The tier holds
-an exclusive ``flock`` on ``kvstore.lock`` in it (its holder's pid written in it) from open
-to close, so a second node on the same directory fails at once instead of sharing the LMDB
-environment (their books diverge and reads fail with MDB_MAP_RESIZED).
+The directory is this user's alone, held by one tier at a time from open to close (a second
+node on it fails at once instead of sharing the LMDB environment, whose books would diverge),
+and its damaged environments are moved aside in it: kvstore/tiers/ssd_directory.py.
 
 The third database, ``owners`` (key → the tenant's namespace, utf-8; kvstore/pool/tenants.py),
 keeps a block's tenant across a restart: read at open into ``recovered_owners``. A row that
@@ -29,19 +28,11 @@ is not a namespace is left out (the block is then unattributed, ``""``) with one
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
-import shutil
-import signal
-import stat
 import struct
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -49,6 +40,16 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from kvstore.index.keys import VALID_KEY_BYTES
+from kvstore.tiers.ssd_directory import (
+    aside_name,
+    check_private,
+    drop_old_damaged,
+    metas_valid,
+    odd_files,
+    probe_faults,
+    take_lock,
+    unlock,
+)
 
 log = logging.getLogger("kvstore.tiers.ssd")
 _META = struct.Struct("<QQQ")  # size, checksum, write sequence
@@ -59,78 +60,6 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
            lmdb.VersionMismatchError, lmdb.BadTxnError)
 
 
-KEEP_DAMAGED = 2   # moved-aside environments kept (the newest) for a post-mortem; older ones are removed
-_ASIDE = re.compile(r"[0-9]+(-[0-9]+)?")   # what follows ``.damaged-`` in a name _aside_name makes
-LOCK_FILE = "kvstore.lock"   # the tier's own lock in its directory (flock; the holder's pid in it)
-_LMDB_FILES = ("data.mdb", "lock.mdb")
-
-
-def _what(path: str, mode: int) -> str:
-    """What the entry at ``path`` (of ``lstat`` mode ``mode``) is, when not a regular file."""
-    if stat.S_ISLNK(mode):
-        try:
-            return f"a symbolic link (to {os.readlink(path)})"
-        except OSError:
-            return "a symbolic link"
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return f"of file type {stat.S_IFMT(mode):o}"
-
-
-_META_PAGE = struct.Struct("<II")   # a meta page's magic and data version, after its 16-byte page header
-_MAGIC, _VERSION = 0xBEEFC0DE, 1   # LMDB's MDB_MAGIC and MDB_DATA_VERSION (lmdb.h, mdb.c)
-
-
-def _metas_valid(data: str) -> bool:
-    """Whether both of LMDB's meta pages at the head of ``data`` carry its magic and data
-    version (LMDB refuses the file unless both do; its pages are the OS page size, as LMDB
-    makes them). False when they cannot be read."""
-    page = mmap.PAGESIZE
-    try:
-        with open(data, "rb") as f:
-            head = f.read(2 * page)
-    except OSError:
-        return False
-    return len(head) == 2 * page and all(_META_PAGE.unpack_from(head, at + 16) == (_MAGIC, _VERSION)
-                                         for at in (0, page))
-
-
-# Run in a child process when a tier opens an environment that holds blocks: it reads every
-# record as the tier will (each value's first and last byte: a block is one run of pages), so
-# that a damaged page whose offsets lead LMDB past what the file backs (SIGBUS) or out of its
-# map (SIGSEGV) kills the child, not the node. An LMDB error exits 1: the tier's own open
-# reports that. Only lmdb is imported (tens of ms); the reads go through the page cache the
-# tier's own scan then uses.
-_PROBE = """
-import sys, lmdb
-env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=3, readahead=False)
-with env.begin(buffers=True) as txn:
-    for name in (b"meta", b"blocks", b"owners"):
-        try:
-            db = env.open_db(name, txn=txn, create=False)
-        except lmdb.NotFoundError:
-            continue
-        for key, value in txn.cursor(db=db):
-            if len(value):
-                value[0], value[len(value) - 1]
-"""
-
-
-def _probe_faults(path: str) -> str | None:
-    """Read every record of the LMDB environment at ``path`` in a child process (see
-    ``_PROBE``); the signal that killed it (``"SIGBUS"``), else None (read through, or an
-    LMDB error the caller's own open meets)."""
-    proc = subprocess.run([sys.executable, "-I", "-c", _PROBE, path], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    if proc.returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-proc.returncode).name
-    except ValueError:
-        return f"signal {-proc.returncode}"
 
 
 class _Damaged(Exception):
@@ -185,22 +114,36 @@ class SsdStorage:
         except OSError as exc:
             raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: "
                                      f"{exc.strerror or exc}") from None
-        self._check_private(st)
-        self._take_lock()
-        odd = []   # data.mdb / lock.mdb that are not regular files: LMDB would follow or block on them
-        for name in _LMDB_FILES:
-            entry = os.path.join(self.path, name)
-            try:
-                mode = os.lstat(entry).st_mode
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: {name}: "
-                                         f"{exc.strerror or exc}") from None
-            if not stat.S_ISREG(mode):
-                odd.append(f"{name} is {_what(entry, mode)}, not a regular file")
+        check_private(self.path, st)
+        self._lock_fd = take_lock(self.path, self._lock_fd)
+        odd = odd_files(self.path)
         if odd:
             raise _Damaged("; ".join(odd))
+        exists, on_disk = self._on_disk(data, load)
+        try:
+            self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
+                                  max_dbs=3, sync=self.fsync == "commit", metasync=self.fsync == "commit",
+                                  readahead=False, lock=True, mode=0o600)
+        except _DAMAGE as exc:
+            raise _Damaged(f"LMDB cannot open it ({exc})") from None
+        except lmdb.Error as exc:
+            if exists and not metas_valid(data):   # LMDB says so in a plain Error (e.g. a bad version)
+                raise _Damaged(f"its meta pages are damaged ({exc})") from None
+            raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
+        self._fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self._open_books(load)
+        except (*_DAMAGE, struct.error) as exc:
+            self._close_env()
+            raise _Damaged(f"LMDB reports damage ({exc})") from None
+        except _Damaged:
+            self._close_env()
+            raise
+
+    def _on_disk(self, data: str, load: bool) -> tuple[bool, int]:
+        """Whether ``data`` (data.mdb) exists and its size, once it is known fit to open:
+        raises _Damaged when it is shorter than LMDB's meta pages or (with ``load``) reading
+        its records kills a checking process; OSError when it cannot be used."""
         try:
             exists = os.path.exists(data)
             on_disk = os.path.getsize(data) if exists else 0
@@ -217,107 +160,32 @@ class SsdStorage:
                         "blocks, something outside emptied it, and they are gone)", self.path)
         elif 0 < on_disk < 2 * mmap.PAGESIZE:
             raise _Damaged(f"data.mdb is {on_disk} bytes, shorter than LMDB's two meta pages")
-        elif load and on_disk and (fault := _probe_faults(self.path)) is not None:
+        elif load and on_disk and (fault := probe_faults(self.path)) is not None:
             raise _Damaged(f"reading its records killed a checking process with {fault} (a damaged page "
                            f"points LMDB outside the file)")
-        try:
-            self._env = lmdb.open(self.path, map_size=min(self.max_map_bytes, max(self._initial_map, 2 * on_disk)),
-                                  max_dbs=3, sync=self.fsync == "commit", metasync=self.fsync == "commit",
-                                  readahead=False, lock=True, mode=0o600)
-        except _DAMAGE as exc:
-            raise _Damaged(f"LMDB cannot open it ({exc})") from None
-        except lmdb.Error as exc:
-            if exists and not _metas_valid(data):   # LMDB says so in a plain Error (e.g. a bad version)
-                raise _Damaged(f"its meta pages are damaged ({exc})") from None
-            raise OSError(errno.EIO, f"ssd tier: cannot use data directory {self.path}: {exc}") from None
-        self._fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            self._measure()
-            self._check()
-            self._data = self._env.open_db(b"blocks")
-            self._meta = self._env.open_db(b"meta")
-            self._owners = self._env.open_db(b"owners")
-            self._measure()
-            if load:
-                rows = self._read_books()
-                for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
-                    self._blocks[key] = (size, checksum)
-                    self._seq = max(self._seq, seq)
-                self._used = sum(size for size, _ in self._blocks.values())
-                self.recovered_owners = self._load_owners()
-        except (*_DAMAGE, struct.error) as exc:
-            self._close_env()
-            raise _Damaged(f"LMDB reports damage ({exc})") from None
-        except _Damaged:
-            self._close_env()
-            raise
+        return exists, on_disk
 
-    def _check_private(self, st: os.stat_result) -> None:
-        """Refuse a directory (``st``: its ``stat``) that is not this user's alone: another
-        user's, or writable by group or others (anyone who can write it can put a link to
-        their choice of file where LMDB's files go). Raises OSError naming the fix."""
-        uid, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
-        if st.st_uid != uid:
-            raise OSError(errno.EACCES, f"ssd tier: refusing data directory {self.path}: it is owned by uid "
-                                        f"{st.st_uid}, not this process's uid {uid} (mode {mode:04o}); it must be "
-                                        f"this user's alone: chown {uid} {self.path} && chmod 700 {self.path}")
-        if mode & 0o022:
-            raise OSError(errno.EACCES, f"ssd tier: refusing data directory {self.path}: mode {mode:04o} lets "
-                                        f"group or others write to it; it must be this user's alone: "
-                                        f"chmod 700 {self.path}")
-
-    def _take_lock(self) -> None:
-        """Hold an exclusive ``flock`` on :data:`LOCK_FILE` in the directory (made 0600, never
-        through a link) until :meth:`_unlock`, and write this process's pid into it. Kept
-        when the one held is that file already; after a quarantine (the directory moved aside
-        with the lock in it) the new directory's is taken, then the old one let go. Raises
-        OSError when another holder has it (naming its pid) or it cannot be made."""
-        lock = os.path.join(self.path, LOCK_FILE)
-        if self._lock_fd >= 0:
-            try:
-                here, held = os.lstat(lock), os.fstat(self._lock_fd)
-                if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
-                    return
-            except FileNotFoundError:
-                pass
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-            raise OSError(exc.errno, f"ssd tier: cannot use data directory {self.path}: {LOCK_FILE}: "
-                                     f"{reason}") from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise OSError(errno.EINVAL, f"ssd tier: cannot use data directory {self.path}: {LOCK_FILE} is "
-                                            f"{_what(lock, mode)}, not a regular file; remove it")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                who = (("this process, " if pid == str(os.getpid()) else "") + f"pid {pid}") if pid.isdigit() \
-                    else "its pid not recorded"
-                raise OSError(errno.EBUSY, f"ssd tier: data directory {self.path} is in use by another SSD tier "
-                                           f"({who}): two nodes cannot share one; stop that one or give this node "
-                                           f"another data directory") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        old, self._lock_fd = self._lock_fd, fd
-        if old >= 0:
-            os.close(old)
+    def _open_books(self, load: bool) -> None:
+        """Open the three databases of the environment just opened; with ``load``, read the
+        books of what it holds."""
+        self._measure()
+        self._check()
+        self._data = self._env.open_db(b"blocks")
+        self._meta = self._env.open_db(b"meta")
+        self._owners = self._env.open_db(b"owners")
+        self._measure()
+        if load:
+            rows = self._read_books()
+            for (size, checksum, seq), key in sorted(rows, key=lambda r: r[0][2]):
+                self._blocks[key] = (size, checksum)
+                self._seq = max(self._seq, seq)
+            self._used = sum(size for size, _ in self._blocks.values())
+            self.recovered_owners = self._load_owners()
 
     def _unlock(self) -> None:
         """Let go of the directory's lock (at close, or when opening failed)."""
-        if self._lock_fd >= 0:
-            try:
-                os.ftruncate(self._lock_fd, 0)   # no stale pid left behind
-            except OSError:
-                pass
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        unlock(self._lock_fd)
+        self._lock_fd = -1
 
     def _read_books(self) -> list[tuple[tuple[int, int, int], bytes]]:
         """The ``meta`` rows ((size, checksum, write sequence), key) whose block is stored
@@ -424,7 +292,7 @@ class SsdStorage:
             try:
                 if self._fd >= 0:
                     self._close_env()
-                aside = self._aside_name()
+                aside = aside_name(self.path)
                 try:
                     os.rename(self.path, aside)   # the entry itself: a link is moved, never its target
                 except OSError as exc:
@@ -447,58 +315,9 @@ class SsdStorage:
             finally:
                 self._growing = False
                 self._cv.notify_all()
-        self._drop_old_damaged(aside)
+        drop_old_damaged(self.path, aside)
         if lost and self.on_lost is not None:
             self.on_lost(lost)
-
-    def _asides(self) -> tuple[str, dict[str, tuple[int, ...]]]:
-        """This tier's parent directory and the names in it that :meth:`_aside_name` makes
-        (``<dir>.damaged-<time>[-<n>]``, whatever they are now), each with its order key
-        ``(time, n)`` (``(time,)`` for the first of a second). Raises OSError."""
-        parent, base = os.path.split(os.path.abspath(self.path))
-        prefix = base + ".damaged-"
-        return parent, {n: tuple(int(part) for part in n[len(prefix):].split("-")) for n in os.listdir(parent)
-                        if n.startswith(prefix) and _ASIDE.fullmatch(n[len(prefix):])}
-
-    def _aside_name(self) -> str:
-        """A free name to move the environment to: ``<path>.damaged-<unix time>``, or with
-        ``-<n>`` past every ``n`` already used in that second (a removed older one's name is
-        never reused, so names sort as the environments were moved). A name taken, even by a
-        link, is never renamed over."""
-        t = int(time.time())
-        first = f"{self.path}.damaged-{t}"
-        _, names = self._asides()
-        used = [order[1] if len(order) > 1 else 0 for order in names.values() if order[0] == t]
-        if not used and not os.path.lexists(first):
-            return first
-        n = 1 + max(used, default=0)
-        while os.path.lexists(f"{first}-{n}"):
-            n += 1
-        return f"{first}-{n}"
-
-    def _drop_old_damaged(self, aside: str) -> None:
-        """Remove this tier's moved-aside environments beyond the newest :data:`KEEP_DAMAGED`
-        (``aside``, the one just made, and the newest others by the time in their names): a
-        failing disk quarantining again and again would otherwise fill itself, each copy up
-        to the tier's size. Only directories named as :meth:`_aside_name` names them are
-        removed (a link or file of that name is left, never followed; another name, e.g. a
-        copy a person renamed to keep, is never touched), each with a log line; a failure
-        to remove is logged."""
-        try:
-            parent, names = self._asides()
-            older = {n: order for n, order in names.items() if os.path.join(parent, n) != os.path.abspath(aside)
-                     and stat.S_ISDIR(os.lstat(os.path.join(parent, n)).st_mode)}
-        except OSError as exc:
-            log.warning("ssd tier at %s: cannot list moved-aside environments: %s", self.path, exc)
-            return
-        for name in sorted(older, key=older.__getitem__, reverse=True)[KEEP_DAMAGED - 1:]:
-            old = os.path.join(parent, name)
-            try:
-                shutil.rmtree(old)
-                log.warning("ssd tier at %s: removed %s, an older damaged environment (the newest %d are kept)",
-                            self.path, old, KEEP_DAMAGED)
-            except OSError as exc:
-                log.warning("ssd tier at %s: cannot remove %s: %s", self.path, old, exc)
 
     def _guard(self) -> None:
         """Before touching LMDB: quarantine a damaged environment. Raises OSError when it

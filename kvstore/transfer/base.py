@@ -1,16 +1,20 @@
-"""The :class:`BlockTransport` strategy and the registry that picks one by name."""
+"""The :class:`BlockTransport` strategy and the registry that picks one: :func:`pick_transport`
+is the one decision of how a node's block bytes reach this process, for StoreClient (which
+moves them itself, through the mapped slab or the gRPC stream) and, through
+:func:`open_transport`, ClusterClient alike."""
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvstore.errors import KVStoreError
 from kvstore.registry import registrar
 from kvstore.tiers.buffers import copy_into
+from kvstore.wire.types import DataPlaneInfo, host_id
 
 log = logging.getLogger(__name__)
 TRANSPORTS: dict[str, Callable[..., BlockTransport]] = {}
@@ -46,22 +50,59 @@ class BlockTransport(ABC):
         """Release what the transport holds (connections, registered buffers)."""
 
 
-def open_transport(prefer: str, address: str, auth_token: str | None = None,
-                   te_endpoint: str | None = None, client: object | None = None) -> BlockTransport:
-    """A transport to the node at ``address`` (gRPC host:port). ``prefer``: ``auto`` (the
-    same-host slab when the node runs on this host, else the transfer engine when the node
-    announces ``te_endpoint``, else the gRPC stream), or one of :data:`TRANSPORTS` by name.
-    A transfer engine that cannot start falls back to ``grpc_stream`` with a warning
-    (``fallback_reason`` says why). ``client``: a StoreClient of the node to reuse for the
-    same-host path. Raises ValueError for an unknown name."""
+class Pick(NamedTuple):
+    """A transport picked for a node: ``name`` (a key of :data:`TRANSPORTS`) and ``why``."""
+
+    name: str
+    why: str
+
+
+def pick_transport(prefer: str, info: DataPlaneInfo | None = None, te_endpoint: str | None = None) -> Pick:
+    """How a node's block bytes reach this process. ``prefer``: one of :data:`TRANSPORTS` by
+    name, or ``auto``: ``same_host`` when the node's top tier is a DRAM slab on this host
+    (``info``, what its ``DataPlaneInfo`` announced), else ``transfer_engine`` when the node
+    announces one (``te_endpoint``), else ``grpc_stream``. Raises ValueError for an unknown name."""
     if prefer not in ("auto", *TRANSPORTS):
         raise ValueError(f"unknown transport {prefer!r}; valid: auto, {', '.join(TRANSPORTS)}")
+    if prefer != "auto":
+        return Pick(prefer, "asked for")
+    if info is None:
+        why = "the node announces no DRAM slab to map"
+    elif not info.puts_in_slab:     # a tier above the slab (HBM) takes puts and promotions in the node
+        why = "the node's top tier is not a DRAM slab"
+    elif info.host_id != host_id():
+        why = f"store node {info.node_id} runs on another host"
+    else:
+        return Pick("same_host", f"slab {info.slab_name} on this host")
+    return Pick("transfer_engine", why + "; the node runs a transfer engine") if te_endpoint \
+        else Pick("grpc_stream", why)
+
+
+def open_transport(prefer: str, address: str, auth_token: str | None = None,
+                   te_endpoint: str | None = None, client: Any = None) -> BlockTransport:
+    """A transport to the node at ``address`` (gRPC host:port), the one :func:`pick_transport`
+    picks (``auto`` asks the node what it announces, through ``client``, a StoreClient of the
+    node to reuse, or one of its own). A slab that cannot be mapped here after all falls back
+    to the next choice; a transfer engine that cannot start falls back to ``grpc_stream`` with
+    a warning (``fallback_reason`` says why). Raises ValueError for an unknown name."""
+    pick = pick_transport(prefer)         # an unknown name fails before any connection
+    own = None
     if prefer == "auto":
+        if client is None:
+            from kvstore.client import StoreClient
+            client = own = StoreClient(address, auth_token=auth_token)
+        pick = pick_transport(prefer, client.dataplane_info(), te_endpoint)
+    if pick.name == "same_host":
         try:
-            return TRANSPORTS["same_host"](address, auth_token=auth_token, client=client)
-        except KVStoreError:
-            pass
-    if prefer == "transfer_engine" or (prefer == "auto" and te_endpoint):
+            return TRANSPORTS["same_host"](address, auth_token=auth_token, client=client, own_client=own is not None)
+        except KVStoreError as exc:   # the slab could not be mapped here after all
+            if prefer != "auto":
+                raise
+            pick = pick_transport(prefer, None, te_endpoint)
+            log.info("store node at %s: %s; reading by %s", address, exc, pick.name)
+    if own is not None:
+        own.close()
+    if pick.name == "transfer_engine":
         try:
             return TRANSPORTS["transfer_engine"](address, auth_token=auth_token)
         except KVStoreError as exc:
@@ -70,4 +111,5 @@ def open_transport(prefer: str, address: str, auth_token: str | None = None,
             t = TRANSPORTS["grpc_stream"](address, auth_token=auth_token)
             t.fallback_reason = str(exc)
             return t
-    return TRANSPORTS["grpc_stream" if prefer == "auto" else prefer](address, auth_token=auth_token)
+    return TRANSPORTS[pick.name](address, auth_token=auth_token)
+

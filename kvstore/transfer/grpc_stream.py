@@ -48,14 +48,16 @@ def grpc_only_client(address: str, auth_token: str | None, timeout_s: float) -> 
 @register_transport("same_host")
 class SameHostTransport(GrpcStreamTransport):
     """A node on this host: bytes copied out of its mapped DRAM slab by :class:`StoreClient`
-    (kvstore/dataplane). Raises Unavailable at construction when the node is elsewhere or
-    its slab cannot be mapped here."""
+    (kvstore/dataplane), the path :func:`~kvstore.transfer.base.pick_transport` picked for it.
+    Raises Unavailable at construction when the slab could not be mapped (the node is
+    elsewhere, or its segment cannot be opened here). ``own_client``: close ``client`` with
+    this transport (always so for one it makes)."""
 
     def __init__(self, address: str, auth_token: str | None = None,
-                 client: StoreClient | None = None) -> None:
-        own = client is None
+                 client: StoreClient | None = None, own_client: bool = False) -> None:
+        own = client is None or own_client
         client = client or StoreClient(address, auth_token=auth_token)
-        path = getattr(client, "data_path_in_use", "grpc")
+        path = client.data_path_in_use       # whether the client's mapping of the slab took
         if not path.startswith("same-host"):
             if own:
                 client.close()

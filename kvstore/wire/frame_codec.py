@@ -50,6 +50,7 @@ from kvstore.wire.types import (
     BlockLocation,
     LeaseGrant,
     LeaseRequest,
+    LookupResult,
     PutResult,
     ReserveRequest,
     SlotGrant,
@@ -190,13 +191,13 @@ def decode_lookup_request(buf: bytes) -> tuple[list[bytes], str, str | None]:
         raise InvalidArgument("a lookup's namespace is printable ASCII") from None
 
 
-def lookup_reply(n: int, tiers: Sequence[str]) -> bytes:
-    return U32.pack(n) + ",".join(tiers).encode()
+def lookup_reply(result: LookupResult) -> bytes:
+    return U32.pack(result.blocks) + ",".join(result.tiers).encode()
 
 
-def decode_lookup_reply(reply: bytes) -> tuple[int, list[str]]:
+def decode_lookup_reply(reply: bytes) -> LookupResult:
     (n,) = U32.unpack_from(reply, 0)
-    return n, (reply[4:].decode().split(",") if n else [])
+    return LookupResult(n, tuple(reply[4:].decode().split(",")) if n else ())
 
 
 # -- LEASE / RELEASE ---------------------------------------------------------------------------

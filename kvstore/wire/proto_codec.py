@@ -54,8 +54,8 @@ def lookup_purpose_of(request: pb.LookupRequest) -> str:
     return _PURPOSE_NAMES.get(request.purpose, "probe")
 
 
-def lookup_response(n: int, tiers: Sequence[str]) -> pb.LookupResponse:
-    return pb.LookupResponse(prefix_blocks=n, tiers=tiers)
+def lookup_response(result: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(prefix_blocks=result.blocks, tiers=result.tiers)
 
 
 def lookup_of(resp: pb.LookupResponse) -> LookupResult:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvstore.pool.types import PutResult, TierStats
+from kvstore.pool.types import LookupResult, PutResult, TierStats
 
 __all__ = ["BlockLocation", "DataPlaneInfo", "ELSEWHERE", "LeaseGrant", "LeaseRequest", "LookupResult", "MAPPED",
            "MISS", "PutResult", "ReserveRequest", "SLOT_EXISTED", "SLOT_FAILED", "SLOT_OPEN", "SLOT_QUOTA", "SlotGrant",
@@ -37,13 +37,6 @@ def chain_parents(keys: Sequence[bytes], chain: bool, parent: bytes | None) -> l
     """The prefix-chain parent of each block of a put: the first block extends ``parent``
     (None: nothing), block i > 0 extends block i - 1 when ``chain``, else nothing."""
     return [parent or None if i == 0 else (keys[i - 1] if chain else None) for i in range(len(keys))]
-
-
-class LookupResult(NamedTuple):
-    """``blocks``: longest prefix of a key chain held; ``tiers``: the tier of each of those blocks."""
-
-    blocks: int
-    tiers: tuple[str, ...]
 
 
 class LeaseRequest(NamedTuple):

@@ -20,7 +20,7 @@ from collections import deque
 
 from engines.cost_model import NO_VARIANCE, CostModel, CostModelEngine, Variance
 from scheduler.policy.backlog import PrefillBacklog
-from scheduler.policy.views import DecodeView, PrefillView, TierHit
+from scheduler.policy.views import DecodeView, DecodeWork, PrefillView, TierHit, decoding_finish, held_work
 from scheduler.sim.workload import SimRequest
 
 _EPS = 1e-9
@@ -95,6 +95,35 @@ class Instance:
             held += self.kv_tokens(self.step_at(now))
         return PrefillView(self.name, self.queue_s(now), self.queued(), hit, compute, prompt,
                            min(1.0, held / room) if room > 0 else 0.0)
+
+    def decode_view(self, now: float) -> DecodeView:
+        """The decode instance as the live router sees it: each request routed there at the
+        span its decision predicted, re-timed as its prefill started and ended; a running one,
+        from its second token on, at its tokens still to come at its mean pace since its
+        first (:func:`scheduler.policy.views.decoding_finish`, what ``Router.decode_progress``
+        does with the tokens it streams); one held past its finish shown as just ending
+        (:func:`scheduler.policy.views.held_work`). Never the engine's own finish step or the noise
+        of the segments to come. Rebuilt when the batch changes or steps on."""
+        step = self.step_at(now) if self.running else -1
+        if self.view_dirty or self.view is None or now >= self.view_expires or step != self.view_step:
+            booked = self.incoming
+            if self.running:
+                booked = dict(booked)
+                time_of = self.time_of
+                for rid, req in self.running.items():
+                    last = min(step, req.join_step + req.output - 1)
+                    done = last - req.join_step          # decode tokens streamed (the first came from prefill)
+                    if done >= 1:
+                        at = time_of(last)
+                        kv, start, _ = booked[rid]
+                        booked[rid] = (kv, start, decoding_finish(at, req.output, 1 + done,
+                                                                  (at - req.first_token_s) / done))
+            work = tuple(held_work(DecodeWork(kv, s, f), now) for kv, s, f in booked.values())
+            self.view = DecodeView(self.name, work, self.max_running, self.kv_capacity_tokens)
+            self.view_expires = min((w.finish_s for w in work), default=math.inf)
+            self.view_step = step
+            self.view_dirty = False
+        return self.view
 
     # -- decode timeline -------------------------------------------------------------------
     def step_at(self, now: float) -> int:

@@ -50,11 +50,8 @@ from scheduler.policy.views import (
     POOL,
     ClusterView,
     DecodeView,
-    DecodeWork,
     RequestView,
     TierHit,
-    decoding_finish,
-    held_work,
     load_limit,
 )
 from scheduler.sim.cache import accounting_pool, hold_chain, touch_chain
@@ -184,33 +181,7 @@ class Simulator:
                 self._run_next_prefill(p, now)
 
     def _decode_view(self, inst: Instance, now: float) -> DecodeView:
-        """The decode instance as the live router sees it: each request routed there at the
-        span its decision predicted, re-timed as its prefill started and ended; a running one,
-        from its second token on, at its tokens still to come at its mean pace since its
-        first (:func:`scheduler.policy.views.decoding_finish`, what ``Router.decode_progress``
-        does with the tokens it streams); one held past its finish shown as just ending
-        (:func:`scheduler.policy.views.held_work`). Never the engine's own finish step or the noise
-        of the segments to come. Rebuilt when the batch changes or steps on."""
-        step = inst.step_at(now) if inst.running else -1
-        if inst.view_dirty or inst.view is None or now >= inst.view_expires or step != inst.view_step:
-            booked = inst.incoming
-            if inst.running:
-                booked = dict(booked)
-                time_of = inst.time_of
-                for rid, req in inst.running.items():
-                    last = min(step, req.join_step + req.output - 1)
-                    done = last - req.join_step          # decode tokens streamed (the first came from prefill)
-                    if done >= 1:
-                        at = time_of(last)
-                        kv, start, _ = booked[rid]
-                        booked[rid] = (kv, start, decoding_finish(at, req.output, 1 + done,
-                                                                  (at - req.first_token_s) / done))
-            work = tuple(held_work(DecodeWork(kv, s, f), now) for kv, s, f in booked.values())
-            inst.view = DecodeView(inst.name, work, inst.max_running, inst.kv_capacity_tokens)
-            inst.view_expires = min((w.finish_s for w in work), default=math.inf)
-            inst.view_step = step
-            inst.view_dirty = False
-        return inst.view
+        return inst.decode_view(now)
 
     # -- prefill ------------------------------------------------------------------------------
     def _fetch(self, blocks: int, tiers: tuple[str, ...], own: tuple[str, ...]) -> LoadedPrefix:

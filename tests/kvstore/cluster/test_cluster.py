@@ -16,7 +16,8 @@ from kvstore.admin.client import AdminClient
 from kvstore.cluster import LocalRegistry, NodeInfo, RedisRegistry
 from kvstore.cluster.client import ClusterClient
 from kvstore.cluster.health import ClusterHealth
-from kvstore.cluster.membership import KEY_PREFIX, LEFT_PREFIX, LEFT_TTL_S, Heartbeat
+from kvstore.cluster.heartbeat import Heartbeat
+from kvstore.cluster.membership import KEY_PREFIX, LEFT_PREFIX, LEFT_TTL_S
 from kvstore.cluster.placement import plan_chain
 from kvstore.events.channel import make_channel
 from kvstore.events.replica import IndexReplica, store_snapshot_source

@@ -39,7 +39,7 @@ def test_two_phase_put_is_invisible_until_commit(dram_pool: KVPool) -> None:
     assert stats_of(dram_pool)["dram"].reserved_bytes == 3 * BS     # the slab pages it takes
     for off in range(0, len(data), 1000):
         dram_pool.write(res, data[off:off + 1000])
-        assert dram_pool.lookup([key_of(1)]) == (0, []) and dram_pool.get(key_of(1)) is None
+        assert dram_pool.lookup([key_of(1)]) == (0, ()) and dram_pool.get(key_of(1)) is None
     assert dram_pool.commit(res).ok and dram_pool.get(key_of(1)) == data
     assert stats_of(dram_pool)["dram"].reserved_bytes == 0 and dram_pool.lookup([key_of(1)])[0] == 1
     with pytest.raises(ReservationExpired):
@@ -61,7 +61,7 @@ def test_reserve_many_reserves_in_order_and_reports_each_block(two_tier_pool: KV
     assert isinstance(got[4], CapacityError) and isinstance(got[5], CapacityError)
     opened = [got[1], got[3]]
     assert [r.key for r in opened] == [key_of(1), key_of(3)] and all(r.slot for r in opened)
-    assert stats_of(pool)["dram"].reserved_bytes == 2 * BS and pool.lookup([key_of(0)])[1] == ["ssd"]
+    assert stats_of(pool)["dram"].reserved_bytes == 2 * BS and pool.lookup([key_of(0)]).tiers == ("ssd",)
     for r, i in zip(opened, (1, 3)):
         pool.write(r, block_of(i))
     done = pool.commit_filled([(r, checksum_of(block_of(i))) for r, i in zip(opened, (1, 3))])
@@ -85,7 +85,7 @@ def test_abort_short_and_overrun_writes_leave_nothing(dram_pool: KVPool) -> None
     dram_pool.abort(res)
     s = stats_of(dram_pool)["dram"]
     assert (s.used_bytes, s.reserved_bytes, s.blocks) == (0, 0, 0)
-    assert dram_pool.lookup([key_of(1)]) == (0, []) and dram_pool.get(key_of(2)) is None
+    assert dram_pool.lookup([key_of(1)]) == (0, ()) and dram_pool.get(key_of(2)) is None
 
 
 def test_reservation_older_than_the_timeout_frees_its_space(make_dram, make_pool) -> None:
@@ -113,15 +113,15 @@ def test_chain_tail_evicted_before_head(make_dram, make_pool, policy: str) -> No
     chain = [(key_of(i), block_of(i)) for i in (1, 2, 3)]
     assert all(r.ok for r in pool.put_chain(chain))
     keys = [k for k, _ in chain]
-    assert pool.lookup(keys) == (3, ["dram"] * 3)
+    assert pool.lookup(keys) == (3, ("dram",) * 3)
     assert pool.put(key_of(9), block_of(9)).ok  # unrelated block: something must go
     assert pool.get(key_of(3)) is None  # the tail went, not the head
-    assert pool.lookup(keys) == (2, ["dram", "dram"])
+    assert pool.lookup(keys) == (2, ("dram", "dram"))
     assert stats_of(pool)["dram"].evictions == 1
     pool.put(key_of(8), block_of(8))
-    assert pool.lookup(keys) == (1, ["dram"])  # then the new tail, 2
+    assert pool.lookup(keys) == (1, ("dram",))  # then the new tail, 2
     assert pool.remove(key_of(1)) == BS
-    assert pool.lookup(keys) == (0, []) and pool.remove(key_of(1)) == 0
+    assert pool.lookup(keys) == (0, ()) and pool.remove(key_of(1)) == 0
     pool.check_integrity()
 
 
@@ -169,7 +169,7 @@ def test_watermarks_evict_down_to_the_low_mark(make_dram, make_pool) -> None:
 def test_put_with_wrong_checksum_raises_and_stores_nothing(dram_pool: KVPool) -> None:
     with pytest.raises(IntegrityError):
         dram_pool.put(key_of(1), block_of(1), checksum_of(block_of(1)) ^ 1)
-    assert dram_pool.lookup([key_of(1)]) == (0, []) and dram_pool.get(key_of(1)) is None
+    assert dram_pool.lookup([key_of(1)]) == (0, ()) and dram_pool.get(key_of(1)) is None
     assert stats_of(dram_pool)["dram"].used_bytes == 0
     assert dram_pool.put(key_of(1), block_of(1), checksum_of(block_of(1))).ok
 
@@ -177,7 +177,7 @@ def test_put_with_wrong_checksum_raises_and_stores_nothing(dram_pool: KVPool) ->
 def test_block_larger_than_tier_fails_cleanly(dram_pool: KVPool) -> None:
     r = dram_pool.put(key_of(1), block_of(1, 3 * BS + 1))
     assert not r.ok and "capacity" in r.error
-    assert dram_pool.lookup([key_of(1)]) == (0, [])
+    assert dram_pool.lookup([key_of(1)]) == (0, ())
 
 
 def test_a_block_larger_than_the_tier_evicts_nothing(two_tier_pool: KVPool) -> None:

@@ -121,7 +121,7 @@ def test_a_locked_match_survives_a_full_tier(make_pool) -> None:
         pool.check_integrity()
     s = _stats(pool)
     assert s.used_bytes == s.capacity_bytes and s.leased_bytes == 3 * BS
-    assert pool.lookup(chain) == (3, ["dram"] * 3)
+    assert pool.lookup(chain) == (3, ("dram",) * 3)
     assert [pool.get(k) for k in chain] == [_block(i) for i in (1, 2, 3)]
     assert pool.evictable_bytes("dram") == 5 * BS
     assert pool.pin([_key(29)]) == 1 and pool.evictable_bytes("dram") == 4 * BS

@@ -72,7 +72,7 @@ def test_a_parked_ssd_put_does_not_block_a_dram_get(pool_and_ssd: Any) -> None:
     assert ssd.parked.wait(BOUND_S)
     # The SSD transaction is parked: DRAM gets, lookups, stats and the invariants go on.
     assert _done(lambda: pool.get(key_of(1))) == block_of(1)
-    assert _done(lambda: pool.lookup([key_of(1)])) == (1, ["dram"])
+    assert _done(lambda: pool.lookup([key_of(1)])) == (1, ("dram",))
     assert _done(lambda: pool.contains(key_of(2))) is False  # not visible before its commit
     _done(pool.check_integrity)
     assert writer.is_alive() and not ssd.go.is_set()         # still parked all along
@@ -93,7 +93,7 @@ def test_a_parked_demotion_does_not_block_a_dram_get(pool_and_ssd: Any) -> None:
     assert ssd.parked.wait(BOUND_S)
     assert _done(lambda: pool.get(key_of(2))) == block_of(2)
     # In flight to SSD, block 1 is held nowhere yet (a miss), and the books still agree.
-    assert _done(lambda: pool.lookup([key_of(1)])) == (0, [])
+    assert _done(lambda: pool.lookup([key_of(1)])) == (0, ())
     _done(pool.check_integrity)
     # A put of the same key into SSD meanwhile waits for the demotion, then finds it stored.
     racer, raced = _in_thread(lambda: pool.put(key_of(1), block_of(1), tier="ssd"))
@@ -105,7 +105,7 @@ def test_a_parked_demotion_does_not_block_a_dram_get(pool_and_ssd: Any) -> None:
     assert raced == [PutResult(key_of(1), True, existed=True)]
     stats = stats_of(pool)
     assert (stats["dram"].demotions, stats["ssd"].blocks) == (1, 1)
-    assert pool.lookup([key_of(1)]) == (1, ["ssd"])
+    assert pool.lookup([key_of(1)]) == (1, ("ssd",))
     assert pool.read(key_of(1), bytes) == block_of(1)        # from SSD (then promoted)
 
 
@@ -119,7 +119,7 @@ def test_a_parked_batch_commit_keeps_chain_links_and_aborts_cleanly(pool_and_ssd
     ssd.go.set()
     writer.join(BOUND_S)
     assert all(r.ok and not r.existed for r in result[0])
-    assert pool.lookup([k for k, _ in chain]) == (3, ["ssd"] * 3)
+    assert pool.lookup([k for k, _ in chain]) == (3, ("ssd",) * 3)
     # An aborted reservation whose bytes were never persisted leaves nothing behind.
     res = pool.reserve(key_of(20), BS, tier="ssd")
     pool.write(res, block_of(20))

@@ -27,7 +27,7 @@ def test_dram_full_demotes_to_ssd_and_hit_promotes(two_tier_pool: KVPool) -> Non
     s = stats_of(pool)
     assert s["dram"].demotions == 1 and s["dram"].evictions == 1 and s["dram"].blocks == 2
     assert s["ssd"].blocks == 1 and s["ssd"].used_bytes == BS
-    assert pool.lookup([key_of(1), key_of(2), key_of(3)]) == (3, ["ssd", "dram", "dram"])
+    assert pool.lookup([key_of(1), key_of(2), key_of(3)]) == (3, ("ssd", "dram", "dram"))
     assert pool.get(key_of(1)) == block_of(1)  # an SSD hit promotes back to DRAM
     s = stats_of(pool)
     assert s["ssd"].hits == 1 and s["ssd"].promotions == 1 and s["dram"].misses == 1
@@ -42,7 +42,7 @@ def test_promotion_can_be_disabled(make_dram, make_ssd, make_pool) -> None:
     pool.put(key_of(1), block_of(1))
     pool.put(key_of(2), block_of(2))
     assert pool.get(key_of(1)) == block_of(1)
-    assert pool.lookup([key_of(1)]) == (1, ["ssd"]) and stats_of(pool)["ssd"].promotions == 0
+    assert pool.lookup([key_of(1)]) == (1, ("ssd",)) and stats_of(pool)["ssd"].promotions == 0
 
 
 def test_last_tier_drops_when_full(two_tier_pool: KVPool) -> None:
@@ -60,7 +60,7 @@ def test_put_is_idempotent(two_tier_pool: KVPool) -> None:
     assert r.ok and r.existed and two_tier_pool.get(key_of(1)) == block_of(1)
     for i in (2, 3):  # push block 1 down to SSD: still existed there
         two_tier_pool.put(key_of(i), block_of(i))
-    assert two_tier_pool.lookup([key_of(1)]) == (1, ["ssd"]) and two_tier_pool.put(key_of(1), block_of(1)).existed
+    assert two_tier_pool.lookup([key_of(1)]) == (1, ("ssd",)) and two_tier_pool.put(key_of(1), block_of(1)).existed
 
 
 def test_batched_put_with_one_existing_key(make_dram, make_ssd, make_pool) -> None:
@@ -92,7 +92,7 @@ def test_ssd_write_error_on_block_2_of_a_chain(make_ssd, make_pool) -> None:
     chain = [(key_of(i), block_of(i, 3 * BS)) for i in (1, 2, 3)]
     results = pool.put_chain(chain, tier="ssd")
     assert [r.ok for r in results] == [True, False, True] and "No space" in results[1].error
-    assert pool.lookup([k for k, _ in chain]) == (1, ["ssd"])
+    assert pool.lookup([k for k, _ in chain]) == (1, ("ssd",))
     assert pool.get(key_of(2)) is None
     out = np.full(3 * BS, 7, np.uint8)
     assert pool.get_into(key_of(2), out) is None and (out == 7).all()
@@ -119,12 +119,12 @@ def test_flipped_byte_on_disk_is_a_miss_and_the_block_is_gone(tmp_path: Path, ma
     env.close()
     pool = KVPool([make_dram(2 * BS), SsdTier(8 * BS, path)])  # restart: the SSD blocks are indexed
     try:
-        assert pool.lookup([key_of(1), key_of(2)]) == (2, ["ssd", "ssd"])
+        assert pool.lookup([key_of(1), key_of(2)]) == (2, ("ssd", "ssd"))
         assert pool.get(key_of(1)) is None
         s = stats_of(pool)
         assert s["ssd"].integrity_failures == 1 and s["ssd"].blocks == 1 and s["ssd"].hits == 0
         assert s["ssd"].used_bytes == BS and s["dram"].blocks == 0  # nothing promoted
-        assert pool.lookup([key_of(1), key_of(2)]) == (0, []) and pool.get(key_of(1)) is None
+        assert pool.lookup([key_of(1), key_of(2)]) == (0, ()) and pool.get(key_of(1)) is None
         assert pool.get(key_of(2)) == block_of(2)
         pool.check_integrity()
     finally:
@@ -177,9 +177,9 @@ def test_evict_by_tier_and_bytes(two_tier_pool: KVPool) -> None:
     for i in (1, 2):
         pool.put(key_of(i), block_of(i))
     assert pool.evict("dram", 1) == (BS, 1)  # least recently used first: block 1, demoted
-    assert pool.lookup([key_of(1), key_of(2)]) == (2, ["ssd", "dram"])
+    assert pool.lookup([key_of(1), key_of(2)]) == (2, ("ssd", "dram"))
     assert pool.evict("ssd", 10 * BS) == (BS, 1)
-    assert pool.lookup([key_of(1)]) == (0, [])
+    assert pool.lookup([key_of(1)]) == (0, ())
     assert pool.evict("dram", 0) == (0, 0)
     with pytest.raises(InvalidArgument, match="dram"):
         pool.evict("hbm", 1)

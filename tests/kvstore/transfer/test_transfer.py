@@ -256,7 +256,7 @@ def test_transfer_engine_leases_over_the_read_only_tcp_control_channel(spawn_sto
         reserved = client.stats()[1][0].reserved_bytes   # the same-host writer's spare slots
         with pytest.raises(InvalidArgument, match="reads only"):
             t.control.reserve([(b"w" * 16, 4096)])
-        assert t.control.lookup(keys) == (len(keys), ["dram"] * len(keys))  # still usable
+        assert t.control.lookup(keys) == (len(keys), ("dram",) * len(keys))  # still usable
         assert client.stats()[1][0].reserved_bytes == reserved             # nothing reserved
         import socket
         t.control._sock.shutdown(socket.SHUT_RDWR)   # the channel breaks mid-session
@@ -356,3 +356,23 @@ def test_a_stalled_read_retires_its_buffer_until_the_engine_lets_go(spawn_store_
         if stopped:
             os.kill(proc.pid, signal.SIGCONT)
         t.close()
+
+
+def test_one_pick_decides_every_path() -> None:
+    """pick_transport alone decides: same_host for a slab on this host that takes puts, else
+    the transfer engine the node announces, else the gRPC stream; a named transport is taken
+    as asked."""
+    from dataclasses import replace
+
+    from kvstore.transfer import pick_transport
+    from kvstore.wire.types import DataPlaneInfo, host_id
+    here = DataPlaneInfo("slab", 1 << 20, "", host_id(), "n1")
+    assert pick_transport("auto", here, "te:1").name == "same_host"
+    assert pick_transport("auto", replace(here, puts_in_slab=False), "te:1") == (
+        "transfer_engine", "the node's top tier is not a DRAM slab; the node runs a transfer engine")
+    assert pick_transport("auto", replace(here, host_id="another")) == (
+        "grpc_stream", "store node n1 runs on another host")
+    assert pick_transport("auto", None).name == "grpc_stream"
+    assert pick_transport("grpc_stream", here).name == "grpc_stream"
+    with pytest.raises(ValueError, match="valid: auto"):
+        pick_transport("carrier-pigeon")

@@ -41,7 +41,7 @@ from kvstore.limits import MAX_KEYS_PER_CALL
 from kvstore.node import StoreNode
 from kvstore.pool.pool import KVPool, PoolSettings
 from kvstore.wire.channel import CHUNK_BYTES
-from kvstore.wire.types import ELSEWHERE, MAPPED, MISS
+from kvstore.wire.types import ELSEWHERE, MAPPED, MISS, LookupResult
 
 TOKEN = "conformance-token"
 IN_PROCESS = ("grpc", "uds", "grpc-control")
@@ -179,6 +179,19 @@ def test_a_lookups_purpose_and_tenant_reach_the_pool(put_wire: Wire) -> None:
     dram = put_wire.pool.stats()[0]
     assert (dram.lookup_hits, dram.lookup_misses, dram.handoff_lookups) == (2, 1, 2)
     assert namespace_stats(put_wire.pool)["tenant-w"].lookup_misses == 1
+
+
+def test_a_lookup_is_one_lookup_result_on_every_layer(put_wire: Wire) -> None:
+    """The pool, the wire's control channel and the client hand on the same LookupResult:
+    the longest held prefix and the tier of each of its blocks, never another shape."""
+    assert put_wire.pool is not None
+    held = blocks_of("shape", [64, 64])
+    put_wire.seed(held)
+    keys = [k for k, _ in held] + [key("shape-miss")]
+    want = LookupResult(2, ("dram", "dram"))
+    answers = [put_wire.pool.lookup(keys, "probe"), put_wire.client.lookup(keys, "probe")]
+    answers += [put_wire.control.lookup(keys, "probe")] if put_wire.control is not None else []
+    assert all(type(a) is LookupResult and a == want for a in answers), answers
 
 
 # -- puts --------------------------------------------------------------------------------------

@@ -1,22 +1,18 @@
 """The Conductor and the baselines at the policy level: plain frozen views in, a Decision or
 a Rejection out (no processes): load balance against cache affinity, admission on TTFT,
-prediction-based early rejection on decode, tier-aware costing, the online fits and the
-baselines' shared code path."""
+prediction-based early rejection on decode, tier-aware costing and the baselines' shared
+code path. The online fits: tests/scheduler/policy/test_fits.py."""
 from __future__ import annotations
 
 import math
-import random
-from itertools import combinations
 
-import numpy as np
 import pytest
 
 from scheduler.policy.admission import AdmissionConfig, Rejection
 from scheduler.policy.baselines import POLICIES, make_policy
 from scheduler.policy.conductor import Conductor, ConductorConfig
 from scheduler.policy.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel
-from scheduler.policy.fit import OnlineFit
-from scheduler.policy.tbt import DecodeProfile, TBTModel, load_at
+from scheduler.policy.tbt import load_at
 from scheduler.policy.views import (
     POOL,
     ClusterView,
@@ -320,67 +316,6 @@ def test_a_hit_on_the_whole_prompt_still_computes_the_last_token():
     d = conductor().decide(request(4 * BS, (1, 2, 3, 4)),
                            cluster((PrefillView("p0", hit=TierHit.uniform(4, "hbm")),)))
     assert isinstance(d, Decision) and d.cached_tokens == 4 * BS - 1 and d.compute_tokens == 1
-
-
-# -- fits -----------------------------------------------------------------------------------------
-def test_online_fit_recovers_a_model_and_keeps_coefficients_non_negative():
-    fit = OnlineFit((1.0, 1.0, 1.0), min_samples=4)
-    for n in range(1, 40):
-        fit.observe((1.0, n, n * n), 0.01 + 0.002 * n)     # no quadratic part
-    c = fit.coefficients
-    assert all(x >= 0 for x in c)
-    assert c[0] == pytest.approx(0.01, abs=1e-6) and c[1] == pytest.approx(0.002, rel=1e-4) and c[2] < 1e-8
-    down = OnlineFit((0.0, 1.0), min_samples=2)
-    for n in range(1, 10):
-        down.observe((1.0, n), 1.0 - 0.05 * n)              # would need a negative slope
-    assert all(x >= 0 for x in down.coefficients)
-
-
-def _exhaustive_nonneg_fit(fit: OnlineFit) -> tuple[float, ...]:
-    """The reference: every non-empty subset of features solved, the best non-negative kept."""
-    k = len(fit.seed)
-    scale = np.sqrt(np.maximum(np.diag(fit._xtx), 1e-300))
-    a, b = fit._xtx / np.outer(scale, scale), fit._xty / scale
-    best, best_rss = None, np.inf
-    for size in range(k, 0, -1):
-        for idx in map(list, combinations(range(k), size)):
-            sol = np.linalg.solve(a[np.ix_(idx, idx)] + 1e-9 * np.eye(size), b[idx])
-            if (sol < 0).any():
-                continue
-            coef = np.zeros(k)
-            coef[idx] = sol
-            rss = coef @ a @ coef - 2 * coef @ b
-            if rss < best_rss - 1e-12:
-                best, best_rss = coef, rss
-    return fit.seed if best is None else tuple(float(c) for c in best / scale)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_online_fit_is_the_best_non_negative_least_squares_fit(seed: int):
-    # Solving the full system first (and the subsets only when it goes negative) gives what
-    # solving every subset gives, whether the unconstrained fit is non-negative or not.
-    rng = random.Random(seed)
-    truth = [rng.choice((0.0, rng.uniform(0, 2))) for _ in range(3)]
-    slope = rng.uniform(-1, 1)
-    fit = OnlineFit((1.0, 1.0, 1.0), min_samples=3)
-    for _ in range(30):
-        x = (1.0, rng.uniform(1, 50), rng.uniform(1, 2500))
-        y = sum(c * v for c, v in zip(truth, x)) + slope * x[1] + rng.gauss(0, 1)
-        fit.observe(x, y)
-    assert fit.coefficients == pytest.approx(_exhaustive_nonneg_fit(fit), rel=1e-6, abs=1e-9)
-    assert all(c >= 0 for c in fit.coefficients)
-
-
-def test_prefill_and_tbt_models_learn_online():
-    model = PrefillModel(PrefillProfile(min_samples=4))
-    for n, p in [(100, 0), (400, 0), (400, 300), (1000, 200), (2000, 0), (2000, 1500)]:
-        c = n - p
-        model.observe(n, p, 0.003 + 2e-5 * c + 1e-8 * c * (n + p) / 2)
-    assert model.predict(1500, 500) == pytest.approx(0.003 + 2e-5 * 1000 + 1e-8 * 1000 * 1000, rel=1e-3)
-    tbt = TBTModel(DecodeProfile(min_samples=4))
-    for b, kv in [(1, 100), (4, 1000), (8, 5000), (16, 20000), (2, 300)]:
-        tbt.observe(b, kv, 0.002 + 0.001 * b + 1e-7 * kv)
-    assert tbt.predict(10, 8000) == pytest.approx(0.002 + 0.01 + 8e-4, rel=1e-3)
 
 
 # -- baselines: one code path -----------------------------------------------------------------------
