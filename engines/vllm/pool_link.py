@@ -41,7 +41,8 @@ class ConnectorConfig:
     call. ``on_load_error``: ``recompute`` (default: a block that fails to load is recomputed
     by vLLM) or ``fail`` (the request fails), set as vLLM's ``kv_load_failure_policy``.
     ``async_save``: a ``kv_both`` instance saves on a background thread (default True; a
-    ``kv_producer`` always saves before vLLM answers).
+    ``kv_producer`` always saves before vLLM answers). ``max_pinned_fraction``: the share of
+    vLLM's KV blocks that saves in flight may pin (default 0.25; past it a save is dropped).
     """
 
     store: str = "127.0.0.1:50051"
@@ -50,6 +51,7 @@ class ConnectorConfig:
     timeout_s: float = 5.0
     on_load_error: Literal["recompute", "fail"] = "recompute"
     async_save: bool = True
+    max_pinned_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
@@ -59,6 +61,9 @@ class ConnectorConfig:
                                   f"got {self.on_load_error!r}")
         if not isinstance(self.async_save, bool):
             raise InvalidArgument(f"kvstore.async_save must be true or false, got {self.async_save!r}")
+        f = self.max_pinned_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise InvalidArgument(f"kvstore.max_pinned_fraction must be a number in (0, 1], got {f!r}")
         if not self.redis and (not isinstance(self.store, str) or ":" not in self.store):
             raise InvalidArgument(f"kvstore.store must be host:port, got {self.store!r}")
 

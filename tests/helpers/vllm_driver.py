@@ -11,6 +11,9 @@ with ``@@ `` (vLLM logs to the same streams):
     {"op": "generate", "prompt": [ids], "salt": "A" | null, "max_tokens": 8, "lora": DIR (optional)}
         -> {"tokens": [ids], "cached": num_cached_tokens}
     {"op": "stats"}  -> the worker-side connector's ConnectorStats as a dict (or {})
+    {"op": "sched"}  -> the scheduler's side: {"requests": requests it still holds, "pinned":
+                        vLLM blocks the connector's saves pin, "stats": its ConnectorStats}
+    {"op": "reset"}  -> {"ok": LLM.reset_prefix_cache(reset_connector=True)}
     {"op": "quit"}
 """
 from __future__ import annotations
@@ -50,6 +53,13 @@ def main() -> None:
             conn = get_kv_transfer_group() if has_kv_transfer_group() else None
             stats = getattr(conn, "stats", None)
             say(dataclasses.asdict(stats) if stats is not None else {})
+        elif req["op"] == "sched":   # the engine core runs in this process (no multiprocessing)
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            conn = sched.connector
+            say({"requests": len(sched.requests), "pinned": getattr(conn, "_pinned", 0),
+                 "stats": dataclasses.asdict(conn.stats) if conn is not None else {}})
+        elif req["op"] == "reset":
+            say({"ok": llm.reset_prefix_cache(reset_connector=True)})
 
 
 def say(obj: dict) -> None:

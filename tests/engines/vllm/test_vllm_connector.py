@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -22,84 +21,9 @@ from engines.checkpoint_identity import model_identity  # noqa: E402
 from engines.vllm.layout import PagedLayout  # noqa: E402
 from kvstore.index.keys import KVLayout  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
+from tests.helpers.vllm_engine import BS, ROOT, Engine, connector, held, prompt_of  # noqa: E402
 
 pytestmark = pytest.mark.slow
-BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
-ROOT = Path(__file__).resolve().parents[3]
-DRIVER = ROOT / "tests" / "helpers" / "vllm_driver.py"
-ENGINE = {"dtype": "float32", "enforce_eager": True, "block_size": BS, "max_model_len": 1024,
-          "kv_cache_memory_bytes": 32 << 20, "enable_prefix_caching": False, "seed": 0}
-
-
-def connector(address: str, role: str) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engines.vllm.connector",
-            "kv_role": role, "kv_connector_extra_config": {"kvstore.store": address, "kvstore.timeout_s": 5}}
-
-
-class Engine:
-    """One vLLM engine in its own process (tests/helpers/vllm_driver.py)."""
-
-    def __init__(self, model_dir: str, log_path: Path, **settings: object) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(DRIVER), model_dir, json.dumps({**ENGINE, **settings})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env, cwd=str(ROOT))
-        assert self._read().get("ready")
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"vLLM engine exited: {self.log_path.read_text()[-3000:]}")
-
-    def _ask(self, **req: object) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def generate(self, prompt: list[int], salt: str | None = "tenant-a", max_tokens: int = 8,
-                 lora: str | None = None) -> tuple[list[int], int]:
-        out = self._ask(op="generate", prompt=prompt, salt=salt, max_tokens=max_tokens, lora=lora)
-        return out["tokens"], out["cached"]
-
-    def stats(self) -> dict:
-        return self._ask(op="stats")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def held(pool, model_dir: str, prompt: list[int], salt: str = "tenant-a", want: int | None = None,
-         timeout_s: float = 10.0) -> int:
-    """Blocks of ``prompt``'s chain the pool holds, once it holds ``want`` of them (a kv_both
-    engine saves on a background thread, so its blocks land just after it answers). The keys
-    are the key spec over vLLM's blocks, so a test computes them as the connector does."""
-    paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
-    keys = paged.keys(prompt, salt)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = pool.lookup(keys)
-        n = found[0] if isinstance(found, tuple) else found.blocks
-        if want is None or n >= want or time.monotonic() > deadline:
-            return n
-        time.sleep(0.02)
-
-
-def prompt_of(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 259) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +288,19 @@ def test_blocks_spread_over_a_cluster_load_through_the_cluster_client(model_dir,
         assert tokens == engines("plain").generate(again)[0]
     finally:
         engine.close()
+
+
+def test_reset_cache_clears_the_connectors_state_and_keeps_the_pools_blocks(engines, store, model_dir) -> None:
+    pool, _ = store
+    a = engines("both_a")
+    prompt = prompt_of(54, 3 * BS + 9)
+    a.generate(prompt)
+    assert held(pool, model_dir, prompt, want=3) == 3
+    before_blocks, lookups = pool.stats()[0].blocks, a.sched()["stats"]["lookups"]
+    assert a.reset()
+    assert pool.stats()[0].blocks == before_blocks   # the pool is shared: its blocks stay
+    assert a.generate(prompt)[1] == 3 * BS           # looked up again, and still a hit
+    assert a.sched()["stats"]["lookups"] == lookups + 1
 
 
 def _post(url: str, body: dict) -> dict:

@@ -239,3 +239,46 @@ def test_a_checkpoint_that_declares_its_quantization_is_keyed_alike_by_connector
     assert door.keys(tokens, "t") == lay.keys(tokens, "t")
     with pytest.raises(InvalidArgument, match="cannot be keyed"):
         model_variant(None, lambda config: config, prequantized=False)
+
+
+def test_keys_of_one_rank_and_one_kv_cache_group_are_unchanged_and_shards_and_groups_key_apart() -> None:
+    """A TP-1 instance of a model with one KV-cache group keys its blocks as before tensor
+    parallelism and hybrid models were served (the pool's blocks stay valid); a rank's shard
+    and a hybrid model's group each add their own extras."""
+    lay = PagedLayout("m", "r", KVLayout("float32", 2, 2, 64, 32), variant=(("quantization", "fp8"),))
+    tokens = list(range(70))
+    assert lay.keys(tokens, "a", adapter="lora x")[1].hex() == \
+        "c1e9ac1945c8c3a27ba8eaecfa8f0e24e8fd70c49e323365f5bdf2b810e8ae1c"
+    assert lay.tags(tokens, "a")[0].hex() == "173fffd6b779ed1a"
+    tp = PagedLayout("m", "r", KVLayout("float32", 2, 1, 64, 32), tp_size=2)
+    shards = {tp.for_rank(r).keys(tokens, "a")[0] for r in (0, 1)}
+    assert len(shards) == 2 and tp.extras("a").other[-1] == ("tp", 0, 2)
+    with pytest.raises(InvalidArgument, match="rank 2"):
+        tp.for_rank(2)
+    sliding = PagedLayout("m", "r", KVLayout("float32", 2, 2, 64, 32), group=(0, "sliding", 64))
+    assert sliding.extras("a").other[-1] == ("group", 0, "sliding", 64)
+    assert sliding.keys(tokens, "a")[0] != PagedLayout("m", "r", sliding.layout, group=(1, "full", None)).keys(
+        tokens, "a")[0]
+
+
+def test_pipeline_parallelism_is_refused_with_its_measured_cause(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    from engines.vllm.layout import PP_REFUSED
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"weights")   # hashed, never loaded here
+    model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float32")
+
+    def layout(**par: int) -> PagedLayout:
+        return PagedLayout.from_vllm(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32),
+                                                parallel_config=ParallelConfig(**par)))
+    with pytest.raises(InvalidArgument, match="sync_and_gather_intermediate_tensors") as err:
+        layout(pipeline_parallel_size=2)
+    assert PP_REFUSED in str(err.value)
+    assert (layout(tensor_parallel_size=2).tp_size, layout(tensor_parallel_size=2).layout.num_kv_heads) == (2, 1)
+    with pytest.raises(InvalidArgument, match="KV heads"):
+        layout(tensor_parallel_size=4)

@@ -1,0 +1,102 @@
+"""A vLLM engine in a process of its own (tests/helpers/vllm_driver.py) for the connector tests
+(tests/engines/vllm/): the engine settings they share, the connector's transfer config, and
+the pool's view of a prompt's blocks."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engines.checkpoint_identity import model_identity
+from engines.vllm.layout import PagedLayout
+from kvstore.index.keys import KVLayout
+
+BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests" / "helpers" / "vllm_driver.py"
+ENGINE = {"dtype": "float32", "enforce_eager": True, "block_size": BS, "max_model_len": 1024,
+          "kv_cache_memory_bytes": 32 << 20, "enable_prefix_caching": False, "seed": 0}
+
+
+def connector(address: str, role: str) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engines.vllm.connector",
+            "kv_role": role, "kv_connector_extra_config": {"kvstore.store": address, "kvstore.timeout_s": 5}}
+
+
+class Engine:
+    """One vLLM engine in its own process (tests/helpers/vllm_driver.py)."""
+
+    def __init__(self, model_dir: str, log_path: Path, env: dict[str, str] | None = None,
+                 **settings: object) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT),
+                   **(env or {}))
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(DRIVER), model_dir, json.dumps({**ENGINE, **settings})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=env, cwd=str(ROOT))
+        assert self._read().get("ready")
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        raise RuntimeError(f"vLLM engine exited: {self.log_path.read_text()[-3000:]}")
+
+    def _ask(self, **req: object) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompt: list[int], salt: str | None = "tenant-a", max_tokens: int = 8,
+                 lora: str | None = None) -> tuple[list[int], int]:
+        out = self._ask(op="generate", prompt=prompt, salt=salt, max_tokens=max_tokens, lora=lora)
+        return out["tokens"], out["cached"]
+
+    def stats(self) -> dict:
+        return self._ask(op="stats")
+
+    def sched(self) -> dict:
+        """The scheduler's side: requests it holds, blocks the connector pins, its stats."""
+        return self._ask(op="sched")
+
+    def reset(self) -> bool:
+        return bool(self._ask(op="reset")["ok"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def held(pool, model_dir: str, prompt: list[int], salt: str = "tenant-a", want: int | None = None,
+         timeout_s: float = 10.0) -> int:
+    """Blocks of ``prompt``'s chain the pool holds, once it holds ``want`` of them (a kv_both
+    engine saves on a background thread, so its blocks land just after it answers). The keys
+    are the key spec over vLLM's blocks, so a test computes them as the connector does."""
+    paged = PagedLayout(*model_identity(model_dir, None), KVLayout("float32", 2, 2, 64, BS))
+    keys = paged.keys(prompt, salt)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = pool.lookup(keys)
+        n = found[0] if isinstance(found, tuple) else found.blocks
+        if want is None or n >= want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
