@@ -7,7 +7,8 @@ Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, 2 KV heads of 64 — vLLM
 attention takes no head size under 32; tests) and ``bench`` (8 layers, hidden 512, 8 KV
 heads of 64; recomputing a 2k-token prefix costs about a second on 2 CPU cores, loading its
 64 MiB of KV a few milliseconds — what ``benchmarks/bench_vllm.py`` needs to show the
-pool's worth)."""
+pool's worth). :func:`write_gemma2_checkpoint`: a hybrid model (sliding-window and full
+attention layers: two KV-cache groups in vLLM)."""
 from __future__ import annotations
 
 import json
@@ -100,6 +101,34 @@ def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(model_dir)
+    write_tokenizer(model_dir, max_model_len)
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    return model_dir
+
+
+def write_gemma2_checkpoint(model_dir: str, seed: int = 0, max_model_len: int = 1024) -> str:
+    """Write a seeded random Gemma-2 checkpoint (a hybrid model: 4 layers alternating
+    sliding-window attention over 64 tokens and full attention, hidden 128, 2 KV heads of
+    64) and its tokenizer to ``model_dir``; returns ``model_dir``. vLLM serves it with two
+    KV-cache groups (``SlidingWindowSpec``, ``FullAttentionSpec``). Kept as it is when
+    already written with the same settings."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    stamp = {"model": "gemma2", "seed": seed, "max_model_len": max_model_len}
+    stamp_path = os.path.join(model_dir, "kvstore_checkpoint.json")
+    if os.path.exists(stamp_path):
+        with open(stamp_path) as f:
+            if json.load(f) == stamp:
+                return model_dir
+    os.makedirs(model_dir, exist_ok=True)
+    cfg = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=64,
+                       layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=max_model_len,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    Gemma2ForCausalLM(cfg).save_pretrained(model_dir)   # float32, torch's default
     write_tokenizer(model_dir, max_model_len)
     with open(stamp_path, "w") as f:
         json.dump(stamp, f)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from engines.kv import block_bytes
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, SchedulerSide, _Tracked
@@ -77,7 +77,7 @@ class ConnectorStats:
     saves_dropped: int = 0   # blocks not saved: pins would pass kvstore.max_pinned_fraction
 
 
-class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
+class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
     """kvstore's KV connector for vLLM (see the module docstring). Raises InvalidArgument at
     start for bad ``kvstore.*`` settings or a layout it does not serve (pipeline parallelism,
     more tensor-parallel ranks than KV heads, latent attention, a KV-cache group other than

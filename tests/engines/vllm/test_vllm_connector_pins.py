@@ -54,8 +54,8 @@ def test_only_a_producer_requires_its_kv_delivered(tmp_path, monkeypatch, same_h
 def test_a_save_pins_its_blocks_until_every_rank_reports_it(tmp_path, monkeypatch, same_host_store) -> None:
     from vllm.v1.outputs import KVConnectorOutput
     _, address = same_host_store
-    conn = scheduler_connector(tmp_path, monkeypatch, address, "kv_both")
-    conn.tp_size = 2                          # as a TP-2 instance: two ranks copy each job
+    conn = scheduler_connector(tmp_path, monkeypatch, address, "kv_both", tp=2)   # two ranks copy each job
+    assert conn.tp_size == 2
     pool = block_pool()
     conn.bind_gpu_block_pool(pool)
     blocks = pool.get_new_blocks(3)           # a request's blocks (ref 1 each)
@@ -90,3 +90,35 @@ def test_pins_past_their_share_drop_the_save_never_the_request(tmp_path, monkeyp
     assert conn.reset_cache() is True and conn._pinned == 4   # saves in flight keep their pins
     with pytest.raises(InvalidArgument, match="max_pinned_fraction"):
         scheduler_connector(tmp_path, monkeypatch, address, "kv_both", **{"kvstore.max_pinned_fraction": 0})
+
+
+def test_a_hybrid_models_groups_are_keyed_apart_and_other_cache_kinds_are_refused() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from engines.vllm.layout import PagedLayout, kv_groups
+    from kvstore.index.keys import KVLayout
+    base = PagedLayout("m", "r", KVLayout("float32", 4, 2, 64, 32))
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+
+    def config(*specs) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"layers.{i}", f"layers.{i + 2}"], s) for i, s in enumerate(specs)])
+    one = kv_groups(base, config(full))
+    assert len(one) == 1 and one[0].paged == base                 # one group: the keys as they were
+    sliding, whole = kv_groups(base, config(swa, full))
+    assert (sliding.kind, sliding.window, sliding.window_blocks(), whole.window_blocks()) == ("sliding", 64, 2, None)
+    assert sliding.paged.layout.num_layers == whole.paged.layout.num_layers == 2
+    assert sliding.layer_names == ("layers.0", "layers.2")
+    tokens = list(range(70))
+    assert len({base.keys(tokens, "a")[0], sliding.paged.keys(tokens, "a")[0], whole.paged.keys(tokens, "a")[0]}) == 3
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    with pytest.raises(InvalidArgument, match="CrossAttentionSpec"):
+        kv_groups(base, config(full, cross))
