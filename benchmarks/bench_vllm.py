@@ -48,7 +48,19 @@ Measured per set-up (benchmarks/vllm_worker.py, benchmarks/vllm_timing.py):
   a background thread is charged only for its blocking part; where it holds the request's
   blocks until the save is done (``request_finished`` → True), that tail is reported beside it
   (``store_tail_ms_per_request``);
-- output tokens/s = output tokens / wall time of the ``generate`` calls (sequential).
+- output tokens/s = output tokens / wall time of the ``generate`` calls (sequential);
+- hold after finish = the time from a request's end (``request_finished``) until every vLLM
+  block it held is free again (``hold_ms_p50/p99_after_finish`` per set-up; the engine is
+  stepped after each request as a server's loop would); ``hold_ms_p99_after_finish`` at the
+  top is kvstore's (kv_both, TP 1), target <= 20 ms.
+
+TP 2 rows (``--setups recompute_tp2,kvstore_tp2``, any set-up name + ``_tp2``): the same
+workload with ``tensor_parallel_size=2`` (two CPU workers, one core each, bound with
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``); ``ratios.ttft_hit_tp2_vs_recompute_tp2`` (target <= 0.5).
+The workers run in processes of their own there, so the worker-side load/store times of the
+timing subclass are not seen (those rows report TTFT, hits and holds). ``--only-new-rows``
+runs kvstore, recompute_tp2 and kvstore_tp2 alone and merges them into the existing results
+(``--merge``: each row keeps the date, commit and machine of the run that measured it).
 
 ``output_match_vs_recompute`` checks the loaded KV: the fraction of requests whose greedy output
 equals recompute's. Set-ups run one after another on a shared machine, so their absolute times
@@ -89,11 +101,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import vllm_figures as vf  # noqa: E402
 from vllm_figures import BLOCK_SIZE, TARGETS, add_output_match, print_report, ratios, summarize  # noqa: E402
 from vllm_peers import GIB, SETUPS, Processes, SetupError  # noqa: E402
 from vllm_serving import measure as measure_serving  # noqa: E402
 
-from benchmarks.run_info import write_results  # noqa: E402
+from benchmarks.run_info import run_info, write_results  # noqa: E402
 from engines.vllm.checkpoint import SIZES, write_checkpoint  # noqa: E402
 from scheduler.trace import TraceMapping, TraceRequest, best_possible_hit_blocks, load_trace  # noqa: E402
 
@@ -104,6 +117,9 @@ CHECKPOINT_SIZE = "bench"
 MAX_MODEL_LEN = 4096
 VOCAB = SIZES[CHECKPOINT_SIZE].vocab
 WARMUP_IDS = (10_000_000, 10_000_001)   # hash ids the trace does not use: the warm-up prompt
+TP2_SUFFIX = "_tp2"   # a set-up run with tensor_parallel_size 2 (two CPU workers, one core each)
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}   # vLLM-CPU does not bind two workers' threads by itself here
+NEW_ROWS = ["kvstore", "recompute_tp2", "kvstore_tp2"]   # --only-new-rows: the TP 2 rows and the hold figure
 
 
 # ---------------------------------------------------------------- workload
@@ -156,7 +172,8 @@ def child_env(extra: dict[str, str], tmp: str) -> dict[str, str]:
 
 def run_setup(name: str, workload: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Start the set-up's pool, serve the workload in a fresh vLLM, stop everything."""
-    setup = SETUPS[name]
+    tp2 = name.endswith(TP2_SUFFIX)
+    setup = SETUPS[name.removesuffix(TP2_SUFFIX)]
     procs = Processes()
     tmp = tempfile.mkdtemp(prefix=f"kvstore-bench-vllm-{name}-")
     started = time.perf_counter()
@@ -165,14 +182,16 @@ def run_setup(name: str, workload: dict[str, Any], args: argparse.Namespace) -> 
         spec = {"model": str(MODEL_DIR), "connector": launch.connector,
                 "llm": {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
                         "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False,
-                        "kv_cache_memory_bytes": args.engine_kv_mib << 20, "seed": 0},
+                        "kv_cache_memory_bytes": args.engine_kv_mib << 20, "seed": 0,
+                        **({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp2 else {})},
                 "warmup": workload["warmup"], "requests": workload["requests"]}
         spec_path, out_path, log_path = (os.path.join(tmp, f) for f in ("spec.json", "out.json", "engine.log"))
         Path(spec_path).write_text(json.dumps(spec))
         load_before = os.getloadavg()
         with open(log_path, "w") as log, open(os.path.join(tmp, "engine-stdout.txt"), "w") as chatter:
             proc = procs.start([str(launch.python), str(ROOT / "benchmarks" / "vllm_worker.py"), spec_path, out_path],
-                               cwd=ROOT, env=child_env(launch.env, tmp), stdout=subprocess.PIPE,
+                               cwd=ROOT, env=child_env({**launch.env, **(TP2_ENV if tp2 else {})}, tmp),
+                               stdout=subprocess.PIPE,
                                stderr=log, text=True)
             watchdog = threading.Timer(args.timeout_s, proc.kill)
             watchdog.start()
@@ -190,12 +209,14 @@ def run_setup(name: str, workload: dict[str, Any], args: argparse.Namespace) -> 
         if rc != 0 or not os.path.exists(out_path):
             raise SetupError(f"engine exited with {rc}: " + tail(log_path))
         result = json.loads(Path(out_path).read_text())
-        result.update(label=setup.label, notes=launch.notes, python=str(launch.python.relative_to(ROOT)),
+        label = setup.label + (", tensor parallel 2" if tp2 else "")
+        result.update(label=label, notes=launch.notes, python=str(launch.python.relative_to(ROOT)),
                       loadavg_1min_before_after=[load_before[0], os.getloadavg()[0]])
         return result
     except (SetupError, RuntimeError, OSError) as exc:
         logs = {p.name: tail(str(p), 1500) for p in Path(tmp).glob("*.log") if p.name != "engine.log"}
-        return {"label": setup.label, "error": f"{type(exc).__name__}: {exc}", "pool_logs": logs}
+        return {"label": setup.label + (", tensor parallel 2" if tp2 else ""),
+                "error": f"{type(exc).__name__}: {exc}", "pool_logs": logs}
     finally:
         procs.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -233,6 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "python": result["python"], "loadavg_1min_before_after": result["loadavg_1min_before_after"],
                         "hidden_during_start": result["hidden_during_start"], "per_request": result["requests"]}
     add_output_match(figures, setups)
+    if args.merge and RESULTS.exists():
+        return merged(json.loads(RESULTS.read_text()), setups, figures, started)
     rat = ratios(figures)
     if args.serving_requests:
         print(f"== serving: kvstore up --replay over vLLM, {args.serving_requests} requests, three set-ups "
@@ -269,10 +292,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": "output tokens / wall time of the sequential generate calls",
             "how": "benchmarks/vllm_timing.py: one timing subclass of each connector class, made in the engine",
         },
-        "setups": setups, "ratios": rat, "targets": TARGETS,
-        "met": {k: rat.get(k) is not None and rat[k] <= v for k, v in TARGETS.items()},
+        "setups": setups, "ratios": rat, **hold_figure(figures), "targets": TARGETS,
+        "met": met(rat, figures.get("kvstore", {})),
         "wall_s": time.perf_counter() - started,
     }
+
+
+def hold_figure(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``hold_ms_p99_after_finish``: kvstore's (kv_both, TP 1) p99 over the workload of the
+    time from a request's end until every vLLM block it held is free again."""
+    return {"hold_ms_p99_after_finish": figures.get("kvstore", {}).get("hold_ms_p99_after_finish"),
+            "hold_target_ms": vf.HOLD_TARGET_MS}
+
+
+def met(rat: dict[str, Any], kvstore: dict[str, Any]) -> dict[str, bool]:
+    out = {k: rat.get(k) is not None and rat[k] <= v for k, v in TARGETS.items()}
+    hold = kvstore.get("hold_ms_p99_after_finish")
+    out["hold_ms_p99_after_finish"] = hold is not None and hold <= vf.HOLD_TARGET_MS
+    return out
+
+
+def merged(old: dict[str, Any], setups: dict[str, Any], figures: dict[str, dict[str, Any]],
+           started: float) -> dict[str, Any]:
+    """``--merge``: this run's set-ups replace their namesakes in the existing results, each
+    row keeping the date, commit and machine of the run that measured it (``run``); ratios
+    whose inputs this run measured are recomputed, the others stay."""
+    report = dict(old)
+    rows = {name: ({**row, "run": old.get("run")} if "run" not in row and old.get("run") else row)
+            for name, row in old.get("setups", {}).items()}
+    rows.update({name: {**row, "run": run_info()} for name, row in setups.items()})
+    report["setups"] = rows
+    every = {name: row for name, row in rows.items() if "error" not in row}
+    rat = {**old.get("ratios", {}), **{k: v for k, v in ratios(every).items() if v is not None}}
+    report.update(ratios=rat, targets=TARGETS, wall_s=time.perf_counter() - started, **hold_figure(every),
+                  met=met(rat, every.get("kvstore", {})))
+    return report
 
 
 def kv_bytes_per_token() -> int:
@@ -283,7 +337,15 @@ def kv_bytes_per_token() -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--setups", default="recompute,kvstore,mooncake,lmcache",
-                   type=lambda s: [x for x in s.split(",") if x], help="comma-separated, in run order")
+                   type=lambda s: [x for x in s.split(",") if x],
+                   help=f"comma-separated, in run order; a name ending {TP2_SUFFIX} runs that set-up with "
+                        "tensor_parallel_size 2 (recompute_tp2, kvstore_tp2, mooncake_tp2)")
+    p.add_argument("--merge", action="store_true",
+                   help="merge this run's set-ups into the existing results (each row keeps its own run's "
+                        "date, commit and machine) instead of replacing the file")
+    p.add_argument("--only-new-rows", action="store_true",
+                   help=f"run only {','.join(NEW_ROWS)} (the TP 2 rows, and kvstore's row that carries "
+                        "hold_ms_p99_after_finish), merged into the existing results, no serving comparison")
     p.add_argument("--tokens-per-id", type=int, default=128, help="tokens per trace hash id (default 128)")
     p.add_argument("--max-ids", type=int, default=24, help="serve trace requests of at most this many hash ids")
     p.add_argument("--min-hit-ids", type=int, default=4, help="a reuse request loads at least this many hash ids")
@@ -296,7 +358,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="then kvstore up --replay over vLLM on this many trace requests: vLLM alone, kvstore and "
                         "recompute through the front door, as make demo runs them (0: skip)")
     args = p.parse_args(argv)
-    unknown = [s for s in args.setups if s not in SETUPS]
+    if args.only_new_rows:
+        args.setups, args.merge, args.serving_requests = list(NEW_ROWS), True, 0
+    unknown = [s for s in args.setups if s.removesuffix(TP2_SUFFIX) not in SETUPS]
     if unknown:
         p.error(f"unknown set-ups {unknown}; valid: {sorted(SETUPS)}")
     return args

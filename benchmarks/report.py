@@ -101,7 +101,14 @@ TABLES: tuple[Table, ...] = (
            _r("ratios.ttft_hit_vs_mooncake_connector", target="≤ 0.8", fmt="{:.3f}"),
            _r("ratios.ttft_hit_vs_lmcache_connector", target="≤ 0.8", fmt="{:.3f}"),
            _r("ratios.ttft_hit_p99_vs_mooncake_connector", fmt="{:.3f}"),
-           _r("ratios.load_ms_per_block_vs_mooncake_connector", fmt="{:.3f}")])),
+           _r("ratios.load_ms_per_block_vs_mooncake_connector", fmt="{:.3f}"),
+           _r("setups.recompute_tp2.ttft_reuse_p50_ms", "recompute, TP 2: TTFT p50, requests with a reusable prefix",
+              fmt=MS),
+           _r("setups.kvstore_tp2.ttft_reuse_p50_ms", "kvstore, TP 2: TTFT p50, requests with a reusable prefix",
+              fmt=MS),
+           _r("ratios.ttft_hit_tp2_vs_recompute_tp2", target="≤ 0.5", fmt="{:.3f}"),
+           _r("hold_ms_p99_after_finish", "`hold_ms_p99_after_finish` (kvstore kv_both: a finished request's "
+              "blocks free again)", "≤ 20 ms", "{:.1f} ms")])),
     Table("vllm_pd", tuple(
         [_r(f"results.{t}.{k}", f"{t}: {label}", fmt=f) for t in ("disaggregated", "colocated") for k, label, f in (
             ("completed", "completed", INT), ("rejected", "rejected (429)", INT), ("itl_p99_s", "ITL p99", "{:.3f} s"),

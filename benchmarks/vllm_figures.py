@@ -7,7 +7,8 @@ from typing import Any
 
 BLOCK_SIZE = 32   # vLLM block size of every set-up (a multiple of 32 on the CPU backend)
 TARGETS = {"ttft_hit_vs_recompute": 0.5, "ttft_hit_vs_mooncake_connector": 0.8,
-           "ttft_hit_vs_lmcache_connector": 0.8}
+           "ttft_hit_vs_lmcache_connector": 0.8, "ttft_hit_tp2_vs_recompute_tp2": 0.5}
+HOLD_TARGET_MS = 20.0   # hold_ms_p99_after_finish: a finished kv_both request's blocks free again
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -62,6 +63,9 @@ def connector_figures(c: dict[str, Any] | None, reqs: list[dict[str, Any]]) -> d
             ms(c["store_tail_s"] / c["store_tail_requests"]) if c["store_tail_requests"] else None,
         "lookup_ms_per_call": ms(c["lookup_s"] / c["lookups"]) if c["lookups"] else None,
         "load_error_blocks": c["load_error_blocks"], "connector_class": c["base"],
+        "hold_ms_p50_after_finish": ms(percentile(c.get("holds_s") or [], 50)),
+        "hold_ms_p99_after_finish": ms(percentile(c.get("holds_s") or [], 99)),
+        "holds_measured": len(c.get("holds_s") or []),
     }
 
 
@@ -96,6 +100,10 @@ def ratios(fig: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             out[f"{key}_vs_{tag}"] = ratio(get("kvstore", key), get(other, key))
         out[f"{other}_ttft_hit_vs_recompute"] = ratio(get(other, "ttft_reuse_p50_ms"),
                                                       get("recompute", "ttft_reuse_p50_ms"))
+    out["ttft_hit_tp2_vs_recompute_tp2"] = ratio(get("kvstore_tp2", "ttft_reuse_p50_ms"),
+                                                 get("recompute_tp2", "ttft_reuse_p50_ms"))
+    out["ttft_hit_tp2_vs_mooncake_connector_tp2"] = ratio(get("kvstore_tp2", "ttft_reuse_p50_ms"),
+                                                          get("mooncake_tp2", "ttft_reuse_p50_ms"))
     return out
 
 

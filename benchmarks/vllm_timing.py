@@ -22,6 +22,12 @@ adds up, in the module-level :data:`STATS` (one process: the benchmark runs vLLM
   blocks while they save them (``request_finished`` → ``(True, ...)``), the time from that call
   to the request's ``finished_sending``; other connectors' background saves are not visible
   through the connector API and are not in any figure;
+* ``holds_s``: per finished request, the time from ``request_finished`` (or
+  ``request_finished_all_groups``) until every vLLM block it held is free again (reference
+  count 0 in vLLM's block pool), checked at each scheduler step: what a save that holds a
+  request's blocks (or pins them) keeps from other requests. Needs the engine to keep
+  stepping after a request ends, as a server's engine loop does (benchmarks/vllm_worker.py
+  steps it until the scheduler has nothing left);
 * ``lookup_s`` / ``lookups``: wall time inside the scheduler-side
   ``get_num_new_matched_tokens`` calls;
 * ``load_error_blocks``: blocks reported by ``get_block_ids_with_load_errors``.
@@ -58,6 +64,9 @@ class ConnectorStats:
     load_error_blocks: int = 0
     block_size: int = 0
     base: str = ""
+    holds_s: list[float] = field(default_factory=list)
+    _finished: dict[str, tuple[float, list[int]]] = field(default_factory=dict, repr=False)
+    _block_pool: Any = field(default=None, repr=False)
     _async_pending: dict[str, float] = field(default_factory=dict, repr=False)
     _async_declared: set[str] = field(default_factory=set, repr=False)
     _alloc_seen: set[str] = field(default_factory=set, repr=False)
@@ -66,18 +75,38 @@ class ConnectorStats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+            return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v
+                    for f in fields(self) if not f.name.startswith("_")}
 
     def reset(self) -> None:
         """Zero the totals (after the warm-up); ``block_size`` and ``base`` stay."""
         with self._lock:
             for f in fields(self):
                 if not f.name.startswith("_") and f.name not in ("block_size", "base"):
-                    setattr(self, f.name, f.default)
+                    setattr(self, f.name, [] if f.name == "holds_s" else f.default)
             self._async_pending.clear()
             self._async_declared.clear()
             self._alloc_seen.clear()
             self._store_pending.clear()
+            self._finished.clear()
+
+    def finished(self, req_id: str, block_ids: Any) -> None:
+        """A request ended holding ``block_ids`` (a list, or one list per KV-cache group)."""
+        flat = [b for ids in block_ids for b in ids] if block_ids and isinstance(block_ids[0], list) else block_ids
+        with self._lock:
+            self._finished[req_id] = (time.perf_counter(), [b for b in flat if b])   # 0: vLLM's null block
+
+    def check_holds(self) -> None:
+        """Close the holds of the finished requests whose blocks are all free now."""
+        pool = self._block_pool
+        if pool is None or not self._finished:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            for req_id, (t0, ids) in list(self._finished.items()):
+                if all(pool.blocks[b].ref_cnt == 0 for b in ids):
+                    del self._finished[req_id]
+                    self.holds_s.append(now - t0)
 
 
 STATS = ConnectorStats()
@@ -133,6 +162,20 @@ def make_timed(base: type) -> type:
                         STATS.store_tail_requests += 1
             return results
 
+        # scheduler side: the holds of finished requests
+        def bind_gpu_block_pool(self, gpu_block_pool):
+            STATS._block_pool = gpu_block_pool
+            return super().bind_gpu_block_pool(gpu_block_pool)
+
+        def build_connector_meta(self, scheduler_output):
+            STATS.check_holds()
+            return super().build_connector_meta(scheduler_output)
+
+        def update_connector_output(self, connector_output):
+            result = super().update_connector_output(connector_output)
+            STATS.check_holds()
+            return result
+
         def get_block_ids_with_load_errors(self):
             bad = super().get_block_ids_with_load_errors()
             STATS.load_error_blocks += len(bad)
@@ -163,6 +206,7 @@ def make_timed(base: type) -> type:
 
         def request_finished(self, request, block_ids):
             delay, params = super().request_finished(request, block_ids)
+            STATS.finished(request.request_id, block_ids)
             if delay:
                 with STATS._lock:
                     STATS._store_pending.setdefault(request.request_id, time.perf_counter())
@@ -171,6 +215,7 @@ def make_timed(base: type) -> type:
     if hasattr(base, "request_finished_all_groups"):
         def request_finished_all_groups(self, request, block_ids):
             delay, params = base.request_finished_all_groups(self, request, block_ids)
+            STATS.finished(request.request_id, block_ids)
             if delay:
                 with STATS._lock:
                     STATS._store_pending.setdefault(request.request_id, time.perf_counter())

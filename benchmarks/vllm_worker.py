@@ -15,7 +15,8 @@ Per request: TTFT = ``first_token_ts - queued_ts`` of vLLM's own ``RequestStateS
 token, so a connector's lookup, load and any wait for an asynchronous load are inside it);
 ``num_cached_tokens`` of the ``RequestOutput``; the decode time ``last_token_ts -
 first_token_ts``; the wall time of the ``generate`` call; the connector's totals of
-vllm_timing.STATS accrued during the call. The warm-up requests (a prompt, then the same
+vllm_timing.STATS accrued during the call. After each request the engine is stepped until its
+scheduler holds nothing (:func:`drain`), as a server's engine loop would. The warm-up requests (a prompt, then the same
 prompt again, so both store and load paths are warm) are served first and not counted.
 """
 from __future__ import annotations
@@ -94,6 +95,18 @@ def serve_one(llm, req: dict) -> tuple[dict, float]:
     return record, wall
 
 
+def drain(llm, limit_s: float = 30.0) -> None:
+    """Step the engine until its scheduler has nothing left (a finished request's blocks
+    still held for a save, a connector's pins), as a server's engine loop does between
+    requests; ``LLM.generate`` returns as soon as the last output is out."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)   # the in-process engine core
+    if core is None:
+        return
+    deadline = time.perf_counter() + limit_s
+    while core.scheduler.has_requests() and time.perf_counter() < deadline:
+        llm.llm_engine.step()
+
+
 def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))
             and k != "block_size"}
@@ -114,12 +127,14 @@ def run(spec: dict) -> dict:
         from benchmarks.vllm_timing import STATS as stats
     for req in spec["warmup"]:
         serve_one(llm, req)
+        drain(llm)
     if stats is not None:
         stats.reset()
     records = []
     for req in spec["requests"]:
         before = stats.snapshot() if stats else None
         record, _ = serve_one(llm, req)
+        drain(llm)
         if stats is not None:
             record["connector"] = delta(stats.snapshot(), before)
         records.append(record)
