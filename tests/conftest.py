@@ -226,7 +226,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 # tests at once would oversubscribe them and run slower than one after the other. They share
 # one xdist group, so `--dist loadgroup` gives them to one worker in turn while the other
 # worker runs the rest.
-_STARTS_VLLM = ("tests.helpers.vllm_driver", "engines.vllm.launch", "launcher.vllm_setups")
+_STARTS_VLLM = ("tests.helpers.vllm_driver", "tests.helpers.vllm_engine", "engines.vllm.launch", "launcher.vllm_setups")
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
