@@ -12,11 +12,14 @@ Roles: ``kv_both`` (load hits, save new blocks: one prefix cache shared by many 
 
 Scheduler side (vLLM's scheduler process): the prompt's block keys are kvstore's key spec
 over vLLM's block-size chunks (engines/vllm/layout.py), the namespace is the request's
-``cache_salt``; one pool lookup per request finds the longest cached prefix, never counting
-the last prompt token (vLLM must compute it for logits). The step's metadata names, per
-request, the blocks to load (key → vLLM block id) and the full prompt blocks the step
-completes that the pool lacks (including ones vLLM served from its own prefix cache after
-the pool evicted them, so the two never drift apart).
+``cache_salt``; one pool lookup per request (per tensor-parallel rank and KV-cache group)
+finds the longest cached prefix, never counting the last prompt token (vLLM must compute it
+for logits). The step's metadata names, per request, the blocks to load (key → vLLM block
+id) and the full prompt blocks the step completes that the pool lacks (including ones vLLM
+served from its own prefix cache after the pool evicted them, so the two never drift apart).
+Under tensor parallelism each rank's shard has keys of its own (``PagedLayout.for_rank``) and
+a prefix counts only as far as every rank holds it; a hybrid model's KV-cache groups are
+stored apart, a sliding-window group loading only its window (``kv_groups``).
 
 Worker side: loads copy each block from the pool straight into vLLM's paged KV tensors
 (one copy out of the mapped DRAM slab on the store's host, no staging buffer) in
