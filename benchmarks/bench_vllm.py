@@ -253,6 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         setups[name] = {**figures[name], "label": result["label"], "notes": result["notes"],
                         "python": result["python"], "loadavg_1min_before_after": result["loadavg_1min_before_after"],
                         "hidden_during_start": result["hidden_during_start"], "per_request": result["requests"]}
+    unseen_worker_timings(figures)
+    unseen_worker_timings(setups)
     add_output_match(figures, setups)
     if args.merge and RESULTS.exists():
         return merged(json.loads(RESULTS.read_text()), setups, figures, started)
@@ -298,6 +300,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+WORKER_TIMINGS = ("load_ms_per_block", "load_blocking_ms", "load_in_flight_ms", "load_blocking_in_flight_ms",
+                  "store_ms_per_block", "store_blocking_ms")
+
+
+def unseen_worker_timings(rows: dict[str, dict[str, Any]]) -> None:
+    """A TP 2 row's worker-side times are not seen (its workers run in processes of their
+    own, the timing subclass's totals stay in them): null, not 0."""
+    for name, row in rows.items():
+        if name.endswith(TP2_SUFFIX):
+            row.update({k: None for k in WORKER_TIMINGS if k in row},
+                       worker_timings="not seen: the TP workers run in processes of their own")
+
+
 def hold_figure(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``hold_ms_p99_after_finish``: kvstore's (kv_both, TP 1) p99 over the workload of the
     time from a request's end until every vLLM block it held is free again."""
@@ -323,6 +338,8 @@ def merged(old: dict[str, Any], setups: dict[str, Any], figures: dict[str, dict[
     rows.update({name: {**row, "run": run_info()} for name, row in setups.items()})
     report["setups"] = rows
     every = {name: row for name, row in rows.items() if "error" not in row}
+    unseen_worker_timings(every)
+    add_output_match(every, rows)
     rat = {**old.get("ratios", {}), **{k: v for k, v in ratios(every).items() if v is not None}}
     report.update(ratios=rat, targets=TARGETS, wall_s=time.perf_counter() - started, **hold_figure(every),
                   met=met(rat, every.get("kvstore", {})))

@@ -71,12 +71,14 @@ def connector_figures(c: dict[str, Any] | None, reqs: list[dict[str, Any]]) -> d
 
 def add_output_match(figures: dict[str, dict[str, Any]], setups: dict[str, Any]) -> None:
     """``output_match_vs_recompute``: the fraction of requests whose greedy output tokens equal
-    the recompute set-up's (loaded KV that is wrong shows up here; fp32 sums taken in another
-    order can flip a near tie of this random model now and then)."""
-    if "recompute" not in figures:
-        return
-    ref = {r["id"]: r["output_token_ids"] for r in setups["recompute"]["per_request"]}
+    the recompute set-up's, a TP 2 row's those of recompute_tp2 (loaded KV that is wrong shows
+    up here; fp32 sums taken in another order can flip a near tie of this random model now and
+    then)."""
     for name, fig in figures.items():
+        base = "recompute_tp2" if name.endswith("_tp2") else "recompute"   # a TP 2 row against TP 2 recompute
+        if base not in figures or "per_request" not in setups.get(base, {}) or "per_request" not in setups[name]:
+            continue
+        ref = {r["id"]: r["output_token_ids"] for r in setups[base]["per_request"]}
         reqs = setups[name]["per_request"]
         fig["output_match_vs_recompute"] = sum(r["output_token_ids"] == ref.get(r["id"]) for r in reqs) / len(reqs)
         setups[name]["output_match_vs_recompute"] = fig["output_match_vs_recompute"]

@@ -135,11 +135,12 @@ class SchedulerSide:
         """Blocks of the longest prefix every rank's chain has in the pool."""
         return min(self.link.lookup(k, self.lookup_purpose, tr.namespace) if k else 0 for k in keys)
 
-    def _hit_blocks(self, tr: _Tracked) -> int:
+    def _hit_blocks(self, tr: _Tracked) -> tuple[int, int]:
         """Blocks of the prompt's head the pool holds for every group and rank: the longest
         prefix of each full-attention group's chains; a sliding-window group needs only the
         blocks of its window before the hit's end (vLLM recomputes none before them), else
-        the hit shrinks to its own chains' prefix. Never the last prompt token's block."""
+        the hit shrinks to its own chains' prefix. Never the last prompt token's block. Also
+        the blocks known to be held in every group (not to be saved again)."""
         full = [g for g in self.groups if g.kind == "full"]
         found = min((self._lookup(tr.keys[i], tr) for i, g in enumerate(self.groups) if g in full),
                     default=tr.num_blocks)
@@ -151,7 +152,7 @@ class SchedulerSide:
             lo = max(0, hit - need)
             if self._lookup([k[lo:hit] for k in tr.keys[i]], tr) < hit - lo:
                 hit = min(hit, self._lookup([k[:hit] for k in tr.keys[i]], tr))
-        return hit
+        return hit, (found if len(full) == len(self.groups) else hit)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens beyond ``num_computed_tokens`` (vLLM's own block-aligned hit) whose
@@ -160,9 +161,8 @@ class SchedulerSide:
         tr = self._track(request)
         if tr is None:
             return 0, False
-        hit = self._hit_blocks(tr)
+        hit, tr.saved = self._hit_blocks(tr)
         self.stats.lookups += 1
-        tr.saved = hit
         tr.local_tokens = num_computed_tokens
         extra = hit * self.block_size - num_computed_tokens
         return (extra, False) if extra > 0 else (0, False)
