@@ -71,6 +71,18 @@ class KVStore:
                       notes=f"kvstore serve --dram {pool_bytes // GIB}GiB (one store node)")
 
 
+class KVStoreSync(KVStore):
+    name = "kvstore_sync"
+    label = "kvstore KVStoreConnector, saves in the step (kvstore.async_save false)"
+
+    def start(self, procs: Processes, tmp: str, pool_bytes: int) -> Launch:
+        launch = super().start(procs, tmp, pool_bytes)
+        assert launch.connector is not None
+        launch.connector["extra_config"]["kvstore.async_save"] = False
+        launch.notes += "; kv_both saves in wait_for_save, before the step ends"
+        return launch
+
+
 class Mooncake:
     name = "mooncake"
     label = "Mooncake MooncakeStoreConnector"
@@ -124,4 +136,4 @@ class LMCache:
                             ".venv-lmcache; vLLM there too")
 
 
-SETUPS = {s.name: s for s in (Recompute(), KVStore(), Mooncake(), LMCache())}
+SETUPS = {s.name: s for s in (Recompute(), KVStore(), KVStoreSync(), Mooncake(), LMCache())}

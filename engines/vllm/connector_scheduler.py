@@ -228,11 +228,12 @@ class SchedulerSide:
     def _pin(self, block_ids: list[int]) -> int | None:
         """Take a reference on the vLLM blocks a save reads, so that vLLM cannot hand them to
         another request (after the request finishes, is preempted, or slides them out of its
-        window) before every rank has copied them out; the job's id, or None when the pins
-        would pass ``kvstore.max_pinned_fraction`` of vLLM's blocks (the save is dropped: a
-        later miss, never a stall)."""
+        window) before every rank has copied them out; the job's id, or None when other
+        pins are held and this job's would pass ``kvstore.max_pinned_fraction`` of vLLM's
+        blocks (the save is dropped: a later miss, never a stall). A job alone is always
+        taken, however long its prompt: its blocks are its running request's anyway."""
         ids = [b for b in block_ids if b != NULL_BLOCK_ID]
-        if self._pinned + len(ids) > self.max_pinned_blocks:
+        if self._pinned and self._pinned + len(ids) > self.max_pinned_blocks:
             self.stats.saves_dropped += len(block_ids)
             return None
         job, self._next_job = self._next_job, self._next_job + 1

@@ -79,10 +79,13 @@ def test_pins_past_their_share_drop_the_save_never_the_request(tmp_path, monkeyp
     conn = scheduler_connector(tmp_path, monkeypatch, address, "kv_both", **{"kvstore.max_pinned_fraction": 0.25})
     pool = block_pool()
     conn.bind_gpu_block_pool(pool)
-    ids = [b.block_id for b in pool.get_new_blocks(6)]
+    ids = [b.block_id for b in pool.get_new_blocks(12)]
     assert conn._pin(ids[:4]) is not None     # 4 of 16 blocks: the share
-    assert conn._pin(ids[4:]) is None and conn.stats.saves_dropped == 2
+    assert conn._pin(ids[4:6]) is None and conn.stats.saves_dropped == 2
     assert pool.blocks[ids[5]].ref_cnt == 1   # not pinned
+    alone = scheduler_connector(tmp_path, monkeypatch, address, "kv_both")
+    alone.bind_gpu_block_pool(pool)
+    assert alone._pin(ids[4:12]) is not None   # 8 blocks, past the share, but no other pin: taken
 
     class Finished:
         request_id = "r1"
