@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, KVStoreWorkerMeta
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from engines.vllm.connector import ConnectorStats
     from engines.vllm.layout import KVGroup, PagedLayout
-    from engines.vllm.pool_link import PoolLink
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class WorkerSide:
     """The worker-role methods of :class:`~engines.vllm.connector.KVStoreConnector`."""
 
     paged: PagedLayout
+    cfg: ConnectorConfig
     link: PoolLink
     stats: ConnectorStats
     identity: IdentityCheck
@@ -106,16 +107,20 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """Put the blocks this step completed, straight from the paged tensors: here (a
         producer: its decode instance needs them when vLLM answers), or on the background
-        thread (``kv_both``: the blocks stay pinned by the scheduler until it is done)."""
+        thread (``kv_both``: the blocks stay pinned by the scheduler until it is done), which
+        the step waits for up to ``kvstore.save_wait_s``."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self._blocks
+        running = []
         for save in meta.saves:
             if not self.async_saves:
                 self._save(save)
                 continue
             if self._saver is None:
                 self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
-            self._saver.submit(self._save, save)
+            running.append(self._saver.submit(self._save, save))
+        if running and self.cfg.save_wait_s > 0:   # a bounded wait: the saves get the CPU now
+            wait(running, timeout=self.cfg.save_wait_s)
 
     def _save(self, save: BlockTransfer) -> None:
         """One save job; reported done whatever happens to it, so that its pins are released."""

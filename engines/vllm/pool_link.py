@@ -41,7 +41,10 @@ class ConnectorConfig:
     call. ``on_load_error``: ``recompute`` (default: a block that fails to load is recomputed
     by vLLM) or ``fail`` (the request fails), set as vLLM's ``kv_load_failure_policy``.
     ``async_save``: a ``kv_both`` instance saves on a background thread (default True; a
-    ``kv_producer`` always saves before vLLM answers). ``max_pinned_fraction``: the share of
+    ``kv_producer`` always saves before vLLM answers). ``save_wait_s``: how long a ``kv_both``
+    step waits for its background saves (default 0.05: they take milliseconds, and a step that
+    waits leaves them the CPU vLLM's threads would take; a pool that hangs costs a step no
+    more, the save goes on with its blocks pinned). ``max_pinned_fraction``: the share of
     vLLM's KV blocks that saves in flight may pin (default 0.25; past it a save is dropped).
     """
 
@@ -51,6 +54,7 @@ class ConnectorConfig:
     timeout_s: float = 5.0
     on_load_error: Literal["recompute", "fail"] = "recompute"
     async_save: bool = True
+    save_wait_s: float = 0.05
     max_pinned_fraction: float = 0.25
 
     def __post_init__(self) -> None:
@@ -61,6 +65,9 @@ class ConnectorConfig:
                                   f"got {self.on_load_error!r}")
         if not isinstance(self.async_save, bool):
             raise InvalidArgument(f"kvstore.async_save must be true or false, got {self.async_save!r}")
+        w = self.save_wait_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise InvalidArgument(f"kvstore.save_wait_s must be a number of seconds >= 0, got {w!r}")
         f = self.max_pinned_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise InvalidArgument(f"kvstore.max_pinned_fraction must be a number in (0, 1], got {f!r}")
