@@ -10,7 +10,8 @@ it names the date, the commit and the machine of its JSON (``run``, written by
 ``benchmarks/run_info.py``). A benchmark without a JSON here is "not measured"; where
 docs/benchmarks.md's recorded table (``<!-- recorded -->``) holds an earlier figure of it,
 that figure is shown with its date instead, and the row leaves the recorded table as soon as
-the benchmark's JSON exists (one home per figure).
+the benchmark's JSON holds that figure (one home per figure; a JSON of some rows leaves the
+others recorded).
 """
 from __future__ import annotations
 
@@ -217,7 +218,8 @@ def provenance(data: dict[str, Any] | None, name: str, recorded_rows: bool = Fal
     run = data.get("run") or {}
     machine = (run.get("machine") or {}).get("summary", "machine not recorded")
     date, commit = run.get("date", "on an unrecorded date"), run.get("commit", "unknown")
-    return f"Measured {date} at commit `{commit}` on {machine}."
+    rest = " Rows marked recorded are not in the JSON." if recorded_rows else ""
+    return f"Measured {date} at commit `{commit}` on {machine}.{rest}"
 
 
 def render_table(table: Table, rec: dict[tuple[str, str], tuple[str, str]]) -> str:
@@ -225,8 +227,9 @@ def render_table(table: Table, rec: dict[tuple[str, str], tuple[str, str]]) -> s
     some = any((table.name, row.path) in rec for row in table.rows)
     lines = [provenance(data, table.name, some), "", "| figure | value | target | |", "|---|---|---|---|"]
     for row in table.rows:
-        if data is not None:
-            value, target = lookup(data, row.path), row.target or "–"
+        value = lookup(data, row.path) if data is not None else None
+        if value is not None or (data is not None and (table.name, row.path) not in rec):
+            target = row.target or "–"
             lines.append(f"| {row.label} | {_value(row.fmt, value)} | {target} | {_met(value, row.target)} |")
         elif (table.name, row.path) in rec:
             value, date = rec[(table.name, row.path)]
@@ -241,8 +244,9 @@ def render_headline(rec: dict[tuple[str, str], tuple[str, str]]) -> str:
     lines = ["| figure | latest | target | | measured |", "|---|---|---|---|---|"]
     for label, name, path, target, fmt in HEADLINE:
         data = load(name)
-        if data is not None:
-            when, value = (data.get("run") or {}).get("date", "–"), lookup(data, path)
+        value = lookup(data, path) if data is not None else None
+        if data is not None and (value is not None or (name, path) not in rec):
+            when = (data.get("run") or {}).get("date", "–")
             lines.append(f"| {label} | {_value(fmt, value)} | {target} | {_met(value, target)} | {when} |")
         elif (name, path) in rec:
             value, date = rec[(name, path)]
@@ -306,12 +310,17 @@ def render_demo() -> str:
 
 
 def render_recorded(doc: str) -> str:
-    """The recorded table less the rows whose benchmark now has a JSON."""
+    """The recorded table less the rows whose figure a benchmark's JSON now holds (a JSON of
+    some of a benchmark's rows, e.g. ``bench_vllm.py --only-new-rows``, leaves the others here)."""
     m = RECORDED.search(doc)
     if not m:
         return doc
-    kept = [line for line in m.group(1).splitlines()
-            if not (ROW.match(line.strip()) and load(ROW.match(line.strip()).group(1)) is not None)]  # type: ignore[union-attr]
+
+    def measured(line: str) -> bool:
+        row = ROW.match(line.strip())
+        data = load(row.group(1)) if row else None
+        return row is not None and data is not None and lookup(data, row.group(2)) is not None
+    kept = [line for line in m.group(1).splitlines() if not measured(line)]
     return doc[:m.start(1)] + "\n".join(kept) + "\n" + doc[m.end(1):]
 
 

@@ -130,5 +130,5 @@ def print_report(report: dict[str, Any]) -> None:
     print("\nratios (kvstore / other, lower is better):")
     for k, v in report["ratios"].items():
         shown = "   null" if v is None else f"{v:7.3f}"
-        target = f"  (target <= {TARGETS[k]}: {'met' if report['met'][k] else 'NOT met'})" if k in TARGETS else ""
+        target = f"  (target <= {TARGETS[k]}: {'met' if report['met'].get(k) else 'NOT met'})" if k in TARGETS else ""
         print(f"  {k:42s} {shown}{target}")
