@@ -107,7 +107,10 @@ TABLES: tuple[Table, ...] = (
               fmt=MS),
            _r("setups.kvstore_tp2.ttft_reuse_p50_ms", "kvstore, TP 2: TTFT p50, requests with a reusable prefix",
               fmt=MS),
+           _r("setups.mooncake_tp2.ttft_reuse_p50_ms",
+              "Mooncake Store connector, TP 2: TTFT p50, requests with a reusable prefix", fmt=MS),
            _r("ratios.ttft_hit_tp2_vs_recompute_tp2", target="≤ 0.5", fmt="{:.3f}"),
+           _r("ratios.ttft_hit_tp2_vs_mooncake_connector_tp2", fmt="{:.3f}"),
            _r("hold_ms_p99_after_finish", "`hold_ms_p99_after_finish` (kvstore kv_both: a finished request's "
               "blocks free again)", "≤ 20 ms", "{:.1f} ms")])),
     Table("vllm_pd", tuple(
