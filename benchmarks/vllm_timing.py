@@ -132,10 +132,28 @@ def _timed(total: str):
     return wrap
 
 
+class HoldWatch:
+    """Scheduler-side hooks of :class:`TimedConnector` that close the holds of finished
+    requests (``STATS.holds_s``) at every step; mixed in before the connector class."""
+
+    def bind_gpu_block_pool(self, gpu_block_pool):
+        STATS._block_pool = gpu_block_pool
+        return super().bind_gpu_block_pool(gpu_block_pool)  # type: ignore[misc]
+
+    def build_connector_meta(self, scheduler_output):
+        STATS.check_holds()
+        return super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+
+    def update_connector_output(self, connector_output):
+        result = super().update_connector_output(connector_output)  # type: ignore[misc]
+        STATS.check_holds()
+        return result
+
+
 def make_timed(base: type) -> type:
     """The timing subclass of connector class ``base``."""
 
-    class TimedConnector(base):  # type: ignore[misc, valid-type]
+    class TimedConnector(HoldWatch, base):  # type: ignore[misc, valid-type]
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config, role, kv_cache_config)
             STATS.block_size = vllm_config.cache_config.block_size
@@ -161,20 +179,6 @@ def make_timed(base: type) -> type:
                         STATS.store_tail_s += now - t0
                         STATS.store_tail_requests += 1
             return results
-
-        # scheduler side: the holds of finished requests
-        def bind_gpu_block_pool(self, gpu_block_pool):
-            STATS._block_pool = gpu_block_pool
-            return super().bind_gpu_block_pool(gpu_block_pool)
-
-        def build_connector_meta(self, scheduler_output):
-            STATS.check_holds()
-            return super().build_connector_meta(scheduler_output)
-
-        def update_connector_output(self, connector_output):
-            result = super().update_connector_output(connector_output)
-            STATS.check_holds()
-            return result
 
         def get_block_ids_with_load_errors(self):
             bad = super().get_block_ids_with_load_errors()
