@@ -1,15 +1,19 @@
 """The Conductor against the routers users deploy instead, live: the same replay through the
 front door over vLLM under each scheduling policy (docs/routers.md).
 
-Set-up: one store node (``kvstore serve``), two vLLM ``kv_both`` instances of the ``tiny`` (or
-``--checkpoint bench``) checkpoint of engines/vllm/checkpoint.py with vLLM's prefix caching on
-and its KV events published (the router sees each instance's own cache), the front door over
-them (colocated) with ``config.policy`` set to each policy in turn: the Conductor, the paper's
+Set-up: the demo's (``make demo``, launcher/vllm_setups.py): one store node (``kvstore serve``,
+DRAM 2 GiB), two vLLM ``kv_both`` instances of the ``bench`` checkpoint of
+engines/vllm/checkpoint.py (``--checkpoint tiny``: the smallest), each pinned to cores of its own
+(:func:`launcher.vllm_setups.cpu_sets`: one core each on a 2-core host) with a 320 MiB KV cache,
+vLLM's prefix caching on and its KV events published (the router sees each instance's own
+cache), the front door over them (colocated) with ``config.policy`` set to each policy in turn:
+the Conductor, the paper's
 baselines (least-loaded, local cache-aware) and the peer routers (``dynamo_kv``, ``llmd``,
 ``sglang_cache_aware``). Each policy replays the same trace requests (``--requests`` of
 Mooncake's conversation trace: the conversations with the most turns within ``--window-s``
 trace seconds of request ``--start``, so that later turns reuse earlier ones; open loop at
-``--speed`` × their timestamps, output capped at ``--max-output-tokens``) with
+``--speed`` × their timestamps — the demo's 4 by default —, output capped at
+``--max-output-tokens``; the demo's SLOs: TTFT 2 s, TBT 0.2 s) with
 :func:`scheduler.replay.run.run_replay`. The instances and the store stay up across policies, so
 each replay maps the trace's blocks to tokens of its own (a seed per replay) — same lengths,
 same sharing, same timing, nothing cached by an earlier replay. The machine is shared and
@@ -19,9 +23,11 @@ reversed, alternately, and each policy's figures pool its rounds' requests.
 Reported per policy: TTFT p50/p99, goodput (requests/s meeting the TTFT and TBT SLOs), hit
 ratio, rejections, each round's TTFT p50; ``ratios.conductor_vs_best_peer_router_ttft_p50_live`` (target <= 0.9: the
 Conductor's TTFT p50 over the least TTFT p50 among the peer routers) and its p99 and goodput
-counterparts. Writes ``benchmarks/results/routers.json``.
+counterparts. Other work on the host shifts every figure, so the JSON's ``load`` holds the
+1-, 5- and 15-minute load averages before and after the run. Writes
+``benchmarks/results/routers.json``.
 
-    PYTHONPATH=. python benchmarks/bench_routers.py [--requests 60 --window-s 120 --speed 2 --rounds 2]
+    PYTHONPATH=. python benchmarks/bench_routers.py [--requests 60 --window-s 120 --speed 4 --rounds 2]
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from benchmarks.run_info import write_results  # noqa: E402
 from engines.vllm.checkpoint import write_checkpoint  # noqa: E402
 from engines.vllm.launch import VLLMServerSpec, ipc_endpoints, start_servers  # noqa: E402
 from launcher.supervisor import free_port  # noqa: E402
+from launcher.vllm_setups import cpu_sets  # noqa: E402
 from scheduler.config import FrontdoorConfig  # noqa: E402
 from scheduler.policy.admission import AdmissionConfig  # noqa: E402
 from scheduler.replay.report import Report  # noqa: E402
@@ -132,12 +139,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=120.0,
                    help="take the conversations with the most turns within this many trace seconds of --start")
     p.add_argument("--rounds", type=int, default=2, help="replays per policy (the order reversed every other round)")
-    p.add_argument("--speed", type=float, default=2.0, help="replay speed (× the trace's timestamps)")
+    p.add_argument("--speed", type=float, default=4.0, help="replay speed (× the trace's timestamps)")
     p.add_argument("--max-output-tokens", type=int, default=16)
-    p.add_argument("--ttft-slo-s", type=float, default=5.0)
+    p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tbt-slo-s", type=float, default=0.2)
     p.add_argument("--admit-ttft-s", type=float, default=60.0, help="the front door's admission bound on TTFT")
-    p.add_argument("--checkpoint", choices=("tiny", "bench"), default="tiny")
+    p.add_argument("--checkpoint", choices=("tiny", "bench"), default="bench")
+    p.add_argument("--kv-cache-mib", type=int, default=320, help="each instance's own paged KV cache (MiB)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin each instance to cores of its own (launcher.vllm_setups.cpu_sets)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (the Conductor and a peer "
                    "at least for the ratios)")
     return p.parse_args(argv)
@@ -147,12 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     work = Path(tempfile.mkdtemp(prefix="bench-routers-"))
-    model = write_checkpoint(str(work / f"{args.checkpoint}-llama"), args.checkpoint, max_model_len=8192)
+    load_before = os.getloadavg()
+    model = write_checkpoint(str(work / f"{args.checkpoint}-llama"), args.checkpoint, max_model_len=16384)
+    cores = cpu_sets(2) if args.pin else [()] * 2
     events_dir = work / "kv-events"
     events_dir.mkdir(mode=0o700)
     store_proc, store = start_store(work)
-    specs = [VLLMServerSpec(model, free_port(), "kv_both", store, block_size=BS, kv_cache_bytes=512 << 20,
-                            max_model_len=8192, prefix_caching=True,
+    specs = [VLLMServerSpec(model, free_port(), "kv_both", store, block_size=BS, kv_cache_bytes=args.kv_cache_mib << 20,
+                            max_model_len=8192, prefix_caching=True, cpus=cores[i],
                             kv_events=ipc_endpoints(events_dir, f"vllm-{i}")) for i in range(2)]
     servers = []
     reports: dict[str, list[Report]] = {p: [] for p in policies}
@@ -176,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {p: pooled(r) for p, r in reports.items() if r}
     out = {"settings": {**vars(args), "checkpoint": args.checkpoint, "tokens_per_block": BS,
                         "instances": "2 vLLM kv_both (colocated), prefix caching and KV events on, one store node",
-                        "wall_s": time.monotonic() - t0},
+                        "cores": [list(c) for c in cores], "wall_s": time.monotonic() - t0},
+           "load": {"before": list(load_before), "after": list(os.getloadavg()), "cpus": os.cpu_count()},
            "targets": {"conductor_vs_best_peer_router_ttft_p50_live": "<= 0.9"},
            "ratios": ratios(results) if "conductor" in results else {}, "results": results}
     write_results(RESULTS / "routers.json", out)

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import os
 import statistics
 import sys
@@ -107,18 +109,34 @@ SEED_RATIOS = ("conductor_vs_least_loaded_avg_ttft", "conductor_vs_local_cache_a
                "rejected_predictive_vs_late", "rejected_current_vs_late")
 
 
-def _one(args: tuple[SimConfig, int | None]) -> dict[str, float]:
-    """One run's figures the seed sweep needs (a worker process: plain numbers back)."""
-    r, _ = run(*args)
+def _one(args: tuple[SimConfig, int | None, str | None]) -> dict[str, float]:
+    """One run's figures the seed sweep needs (a worker process: plain numbers back). With a
+    cache folder, a run found there is read back instead (``--resume``)."""
+    cfg, limit, cache = args
+    path = None
+    if cache is not None:
+        name = json.dumps([dataclasses.asdict(cfg), limit], sort_keys=True, default=str)
+        path = Path(cache) / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json")
+        if path.exists():
+            return json.loads(path.read_text())
+    got = _figures(cfg, limit)
+    if path is not None:
+        path.write_text(json.dumps(got))
+    return got
+
+
+def _figures(cfg: SimConfig, limit: int | None) -> dict[str, float]:
+    r, _ = run(cfg, limit)
     return {"ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s, "rejected": r.rejected_early + r.rejected_late,
-            "wasted_prefill_gpu_s": r.wasted_prefill_gpu_s, "hit_ratio": r.hit_ratio}
+            "wasted_prefill_gpu_s": r.wasted_prefill_gpu_s, "hit_ratio": r.hit_ratio,
+            "ttft_no_queue_p99_s": r.ttft_no_queue_p99_s}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
-def seed_sweep(limit: int | None) -> dict[str, Any]:
+def seed_sweep(limit: int | None, cache: str | None = None) -> dict[str, Any]:
     """The ratios' experiments over :data:`SEEDS`, with learned and with oracle predictors,
     and fig5-hbm (learned): per seed and their mean, min and max; and per cache-aware policy
     its average TTFT over the seeds (learned and oracle), which shows whose TTFT the
@@ -147,7 +165,7 @@ def seed_sweep(limit: int | None) -> dict[str, Any]:
     workers = max(1, min(2, os.cpu_count() or 1))
     print(f"== 5. seeds {SEEDS[0]}-{SEEDS[-1]}: {len(cfgs)} runs, {workers} at a time", flush=True)
     with ProcessPoolExecutor(workers) as pool:
-        got = dict(zip(jobs, pool.map(_one, [(c, limit) for c in cfgs])))
+        got = dict(zip(jobs, pool.map(_one, [(c, limit, cache) for c in cfgs])))
 
     def ratios_of_seed(seed: int, suffix: str) -> dict[str, float]:
         f5 = {p: got[("fig5" + suffix, seed, p)]["ttft_mean_s"] for p in cache_aware}
@@ -341,7 +359,11 @@ def _print_summary(out: dict, table: list, fig5_oracle: dict, avg: dict, pd: dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="first 2,000 requests only")
+    ap.add_argument("--resume", metavar="DIR", help="keep each seed-sweep run's figures in DIR and read back "
+                    "those already there (an interrupted sweep goes on where it stopped; the same code only)")
     args = ap.parse_args()
+    if args.resume:
+        os.makedirs(args.resume, exist_ok=True)
     limit = 2000 if args.quick else None
     sweep_limit = 2000 if args.quick else 4000
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -359,7 +381,7 @@ def main() -> int:
     out["hit_vs_pool_capacity"] = {"points": hit_points, "best_possible_hit_ratio": best}
     out["goodput_vs_rate"] = goodput
 
-    sweep = seed_sweep(limit)
+    sweep = seed_sweep(limit, args.resume)
     out["seeds"] = sweep
 
     files = {
@@ -378,7 +400,7 @@ def main() -> int:
     ratios.update({k: v["mean"] for k, v in sweep["ratios"].items()})
     ratios.update({k: v["mean"] for k, v in sweep["fig5_no_peer_fetch"]["ratios"].items()})
     ratios.update({k: v["mean"] for k, v in sweep["peer_routers"]["ratios"].items()
-                   if k.startswith("conductor_vs_best_peer_router")})
+                   if k.startswith(("conductor_vs_best_peer_router", "conductor_no_queue_vs_best_peer_router"))})
     out["ratios"] = ratios
     out["ratios_oracle"] = {**out["ratios_oracle_seed0"], **{k: v["mean"] for k, v in sweep["ratios_oracle"].items()}}
     out["results"] = [r.to_dict() for r in table]

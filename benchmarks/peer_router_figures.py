@@ -24,9 +24,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def peer_ratios(runs: Mapping[str, Mapping[str, float]]) -> dict[str, float | str]:
     """One seed's figures from ``runs`` (policy → ``ttft_mean_s``, ``ttft_p99_s``,
-    ``rejected``; the Conductor's and every peer's): the ratios to the best peer and which
-    peer that was, the ratios to each peer, and the Conductor's rejections minus the fewest
-    any peer rejected (``conductor_rejected_minus_fewest_peer``: <= 0 when it rejects no more)."""
+    ``rejected``, optionally ``ttft_no_queue_p99_s``; the Conductor's and every peer's): the
+    ratios to the best peer and which peer that was, the ratios to each peer, the Conductor's
+    rejections minus the fewest any peer rejected (``conductor_rejected_minus_fewest_peer``:
+    <= 0 when it rejects no more) and, with ``ttft_no_queue_p99_s``, the Conductor's p99 with
+    every wait in a queue taken out over the best peer's p99
+    (``conductor_no_queue_vs_best_peer_router_p99_ttft``: the least p99 ratio a better order of
+    the same prefills could reach)."""
     c = runs["conductor"]
     best_avg = min(PEERS, key=lambda p: runs[p]["ttft_mean_s"])
     best_p99 = min(PEERS, key=lambda p: runs[p]["ttft_p99_s"])
@@ -36,6 +40,9 @@ def peer_ratios(runs: Mapping[str, Mapping[str, float]]) -> dict[str, float | st
         "best_peer_router_avg_ttft": best_avg,
         "best_peer_router_p99_ttft": best_p99,
         "conductor_rejected_minus_fewest_peer": c["rejected"] - min(runs[p]["rejected"] for p in PEERS),
+        # the Conductor's p99 had no request waited in a queue: how far routing alone could go
+        **({"conductor_no_queue_vs_best_peer_router_p99_ttft": c["ttft_no_queue_p99_s"] / runs[best_p99]["ttft_p99_s"]}
+           if c.get("ttft_no_queue_p99_s") else {}),
         **{f"conductor_vs_{p}_avg_ttft": c["ttft_mean_s"] / runs[p]["ttft_mean_s"] for p in PEERS},
         **{f"conductor_vs_{p}_p99_ttft": c["ttft_p99_s"] / runs[p]["ttft_p99_s"] for p in PEERS},
     }
@@ -50,7 +57,8 @@ def sweep_figures(got: Mapping[tuple[str, int, str], Mapping[str, float]], seeds
     per_seed = {str(s): peer_ratios({p: got[(setup, s, p)] for p in policies}) for s in seeds}
     numeric = [k for k, v in per_seed[str(seeds[0])].items() if not isinstance(v, str)]
     figures = {f"{p}_{k}": spread([got[(setup, s, p)][k] for s in seeds])
-               for p in policies for k in ("ttft_mean_s", "ttft_p99_s", "rejected")}
+               for p in policies for k in ("ttft_mean_s", "ttft_p99_s", "ttft_no_queue_p99_s", "rejected", "hit_ratio")
+               if all(got[(setup, s, p)].get(k) is not None for s in seeds)}
     best = {k: {p: sum(1 for s in seeds if per_seed[str(s)][k] == p) for p in PEERS}
             for k in ("best_peer_router_avg_ttft", "best_peer_router_p99_ttft")}
     if all((no_peer_fetch, s, "conductor") in got for s in seeds):
@@ -67,10 +75,10 @@ def sweep_figures(got: Mapping[tuple[str, int, str], Mapping[str, float]], seeds
 
 def seed0_ratios(results: Mapping[str, Any]) -> dict[str, float]:
     """Seed 0's single-run ratios from fig5's :class:`SimResult` rows (policy → result)."""
-    runs = {p: {"ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s,
+    runs = {p: {"ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s, "ttft_no_queue_p99_s": r.ttft_no_queue_p99_s,
                 "rejected": r.rejected_early + r.rejected_late}
             for p, r in results.items() if p in (*PEERS, "conductor")}
-    return {k: float(v) for k, v in peer_ratios(runs).items() if k in RATIOS}
+    return {k: float(v) for k, v in peer_ratios(runs).items() if k in RATIOS or k.startswith("conductor_no_queue")}
 
 
 def print_sweep(fig: Mapping[str, Any]) -> None:

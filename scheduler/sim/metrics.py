@@ -27,7 +27,10 @@ class SimResult:
     SLOs (late rejections included); ``late_rejected_prefill_gpu_s``: the part of it spent on
     requests rejected after their prefill. ``prefill_log_error_mean``/``_sd``: mean and
     standard deviation of ``ln(observed / predicted)`` prefill seconds, the scheduler's
-    T_prefill predictor against the engines (None when not measured)."""
+    T_prefill predictor against the engines (None when not measured).
+    ``ttft_no_queue_p99_s``: the p99 of TTFT less each request's wait before its prefill
+    started (what its load, prefill and hand-off took alone): ``ttft_p99_s`` minus it is what
+    queueing added to the tail."""
 
     policy: str
     topology: str
@@ -58,6 +61,7 @@ class SimResult:
     wall_s: float
     prefill_log_error_mean: float | None = None
     prefill_log_error_sd: float | None = None
+    ttft_no_queue_p99_s: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     ttfts: tuple[float, ...] = field(default=(), repr=False)
 
@@ -116,4 +120,5 @@ def summarize(cfg: SimConfig, reqs: Sequence[SimRequest], wall_s: float, gpus: i
         makespan_s=makespan, wall_s=wall_s,
         prefill_log_error_mean=None if prefill_log_error is None else prefill_log_error[0],
         prefill_log_error_sd=None if prefill_log_error is None else prefill_log_error[1],
+        ttft_no_queue_p99_s=percentile([r.first_token_s - max(r.arrival_s, r.prefill_start_s) for r in ok], 99),
         settings=asdict(cfg), ttfts=tuple(ttfts))
