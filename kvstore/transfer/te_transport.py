@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -52,10 +53,26 @@ def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndar
     return None
 
 
+def local_address_toward(host: str) -> str:
+    """This host's own address on the route to ``host`` (the source address the kernel picks;
+    a UDP ``connect`` sends nothing): ``127.0.0.1`` toward a node on this host, the address on
+    the shared network toward a node on another, so the reader's engine announces an address
+    the node can reach. ``127.0.0.1`` when there is no route."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 @register_transport("transfer_engine")
 class TransferEngineTransport(BlockTransport):
-    """Reads one node's blocks with this process's transfer engine (``KVSTORE_TE_HOST``,
-    default 127.0.0.1; ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
+    """Reads one node's blocks with this process's transfer engine (on ``KVSTORE_TE_HOST``,
+    default this host's address on the route to the node's engine: :func:`local_address_toward`;
+    ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
     the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others).
     Leases go over the node's TCP control channel when it announces one (``control`` is
@@ -93,7 +110,8 @@ class TransferEngineTransport(BlockTransport):
             # A staging node registers a staging area, not its slab: only the control
             # channel's leases point into it (kvstore/transfer/staging.py).
             self.staged = info.staged
-            self.engine = engine or process_engine(os.environ.get("KVSTORE_TE_HOST", "127.0.0.1"),
+            self.engine = engine or process_engine(os.environ.get("KVSTORE_TE_HOST")
+                                                   or local_address_toward(info.te_endpoint.rpartition(":")[0]),
                                                    os.environ.get("KVSTORE_TE_METADATA",
                                                                   info.metadata or "P2PHANDSHAKE"),
                                                    info.protocol)
