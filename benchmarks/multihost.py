@@ -184,6 +184,7 @@ class Load:
         self.run, self.chain, self.size = run, chain, size
         self.requests = self.hits = self.misses = self.wrong = self.errors = self.put_failed = 0
         self.acked: dict[bytes, str] = {}
+        self.slowest_s = 0.0    # the longest read of a chain
         self.error_text: list[str] = []
         self._n = 0
         self._stop = threading.Event()
@@ -204,7 +205,9 @@ class Load:
         self.read([key_of(self.run, start + j) for j in range(self.chain)])
 
     def read(self, keys: list[bytes]) -> None:
+        t0 = time.monotonic()
         got = self.client.get_blocks(keys)
+        self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
         self.requests += 1
         for k, data in zip(keys, got):
             if data is None:
@@ -243,8 +246,18 @@ class Load:
             lost += [k for k, d in zip(part, got) if d != block_of(k, self.size)]
         return lost
 
-    def counts(self) -> dict[str, int]:
-        return {"requests_completed": self.requests, "blocks_hit": self.hits, "blocks_missed_recomputed": self.misses,
+    def goes_on(self, within_s: float, requests: int = 3) -> float | None:
+        """Seconds until ``requests`` more reads complete (None: not within ``within_s``)."""
+        t0, before = time.monotonic(), self.requests
+        while time.monotonic() - t0 < within_s:
+            if self.requests >= before + requests:
+                return time.monotonic() - t0
+            time.sleep(0.02)
+        return None
+
+    def counts(self) -> dict[str, float]:
+        return {"slowest_read_s": round(self.slowest_s, 3),
+                "requests_completed": self.requests, "blocks_hit": self.hits, "blocks_missed_recomputed": self.misses,
                 "wrong_bytes_blocks": self.wrong, "client_errors": self.errors, "acknowledged_blocks": len(self.acked),
                 "puts_refused": self.put_failed}
 
