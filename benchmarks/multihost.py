@@ -58,6 +58,7 @@ class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, extra_hosts: int = 1, dram: str = "256MiB",
                  node_flags: Iterable[str] = ()) -> None:
         self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.topology = Topology(1 + nodes + extra_hosts).up()
         self.node_hosts = list(range(2, 2 + nodes))
         self.token = secrets.token_hex(16)

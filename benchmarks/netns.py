@@ -180,8 +180,10 @@ class Topology:
         """Start ``argv`` inside host ``i`` (``subprocess.Popen`` keywords)."""
         return subprocess.Popen(self.argv(i, argv), **kw)
 
-    def run(self, i: int, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(i, argv), capture_output=True, text=True, timeout=timeout_s)
+    def run(self, i: int, argv: Sequence[str], timeout_s: float = 60.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host ``i`` to its end; its output captured as text."""
+        return subprocess.run(self.argv(i, argv), capture_output=True, text=True, timeout=timeout_s, env=env)
 
     def pids(self, i: int) -> list[int]:
         return [int(p) for p in _ip("netns", "pids", self.ns(i), check=False).split()]
