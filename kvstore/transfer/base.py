@@ -91,7 +91,7 @@ def open_transport(prefer: str, address: str, auth_token: str | None = None,
     if prefer == "auto":
         if client is None:
             from kvstore.client import StoreClient
-            client = own = StoreClient(address, auth_token=auth_token)
+            client = own = StoreClient(address, auth_token=auth_token, timeout_s=timeout_s)
         pick = pick_transport(prefer, client.dataplane_info(), te_endpoint)
     if pick.name == "same_host":
         try:
