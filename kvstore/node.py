@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from kvstore.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
+# Hosts that bind every interface: a client on this host reaches such a node on loopback.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 def build_pool(cfg: StoreConfig) -> KVPool:
@@ -58,6 +60,7 @@ class StoreNode:
         self.dataplane, self.control, self.agent = dataplane, control, agent
         self.owns_pool = owns_pool
         self.metrics_server = metrics_server
+        self.host = "127.0.0.1"   # where clients reach it: the bound or advertised host (see address)
         self._stopped = False
 
     @classmethod
@@ -81,7 +84,9 @@ class StoreNode:
             except BaseException:
                 server.stop(grace=None).wait()
                 raise
-        return cls(pool, server, port, dataplane, control, owns_pool=owns_pool)
+        node = cls(pool, server, port, dataplane, control, owns_pool=owns_pool)
+        node.host = address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        return node
 
     @classmethod
     def start(cls, cfg: StoreConfig) -> StoreNode:
@@ -129,6 +134,7 @@ class StoreNode:
             raise
         agent.start(node.port)
         node.agent = agent
+        node.host = cfg.advertise_host or cfg.host
         node.metrics_server = metrics[1] if metrics else None
         if not cfg.auth_token:   # as an engine without its token warns (engines/server.py)
             log.warning("store node %s takes calls without a token: any caller that reaches port %d can read, "
@@ -138,8 +144,10 @@ class StoreNode:
 
     @property
     def address(self) -> str:
-        """``127.0.0.1:port``: where a client on this host reaches the node."""
-        return f"127.0.0.1:{self.port}"
+        """``host:port`` where a client reaches the node: the advertised host, else the one it
+        binds (``127.0.0.1`` for a node bound to every interface, 0.0.0.0 or ::)."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     @property
     def metrics_url(self) -> str | None:

@@ -144,7 +144,7 @@ class ClusterClient:
             t = self._transports.get(key)
         if t is None:
             t = open_transport(self.transport, node.address, self.auth_token, node.te_endpoint or None,
-                               client=self._client(node))
+                               client=self._client(node), timeout_s=self.timeout_s)
             with self._lock:
                 t = self._transports.setdefault(key, t)
         return t

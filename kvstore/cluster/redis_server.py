@@ -1,33 +1,39 @@
 """A private ``redis-server`` for a one-host cluster (``kvstore up --store-nodes N``): a free
 127.0.0.1 port, no persistence, optionally a password (given to the server on its standard
-input, never on its command line), stopped by the caller."""
+input, never on its command line), stopped by the caller. ``host``, ``port`` and ``argv_prefix``
+put it elsewhere: on another address, or inside a network namespace (``ip netns exec NS``)."""
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 
 def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
-                        password: str | None = None) -> tuple[subprocess.Popen, str]:
-    """Start ``redis-server`` (no persistence, 127.0.0.1 only) on a free port; returns the
-    process and its URL (``redis://:PASSWORD@127.0.0.1:PORT/0`` with a ``password``, which
-    every client then needs). Raises RuntimeError when the binary is missing or does not
-    start."""
+                        password: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                        argv_prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``redis-server`` (no persistence, bound to ``host`` only) on ``port`` (0: a free
+    one of this network namespace's); returns the process and its URL
+    (``redis://:PASSWORD@HOST:PORT/0`` with a ``password``, which every client then needs).
+    ``argv_prefix`` goes before the server's command line (``["ip", "netns", "exec", NS]``:
+    give a ``port``, the free-port probe runs here). Raises RuntimeError when the binary is
+    missing or does not start."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed; pass --redis URL or install redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if not port:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL
     # The settings go on standard input ("-": read the config from stdin), so a password is
     # never in the process list.
-    conf = (f"port {port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\nprotected-mode yes\n"
+    conf = (f"port {port}\nbind {host}\nsave \"\"\nappendonly no\nprotected-mode yes\n"
             + (f"requirepass {password}\n" if password else ""))
-    proc = subprocess.Popen([binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+    proc = subprocess.Popen([*argv_prefix, binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(conf.encode())
     proc.stdin.close()
@@ -35,8 +41,8 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"redis://{auth}127.0.0.1:{port}/0"
+            socket.create_connection((host, port), timeout=0.2).close()
+            return proc, f"redis://{auth}{host}:{port}/0"
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()

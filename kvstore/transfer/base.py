@@ -79,22 +79,24 @@ def pick_transport(prefer: str, info: DataPlaneInfo | None = None, te_endpoint: 
 
 
 def open_transport(prefer: str, address: str, auth_token: str | None = None,
-                   te_endpoint: str | None = None, client: Any = None) -> BlockTransport:
+                   te_endpoint: str | None = None, client: Any = None, timeout_s: float = 60.0) -> BlockTransport:
     """A transport to the node at ``address`` (gRPC host:port), the one :func:`pick_transport`
     picks (``auto`` asks the node what it announces, through ``client``, a StoreClient of the
     node to reuse, or one of its own). A slab that cannot be mapped here after all falls back
     to the next choice; a transfer engine that cannot start falls back to ``grpc_stream`` with
-    a warning (``fallback_reason`` says why). Raises ValueError for an unknown name."""
+    a warning (``fallback_reason`` says why). ``timeout_s``: the most any one call to the node
+    may take (a node cut off must not hold its caller longer). Raises ValueError for an unknown name."""
     pick = pick_transport(prefer)         # an unknown name fails before any connection
     own = None
     if prefer == "auto":
         if client is None:
             from kvstore.client import StoreClient
-            client = own = StoreClient(address, auth_token=auth_token)
+            client = own = StoreClient(address, auth_token=auth_token, timeout_s=timeout_s)
         pick = pick_transport(prefer, client.dataplane_info(), te_endpoint)
     if pick.name == "same_host":
         try:
-            return TRANSPORTS["same_host"](address, auth_token=auth_token, client=client, own_client=own is not None)
+            return TRANSPORTS["same_host"](address, auth_token=auth_token, client=client, own_client=own is not None,
+                                           timeout_s=timeout_s)
         except KVStoreError as exc:   # the slab could not be mapped here after all
             if prefer != "auto":
                 raise
@@ -104,12 +106,12 @@ def open_transport(prefer: str, address: str, auth_token: str | None = None,
         own.close()
     if pick.name == "transfer_engine":
         try:
-            return TRANSPORTS["transfer_engine"](address, auth_token=auth_token)
+            return TRANSPORTS["transfer_engine"](address, auth_token=auth_token, timeout_s=timeout_s)
         except KVStoreError as exc:
             log.warning("transfer engine unavailable for %s, falling back to the gRPC stream: %s",
                         address, exc)
-            t = TRANSPORTS["grpc_stream"](address, auth_token=auth_token)
+            t = TRANSPORTS["grpc_stream"](address, auth_token=auth_token, timeout_s=timeout_s)
             t.fallback_reason = str(exc)
             return t
-    return TRANSPORTS[pick.name](address, auth_token=auth_token)
+    return TRANSPORTS[pick.name](address, auth_token=auth_token, timeout_s=timeout_s)
 

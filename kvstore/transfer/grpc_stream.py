@@ -16,10 +16,10 @@ class GrpcStreamTransport(BlockTransport):
     for a transfer engine that could not start."""
 
     def __init__(self, address: str, auth_token: str | None = None,
-                 client: StoreClient | None = None) -> None:
+                 client: StoreClient | None = None, timeout_s: float = 60.0) -> None:
         self.address = address
         if client is None:
-            client = grpc_only_client(address, auth_token, 60.0)
+            client = grpc_only_client(address, auth_token, timeout_s)
             self._own = True
         else:
             self._own = False
@@ -54,9 +54,9 @@ class SameHostTransport(GrpcStreamTransport):
     this transport (always so for one it makes)."""
 
     def __init__(self, address: str, auth_token: str | None = None,
-                 client: StoreClient | None = None, own_client: bool = False) -> None:
+                 client: StoreClient | None = None, own_client: bool = False, timeout_s: float = 60.0) -> None:
         own = client is None or own_client
-        client = client or StoreClient(address, auth_token=auth_token)
+        client = client or StoreClient(address, auth_token=auth_token, timeout_s=timeout_s)
         path = client.data_path_in_use       # whether the client's mapping of the slab took
         if not path.startswith("same-host"):
             if own:

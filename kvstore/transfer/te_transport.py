@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ MIN_BUFFER_BYTES = 16 << 20
 # loopback took 4.8-5.2 ms (best / median of 11) with 1 MiB pieces, 5.2-5.7 with 512 KiB
 # and 7.4-9.6 with 256 KiB (2-core machine).
 PIECE_BYTES = 1 << 20
+CONTROL_RETRY_S = 2.0   # a failed control channel is dialled again after this long
 _STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
 
@@ -52,15 +54,31 @@ def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndar
     return None
 
 
+def local_address_toward(host: str) -> str:
+    """This host's own address on the route to ``host`` (the source address the kernel picks;
+    a UDP ``connect`` sends nothing): ``127.0.0.1`` toward a node on this host, the address on
+    the shared network toward a node on another, so the reader's engine announces an address
+    the node can reach. ``127.0.0.1`` when there is no route."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 @register_transport("transfer_engine")
 class TransferEngineTransport(BlockTransport):
-    """Reads one node's blocks with this process's transfer engine (``KVSTORE_TE_HOST``,
-    default 127.0.0.1; ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
+    """Reads one node's blocks with this process's transfer engine (on ``KVSTORE_TE_HOST``,
+    default this host's address on the route to the node's engine: :func:`local_address_toward`;
+    ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
     the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others).
     Leases go over the node's TCP control channel when it announces one (``control`` is
-    then a :class:`~kvstore.dataplane.control_client.TcpControl`; after that connection fails, and
-    for nodes without one, over gRPC: ``control`` is None).
+    then a :class:`~kvstore.dataplane.control_client.TcpControl`; for nodes without one, and
+    after that connection fails until a new one is made, over gRPC: ``control`` is None).
 
     Raises TransferEngineUnavailable at construction when the engine cannot start here or
     the node runs none, so :func:`open_transport` can fall back.
@@ -83,6 +101,7 @@ class TransferEngineTransport(BlockTransport):
         self._lock = threading.Lock()  # one read through the transport's buffer at a time
         self._retired: list[tuple[list[int], np.ndarray, int]] = []  # (stalled transfers, buffer, address)
         self.control: TcpControl | None = None
+        self._control_at = ""   # host:port of the node's control channel ("" none, or closed)
         self.staged = False
         try:
             info = transfer_codec.info_of(self._info_stub.Info(pb.TransferInfoRequest(), timeout=timeout_s,
@@ -93,7 +112,8 @@ class TransferEngineTransport(BlockTransport):
             # A staging node registers a staging area, not its slab: only the control
             # channel's leases point into it (kvstore/transfer/staging.py).
             self.staged = info.staged
-            self.engine = engine or process_engine(os.environ.get("KVSTORE_TE_HOST", "127.0.0.1"),
+            self.engine = engine or process_engine(os.environ.get("KVSTORE_TE_HOST")
+                                                   or local_address_toward(info.te_endpoint.rpartition(":")[0]),
                                                    os.environ.get("KVSTORE_TE_METADATA",
                                                                   info.metadata or "P2PHANDSHAKE"),
                                                    info.protocol)
@@ -103,12 +123,25 @@ class TransferEngineTransport(BlockTransport):
         except TransferEngineUnavailable:
             self.close()
             raise
-        if info.control_port:
-            host = address.rpartition(":")[0]
+        self._control_at = f"{address.rpartition(':')[0]}:{info.control_port}" if info.control_port else ""
+        self._token, self._control_retry_at = auth_token, 0.0
+        if self._control_at:
             try:
-                self.control = TcpControl(f"{host}:{info.control_port}", auth_token, timeout_s)
+                self.control = TcpControl(self._control_at, auth_token, timeout_s)
             except Unavailable as exc:  # leases then go over gRPC, as for an older node
                 log.warning("no control channel to %s (%s); leasing over gRPC", address, exc)
+                self._control_retry_at = time.monotonic() + CONTROL_RETRY_S
+
+    def _control(self) -> TcpControl | None:
+        """The control channel; one that failed is dialled again every :data:`CONTROL_RETRY_S`
+        (a link that was cut and came back), gRPC leases standing in meanwhile."""
+        if self.control is None and self._control_at and time.monotonic() >= self._control_retry_at:
+            try:
+                self.control = TcpControl(self._control_at, self._token, self.timeout_s)
+                log.info("control channel to %s is back", self.address)
+            except Unavailable:
+                self._control_retry_at = time.monotonic() + CONTROL_RETRY_S
+        return self.control
 
     def _reap(self) -> None:
         """Unregister and drop the retired buffers whose stalled transfers have all ended."""
@@ -192,14 +225,16 @@ class TransferEngineTransport(BlockTransport):
         control channel, or gRPC where there is none (or it just failed). Raises
         Unavailable when the node cannot be reached, and the node's refusal as its class.
         A staging node without a control channel: every block ELSEWHERE (the gRPC stream)."""
-        ctl = self.control
+        ctl = self._control()
         if ctl is not None:
             try:
                 grant = ctl.lease(keys, None, stop_at_miss, stop_at_miss)
                 return grant.lease_id, grant.blocks
             except Unavailable as exc:
-                log.warning("control channel to %s failed (%s); leasing over gRPC from now on", self.address, exc)
+                log.warning("control channel to %s failed (%s); leasing over gRPC until it answers again",
+                            self.address, exc)
                 self.control = None
+                self._control_retry_at = time.monotonic() + CONTROL_RETRY_S
                 ctl.close()
         if self.staged:   # gRPC leases give slab offsets, which lie outside what the engine may read
             return 0, [BlockLocation(ELSEWHERE)] * len(keys)
@@ -296,6 +331,7 @@ class TransferEngineTransport(BlockTransport):
             except grpc.RpcError:
                 pass
         self._releases = []
+        self._control_at = ""    # closed: never dialled again
         if getattr(self, "control", None) is not None:
             self.control.close()  # type: ignore[union-attr]
             self.control = None
