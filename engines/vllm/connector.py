@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from engines.checkpoint_identity import adapter_identity
 from engines.kv import block_bytes
+from engines.vllm.connector_obs import ConnectorObservability
 from engines.vllm.layout import PagedBlocks, PagedLayout
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.errors import InvalidArgument
@@ -120,8 +121,9 @@ class ConnectorStats:
     save_s: float = 0.0
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """kvstore's KV connector for vLLM (see the module docstring). Raises InvalidArgument at
+class KVStoreConnector(ConnectorObservability, KVConnectorBase_V1):
+    """kvstore's KV connector for vLLM (see the module docstring; its metrics and KV events:
+    engines/vllm/connector_obs.py). Raises InvalidArgument at
     start for bad ``kvstore.*`` settings or a layout it does not serve (tensor or pipeline
     parallelism above 1)."""
 
@@ -148,6 +150,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.link.probe(block_bytes(lay, lay.block_size, itemsize) + TAG_BYTES)
         self.stats = ConnectorStats()
         self.identity = IdentityCheck("kvstore connector")
+        self._obs_init(vllm_config, role)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, BlockTransfer] = {}
@@ -184,6 +187,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         found = self.link.lookup(tr.keys, self.lookup_purpose, tr.namespace)
         self.stats.lookups += 1
+        self._obs_looked_up(request, tr.keys)
         tr.saved = min(found, len(tr.keys))
         tr.local_tokens = num_computed_tokens
         usable = usable_prefix_tokens(found, self.block_size, tr.prompt_len) // self.block_size
@@ -205,6 +209,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                                         tuple(ids[start:start + count]),
                                                         tags=tuple(tr.tags[start:start + count]))
         self.stats.hit_blocks += count
+        self._obs_loading(request.request_id, start, count)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         """This step's loads (every load recorded since the last step) and saves (the full
@@ -237,6 +242,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         done = min(min(computed, tr.prompt_len) // self.block_size, len(tr.keys), len(tr.block_ids))
         if done > tr.saved:
             a = tr.saved
+            self._obs_saving(req_id, tr.keys[a:done], a, tr.keys[a - 1] if a else None)
             meta.saves.append(BlockTransfer(req_id, tuple(tr.keys[a:done]), tuple(tr.block_ids[a:done]),
                                             tr.keys[a - 1] if a else None, tuple(tr.tags[a:done]), tr.namespace))
             tr.saved = done
@@ -247,6 +253,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         when saves of it may still be running on the worker's background thread."""
         tr = self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._obs_finished(request.request_id)
         return bool(self.async_saves and tr is not None and tr.sent_saves), None
 
     # -- worker side ----------------------------------------------------------------------
@@ -275,10 +282,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             read_tags = [tag_buffer() for _ in load.block_ids]
             outs = [Segments([*self._blocks.segments(b).parts, t]) for b, t in zip(load.block_ids, read_tags)]
             n = self.link.load(load.keys, outs)
+            mismatch = False
             for i in range(n):  # a block of other tokens under a colliding key is a load error
                 if not self.identity.verify(load.keys[i], read_tags[i], load.tags[i]):
-                    n = i
+                    n, mismatch = i, True
                     break
+            self._obs_loaded(load.keys, n, mismatch, time.perf_counter() - t0)
             self.stats.identity_mismatches = self.identity.mismatches
             self.stats.load_s += time.perf_counter() - t0
             self.stats.loaded_blocks += n
@@ -312,6 +321,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         blocks = [(k, seal(self._blocks.segments(b), t)) for k, b, t in zip(save.keys, save.block_ids, save.tags)]
         saved = self.link.save(blocks, save.parent, save.namespace)
+        self._obs_saved(save.keys, saved, time.perf_counter() - t0)
         with self._stats_lock:
             self.stats.saved_blocks += saved
             self.stats.save_s += time.perf_counter() - t0
