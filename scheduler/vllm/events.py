@@ -24,6 +24,10 @@ saw (stored before it subscribed, or forgotten after a gap).
 vLLM's offloading events (medium ``CPU``) carry no extras, hence no salt: they only add the
 ``dram`` tier to a block the GPU events keyed, never key one.
 
+The kvstore connector's events (``ownership`` ``kvstore``: engines/vllm/connector_events.py)
+ride the same stream and say what the pool holds for the instance; their block hashes are
+the pool's keys already. They go to the instance's pool node (scheduler/vllm/pool_events.py).
+
 Lost batches. A gap in ``seq`` is asked of the replay socket; what the replay cannot cover
 (the batches left vLLM's buffer, or no replay endpoint) clears the instance's hits (one
 ``NodeCleared``; then the part of the gap the replay did return, up to the batch at hand,
@@ -57,6 +61,7 @@ from kvstore.events.event import EventKind, KVEvent
 from kvstore.events.replica import IndexReplica
 from scheduler.routing.engine_link import DTYPE_BYTES
 from scheduler.vllm.event_socket import EventSubscriber
+from scheduler.vllm.pool_events import OWNERSHIP, PoolNode
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +127,7 @@ class VLLMEventBridge(EventSubscriber):
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.pool = PoolNode(engine_id, replica, self._block_bytes)   # its connector's events
         self._new_epoch()
 
     @property
@@ -141,6 +147,8 @@ class VLLMEventBridge(EventSubscriber):
         self._seq = 0
         self._blocks.clear()
         self._emit(EventKind.NODE_CLEARED)
+        if self.pool.held:
+            self.pool.clear()
 
     def _clear(self, why: str) -> None:
         self.stats.clears += 1
@@ -198,10 +206,15 @@ class VLLMEventBridge(EventSubscriber):
             self._clear("a batch that cannot be applied")
             return
         self.stats.batches += 1
-        if len(self._blocks) > self.max_blocks:
+        if len(self._blocks) + len(self.pool.held) > self.max_blocks:
             self._clear(f"more than {self.max_blocks} blocks held: not a vLLM instance's cache")
 
     def _stored(self, ev: dict) -> None:
+        if ev.get("ownership") == OWNERSHIP:     # the connector's: the pool holds them
+            applied, skipped = self.pool.stored(ev)
+            self.stats.stored += applied
+            self.stats.skipped += skipped
+            return
         hashes = _hash_list(ev.get("block_hashes"))
         if not hashes:
             return
@@ -272,6 +285,9 @@ class VLLMEventBridge(EventSubscriber):
             self.stats.stored += 1
 
     def _removed(self, ev: dict) -> None:
+        if ev.get("ownership") == OWNERSHIP:
+            self.stats.removed += self.pool.removed(ev)
+            return
         tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
         if tier is None or ev.get("group_idx") not in (None, 0):
             return
