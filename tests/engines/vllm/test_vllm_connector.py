@@ -26,7 +26,7 @@ from launcher.supervisor import free_port  # noqa: E402
 pytestmark = pytest.mark.slow
 BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
 ROOT = Path(__file__).resolve().parents[3]
-DRIVER = ROOT / "tests" / "vllm_driver.py"
+DRIVER = ROOT / "tests" / "helpers" / "vllm_driver.py"
 ENGINE = {"dtype": "float32", "enforce_eager": True, "block_size": BS, "max_model_len": 1024,
           "kv_cache_memory_bytes": 32 << 20, "enable_prefix_caching": False, "seed": 0}
 
