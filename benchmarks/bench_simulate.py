@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import peer_router_figures as peers  # noqa: E402
 from benchmarks.run_info import write_results  # noqa: E402
+from benchmarks.sim_ratios import cache_ratios, ratios_of, rejection_ratios  # noqa: E402
 from scheduler.sim import SimConfig, Simulator, plots  # noqa: E402
 from scheduler.sim.command import format_table  # noqa: E402
 from scheduler.sim.presets import describe, preset_runs  # noqa: E402
@@ -200,34 +201,6 @@ def seed_sweep(limit: int | None, cache: str | None = None) -> dict[str, Any]:
                        for k in nopeer[0]},
             "conductor_hit_ratio": _spread([got[("fig5_no_peer_fetch", s, "conductor")]["hit_ratio"]
                                             for s in SEEDS])},
-    }
-
-
-def cache_ratios(avg_ttft: dict[str, float]) -> dict[str, float]:
-    """The Conductor's average TTFT against least-loaded's and local cache-aware's."""
-    return {"conductor_vs_least_loaded_avg_ttft": avg_ttft["conductor"] / avg_ttft["least_loaded"],
-            "conductor_vs_local_cache_aware_avg_ttft": avg_ttft["conductor"] / avg_ttft["local_cache_aware"]}
-
-
-def rejection_ratios(late: dict, cur: dict, pre: dict) -> dict[str, float]:
-    """Predictive against current-load early rejection: rejected requests, wasted prefill;
-    and both against rejection after prefill only ("late", Table 3's baseline)."""
-    return {"rejected_predictive_vs_current": pre["rejected"] / max(1, cur["rejected"]),
-            "wasted_prefill_predictive_vs_current":
-                pre["wasted_prefill_gpu_s"] / max(1e-9, cur["wasted_prefill_gpu_s"]),
-            "rejected_predictive_vs_late": pre["rejected"] / max(1, late["rejected"]),
-            "rejected_current_vs_late": cur["rejected"] / max(1, late["rejected"])}
-
-
-def ratios_of(f5: dict, ovl: dict, oracle: bool) -> dict[str, float]:
-    late, cur, pre = ovl["late"], ovl["current"], ovl["predictive"]
-    return {
-        "oracle": 1 if oracle else 0,
-        "wall_s_full_trace_conductor": f5["conductor"].wall_s,
-        **cache_ratios({p: r.ttft_mean_s for p, r in f5.items()}),
-        **rejection_ratios(late, cur, pre),
-        "late_rejected_prefill_predictive_vs_current": pre["late_rejected_prefill_gpu_s"]
-        / max(1e-9, cur["late_rejected_prefill_gpu_s"]),
     }
 
 

@@ -52,6 +52,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from engines.kv import block_bytes
+from engines.vllm.connector_obs import ConnectorObservability
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, SchedulerSide, _Tracked
 from engines.vllm.connector_worker import WorkerSide
 from engines.vllm.layout import PagedBlocks, PagedLayout, kv_groups
@@ -80,7 +81,7 @@ class ConnectorStats:
     saves_dropped: int = 0   # blocks not saved: pins would pass kvstore.max_pinned_fraction
 
 
-class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
+class KVStoreConnector(ConnectorObservability, SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
     """kvstore's KV connector for vLLM (see the module docstring). Raises InvalidArgument at
     start for bad ``kvstore.*`` settings or a layout it does not serve (pipeline parallelism,
     more tensor-parallel ranks than KV heads, latent attention, a KV-cache group other than
@@ -111,6 +112,7 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHM
                             + TAG_BYTES)
         self.stats = ConnectorStats()
         self.identity = IdentityCheck("kvstore connector")
+        self._obs_init(vllm_config, role)     # metrics and KV events (engines/vllm/connector_obs.py)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, list[BlockTransfer]] = {}

@@ -163,6 +163,7 @@ class SchedulerSide:
             return 0, False
         hit, tr.saved = self._hit_blocks(tr)
         self.stats.lookups += 1
+        self._obs_looked_up(request, tr.keys[0][0])   # type: ignore[attr-defined]
         tr.local_tokens = num_computed_tokens
         extra = hit * self.block_size - num_computed_tokens
         return (extra, False) if extra > 0 else (0, False)
@@ -187,6 +188,7 @@ class SchedulerSide:
                 loads.append(tr.transfer(request.request_id, i, start + first, start + count, ids[first:]))
         self._loads[request.request_id] = loads
         self.stats.hit_blocks += count
+        self._obs_loading(request.request_id, start, count)   # type: ignore[attr-defined]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         """This step's loads (every load recorded since the last step) and saves (the full
@@ -221,6 +223,8 @@ class SchedulerSide:
         if done <= tr.saved:
             return
         a, tr.saved = tr.saved, done
+        events = tr.keys[0][0]    # the events name rank 0's keys of the first group
+        self._obs_saving(req_id, events[a:done], a, events[a - 1] if a else None)   # type: ignore[attr-defined]
         for i, ids in enumerate(tr.block_ids):
             first = next((j for j in range(a, done) if ids[j] != NULL_BLOCK_ID), done)   # past a window: null
             if first < done and (job := self._pin(ids[first:done])) is not None:

@@ -85,10 +85,13 @@ class WorkerSide:
             read_tags = [tag_buffer() for _ in load.block_ids]
             outs = [Segments([*paged.segments(b).parts, t]) for b, t in zip(load.block_ids, read_tags)]
             n = self.link.load(keys, outs)
+            mismatch = False
             for i in range(n):  # a block of other tokens under a colliding key is a load error
                 if not self.identity.verify(keys[i], read_tags[i], tags[i]):
-                    n = i
+                    n, mismatch = i, True
                     break
+            self._obs_loaded(load.keys[0], n, mismatch, time.perf_counter() - t0,   # type: ignore[attr-defined]
+                             paged.block_bytes, events=load.group == 0)
             self.stats.identity_mismatches = self.identity.mismatches
             self.stats.load_s += time.perf_counter() - t0
             self.stats.loaded_blocks += n
@@ -130,6 +133,8 @@ class WorkerSide:
             r, paged = self._rank, self._blocks[save.group]
             blocks = [(k, seal(paged.segments(b), t)) for k, b, t in zip(save.keys[r], save.block_ids, save.tags[r])]
             saved = self.link.save(blocks, save.parents[r], save.namespace)
+            self._obs_saved(save.keys[0], saved, time.perf_counter() - t0,   # type: ignore[attr-defined]
+                            paged.block_bytes, events=save.group == 0)
         except Exception:   # a bug here must not leave vLLM's blocks pinned for ever
             log.exception("kvstore connector: a save of %d blocks of %s failed", len(save.block_ids),
                           save.request_id)

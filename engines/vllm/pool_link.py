@@ -112,6 +112,12 @@ class PoolLink:
         self._down_until = 0.0
         self._backoff = BACKOFF_FIRST_S
         self.failures = 0
+        # for the connector's metrics and events (connector_metrics.py, connector_events.py)
+        self.put_tier = "dram"          # where the store node puts blocks: its first tier (probe)
+        self.last_tiers: tuple[str, ...] = ()   # the last lookup's found blocks' tiers (its caller's thread)
+        self.last_load_error = ""       # why the last load fell short: "" (it did not), or a cause
+        self._down_since: float | None = None
+        self._unavailable_s = 0.0
 
     @property
     def target(self) -> str:
@@ -154,6 +160,7 @@ class PoolLink:
                         type(exc).__name__, exc)
             return
         largest = max((t.capacity_bytes for t in tiers), default=0)
+        self.put_tier = tiers[0].name if tiers else self.put_tier
         if block_bytes > largest:
             raise InvalidArgument(f"kvstore connector: a KV block of this vLLM instance is {block_bytes} bytes "
                                   f"(--block-size and the model's KV layout), more than the largest tier of store "
@@ -165,6 +172,8 @@ class PoolLink:
     def _failed(self, what: str, exc: Exception) -> None:
         self.failures += 1
         with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
             self._down_until = time.monotonic() + self._backoff
             effect = "its blocks are not stored" if what.startswith("save") else "recomputing"
             log.warning("kvstore connector: %s failed (%s: %s); %s, pool skipped for %.0f s",
@@ -173,27 +182,46 @@ class PoolLink:
 
     def _ok(self) -> None:
         self._backoff = BACKOFF_FIRST_S
+        if self._down_since is not None:
+            with self._lock:
+                if self._down_since is not None:
+                    self._unavailable_s += time.monotonic() - self._down_since
+                    self._down_since = None
+
+    def take_unavailable_s(self) -> float:
+        """Seconds the pool was unavailable since the last call: from a failed call to the
+        next one that succeeded (still down: up to now)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._down_since is not None:
+                self._unavailable_s += now - self._down_since
+                self._down_since = now
+            out, self._unavailable_s = self._unavailable_s, 0.0
+        return out
 
     def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> int:
         """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure);
         ``purpose``: ``reuse`` or ``handoff`` (a decode instance's: the pool's lookup books
         count it apart, kvstore/pool/reads.py); ``namespace``: the tenant looking."""
+        self.last_tiers = ()
         client = self._get_client() if keys else None
         if client is None:
             return 0
         try:
-            found = client.lookup(list(keys), purpose, namespace).blocks
+            result = client.lookup(list(keys), purpose, namespace)
         except (KVStoreError, OSError) as exc:
             self._failed(f"lookup of {len(keys)} blocks in the {self.target}", exc)
             return 0
         self._ok()
-        return found
+        self.last_tiers = tuple(result.tiers[:result.blocks])
+        return result.blocks
 
     def load(self, keys: Sequence[bytes], outs: Sequence[Segments]) -> int:
         """Copy the blocks of ``keys`` into ``outs`` (vLLM's paged blocks) and return how many
         leading blocks were loaded whole and verified against their put-time checksums; the
         rest hold undefined bytes and must be recomputed. Never raises for a pool failure."""
         client = self._get_client() if keys else None
+        self.last_load_error = "pool_unavailable" if keys and client is None else ""
         if client is None:
             return 0
         try:
@@ -205,9 +233,11 @@ class PoolLink:
         except LeaseExpired as exc:
             log.warning("kvstore connector: a load of %d blocks outlived its lease (%s); recomputing them",
                         len(keys), exc)
+            self.last_load_error = "lease_expired"
             return 0
         except (KVStoreError, OSError) as exc:
             self._failed(f"load of {len(keys)} blocks from the {self.target}", exc)
+            self.last_load_error = "pool_unavailable"
             return 0
         self._ok()
         n = 0
@@ -215,6 +245,7 @@ class PoolLink:
             if size is None or size != out.nbytes:
                 break
             n += 1
+        self.last_load_error = "miss" if n < len(keys) else ""
         return n
 
     def save(self, blocks: Sequence[tuple[bytes, Segments]], parent: bytes | None,

@@ -60,6 +60,7 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._listed: list[NodeInfo] = []
         self._listed_at = self._listed_ok_at = 0.0   # when last asked / last read (monotonic s)
+        self._refreshing = False                      # a background listing is under way
         self._suspect: dict[str, float] = {}
         self._clients: dict[tuple[str, int], StoreClient] = {}
         self._transports: dict[tuple[str, int], BlockTransport] = {}
@@ -73,22 +74,44 @@ class ClusterClient:
 
     # -- membership ------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
-        """The live nodes (registry listing, minus nodes that just failed a call)."""
+        """The live nodes (registry listing, minus nodes that just failed a call). The first
+        listing, and one forced by zeroing ``_listed_at``, is read in the caller; a periodic
+        one is read in the background while callers go on with the last listing, so a
+        registry that stops answering (its host cut off) costs no request its timeout."""
         now = time.monotonic()
         with self._lock:
             if now - self._listed_at > self.refresh_s:
-                try:
-                    self._listed = self.registry.nodes()
-                    self._listed_ok_at = now
-                except Exception as exc:  # noqa: BLE001 - registry down: keep the last listing a while
-                    if self._listed and now - self._listed_ok_at > STALE_LISTING_S:
-                        log.warning("membership registry unreadable for %.0f s: no node is listed until it "
-                                    "answers (their blocks are misses): %s", now - self._listed_ok_at, exc)
-                        self._listed = []
-                    else:
-                        log.warning("membership registry unavailable: %s", exc)
-                self._listed_at = now
+                if not self._listed_at or not self._listed_ok_at:
+                    self._apply_listing(self._read_listing(), now)
+                elif not self._refreshing:
+                    self._refreshing = True
+                    self._listed_at = now
+                    self._pool.submit(self._refresh_in_background)
             return [n for n in self._listed if self._suspect.get(n.node_id, 0.0) < now]
+
+    def _read_listing(self) -> list[NodeInfo] | Exception:
+        try:
+            return self.registry.nodes()
+        except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
+            return exc
+
+    def _refresh_in_background(self) -> None:
+        listing = self._read_listing()
+        with self._lock:
+            self._apply_listing(listing, time.monotonic())
+            self._refreshing = False
+
+    def _apply_listing(self, listing: list[NodeInfo] | Exception, now: float) -> None:
+        """Under the lock: take a listing read, or keep the last one a while when the read failed."""
+        if not isinstance(listing, Exception):
+            self._listed, self._listed_ok_at = listing, now
+        elif self._listed and now - self._listed_ok_at > STALE_LISTING_S:
+            log.warning("membership registry unreadable for %.0f s: no node is listed until it "
+                        "answers (their blocks are misses): %s", now - self._listed_ok_at, listing)
+            self._listed = []
+        else:
+            log.warning("membership registry unavailable: %s", listing)
+        self._listed_at = now
 
     def health(self) -> str:
         """``SERVING`` when every node the registry lists answers its health check and none

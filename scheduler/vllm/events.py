@@ -24,6 +24,10 @@ saw (stored before it subscribed, or forgotten after a gap).
 vLLM's offloading events (medium ``CPU``) carry no extras, hence no salt: they only add the
 ``dram`` tier to a block the GPU events keyed, never key one.
 
+The kvstore connector's events (``ownership`` ``kvstore``: engines/vllm/connector_events.py)
+ride the same stream and say what the pool holds for the instance; their block hashes are
+the pool's keys already. They go to the instance's pool node (scheduler/vllm/pool_events.py).
+
 Lost batches. A gap in ``seq`` is asked of the replay socket; what the replay cannot cover
 (the batches left vLLM's buffer, or no replay endpoint) clears the instance's hits (one
 ``NodeCleared``; then the part of the gap the replay did return, up to the batch at hand,
@@ -56,12 +60,12 @@ from kvstore.errors import InvalidArgument
 from kvstore.events.event import EventKind, KVEvent
 from kvstore.events.replica import IndexReplica
 from scheduler.routing.engine_link import DTYPE_BYTES
+from scheduler.vllm.event_socket import EventSubscriber
+from scheduler.vllm.pool_events import OWNERSHIP, PoolNode
 
 log = logging.getLogger(__name__)
 
 TIER_OF_MEDIUM = {None: "hbm", "GPU": "hbm", "CPU": "dram"}
-END_SEQ = -1
-MAX_MESSAGE_BYTES = 64 << 20       # one batch on the wire, at most (ZeroMQ drops a larger one)
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class BridgeStats:
     clears: int = 0
 
 
-class VLLMEventBridge:
+class VLLMEventBridge(EventSubscriber):
     """One vLLM instance's KV events into ``replica`` as node ``engine_id``.
 
     Args:
@@ -123,6 +127,7 @@ class VLLMEventBridge:
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.pool = PoolNode(engine_id, replica, self._block_bytes)   # its connector's events
         self._new_epoch()
 
     @property
@@ -142,6 +147,8 @@ class VLLMEventBridge:
         self._seq = 0
         self._blocks.clear()
         self._emit(EventKind.NODE_CLEARED)
+        if self.pool.held:
+            self.pool.clear()
 
     def _clear(self, why: str) -> None:
         self.stats.clears += 1
@@ -199,10 +206,15 @@ class VLLMEventBridge:
             self._clear("a batch that cannot be applied")
             return
         self.stats.batches += 1
-        if len(self._blocks) > self.max_blocks:
+        if len(self._blocks) + len(self.pool.held) > self.max_blocks:
             self._clear(f"more than {self.max_blocks} blocks held: not a vLLM instance's cache")
 
     def _stored(self, ev: dict) -> None:
+        if ev.get("ownership") == OWNERSHIP:     # the connector's: the pool holds them
+            applied, skipped = self.pool.stored(ev)
+            self.stats.stored += applied
+            self.stats.skipped += skipped
+            return
         hashes = _hash_list(ev.get("block_hashes"))
         if not hashes:
             return
@@ -273,6 +285,9 @@ class VLLMEventBridge:
             self.stats.stored += 1
 
     def _removed(self, ev: dict) -> None:
+        if ev.get("ownership") == OWNERSHIP:
+            self.stats.removed += self.pool.removed(ev)
+            return
         tier = TIER_OF_MEDIUM.get(ev.get("medium"), None)
         if tier is None or ev.get("group_idx") not in (None, 0):
             return
@@ -285,97 +300,6 @@ class VLLMEventBridge:
                 del self._blocks[h]
             self._emit(EventKind.BLOCK_REMOVED, entry[0], tier)
             self.stats.removed += 1
-
-    def _replay(self, start: int, upto: int) -> list[tuple[int, bytes]]:
-        """Batches ``start .. upto - 1`` as the replay socket returns them, in its order
-        (possibly fewer: vLLM's buffer keeps the last 10,000, and its socket drops replies
-        beyond its high-water mark); none without a replay endpoint or on a timeout."""
-        if self.replay_endpoint is None:
-            return []
-        import zmq
-        sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        got: list[tuple[int, bytes]] = []
-        try:
-            sock.connect(self.replay_endpoint)
-            sock.send_multipart((b"", start.to_bytes(8, "big")))
-            deadline = time.monotonic() + self.replay_timeout_s
-            while True:
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not sock.poll(left_ms):
-                    log.warning("vLLM KV events of %s: replay from %d timed out", self.engine_id, start)
-                    return []
-                frames = sock.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
-                    return []
-                seq = int.from_bytes(frames[2], "big", signed=True)
-                if seq == END_SEQ:
-                    return got
-                if start <= seq < upto and (not got or seq > got[-1][0]):
-                    got.append((seq, frames[3]))
-        finally:
-            sock.close()
-
-    # -- the subscriber thread ------------------------------------------------------------
-    def start(self) -> VLLMEventBridge:
-        """Subscribe to the endpoint in a background thread until :meth:`stop`. Raises
-        RuntimeError while a previous thread has not stopped."""
-        if self._thread is not None and self._thread.is_alive():
-            if not self._stop.is_set():
-                return self
-            raise RuntimeError(f"the KV-event bridge of {self.engine_id} is still stopping")
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-kv-events-{self.engine_id}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if not self._thread.is_alive():
-                self._thread = None
-
-    def _run(self) -> None:
-        import zmq
-        import zmq.utils.monitor
-        sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # a publisher that went away
-        sock.connect(self.endpoint)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        log.info("vLLM KV events of %s: subscribed to %s (replay: %s)", self.engine_id, self.endpoint,
-                 self.replay_endpoint or "none")
-        if self.endpoint.startswith("tcp://"):
-            log.warning("vLLM KV events of %s come over TCP (%s): they carry prompt tokens in clear, to anyone "
-                        "who can reach the port; an ipc:// socket in a 0700 directory keeps them on this host",
-                        self.engine_id, self.endpoint)
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(100))
-                if monitor in ready:
-                    zmq.utils.monitor.recv_monitor_message(monitor)
-                    # what a restarted instance publishes before we reconnect is lost, and its
-                    # numbers may run past ours: nothing the old one held can be trusted
-                    self._clear("the publisher disconnected (the instance stopped or restarted)")
-                    self._last = None
-                if sock not in ready:
-                    continue
-                frames = sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.stats.bad += 1
-                    continue
-                self.receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
-        finally:
-            sock.disable_monitor()
-            monitor.close()
-            sock.close()
-
 
 def _hash_list(hashes: Any) -> list[int | bytes]:
     """vLLM's block hashes (ints or bytes). Raises ValueError for anything else."""

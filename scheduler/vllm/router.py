@@ -148,10 +148,12 @@ class VLLMRouter(Router[VLLMClient]):
 
     def watch_kv_events(self, endpoints: dict[str, tuple[str, str | None]]) -> None:
         """Keep a replica of the instances' own prefix caches from their vLLM KV events
-        (engine id → (PUB endpoint, replay endpoint or None)); the pool's hits still come
-        from the store's ``Lookup``."""
+        (engine id → (PUB endpoint, replay endpoint or None)), and of what their connectors
+        say the pool holds (scheduler/vllm/pool_events.py). The pool's hits come from the
+        store's ``Lookup`` when the router has a store (the connectors learn of the store's
+        evictions only when a request asks again), else from the connectors' events."""
         self.replica = IndexReplica(LocalEventChannel())   # fed by the bridges, never polled
-        self.pool_in_replica = False
+        self.pool_in_replica = self.store is None
         self.bridges = start_bridges(endpoints, self.model.paged, self.replica)
 
     async def close(self) -> None:

@@ -111,6 +111,33 @@ def test_vllm_events_become_the_connectors_keys_per_tenant_and_removals_and_clea
     assert bridge.stats.clears == 1 and bridge.stats.bad == 0
 
 
+def test_the_connectors_events_put_the_pools_blocks_on_the_instances_pool_node_by_tier(wire) -> None:
+    """Events as the connector makes them (engines/vllm/connector_events.py), through vLLM's
+    publisher: the pool's blocks land on ``<engine>/pool`` under their own keys, by tier,
+    without a parent the bridge saw; a loss takes the block off; a clear of the instance's
+    hits clears its pool node too."""
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from engines.vllm.connector_events import PoolEventBook
+    from scheduler.vllm.pool_events import pool_node
+    publish, bridge, replica, layout, _ = wire
+    prompt = list(range(40, 56))                  # 4 blocks of 4
+    keys = layout.keys(prompt, "alice")
+    node = pool_node(ENGINE)
+    book = PoolEventBook(BS)
+    book.looked_up(keys, ("dram", "dram", "ssd"), prompt, "alice", None)   # another instance stored these
+    publish(*book.take())
+    wait_until(lambda: len(replica.match(keys).per_node.get(node, ())) == 3)
+    assert replica.match(keys).per_node[node] == ("dram", "dram", "ssd")
+    assert held(replica, layout, prompt, "alice") == ()     # not the instance's own cache
+    book.looked_up(keys, ("dram",), prompt, "alice", None)  # the pool lost block 1
+    publish(*book.take())
+    wait_until(lambda: len(replica.match(keys).per_node.get(node, ())) == 1)
+    assert bridge.stats.removed == 1 and bridge.stats.bad == 0
+    publish(AllBlocksCleared())
+    wait_until(lambda: node not in replica.match(keys).per_node)
+
+
 def sent(publisher) -> None:
     """Until vLLM's publisher thread has sent (and buffered) every batch handed to it."""
     wait_until(lambda: publisher._event_queue.unfinished_tasks == 0)

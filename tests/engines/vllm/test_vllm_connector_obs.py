@@ -1,0 +1,144 @@
+"""The connector's figures and KV events without a vLLM engine (engines/vllm/connector_metrics.py,
+connector_events.py, pool_link.py): vLLM's own classes, a real Prometheus registry, a real
+msgpack round trip, a pool link to a port where nothing listens. The engine-level checks are in
+test_vllm_connector_metrics.py and tests/scheduler/vllm/test_vllm_kv_events.py."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engines.vllm.connector_events import MEDIUM_OF_TIER, OWNERSHIP, KVStoreKVEvents, PoolEventBook, lost, saved  # noqa: E402
+from engines.vllm.connector_metrics import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder, hit_sources  # noqa: E402
+from scheduler.vllm.pool_events import OWNERSHIP as BRIDGE_OWNERSHIP  # noqa: E402
+from scheduler.vllm.pool_events import POOL_TIER_OF_MEDIUM  # noqa: E402
+
+BS = 4
+KEYS = [bytes([i]) * 32 for i in range(1, 7)]
+TOKENS = list(range(100, 124))    # 6 blocks of 4
+
+
+def test_hit_sources_name_vllms_sources_and_sum_to_the_tokens() -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
+    assert hit_sources(["dram", "dram", "ssd"], BS, 12) == {S.HOST: 8, S.DISK: 4}
+    assert hit_sources(["hbm", "odd"], BS, 10) == {S.P2P: 4, S.EXTERNAL_UNSPECIFIED: 6}
+    assert hit_sources([], BS, 0) == {}
+
+
+def test_stats_add_up_across_ranks_and_survive_the_trip_to_the_api_server() -> None:
+    import msgspec
+    a, b = StatsRecorder(), StatsRecorder()
+    assert a.take() is None                         # nothing happened: vLLM gets None
+    a.lookup()
+    a.hits(["dram", "dram", "ssd"], BS)
+    a.load(0.002, 3, 3 * 1024)
+    b.load(0.004, 1, 1024, errors=2, cause="miss")
+    b.save(0.001, 2, 2048)
+    b.unavailable(0.5)
+    one, two = a.take(), b.take()
+    assert one is not None and two is not None and a.take() is None   # taking empties the interval
+    shipped = msgspec.msgpack.decode(msgspec.msgpack.encode(two.data))   # vLLM ships data as msgpack
+    total = one.aggregate(KVStoreConnectorStats(data=shipped))
+    d = total.data
+    assert d["hit_blocks"] == {"dram": 2, "ssd": 1} and d["hit_tokens"] == {"dram": 8, "ssd": 4}
+    assert d["load_bytes"] == 4096 and d["loaded_blocks"] == 4 and d["load_errors"] == {"miss": 2}
+    assert d["save_bytes"] == 2048 and d["pool_unavailable_s"] == 0.5 and d["lookups"] == 1
+    line = total.reduce()
+    assert line["hit_blocks_dram"] == 2 and line["load_errors_miss"] == 2 and line["load_ms_avg"] == 3.0
+    assert KVStoreConnectorStats().is_empty() and not total.is_empty()
+
+
+def test_prometheus_metrics_carry_the_figures_by_tier_and_cause() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    registry = CollectorRegistry()
+    types = {t: functools.partial(t, registry=registry) for t in (Gauge, Counter, Histogram)}
+    prom = KVStorePromMetrics(_Config(), types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    rec = StatsRecorder()
+    rec.hits(["dram"] * 3, BS)
+    rec.load(0.01, 3, 3000, errors=1, cause="identity_mismatch")
+    rec.unavailable(1.5)
+    prom.observe(rec.take().data, 0)
+    prom.observe({"hit_blocks": {"dram": 1}}, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvstore_hit_blocks_total", {**labels, "tier": "dram"}) == 4
+    assert registry.get_sample_value("vllm:kvstore_hit_tokens_total", {**labels, "tier": "dram"}) == 12
+    assert registry.get_sample_value("vllm:kvstore_load_bytes_total", labels) == 3000
+    assert registry.get_sample_value("vllm:kvstore_load_errors_total", {**labels, "cause": "identity_mismatch"}) == 1
+    assert registry.get_sample_value("vllm:kvstore_pool_unavailable_seconds_total", labels) == 1.5
+    assert registry.get_sample_value("vllm:kvstore_load_seconds_count", labels) == 1
+
+
+class _Config:
+    kv_transfer_config = None
+
+
+def test_a_save_is_published_once_every_rank_reported_it_and_a_loss_when_any_did() -> None:
+    book = PoolEventBook(BS, put_tier="dram")
+    book.saving(KEYS[:2], 0, TOKENS, None, "alice", None)
+    rank0, rank1 = KVStoreKVEvents(), KVStoreKVEvents()
+    rank0.add_events([saved(KEYS[:2], BS)])
+    rank0.add_events([lost(KEYS[5:6])])
+    rank0.increment_workers(1)       # vLLM's aggregation of two ranks, one of which reported
+    book.reported(rank0)
+    assert book.take() == []         # the loss is of a block never announced; the save waits for rank 1
+    rank1.add_events([saved(KEYS[:2], BS)])
+    book.reported(rank1)
+    (ev,) = book.take()
+    assert ev.block_hashes == KEYS[:2] and ev.token_ids == TOKENS[:8] and ev.parent_block_hash is None
+    assert ev.medium == "CPU" and ev.ownership == OWNERSHIP and ev.extra_keys == [("alice",), None]
+    assert book.take() == []
+    gone = KVStoreKVEvents()
+    gone.add_events([lost(KEYS[1:2])])
+    book.reported(gone)
+    (rm,) = book.take()
+    assert rm.block_hashes == KEYS[1:2] and rm.medium == "CPU"
+
+
+def test_a_save_one_rank_never_reports_is_dropped() -> None:
+    events = KVStoreKVEvents(num_workers=2)
+    events.add_events([saved(KEYS[:1], BS)])
+    for _ in range(80):
+        assert events.pop_common_events() == []
+    assert not events.has_events()
+
+
+def test_lookups_announce_what_the_pool_holds_once_and_its_losses() -> None:
+    book = PoolEventBook(BS)
+    book.looked_up(KEYS[:4], ("dram", "dram", "ssd"), TOKENS, "t", None)
+    stored = book.take()
+    assert [(e.block_hashes, e.medium, e.parent_block_hash) for e in stored] == [
+        (KEYS[:2], "CPU", None), (KEYS[2:3], "STORAGE", KEYS[1])]
+    assert stored[1].token_ids == TOKENS[8:12] and stored[1].extra_keys is None
+    book.looked_up(KEYS[:4], ("dram", "dram", "ssd"), TOKENS, "t", None)
+    assert book.take() == []                          # told once
+    book.looked_up(KEYS[:4], ("dram",), TOKENS, "t", None)
+    (rm,) = book.take()                               # block 1 is gone; a lookup says nothing past it
+    assert rm.block_hashes == KEYS[1:2] and rm.medium == "CPU"
+    book.reset()
+    book.looked_up(KEYS[:1], ("dram",), TOKENS, "t", None)
+    assert [e.block_hashes for e in book.take()] == [KEYS[:1]]   # after a reset, announced anew
+
+
+def test_the_router_reads_the_connectors_names() -> None:
+    assert BRIDGE_OWNERSHIP == OWNERSHIP
+    assert POOL_TIER_OF_MEDIUM == {m: t for t, m in MEDIUM_OF_TIER.items()}
+
+
+def test_a_pool_that_cannot_be_reached_is_a_load_error_of_its_own_cause_and_down_time() -> None:
+    import numpy as np
+
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
+    from kvstore.tiers.buffers import Segments
+    from launcher.supervisor import free_port
+    link = PoolLink(ConnectorConfig(store=f"127.0.0.1:{free_port()}", timeout_s=0.5))
+    try:
+        assert link.lookup(KEYS[:2]) == 0 and link.last_tiers == ()
+        out = Segments([np.zeros(64, dtype=np.uint8)])
+        assert link.load(KEYS[:1], [out]) == 0 and link.last_load_error == "pool_unavailable"
+        first = link.take_unavailable_s()
+        assert first > 0
+        assert link.take_unavailable_s() > 0          # still down: its seconds keep counting
+    finally:
+        link.close()
