@@ -73,6 +73,18 @@ def write_tokenizer(model_dir: str, max_len: int) -> None:
     fast.save_pretrained(model_dir)
 
 
+STAMP = "kvstore_checkpoint.json"   # the settings a checkpoint directory was written with
+
+
+def _written(model_dir: str, stamp: dict) -> bool:
+    """Whether ``model_dir`` holds a complete checkpoint written with the settings ``stamp``."""
+    path = os.path.join(model_dir, STAMP)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return bool(json.load(f) == stamp)
+
+
 def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: int = 0,
                      max_model_len: int = 4096, dtype: str = "float32") -> str:
     """Write a seeded random Llama checkpoint and its tokenizer to ``model_dir`` (created);
@@ -88,11 +100,8 @@ def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: 
         raise ValueError(f"unknown checkpoint size {size!r}; valid: {sorted(SIZES)}")
     stamp = {"dims": [dims.num_layers, dims.hidden, dims.heads, dims.kv_heads, dims.intermediate, dims.vocab],
              "seed": seed, "max_model_len": max_model_len, "dtype": dtype}
-    stamp_path = os.path.join(model_dir, "kvstore_checkpoint.json")
-    if os.path.exists(stamp_path):
-        with open(stamp_path) as f:
-            if json.load(f) == stamp:
-                return model_dir
+    if _written(model_dir, stamp):
+        return model_dir
     os.makedirs(model_dir, exist_ok=True)
     cfg = LlamaConfig(vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.intermediate,
                       num_hidden_layers=dims.num_layers, num_attention_heads=dims.heads,
@@ -102,7 +111,7 @@ def write_checkpoint(model_dir: str, size: str | CheckpointSize = "tiny", seed: 
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(model_dir)
     write_tokenizer(model_dir, max_model_len)
-    with open(stamp_path, "w") as f:
+    with open(os.path.join(model_dir, STAMP), "w") as f:
         json.dump(stamp, f)
     return model_dir
 
@@ -117,11 +126,8 @@ def write_gemma2_checkpoint(model_dir: str, seed: int = 0, max_model_len: int = 
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     stamp = {"model": "gemma2", "seed": seed, "max_model_len": max_model_len}
-    stamp_path = os.path.join(model_dir, "kvstore_checkpoint.json")
-    if os.path.exists(stamp_path):
-        with open(stamp_path) as f:
-            if json.load(f) == stamp:
-                return model_dir
+    if _written(model_dir, stamp):
+        return model_dir
     os.makedirs(model_dir, exist_ok=True)
     cfg = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=64,
@@ -130,7 +136,7 @@ def write_gemma2_checkpoint(model_dir: str, seed: int = 0, max_model_len: int = 
     torch.manual_seed(seed)
     Gemma2ForCausalLM(cfg).save_pretrained(model_dir)   # float32, torch's default
     write_tokenizer(model_dir, max_model_len)
-    with open(stamp_path, "w") as f:
+    with open(os.path.join(model_dir, STAMP), "w") as f:
         json.dump(stamp, f)
     return model_dir
 

@@ -133,7 +133,7 @@ class SchedulerSide:
 
     def _lookup(self, keys: list[list[bytes]], tr: _Tracked) -> int:
         """Blocks of the longest prefix every rank's chain has in the pool."""
-        return min(self.link.lookup(k, self.lookup_purpose, tr.namespace) if k else 0 for k in keys)
+        return min(self.link.lookup(k, self.lookup_purpose, tr.namespace).blocks if k else 0 for k in keys)
 
     def _hit_blocks(self, tr: _Tracked) -> tuple[int, int]:
         """Blocks of the prompt's head the pool holds for every group and rank: the longest

@@ -22,9 +22,12 @@ from typing import Any, Literal
 import numpy as np
 
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded, Unauthenticated
+from kvstore.pool.types import LookupResult
 from kvstore.tiers.buffers import Segments
 
 log = logging.getLogger(__name__)
+
+NO_BLOCKS = LookupResult(0, ())    # a lookup that could not ask the pool
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 LOAD_ERROR_POLICIES = ("recompute", "fail")
@@ -199,22 +202,22 @@ class PoolLink:
             out, self._unavailable_s = self._unavailable_s, 0.0
         return out
 
-    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> int:
-        """Blocks of the longest prefix of ``keys`` the pool holds (0 on any failure);
+    def lookup(self, keys: Sequence[bytes], purpose: str = "reuse", namespace: str | None = None) -> LookupResult:
+        """The longest prefix of ``keys`` the pool holds and its tiers (none on any failure);
         ``purpose``: ``reuse`` or ``handoff`` (a decode instance's: the pool's lookup books
         count it apart, kvstore/pool/reads.py); ``namespace``: the tenant looking."""
         self.last_tiers = ()
         client = self._get_client() if keys else None
         if client is None:
-            return 0
+            return NO_BLOCKS
         try:
             result = client.lookup(list(keys), purpose, namespace)
         except (KVStoreError, OSError) as exc:
             self._failed(f"lookup of {len(keys)} blocks in the {self.target}", exc)
-            return 0
+            return NO_BLOCKS
         self._ok()
         self.last_tiers = tuple(result.tiers[:result.blocks])
-        return result.blocks
+        return result
 
     def load(self, keys: Sequence[bytes], outs: Sequence[Segments]) -> int:
         """Copy the blocks of ``keys`` into ``outs`` (vLLM's paged blocks) and return how many

@@ -71,8 +71,8 @@ def test_a_pool_that_cannot_be_reached_is_a_miss_and_backs_off() -> None:
     from launcher.supervisor import free_port
     port = free_port()
     link = PoolLink(ConnectorConfig(store=f"127.0.0.1:{port}", timeout_s=1))
-    assert link.lookup([b"k" * 32]) == 0 and link.failures == 1
-    assert link.lookup([b"k" * 32]) == 0 and link.failures == 1   # backing off: not asked again
+    assert link.lookup([b"k" * 32]) == (0, ()) and link.failures == 1
+    assert link.lookup([b"k" * 32]) == (0, ()) and link.failures == 1   # backing off: not asked again
     link.close()
 
 
