@@ -134,7 +134,7 @@ def test_a_pool_that_cannot_be_reached_is_a_load_error_of_its_own_cause_and_down
     from launcher.supervisor import free_port
     link = PoolLink(ConnectorConfig(store=f"127.0.0.1:{free_port()}", timeout_s=0.5))
     try:
-        assert link.lookup(KEYS[:2]) == 0 and link.last_tiers == ()
+        assert link.lookup(KEYS[:2]) == (0, ()) and link.last_tiers == ()
         out = Segments([np.zeros(64, dtype=np.uint8)])
         assert link.load(KEYS[:1], [out]) == 0 and link.last_load_error == "pool_unavailable"
         first = link.take_unavailable_s()
