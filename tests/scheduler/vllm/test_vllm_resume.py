@@ -63,16 +63,17 @@ def both_up(servers):
 
 
 def counters(server, names: tuple[str, ...]) -> dict[str, float]:
-    """vLLM's counters ``names`` once two reads 0.2 s apart agree (it counts a step's tokens
-    as it streams them; the last step's may land just after the stream's end)."""
+    """vLLM's counters ``names`` once two reads 1 s apart agree (it counts a step's tokens
+    as it streams them; the last step's may land just after the stream's end, later on a
+    busy machine)."""
     def read() -> dict[str, float]:
         with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
             lines = r.read().decode().splitlines()
         return {n: sum(float(line.rsplit(" ", 1)[1]) for line in lines
                        if line.startswith(n + "{") or line.startswith(n + " ")) for n in names}
     last = read()
-    for _ in range(25):
-        time.sleep(0.2)
+    for _ in range(10):
+        time.sleep(1.0)
         now = read()
         if now == last:
             break
