@@ -243,10 +243,6 @@ class Load:
         for start in range(0, len(keys), 64):
             part = keys[start:start + 64]
             self.client._listed_at = 0.0
-            # A node that failed a call in the last suspect_s is skipped (its blocks read as
-            # misses, and a read stops at a chain's first miss): whether a block is held is
-            # asked of every survivor, suspected or not.
-            self.client._suspect.clear()
             got = self.client.get_blocks(part)
             lost += [k for k, d in zip(part, got) if d != block_of(k, self.size)]
         return lost

@@ -98,8 +98,10 @@ class ClusterClient:
     def _refresh_in_background(self) -> None:
         listing = self._read_listing()
         with self._lock:
-            self._apply_listing(listing, time.monotonic())
-            self._refreshing = False
+            try:
+                self._apply_listing(listing, time.monotonic())
+            finally:        # never left set: the listing would then never be read again
+                self._refreshing = False
 
     def _apply_listing(self, listing: list[NodeInfo] | Exception, now: float) -> None:
         """Under the lock: take a listing read, or keep the last one a while when the read failed."""

@@ -28,7 +28,9 @@ STALL_S = 3 * 2.0             # a read that meets a cut link: the client's timeo
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(str(tmp_path_factory.mktemp("multihost")), nodes=3, extra_hosts=1, dram="64MiB") as c:
+    # 256 MiB per node holds 4,096 blocks of 64 KiB, several times what the module's load puts
+    # on a node: a block the check finds gone was lost, not evicted for room.
+    with Cluster(str(tmp_path_factory.mktemp("multihost")), nodes=3, extra_hosts=1, dram="256MiB") as c:
         yield c
 
 
