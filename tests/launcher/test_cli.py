@@ -27,7 +27,7 @@ def test_up_replays_the_first_20_requests_of_the_trace_once(tmp_path):
     """One run (--no-compare) of 20 consecutive requests (--contiguous); the pool on against off
     comparison, kvstore up --replay's default, is tests/launcher/test_demo.py."""
     out = tmp_path / "report.json"
-    proc = run("launcher", "up", "--engine", "builtin", "--replay", str(TRACE), "--requests", "20", "--speed", "4",
+    proc = run("launcher", "up", "--engine", "builtin", "--replay", str(TRACE), "--requests", "20", "--speed", "10",
                "--contiguous", "--no-compare", "--port", "0", "--data-dir", str(tmp_path / "up"), "--json", str(out),
                timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

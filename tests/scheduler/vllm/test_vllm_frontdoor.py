@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Callable
@@ -385,22 +387,27 @@ def test_requests_move_off_dead_instances_before_anything_is_sent_and_restarted_
 def test_a_killed_decode_instance_s_stream_resumes_on_the_other_and_new_requests_go_there(
         model_dir, store, servers) -> None:
     """Runs last: it kills decode1. Two long requests spread over the two decode instances;
-    decode1 is killed from the client's own stream, once 20 of its tokens have arrived (a
-    vLLM counter polled instead counts earlier tests' tokens too, and a tiny model may
-    finish the whole request between two polls). Its stream goes on from decode0
-    (scheduler/vllm/resume.py: the prompt's blocks from the pool, the tokens sent so far
-    recomputed) and ends whole, with no error event."""
-    # A short prompt and the rest of the context to generate: the tiny model decodes fast and
-    # this process reads the two streams slower than vLLM writes them (decode1 was seen at up
-    # to 1,643 of 2,000 tokens when its 20th reached us), so a 2,000-token request could end
-    # before the kill landed; ~8,000 tokens leave it four times the room.
+    decode1 is frozen (SIGSTOP) from the client's own stream as soon as its first token
+    arrives, and killed a second later (a vLLM counter polled instead counts earlier tests'
+    tokens too, and a tiny model may finish the whole request between two polls). Its stream
+    goes on from decode0 (scheduler/vllm/resume.py: the prompt's blocks from the pool, the
+    tokens sent so far recomputed) and ends whole, with no error event."""
+    # A short prompt and ~4,000 tokens to generate: the tiny model decodes fast and this
+    # process reads the two streams slower than vLLM writes them (decode1 was seen at up to
+    # 1,643 tokens when its 20th reached us); freezing it at the first token bounds how far
+    # it gets, and ~4,000 tokens leave it more than twice that room.
     prompt = trace_prompts(2)[1][0][:64]
-    max_tokens = 8192 - len(prompt) - 8
+    max_tokens = 4096 - len(prompt) - 8
+
+    def kill(out: dict) -> None:
+        servers["decode1"].kill()
+        out["killed_at"] = len(out["tokens"])
 
     def kill_mid_stream(out: dict) -> None:
-        if out["decode"] == "vllm-decode-1" and len(out["tokens"]) >= 20 and servers["decode1"].proc.poll() is None:
-            servers["decode1"].kill()
-            out["killed_at"] = len(out["tokens"])
+        if out["decode"] == "vllm-decode-1" and "frozen" not in out and servers["decode1"].proc.poll() is None:
+            os.killpg(servers["decode1"].proc.pid, signal.SIGSTOP)   # its engine core too
+            out["frozen"] = len(out["tokens"])
+            asyncio.get_running_loop().call_later(1.0, kill, out)
 
     async def run() -> tuple[list[dict], list[dict], tuple[int, dict], float | None]:
         async with frontdoor(model_dir, store, servers, "decode0", "decode1") as door:
