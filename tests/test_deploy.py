@@ -188,7 +188,11 @@ def test_the_connector_settings_are_the_connectors() -> None:
     assert kv["kv_connector"] == "KVStoreConnector" and kv["kv_role"] in ROLES
     module = ROOT / (kv["kv_connector_module_path"].replace(".", "/") + ".py")   # importing it imports vLLM
     assert module.exists() and "class KVStoreConnector(" in module.read_text()
-    cfg = ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
+    assert "redis" not in json.dumps(kv), "the Redis URL (with its password) comes from KVSTORE_REDIS_URL, not argv"
+    with pytest.MonkeyPatch.context() as env:     # the connector's settings in the pod's environment
+        for name, value in container_env(the("kvstore-vllm", "vllm")).items():
+            env.setenv(name, value)
+        cfg = ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
     assert cfg.redis and cfg.redis.startswith("redis://:kvstore-redis/password@kvstore-redis.")
     assert cfg.store == f"{DOWNWARD['status.hostIP']}:50051"
 
@@ -359,7 +363,7 @@ def test_the_docs_commands_parse() -> None:
     for words in vllm_lines:
         kv = json.loads(words[words.index("--kv-transfer-config") + 1])
         assert kv["kv_connector_module_path"] == "engines.vllm.connector"
-        ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
+        ConnectorConfig.from_extra(kv.get("kv_connector_extra_config"))
 
 
 def test_the_redis_container_serves_only_with_its_password(tmp_path: Path) -> None:

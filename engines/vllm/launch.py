@@ -74,9 +74,7 @@ class VLLMServerSpec:
         return f"http://{self.host}:{self.port}"
 
     def kv_transfer_config(self) -> dict:
-        extra: dict = {"kvstore.store": self.store, "kvstore.timeout_s": 5}
-        if self.redis:
-            extra["kvstore.redis"] = self.redis
+        extra: dict = {"kvstore.store": self.store, "kvstore.timeout_s": 5}   # Redis: env()
         return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engines.vllm.connector",
                 "kv_role": self.role, "kv_connector_extra_config": extra}
 
@@ -104,6 +102,9 @@ class VLLMServerSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         if self.store_token:
             env["KVSTORE_STORE_TOKEN"] = self.store_token
+        env.pop("KVSTORE_REDIS_URL", None)   # the connector's pool: this spec's Redis, or its store node
+        if self.redis:
+            env["KVSTORE_REDIS_URL"] = self.redis   # its password stays off the command line
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
         return env

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvstore.auth import REDIS_URL_ENV, STORE_TOKEN_ENV
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseExpired, QuotaExceeded, Unauthenticated
 from kvstore.pool.types import LookupResult
 from kvstore.tiers.buffers import Segments
@@ -37,7 +38,8 @@ LOAD_ERROR_POLICIES = ("recompute", "fail")
 class ConnectorConfig:
     """The connector's settings: ``kv_connector_extra_config`` keys of the form
     ``kvstore.<field>``; ``store_token`` falls back to the ``KVSTORE_STORE_TOKEN`` environment
-    variable (so it stays off command lines).
+    variable and ``redis`` to ``KVSTORE_REDIS_URL`` (so a token or a Redis password stays off
+    command lines, as for every kvstore service).
 
     ``store``: a store node's host:port. ``redis``: a Redis URL; when set, the cluster
     registered there is the pool and ``store`` is unused. ``timeout_s``: seconds per pool
@@ -100,7 +102,8 @@ class ConnectorConfig:
                     raise InvalidArgument(f"kvstore.timeout_s must be a number of seconds > 0, "
                                           f"got {value!r}") from None
             kw[name] = value
-        kw.setdefault("store_token", os.environ.get("KVSTORE_STORE_TOKEN") or None)
+        kw.setdefault("store_token", os.environ.get(STORE_TOKEN_ENV) or None)
+        kw.setdefault("redis", os.environ.get(REDIS_URL_ENV) or None)
         return cls(**kw)
 
 

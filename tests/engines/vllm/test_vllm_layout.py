@@ -35,6 +35,14 @@ def test_settings_come_from_the_extra_config_and_bad_ones_are_named(monkeypatch)
         ConnectorConfig.from_extra({"store": "10.0.0.5:50051"})
 
 
+def test_the_redis_url_comes_from_the_environment_unless_the_extra_config_names_one(monkeypatch) -> None:
+    monkeypatch.delenv("KVSTORE_REDIS_URL", raising=False)
+    assert ConnectorConfig.from_extra({}).redis is None
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "redis://:pw@198.18.0.1:6379/0")
+    assert ConnectorConfig.from_extra({}).redis == "redis://:pw@198.18.0.1:6379/0"
+    assert ConnectorConfig.from_extra({"kvstore.redis": "redis://198.18.0.2:6379/0"}).redis == "redis://198.18.0.2:6379/0"
+
+
 def test_a_block_is_its_slice_of_every_layer_in_order() -> None:
     layers = {f"layer.{i}": torch.arange(4 * 2 * 8 * 6, dtype=torch.float32).reshape(4, 2, 8, 6) + 1000 * i
               for i in range(3)}
