@@ -13,6 +13,12 @@ process is gone (a killed run), killing what still runs in their namespaces by p
 :meth:`Topology.up` sweeps first; :meth:`Topology.down` runs on exit, at interpreter exit
 and on SIGTERM/SIGINT too.
 
+Each host has its own ``/dev/shm`` as well (``/dev/shm/PREFIX-hI`` bound over it in the mount
+namespace ``ip netns exec`` makes): hosts share the kernel, so a store node's shared-memory slab
+would otherwise be mapped by a client on another host (kvstore's ``auto`` transport takes the
+mapped slab when the node's boot id is its own) and no byte would cross the bridge. Processes
+of one host share theirs, as on a real host.
+
 A link cut (:meth:`Topology.cut`) sets the root-side veth down: the host's peers then see
 timeouts (no reset, as a pulled cable), while inside the host the interface stays up.
 Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`unavailable` says why not.
@@ -20,6 +26,7 @@ Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`unavailable` says why n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 BASE = "kvh"
+SHM = "/dev/shm"
+# run inside a host: its own /dev/shm (a directory of the real one bound over it), then the command
+_OWN_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 
 
 def _ip(*args: str, check: bool = True) -> str:
@@ -71,6 +81,7 @@ def _owner(name: str) -> int | None:
 
 def _remove(namespaces: Sequence[str], links: Sequence[str]) -> None:
     for ns in namespaces:
+        shutil.rmtree(os.path.join(SHM, ns), ignore_errors=True)
         for pid in _ip("netns", "pids", ns, check=False).split():
             try:   # what still runs inside (a killed run's services), by pid
                 os.kill(int(pid), signal.SIGKILL)
@@ -85,7 +96,9 @@ def _ours() -> tuple[list[str], list[str]]:
     namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).splitlines() if line.strip()]
     links = [line.split(": ")[1].split("@")[0] for line in _ip("-o", "link", "show", check=False).splitlines()
              if ": " in line]
-    return [n for n in namespaces if n.startswith(BASE)], [x for x in links if x.startswith(BASE)]
+    shm = os.listdir(SHM) if os.path.isdir(SHM) else []     # a host's /dev/shm outlives nothing of its run
+    return (sorted({n for n in namespaces + shm if n.startswith(BASE)}),
+            [x for x in links if x.startswith(BASE)])
 
 
 def sweep() -> list[str]:
@@ -136,6 +149,8 @@ class Topology:
         for i in range(1, self.n + 1):
             ns = self.ns(i)
             _ip("netns", "add", ns)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.join(SHM, ns), 0o700)
             _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", self.veth(i), "master", self.bridge, "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -173,8 +188,8 @@ class Topology:
             _ip("link", "set", self.veth(i), "up")
 
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside host ``i``."""
-        return ["ip", "netns", "exec", self.ns(i), *argv]
+        """``argv`` run inside host ``i`` (its network namespace and its own /dev/shm)."""
+        return ["ip", "netns", "exec", self.ns(i), "sh", "-c", _OWN_SHM, os.path.join(SHM, self.ns(i)), *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``i`` (``subprocess.Popen`` keywords)."""
