@@ -113,14 +113,15 @@ def sweep() -> list[str]:
 
 class Topology:
     """``n`` hosts on a private bridge (see the module's docstring). ``subnet`` picks the
-    third octet (198.18.SUBNET.0/24; by default from the pid, so two runs at once do not
-    share addresses)."""
+    third octet (198.18.SUBNET.0/24; by default the first from the pid's on that no interface
+    holds yet, at :meth:`up`, so two runs at once do not share addresses)."""
 
     def __init__(self, n: int, subnet: int | None = None) -> None:
         if not 1 <= n <= 250:
             raise ValueError(f"between 1 and 250 hosts, got {n}")
         self.n = n
         self.prefix = f"{BASE}{os.getpid()}"
+        self.subnet = subnet
         self.net = f"198.18.{os.getpid() % 250 if subnet is None else subnet}"
         self.bridge = f"{self.prefix}-br"
         self.root_address = f"{self.net}.254"
@@ -139,6 +140,12 @@ class Topology:
     def up(self) -> Topology:
         sweep()
         self.down()            # this run's own names, should a previous up() have failed midway
+        if self.subnet is None:
+            used = {line.split("inet 198.18.", 1)[1].split(".")[0]
+                    for line in _ip("-o", "-4", "addr", "show", check=False).splitlines() if "inet 198.18." in line}
+            first = os.getpid() % 250
+            self.net = "198.18." + next(str(k) for k in ((first + j) % 250 for j in range(250)) if str(k) not in used)
+        self.root_address = f"{self.net}.254"
         self._up = True
         atexit.register(self.down)
         for sig in (signal.SIGTERM, signal.SIGINT):
