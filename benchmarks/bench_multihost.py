@@ -242,6 +242,9 @@ def merge(old: dict, new: dict, parts: list[str]) -> dict:
     runs = old.get("runs") or dict.fromkeys(PARTS, old.get("run"))
     report = {k: v for k, v in old.items() if k not in ("run", "runs")}
     report.update(new)
+    gaps = {k: why for k, why in report.pop("not_measured", {}).items() if report.get(k) is None}
+    if gaps:
+        report["not_measured"] = gaps
     this = run_info()
     report["runs"] = {**runs, **dict.fromkeys(parts, this)}
     return report
@@ -276,7 +279,6 @@ def main() -> int:
     if args.only and RESULTS.exists():
         report = merge(json.loads(RESULTS.read_text()), new, parts)
         report[f"wall_s_{'_'.join(parts)}"] = round(time.monotonic() - started, 1)
-        report.pop("not_measured", None)
     else:
         report = {**new, "wall_s": round(time.monotonic() - started, 1)}
     write_results(RESULTS, report)
