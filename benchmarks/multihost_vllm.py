@@ -26,6 +26,7 @@ engine reads) and gRPC ``Get`` streams.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def ttft_remote(workdir: str, timeout_s: float = 600.0) -> dict[str, Any]:
     warmup = [{"id": f"warmup{k}", "prompt_token_ids": warm, "max_tokens": 2} for k in range(2)]
     llm = {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
            "enable_prefix_caching": False, "kv_cache_memory_bytes": 256 << 20, "seed": 0}
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     with Cluster(str(tmp / "cluster"), nodes=1, extra_hosts=1, dram="2GiB",
                  node_flags=["--te-staging", TE_STAGING]) as cluster:
         node = cluster.node_hosts[0]
@@ -140,6 +141,7 @@ def ttft_remote(workdir: str, timeout_s: float = 600.0) -> dict[str, Any]:
                  "its connector in cluster mode (kvstore.redis), the blocks on store node n2 in host 2 "
                  f"(--te-staging {TE_STAGING})",
         "engine_init_s": {"kvstore": round(both["init_s"], 1), "recompute": round(recompute["init_s"], 1)},
+        "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "wall_s": round(time.monotonic() - started, 1),
     }
 
