@@ -28,7 +28,7 @@ cluster mode) on host 3; the same prompts served with every block but the last l
 ``ttft_hit_remote_vs_recompute`` = median TTFT of the hits / median TTFT of the recomputes
 (target <= 0.5).
 
-Run as root: ``.venv/bin/python benchmarks/bench_multihost.py [--rounds 5]`` (about 4 minutes);
+Run as root: ``.venv/bin/python benchmarks/bench_multihost.py [--rounds 5]`` (about 2 minutes);
 ``--only vllm`` (or ``reads``, ``faults``) runs that part alone and merges its figures into the
 existing results, the part's own date, commit and machine recorded beside them
 (``runs.<part>``).
