@@ -21,9 +21,17 @@ off and restored; a partition (two node hosts cut off together) that heals. Per 
 requests completed, wrong bytes (blocks read back with other bytes), acknowledged blocks of
 surviving nodes lost, seconds until membership shows the fault and until it shows the heal.
 
-Not measured here: vLLM's TTFT with its hits on another host (``ttft_hit_remote_vs_recompute``).
+**vLLM with its hits on another host** (benchmarks/multihost_vllm.py): Redis on host 1, a
+store node on host 2, vLLM (the ``bench`` checkpoint of bench_vllm.py, kvstore's connector in
+cluster mode) on host 3; the same prompts served with every block but the last loaded from host
+2's node through the transfer engine, and recomputed by a fresh vLLM without the connector:
+``ttft_hit_remote_vs_recompute`` = median TTFT of the hits / median TTFT of the recomputes
+(target <= 0.5).
 
-Run as root: ``.venv/bin/python benchmarks/bench_multihost.py [--rounds 5]`` (about 2 minutes).
+Run as root: ``.venv/bin/python benchmarks/bench_multihost.py [--rounds 5]`` (about 2 minutes);
+``--only vllm`` (or ``reads``, ``faults``) runs that part alone and merges its figures into the
+existing results, the part's own date, commit and machine recorded beside them
+(``runs.<part>``).
 """
 from __future__ import annotations
 
@@ -42,12 +50,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import netns  # noqa: E402
 from benchmarks.dataplane_peers import HOLDER  # noqa: E402
 from benchmarks.multihost import TTL_S, Cluster, Load  # noqa: E402
-from benchmarks.run_info import write_results  # noqa: E402
+from benchmarks.multihost_vllm import ttft_remote  # noqa: E402
+from benchmarks.run_info import run_info, write_results  # noqa: E402
 from kvstore.events.channel import make_channel  # noqa: E402
 from kvstore.events.replica import IndexReplica, store_snapshot_source  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "multihost.json"
-TARGETS = {"cross_host_get_16MiB_vs_mooncake": 1.0}
+TARGETS = {"cross_host_get_16MiB_vs_mooncake": 1.0, "ttft_hit_remote_vs_recompute": 0.5}   # >= and <=
+PARTS = ("reads", "faults", "vllm")
 MC_RPC, MC_HTTP, MC_METRICS, MC_HOLDER = 50100, 50101, 50102, 50103
 
 
@@ -194,34 +204,23 @@ def ratio(a: float, b: float) -> float:
     return round(b / a, 3) if a and b else 0.0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    why = netns.unavailable()
-    if why:
-        print(f"bench_multihost: skipped: {why}")
-        return 0
-    started = time.monotonic()
-    tmp = tempfile.mkdtemp(prefix="kvstore-bench-multihost-")
-    print("reads between two hosts ...", flush=True)
-    rd = reads(args.rounds, tmp)
-    print(f"  {json.dumps(rd)} ({time.monotonic() - started:.0f} s)", flush=True)
-    print("faults under load ...", flush=True)
-    fl = faults(tmp)
+def read_figures(rd: dict) -> dict:
     cross, same = rd["cross"]["best_seconds"], rd["same"]["best_seconds"]
     blocks = rd["cross"]["blocks"]
     gbps = {f"{system}/{label}": round(blocks[label] * int(label.split("MiB")[0]) / 1024 / secs, 3)
             for src in (cross, same) for system, by in src.items() for label, secs in by.items()}
-    report = {
+    return {
         "cross_host_get_16MiB_vs_mooncake": ratio(cross["kvstore-te"]["16MiB"], cross["mooncake"]["16MiB"]),
         "cross_host_get_1MiB_vs_mooncake": ratio(cross["kvstore-te"]["1MiB"], cross["mooncake"]["1MiB"]),
         "cross_host_vs_same_host_get_16MiB": ratio(cross["kvstore-te"]["16MiB"], same["kvstore-same-host"]["16MiB"]),
-        "ttft_hit_remote_vs_recompute": None,
-        "targets": TARGETS,
         "get_GiB_per_s": gbps,
         "byte_identical": {**rd["cross"]["checks"], **rd["same"]["checks"]},
         "te_reads": rd["cross"]["te_reads"], "te_reads_over_grpc": rd["cross"]["te_grpc_reads"],
+    }
+
+
+def fault_figures(fl: dict) -> dict:
+    return {
         "faults": fl,
         "fault_requests_completed": sum(f["requests_completed"] for f in fl.values()),
         "fault_wrong_bytes": sum(f["wrong_bytes_blocks"] for f in fl.values()),
@@ -230,16 +229,64 @@ def main() -> int:
         "fault_seconds_to_converge_max": max((f["seconds_to_converge"] or 0.0) for f in fl.values()
                                              if "seconds_to_converge" in f),
         "heartbeat_ttl_s": TTL_S,
-        "not_measured": {"ttft_hit_remote_vs_recompute": "vLLM with its hits on another host is not run yet"},
-        "wall_s": round(time.monotonic() - started, 1),
     }
+
+
+def vllm_figures(vl: dict) -> dict:
+    return {"ttft_hit_remote_vs_recompute": vl.pop("ttft_hit_remote_vs_recompute"), "vllm_remote_hits": vl}
+
+
+def merge(old: dict, new: dict, parts: list[str]) -> dict:
+    """``--only``: this run's parts replace their figures in the existing results; each part
+    keeps the date, commit and machine of the run that measured it (``runs``)."""
+    runs = old.get("runs") or dict.fromkeys(PARTS, old.get("run"))
+    report = {k: v for k, v in old.items() if k not in ("run", "runs")}
+    report.update(new)
+    gaps = {k: why for k, why in report.pop("not_measured", {}).items() if report.get(k) is None}
+    if gaps:
+        report["not_measured"] = gaps
+    this = run_info()
+    report["runs"] = {**runs, **dict.fromkeys(parts, this)}
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", choices=PARTS, action="append",
+                    help="run only this part (repeatable), merged into the existing results")
+    args = ap.parse_args()
+    why = netns.unavailable()
+    if why:
+        print(f"bench_multihost: skipped: {why}")
+        return 0
+    parts = args.only or list(PARTS)
+    started = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="kvstore-bench-multihost-")
+    new: dict = {}
+    if "reads" in parts:
+        print("reads between two hosts ...", flush=True)
+        rd = reads(args.rounds, tmp)
+        print(f"  {json.dumps(rd)} ({time.monotonic() - started:.0f} s)", flush=True)
+        new.update(read_figures(rd))
+    if "faults" in parts:
+        print("faults under load ...", flush=True)
+        new.update(fault_figures(faults(tmp)))
+    if "vllm" in parts:
+        print("vLLM with its hits on another host ...", flush=True)
+        new.update(vllm_figures(ttft_remote(os.path.join(tmp, "vllm"))))
+    new["targets"] = TARGETS
+    if args.only and RESULTS.exists():
+        report = merge(json.loads(RESULTS.read_text()), new, parts)
+        report[f"wall_s_{'_'.join(parts)}"] = round(time.monotonic() - started, 1)
+    else:
+        report = {**new, "wall_s": round(time.monotonic() - started, 1)}
     write_results(RESULTS, report)
     for key in ("cross_host_get_16MiB_vs_mooncake", "cross_host_get_1MiB_vs_mooncake",
-                "cross_host_vs_same_host_get_16MiB", "fault_requests_completed", "fault_wrong_bytes",
-                "fault_acknowledged_blocks_lost", "fault_seconds_to_converge_max"):
-        print(f"{key}: {report[key]}")
-    print(f"GiB/s: {gbps}")
-    print(f"wrote {RESULTS.relative_to(ROOT)} in {report['wall_s']:.0f} s")
+                "cross_host_vs_same_host_get_16MiB", "ttft_hit_remote_vs_recompute", "fault_requests_completed",
+                "fault_wrong_bytes", "fault_acknowledged_blocks_lost", "fault_seconds_to_converge_max"):
+        print(f"{key}: {report.get(key)}")
+    print(f"wrote {RESULTS.relative_to(ROOT)} in {time.monotonic() - started:.0f} s")
     return 0
 
 

@@ -13,6 +13,12 @@ process is gone (a killed run), killing what still runs in their namespaces by p
 :meth:`Topology.up` sweeps first; :meth:`Topology.down` runs on exit, at interpreter exit
 and on SIGTERM/SIGINT too.
 
+Each host has its own ``/dev/shm`` as well (``/dev/shm/PREFIX-hI`` bound over it in the mount
+namespace ``ip netns exec`` makes): hosts share the kernel, so a store node's shared-memory slab
+would otherwise be mapped by a client on another host (kvstore's ``auto`` transport takes the
+mapped slab when the node's boot id is its own) and no byte would cross the bridge. Processes
+of one host share theirs, as on a real host.
+
 A link cut (:meth:`Topology.cut`) sets the root-side veth down: the host's peers then see
 timeouts (no reset, as a pulled cable), while inside the host the interface stays up.
 Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`unavailable` says why not.
@@ -20,6 +26,7 @@ Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`unavailable` says why n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 BASE = "kvh"
+SHM = "/dev/shm"
+# run inside a host: its own /dev/shm (a directory of the real one bound over it), then the command
+_OWN_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 
 
 def _ip(*args: str, check: bool = True) -> str:
@@ -71,6 +81,7 @@ def _owner(name: str) -> int | None:
 
 def _remove(namespaces: Sequence[str], links: Sequence[str]) -> None:
     for ns in namespaces:
+        shutil.rmtree(os.path.join(SHM, ns), ignore_errors=True)
         for pid in _ip("netns", "pids", ns, check=False).split():
             try:   # what still runs inside (a killed run's services), by pid
                 os.kill(int(pid), signal.SIGKILL)
@@ -85,7 +96,9 @@ def _ours() -> tuple[list[str], list[str]]:
     namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).splitlines() if line.strip()]
     links = [line.split(": ")[1].split("@")[0] for line in _ip("-o", "link", "show", check=False).splitlines()
              if ": " in line]
-    return [n for n in namespaces if n.startswith(BASE)], [x for x in links if x.startswith(BASE)]
+    shm = os.listdir(SHM) if os.path.isdir(SHM) else []     # a host's /dev/shm outlives nothing of its run
+    return (sorted({n for n in namespaces + shm if n.startswith(BASE)}),
+            [x for x in links if x.startswith(BASE)])
 
 
 def sweep() -> list[str]:
@@ -100,14 +113,15 @@ def sweep() -> list[str]:
 
 class Topology:
     """``n`` hosts on a private bridge (see the module's docstring). ``subnet`` picks the
-    third octet (198.18.SUBNET.0/24; by default from the pid, so two runs at once do not
-    share addresses)."""
+    third octet (198.18.SUBNET.0/24; by default the first from the pid's on that no interface
+    holds yet, at :meth:`up`, so two runs at once do not share addresses)."""
 
     def __init__(self, n: int, subnet: int | None = None) -> None:
         if not 1 <= n <= 250:
             raise ValueError(f"between 1 and 250 hosts, got {n}")
         self.n = n
         self.prefix = f"{BASE}{os.getpid()}"
+        self.subnet = subnet
         self.net = f"198.18.{os.getpid() % 250 if subnet is None else subnet}"
         self.bridge = f"{self.prefix}-br"
         self.root_address = f"{self.net}.254"
@@ -126,6 +140,12 @@ class Topology:
     def up(self) -> Topology:
         sweep()
         self.down()            # this run's own names, should a previous up() have failed midway
+        if self.subnet is None:
+            used = {line.split("inet 198.18.", 1)[1].split(".")[0]
+                    for line in _ip("-o", "-4", "addr", "show", check=False).splitlines() if "inet 198.18." in line}
+            first = os.getpid() % 250
+            self.net = "198.18." + next(str(k) for k in ((first + j) % 250 for j in range(250)) if str(k) not in used)
+        self.root_address = f"{self.net}.254"
         self._up = True
         atexit.register(self.down)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,6 +156,8 @@ class Topology:
         for i in range(1, self.n + 1):
             ns = self.ns(i)
             _ip("netns", "add", ns)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.join(SHM, ns), 0o700)
             _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", self.veth(i), "master", self.bridge, "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -173,8 +195,8 @@ class Topology:
             _ip("link", "set", self.veth(i), "up")
 
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside host ``i``."""
-        return ["ip", "netns", "exec", self.ns(i), *argv]
+        """``argv`` run inside host ``i`` (its network namespace and its own /dev/shm)."""
+        return ["ip", "netns", "exec", self.ns(i), "sh", "-c", _OWN_SHM, os.path.join(SHM, self.ns(i)), *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``i`` (``subprocess.Popen`` keywords)."""
