@@ -50,6 +50,20 @@ def key_of(run: str, n: int) -> bytes:
     return hashlib.sha256(f"{run} block {n}".encode()).digest()[:16]
 
 
+def stop_all(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM to every process still running, then SIGKILL to any not gone within ``grace_s``."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Cluster:
     """Redis on host 1, store nodes on hosts 2..``nodes + 1``; more hosts after those stay
     empty (an outsider, an engine's host). ``token`` guards every store port; Redis takes
@@ -153,15 +167,7 @@ class Cluster:
         return sorted({line.split()[3] for line in out.splitlines() if line.strip()})
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.procs.values())
         if self.redis is not None:
             stop_private_redis(self.redis)
         self.topology.down()

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.multihost import ROOT, Cluster
+from benchmarks.multihost import ROOT, Cluster, stop_all
 
 ENGINE_PORT, FRONT_DOOR_PORT = 50061, 8000
 
@@ -85,15 +85,7 @@ class Stack:
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.procs.values())
 
     def __enter__(self) -> Stack:
         return self
