@@ -241,7 +241,8 @@ def test_a_tenant_bound_counts_sequences():
 
 def test_colocated_decodes_on_the_chosen_prefill_instance():
     idle_full = (PrefillView("c0"), PrefillView("c1", 0.5, 3))
-    full = DecodeView("c0", (DecodeWork(100, 0.0, 500.0),), max_running=1)
+    # at 1.0 c0 decodes one request for 0.2 s more (its T_queue: 0.2 s), another in prefill joins at 1.1
+    full = DecodeView("c0", (DecodeWork(100, 0.0, 1.2), DecodeWork(100, 1.1, 500.0)), max_running=1)
     free = DecodeView("c1", (), max_running=1)
     disagg = conductor().decide(request(64), cluster(idle_full, (full, free), now=1.0))
     assert isinstance(disagg, Decision) and (disagg.prefill_id, disagg.decode_id) == ("c0", "c1")
@@ -251,6 +252,32 @@ def test_colocated_decodes_on_the_chosen_prefill_instance():
     roomy = ClusterView(1.0, idle_full, (DecodeView("c0"), free), colocated=True)
     d = conductor().decide(request(64), roomy)
     assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c0"
+
+
+def test_colocated_t_queue_counts_the_decode_batch_still_running():
+    """Colocated, an instance's T_queue is its prefill queue plus the seconds until the batch it
+    decodes now drains (Dynamo counts an aggregated worker's decode blocks likewise): of two
+    instances with no prefill queued and the same hit, the one decoding less gets the prompt;
+    disaggregated, and for the paper's baselines, the prefill queue alone counts."""
+    prefill = (PrefillView("c0"), PrefillView("c1"))
+    decoding = DecodeView("c0", (DecodeWork(500, 0.0, 3.0), DecodeWork(500, 0.5, 2.0),   # batch drains at 3.0
+                                 DecodeWork(500, 4.0, 9.0)))                              # joins later: not yet
+    short = DecodeView("c1", (DecodeWork(500, 0.0, 1.5),))
+    policy = conductor()
+    assert policy.decode_waits(ClusterView(1.0, prefill, (decoding, short), colocated=True)) == {"c0": 2.0, "c1": 0.5}
+    d = policy.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
+    assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c1"
+    assert d.queue_s == pytest.approx(0.5) and d.ttft_s == pytest.approx(0.5 + d.transfer_s + d.prefill_s)
+    # the prefill queue still counts beside it: c1 with 2 s queued loses to c0's 2 s of decode + 0
+    queued = (PrefillView("c0", 0.0), PrefillView("c1", 2.0, 1))
+    d = policy.decide(request(64), ClusterView(1.0, queued, (decoding, short), colocated=True))
+    assert isinstance(d, Decision) and d.prefill_id == "c0" and d.queue_s == pytest.approx(2.0)
+    disagg = policy.decide(request(64), ClusterView(1.0, prefill, (decoding, short)))
+    assert isinstance(disagg, Decision) and disagg.prefill_id == "c0" and disagg.queue_s == 0.0
+    for name in ("least_loaded", "local_cache_aware"):
+        base = make_policy(name, BLOCK_BYTES, ConductorConfig())
+        b = base.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
+        assert isinstance(b, Decision) and b.prefill_id == "c0" and b.queue_s == 0.0, name
 
 
 def test_least_predicted_tbt_decode_and_tbt_slo():
