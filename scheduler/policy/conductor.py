@@ -189,7 +189,8 @@ class Conductor:
         peers = _top_two(cluster.prefill) if self.config.peer_fetch and self.balanced_fetch else ()
         memo: dict[tuple[int, str | None], tuple] = {}
         local_s = self.transfer.local_s
-        waits = self.decode_waits(cluster) if cluster.colocated and self.colocated_decode_wait else {}
+        waits = self.decode_waits(cluster) if cluster.colocated and self.colocated_decode_wait and \
+            self.predictors_measured else {}
         out = []
         for view in cluster.prefill:
             hit = view.hit
@@ -207,6 +208,16 @@ class Conductor:
             queue = view.queue_s + waits.get(view.instance_id, 0.0)
             out.append(PrefillEstimate(view, local, c, fetch, queue, read, t, pre, queue + read + t + pre))
         return out
+
+    @property
+    def predictors_measured(self) -> bool:
+        """The T_prefill and TBT fits are in use (or frozen: the simulator's oracle). Until
+        then the decode wait (seconds of the TBT seed) is not weighed against prefill seconds
+        of the T_prefill seed: live over vLLM on a CPU the seeds predicted prefills ~20× too
+        fast and 16-token decodes at up to ~15 s, and the first requests all went to the
+        instance decoding nothing."""
+        p, d = self.prefill_model, self.tbt_model
+        return (not p.learn or p.fit.fitted) and (not d.profile.learn or d.fit.fitted)
 
     @staticmethod
     def decode_waits(cluster: ClusterView) -> dict[str, float]:

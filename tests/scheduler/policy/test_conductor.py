@@ -12,7 +12,7 @@ from scheduler.policy.admission import AdmissionConfig, Rejection
 from scheduler.policy.baselines import POLICIES, make_policy
 from scheduler.policy.conductor import Conductor, ConductorConfig
 from scheduler.policy.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel
-from scheduler.policy.tbt import load_at
+from scheduler.policy.tbt import DecodeProfile, load_at
 from scheduler.policy.views import (
     POOL,
     ClusterView,
@@ -263,8 +263,15 @@ def test_colocated_t_queue_counts_the_decode_batch_still_running():
     decoding = DecodeView("c0", (DecodeWork(500, 0.0, 3.0), DecodeWork(500, 0.5, 2.0),   # batch drains at 3.0
                                  DecodeWork(500, 4.0, 9.0)))                              # joins later: not yet
     short = DecodeView("c1", (DecodeWork(500, 0.0, 1.5),))
-    policy = conductor()
-    assert policy.decode_waits(ClusterView(1.0, prefill, (decoding, short), colocated=True)) == {"c0": 2.0, "c1": 0.5}
+    view = ClusterView(1.0, prefill, (decoding, short), colocated=True)
+    guessing = conductor()          # seeds only: the decode wait is not weighed yet
+    assert not guessing.predictors_measured and guessing.decide(request(64), view).prefill_id == "c0"
+    for i in range(8):
+        guessing.observe_prefill(100 + 50 * i, 0, 0.01 + 1e-4 * (100 + 50 * i))
+        guessing.observe_decode(1 + i % 3, 1000 * (1 + i), 0.01 + 0.002 * (i % 3) + 1e-6 * 1000 * (1 + i))
+    assert guessing.predictors_measured and guessing.decide(request(64), view).prefill_id == "c1"
+    policy = conductor(prefill=PrefillProfile(learn=False), decode=DecodeProfile(learn=False))   # frozen: in use
+    assert policy.decode_waits(view) == {"c0": 2.0, "c1": 0.5}
     d = policy.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
     assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c1"
     assert d.queue_s == pytest.approx(0.5) and d.ttft_s == pytest.approx(0.5 + d.transfer_s + d.prefill_s)
