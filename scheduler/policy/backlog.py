@@ -84,6 +84,12 @@ class PrefillBacklog:
         run = self._running.get(request_id)
         return None if run is None else run[0]
 
+    def started_s(self, request_id: str) -> float | None:
+        """When the running prefill ``request_id`` started (the caller's clock; None when it is
+        not running)."""
+        run = self._running.get(request_id)
+        return None if run is None else run[0] - run[1]
+
     def remove(self, request_id: str) -> float | None:
         """It finished, failed or moved elsewhere: forget it. Returns its predicted seconds
         (None when unknown)."""

@@ -35,6 +35,7 @@ from scheduler.policy.views import ClusterView, RequestView
 
 class _Baseline(Conductor):
     balanced_fetch = False
+    colocated_decode_wait = False   # the paper's baselines: T_queue of the prefill queue alone
 
     def choose_decode(self, request: RequestView, cluster: ClusterView,
                       estimates: Sequence[DecodeEstimate]) -> DecodeEstimate:

@@ -19,7 +19,12 @@ For one request (Algorithm 1):
    compute it saves is at least ``balancing_threshold`` × its transfer time;
 2. ``TTFT_i = T_queue_i + T_local_read_i + T_transfer_i + T_prefill(n, cached_i)`` with the
    best option; the instance with the least TTFT wins (ties: longer cached prefix, fewer
-   queued, listed order);
+   queued, listed order). Colocated (every instance prefills and decodes on the same
+   compute), ``T_queue_i`` also counts the instance's decode load, as NVIDIA Dynamo's KV
+   router counts an aggregated worker's active decode blocks beside its prefill load
+   (docs/routers.md): the seconds until the decode batch it runs now drains
+   (:meth:`Conductor.decode_waits`) — the engine steps that batch with every prefill it
+   runs, so the two share the instance's time;
 3. per decode instance, the load when the request gets there (``now + TTFT``): requests that
    will have joined minus those that will have finished, and (predictive) at its peak while
    the request would decode: those admitted that join later reserve their room
@@ -107,6 +112,7 @@ class Conductor:
 
     name = "conductor"
     balanced_fetch = True   # False: fetch every longer pool hit, never a peer (the engines' rule)
+    colocated_decode_wait = True   # False: T_queue of the prefill queue alone, colocated too (the baselines)
 
     def __init__(self, block_bytes: int, config: ConductorConfig | None = None) -> None:
         self.config = config or ConductorConfig()
@@ -183,6 +189,8 @@ class Conductor:
         peers = _top_two(cluster.prefill) if self.config.peer_fetch and self.balanced_fetch else ()
         memo: dict[tuple[int, str | None], tuple] = {}
         local_s = self.transfer.local_s
+        waits = self.decode_waits(cluster) if cluster.colocated and self.colocated_decode_wait and \
+            self.predictors_measured else {}
         out = []
         for view in cluster.prefill:
             hit = view.hit
@@ -197,9 +205,34 @@ class Conductor:
                 best = memo[key] = self._best_option(n, bs, useful, local, cluster.pool_hit, peer)
             _, fetch, t, pre, c = best
             read = 0.0 if local == 0 else local_s(hit.by_tier if hit.blocks <= useful else hit.between(0, local))
-            out.append(PrefillEstimate(view, local, c, fetch, view.queue_s, read, t, pre,
-                                       view.queue_s + read + t + pre))
+            queue = view.queue_s + waits.get(view.instance_id, 0.0)
+            out.append(PrefillEstimate(view, local, c, fetch, queue, read, t, pre, queue + read + t + pre))
         return out
+
+    @property
+    def predictors_measured(self) -> bool:
+        """The T_prefill and TBT fits are in use (or frozen: the simulator's oracle). Until
+        then the decode wait (seconds of the TBT seed) is not weighed against prefill seconds
+        of the T_prefill seed: live over vLLM on a CPU the seeds predicted prefills ~20× too
+        fast and 16-token decodes at up to ~15 s, and the first requests all went to the
+        instance decoding nothing."""
+        p, d = self.prefill_model, self.tbt_model
+        return (not p.learn or p.fit.fitted) and (not d.profile.learn or d.fit.fitted)
+
+    @staticmethod
+    def decode_waits(cluster: ClusterView) -> dict[str, float]:
+        """Per decode view, the predicted seconds until the requests decoding there now (joined
+        by ``now_s``) have all finished: the longest remaining decode of its batch (the batch
+        steps together; each request's ``finish_s`` is predicted at the batch's pace, and the
+        live router re-times it from the tokens streamed). Colocated, it is added to that
+        instance's T_queue: Dynamo's aggregated-worker cost counts the same load as blocks
+        (``active blocks``, docs/routers.md); here it is seconds, the currency of TTFT. It
+        is an upper bound when the engine folds the decode steps into the prefill's
+        (chunked prefill) and a lower one when a prefill pauses the batch (the simulator's
+        colocated engines)."""
+        now = cluster.now_s
+        return {d.instance_id: max((w.finish_s - now for w in d.work if w.start_s <= now < w.finish_s), default=0.0)
+                for d in cluster.decode}
 
     def _best_option(self, n: int, bs: int, useful: int, local: int, pool: TierHit,
                      peer: PrefillView | None) -> tuple[float, FetchPlan | None, float, float, int]:

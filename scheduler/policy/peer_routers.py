@@ -69,6 +69,7 @@ class _PeerRouter(Conductor):
     """A peer's rule over the Conductor's predictions and admission."""
 
     balanced_fetch = False
+    colocated_decode_wait = False   # its own rule weighs (or ignores) decode load
 
     def __init__(self, block_bytes: int, config: ConductorConfig | None = None) -> None:
         super().__init__(block_bytes, config)

@@ -12,7 +12,7 @@ from scheduler.policy.admission import AdmissionConfig, Rejection
 from scheduler.policy.baselines import POLICIES, make_policy
 from scheduler.policy.conductor import Conductor, ConductorConfig
 from scheduler.policy.costing import Bandwidths, PrefillModel, PrefillProfile, TransferModel
-from scheduler.policy.tbt import load_at
+from scheduler.policy.tbt import DecodeProfile, load_at
 from scheduler.policy.views import (
     POOL,
     ClusterView,
@@ -241,7 +241,8 @@ def test_a_tenant_bound_counts_sequences():
 
 def test_colocated_decodes_on_the_chosen_prefill_instance():
     idle_full = (PrefillView("c0"), PrefillView("c1", 0.5, 3))
-    full = DecodeView("c0", (DecodeWork(100, 0.0, 500.0),), max_running=1)
+    # at 1.0 c0 decodes one request for 0.2 s more (its T_queue: 0.2 s), another in prefill joins at 1.1
+    full = DecodeView("c0", (DecodeWork(100, 0.0, 1.2), DecodeWork(100, 1.1, 500.0)), max_running=1)
     free = DecodeView("c1", (), max_running=1)
     disagg = conductor().decide(request(64), cluster(idle_full, (full, free), now=1.0))
     assert isinstance(disagg, Decision) and (disagg.prefill_id, disagg.decode_id) == ("c0", "c1")
@@ -251,6 +252,39 @@ def test_colocated_decodes_on_the_chosen_prefill_instance():
     roomy = ClusterView(1.0, idle_full, (DecodeView("c0"), free), colocated=True)
     d = conductor().decide(request(64), roomy)
     assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c0"
+
+
+def test_colocated_t_queue_counts_the_decode_batch_still_running():
+    """Colocated, an instance's T_queue is its prefill queue plus the seconds until the batch it
+    decodes now drains (Dynamo counts an aggregated worker's decode blocks likewise): of two
+    instances with no prefill queued and the same hit, the one decoding less gets the prompt;
+    disaggregated, and for the paper's baselines, the prefill queue alone counts."""
+    prefill = (PrefillView("c0"), PrefillView("c1"))
+    decoding = DecodeView("c0", (DecodeWork(500, 0.0, 3.0), DecodeWork(500, 0.5, 2.0),   # batch drains at 3.0
+                                 DecodeWork(500, 4.0, 9.0)))                              # joins later: not yet
+    short = DecodeView("c1", (DecodeWork(500, 0.0, 1.5),))
+    view = ClusterView(1.0, prefill, (decoding, short), colocated=True)
+    guessing = conductor()          # seeds only: the decode wait is not weighed yet
+    assert not guessing.predictors_measured and guessing.decide(request(64), view).prefill_id == "c0"
+    for i in range(8):
+        guessing.observe_prefill(100 + 50 * i, 0, 0.01 + 1e-4 * (100 + 50 * i))
+        guessing.observe_decode(1 + i % 3, 1000 * (1 + i), 0.01 + 0.002 * (i % 3) + 1e-6 * 1000 * (1 + i))
+    assert guessing.predictors_measured and guessing.decide(request(64), view).prefill_id == "c1"
+    policy = conductor(prefill=PrefillProfile(learn=False), decode=DecodeProfile(learn=False))   # frozen: in use
+    assert policy.decode_waits(view) == {"c0": 2.0, "c1": 0.5}
+    d = policy.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
+    assert isinstance(d, Decision) and d.prefill_id == d.decode_id == "c1"
+    assert d.queue_s == pytest.approx(0.5) and d.ttft_s == pytest.approx(0.5 + d.transfer_s + d.prefill_s)
+    # the prefill queue still counts beside it: c1 with 2 s queued loses to c0's 2 s of decode + 0
+    queued = (PrefillView("c0", 0.0), PrefillView("c1", 2.0, 1))
+    d = policy.decide(request(64), ClusterView(1.0, queued, (decoding, short), colocated=True))
+    assert isinstance(d, Decision) and d.prefill_id == "c0" and d.queue_s == pytest.approx(2.0)
+    disagg = policy.decide(request(64), ClusterView(1.0, prefill, (decoding, short)))
+    assert isinstance(disagg, Decision) and disagg.prefill_id == "c0" and disagg.queue_s == 0.0
+    for name in ("least_loaded", "local_cache_aware"):
+        base = make_policy(name, BLOCK_BYTES, ConductorConfig())
+        b = base.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
+        assert isinstance(b, Decision) and b.prefill_id == "c0" and b.queue_s == 0.0, name
 
 
 def test_least_predicted_tbt_decode_and_tbt_slo():
