@@ -28,8 +28,15 @@ cluster mode) on host 3; the same prompts served with every block but the last l
 ``ttft_hit_remote_vs_recompute`` = median TTFT of the hits / median TTFT of the recomputes
 (target <= 0.5).
 
+**vLLM servers behind the front door across hosts** (benchmarks/multihost_frontdoor.py): Redis
+on host 1, a store node on host 2, vLLM OpenAI servers (connectors in cluster mode, their own
+prefix caches off) on hosts 3 and 4, the front door (``--vllm-colocated``, ``--redis``) on
+host 5; prompts that share prefixes sent through the front door: per request the instance
+that served it and its ``cached_tokens``, the front door's cached tokens by source, the TTFT
+of hits and misses (``frontdoor_*``).
+
 Run as root: ``.venv/bin/python benchmarks/bench_multihost.py [--rounds 5]`` (about 2 minutes);
-``--only vllm`` (or ``reads``, ``faults``) runs that part alone and merges its figures into the
+``--only vllm`` (or ``reads``, ``faults``, ``frontdoor``) runs that part alone and merges its figures into the
 existing results, the part's own date, commit and machine recorded beside them
 (``runs.<part>``).
 """
@@ -50,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import netns  # noqa: E402
 from benchmarks.dataplane_peers import HOLDER  # noqa: E402
 from benchmarks.multihost import TTL_S, Cluster, Load  # noqa: E402
+from benchmarks.multihost_frontdoor import frontdoor_remote  # noqa: E402
 from benchmarks.multihost_vllm import ttft_remote  # noqa: E402
 from benchmarks.run_info import run_info, write_results  # noqa: E402
 from kvstore.events.channel import make_channel  # noqa: E402
@@ -57,7 +65,7 @@ from kvstore.events.replica import IndexReplica, store_snapshot_source  # noqa: 
 
 RESULTS = ROOT / "benchmarks" / "results" / "multihost.json"
 TARGETS = {"cross_host_get_16MiB_vs_mooncake": 1.0, "ttft_hit_remote_vs_recompute": 0.5}   # >= and <=
-PARTS = ("reads", "faults", "vllm")
+PARTS = ("reads", "faults", "vllm", "frontdoor")
 MC_RPC, MC_HTTP, MC_METRICS, MC_HOLDER = 50100, 50101, 50102, 50103
 
 
@@ -236,6 +244,12 @@ def vllm_figures(vl: dict) -> dict:
     return {"ttft_hit_remote_vs_recompute": vl.pop("ttft_hit_remote_vs_recompute"), "vllm_remote_hits": vl}
 
 
+def frontdoor_figures(fd: dict) -> dict:
+    return {"frontdoor_requests_completed": fd["requests_completed"],
+            "frontdoor_cached_tokens_by_source": fd["cached_tokens_by_source"],
+            "frontdoor_ttft_hit_vs_miss": fd["ttft_hit_vs_miss"], "frontdoor_vllm_two_hosts": fd}
+
+
 def merge(old: dict, new: dict, parts: list[str]) -> dict:
     """``--only``: this run's parts replace their figures in the existing results; each part
     keeps the date, commit and machine of the run that measured it (``runs``)."""
@@ -275,6 +289,9 @@ def main() -> int:
     if "vllm" in parts:
         print("vLLM with its hits on another host ...", flush=True)
         new.update(vllm_figures(ttft_remote(os.path.join(tmp, "vllm"))))
+    if "frontdoor" in parts:
+        print("vLLM servers on two hosts behind the front door ...", flush=True)
+        new.update(frontdoor_figures(frontdoor_remote(os.path.join(tmp, "frontdoor"))))
     new["targets"] = TARGETS
     if args.only and RESULTS.exists():
         report = merge(json.loads(RESULTS.read_text()), new, parts)
@@ -284,6 +301,7 @@ def main() -> int:
     write_results(RESULTS, report)
     for key in ("cross_host_get_16MiB_vs_mooncake", "cross_host_get_1MiB_vs_mooncake",
                 "cross_host_vs_same_host_get_16MiB", "ttft_hit_remote_vs_recompute", "fault_requests_completed",
+                "frontdoor_requests_completed", "frontdoor_cached_tokens_by_source", "frontdoor_ttft_hit_vs_miss",
                 "fault_wrong_bytes", "fault_acknowledged_blocks_lost", "fault_seconds_to_converge_max"):
         print(f"{key}: {report.get(key)}")
     print(f"wrote {RESULTS.relative_to(ROOT)} in {time.monotonic() - started:.0f} s")
