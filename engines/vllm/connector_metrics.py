@@ -18,6 +18,9 @@ each worker its loads and saves. vLLM adds them up across ranks and the two role
 ``vllm:kvstore_load_bytes_total``              bytes copied out of the pool into vLLM's KV cache
 ``vllm:kvstore_save_seconds``                  histogram: one save (a request's new blocks)
 ``vllm:kvstore_save_bytes_total``              bytes of the blocks the pool now holds from saves
+``vllm:kvstore_saves_dropped_blocks_total``    blocks not saved because the saves in flight
+                                               already pinned ``kvstore.max_pinned_fraction`` of
+                                               vLLM's KV blocks (a later miss, never a stall)
 ``vllm:kvstore_load_errors_total{cause}``      blocks vLLM was told to recompute, by cause: ``miss``
                                                (gone, or failed its checksum: the store client
                                                returns such a block as a miss), ``lease_expired``,
@@ -50,7 +53,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 SOURCE_OF_TIER = {"hbm": CacheHitSource.P2P, "dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
 LOAD_ERROR_CAUSES = ("miss", "lease_expired", "pool_unavailable", "identity_mismatch")
 # figures that add up; the by-label ones are dicts of label -> count
-_COUNTS = ("lookups", "load_bytes", "loaded_blocks", "save_bytes", "saved_blocks", "pool_unavailable_s")
+_COUNTS = ("lookups", "load_bytes", "loaded_blocks", "save_bytes", "saved_blocks", "saves_dropped",
+           "pool_unavailable_s")
 _BY_LABEL = ("hit_tokens", "hit_blocks", "load_errors")
 _SERIES = ("load_s", "save_s")
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -119,6 +123,8 @@ class KVStoreConnectorStats(KVConnectorStats):
             out[f"hit_blocks_{tier}"] = n
         out["loaded_blocks"] = d["loaded_blocks"]
         out["saved_blocks"] = d["saved_blocks"]
+        if d["saves_dropped"]:
+            out["saves_dropped_blocks"] = d["saves_dropped"]
         for cause, n in sorted(d["load_errors"].items()):
             out[f"load_errors_{cause}"] = n
         for k in _SERIES:
@@ -170,6 +176,10 @@ class StatsRecorder:
             self._data["saved_blocks"] += blocks
             self._data["save_bytes"] += nbytes
 
+    def dropped(self, blocks: int) -> None:
+        """A save of ``blocks`` was dropped: its pins would pass ``kvstore.max_pinned_fraction``."""
+        self._add("saves_dropped", blocks)
+
     def unavailable(self, seconds: float) -> None:
         if seconds > 0:
             self._add("pool_unavailable_s", seconds)
@@ -210,6 +220,10 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             "load_errors": counter(name="vllm:kvstore_load_errors_total", labelnames=[*names, "cause"],
                                    documentation="Blocks vLLM recomputed because they did not load from the "
                                                  "kvstore pool, by cause."),
+            "saves_dropped": counter(name="vllm:kvstore_saves_dropped_blocks_total", labelnames=names,
+                                     documentation="KV blocks not saved into the kvstore pool because the saves "
+                                                   "in flight already pinned kvstore.max_pinned_fraction of "
+                                                   "vLLM's blocks."),
             "pool_unavailable_s": counter(name="vllm:kvstore_pool_unavailable_seconds_total", labelnames=names,
                                           documentation="Seconds the kvstore pool could not be reached."),
         }
@@ -225,7 +239,7 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data or {}
-        for metric in ("lookups", "load_bytes", "save_bytes", "pool_unavailable_s"):
+        for metric in ("lookups", "load_bytes", "save_bytes", "saves_dropped", "pool_unavailable_s"):
             if data.get(metric):
                 self._child(metric, engine_idx).inc(data[metric])
         for metric in _BY_LABEL:

@@ -239,6 +239,7 @@ class SchedulerSide:
         ids = [b for b in block_ids if b != NULL_BLOCK_ID]
         if self._pinned and self._pinned + len(ids) > self.max_pinned_blocks:
             self.stats.saves_dropped += len(block_ids)
+            self.recorder.dropped(len(ids))   # type: ignore[attr-defined]
             return None
         job, self._next_job = self._next_job, self._next_job + 1
         if self._block_pool is not None and ids:

@@ -59,6 +59,7 @@ def test_prometheus_metrics_carry_the_figures_by_tier_and_cause() -> None:
     rec.hits(["dram"] * 3, BS)
     rec.load(0.01, 3, 3000, errors=1, cause="identity_mismatch")
     rec.unavailable(1.5)
+    rec.dropped(5)
     prom.observe(rec.take().data, 0)
     prom.observe({"hit_blocks": {"dram": 1}}, 0)
     labels = {"model_name": "tiny", "engine": "0"}
@@ -67,6 +68,7 @@ def test_prometheus_metrics_carry_the_figures_by_tier_and_cause() -> None:
     assert registry.get_sample_value("vllm:kvstore_load_bytes_total", labels) == 3000
     assert registry.get_sample_value("vllm:kvstore_load_errors_total", {**labels, "cause": "identity_mismatch"}) == 1
     assert registry.get_sample_value("vllm:kvstore_pool_unavailable_seconds_total", labels) == 1.5
+    assert registry.get_sample_value("vllm:kvstore_saves_dropped_blocks_total", labels) == 5
     assert registry.get_sample_value("vllm:kvstore_load_seconds_count", labels) == 1
 
 

@@ -82,6 +82,7 @@ def test_pins_past_their_share_drop_the_save_never_the_request(tmp_path, monkeyp
     ids = [b.block_id for b in pool.get_new_blocks(12)]
     assert conn._pin(ids[:4]) is not None     # 4 of 16 blocks: the share
     assert conn._pin(ids[4:6]) is None and conn.stats.saves_dropped == 2
+    assert conn.recorder.take().data["saves_dropped"] == 2   # vllm:kvstore_saves_dropped_blocks_total
     assert pool.blocks[ids[5]].ref_cnt == 1   # not pinned
     alone = scheduler_connector(tmp_path, monkeypatch, address, "kv_both")
     alone.bind_gpu_block_pool(pool)
