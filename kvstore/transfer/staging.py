@@ -80,7 +80,8 @@ class StagedReads:
     """The read side of a :class:`DataPlaneHost` (LOOKUP, LEASE, RELEASE) for
     transfer-engine readers, through ``area``: a lease's blocks are copied into staging
     space under the pool's lease, which ends before the reply; a block that finds no room is
-    answered ELSEWHERE (the reader fetches it over the gRPC stream). Staged space is held
+    answered ELSEWHERE with its size (one in another tier has size 0): the reader leases it
+    again once it has released what it holds, or fetches it over the gRPC stream. Staged space is held
     until RELEASE or ``ttl_s`` (the pool's lease TTL) after the lease, whichever is first.
     ``staged``, ``copied_bytes`` and ``crowded`` count blocks staged, their bytes and blocks
     that found no room."""
@@ -103,8 +104,8 @@ class StagedReads:
                     continue
                 offset, size = flat[j + 1], flat[j + 2]
                 at = self._alloc(size)
-                if at is None:
-                    flat[j] = ELSEWHERE
+                if at is None:   # its size stays: the reader leases it again after its release
+                    flat[j], flat[j + 1] = ELSEWHERE, 0
                     self.crowded += 1
                     continue
                 extents.append((at, size))

@@ -187,24 +187,37 @@ class TransferEngineTransport(BlockTransport):
         return self._get(list(keys), outs, stop_at_miss)
 
     def _get(self, keys: list[bytes], outs: Sequence[Any] | None, stop_at_miss: bool) -> list[Any]:
-        """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block)."""
+        """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block).
+        A staging node answers the blocks its staging area has no room for ELSEWHERE with
+        their size (kvstore/transfer/staging.py): they are leased again, batch after batch,
+        each once the one before is read and released, for as long as each batch moves some
+        block; the rest (other tiers, blocks larger than the area) come over the gRPC stream."""
         if not keys:
             return []
-        lease_id, blocks = self._lease(keys, stop_at_miss)
+        lease_id, got = self._lease(keys, stop_at_miss)
+        blocks = list(got)
         out: list[Any] = [None] * len(blocks)
-        mapped = [i for i, b in enumerate(blocks) if b.state == MAPPED]
-        ok = True
-        try:
-            if mapped:
-                ok = self._read(blocks, mapped, out, outs)
-        finally:
-            # Not waited for: the checksum verified after the copy is what guards the bytes
-            # (a slab range reused after an expired lease cannot match the block's checksum).
-            self._release(lease_id)
-        if not ok:
-            log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
-                        self.endpoint, len(mapped))
-        self.te_reads += sum(1 for i in mapped if out[i] is not None)
+        todo = list(range(len(blocks)))
+        while True:
+            mapped = [i for i in todo if blocks[i].state == MAPPED]
+            ok = True
+            try:
+                if mapped:
+                    ok = self._read(blocks, mapped, out, outs)
+            finally:
+                # Not waited for: the checksum verified after the copy is what guards the bytes
+                # (a slab range reused after an expired lease cannot match the block's checksum).
+                self._release(lease_id)
+            if not ok:
+                log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
+                            self.endpoint, len(mapped))
+            self.te_reads += sum(1 for i in mapped if out[i] is not None)
+            todo = [i for i in todo if blocks[i].state == ELSEWHERE and blocks[i].size] if self.staged else []
+            if not (ok and mapped and todo):
+                break
+            lease_id, again = self._lease([keys[i] for i in todo], False)
+            for i, b in zip(todo, again):
+                blocks[i] = b
         redo = [i for i, b in enumerate(blocks) if out[i] is None and b.state != MISS]
         if redo:
             self.grpc_reads += len(redo)
