@@ -8,11 +8,13 @@ channel, copies each leased block out of the slab into staging space and ends th
 lease at once; the reply's offsets are staging offsets. RELEASE, the connection's end or
 the lease's TTL frees that space. A stranger who reaches the engine can then read at most
 blocks in flight, and anything it writes into them fails the reader's checksum (taken at
-put), so it is a miss, never wrong bytes. Freed staging space is zeroed.
+put), so it is a miss, never wrong bytes. Released staging space is zeroed at once by a
+thread of its own (off the path of the reader's next LEASE) and only then free again.
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import logging
 import threading
@@ -58,11 +60,13 @@ class StagingArea:
                 return at
         return None
 
-    def free(self, offset: int, size: int) -> None:
+    def free(self, offset: int, size: int, zeroed: bool = False) -> None:
         """Give back what :meth:`alloc` returned for ``size`` bytes at ``offset``; its bytes
-        are zeroed, so what a stranger reads there is only ever a block in flight."""
+        are zeroed (unless the caller did: ``zeroed``), so what a stranger reads there is
+        only ever a block in flight."""
         need = max(ALIGN, -(-size // ALIGN) * ALIGN)
-        self.buf[offset:offset + size].fill(0)
+        if not zeroed:
+            self.zero(offset, size)
         self.used -= need
         i = bisect.bisect_left(self._starts, offset)
         if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:   # merge with the left one
@@ -74,6 +78,11 @@ class StagingArea:
         if i + 1 < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[i + 1]:
             self._sizes[i] += self._sizes.pop(i + 1)
             self._starts.pop(i + 1)
+
+    def zero(self, offset: int, size: int) -> None:
+        """Zero ``size`` bytes at ``offset`` (a memset with the GIL released)."""
+        if size:
+            ctypes.memset(int(self.buf.ctypes.data) + offset, 0, size)
 
 
 class StagedReads:
@@ -91,7 +100,13 @@ class StagedReads:
         self._held: dict[int, tuple[float, list[tuple[int, int]]]] = {}  # lease id -> (expiry, extents)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)   # released extents queued, or zeroed
+        self._dirty: list[tuple[int, int]] = []   # released, not zeroed yet: neither held nor free
+        self._zeroing = 0                          # extents the zeroer holds outside the lock
+        self._closed = False
         self.staged = self.copied_bytes = self.crowded = 0
+        self._zeroer = threading.Thread(target=self._zero_released, name="staging-zeroer", daemon=True)
+        self._zeroer.start()
 
     def lease_flat(self, keys: Sequence[bytes], ttl_s: float | None = None, stop_at_miss: bool = False,
                    chain: bool = False) -> tuple[int, float, list[int]]:
@@ -127,31 +142,66 @@ class StagedReads:
     def _alloc(self, size: int) -> int | None:
         with self._lock:
             at = self.area.alloc(size)
+            if at is None and (self._dirty or self._zeroing):   # space on its way back: take it now
+                while self._zeroing:
+                    self._changed.wait()
+                self._free(self._dirty)
+                self._dirty = []
+                at = self.area.alloc(size)
             if at is None and self._sweep():
                 at = self.area.alloc(size)
             return at
+
+    def _free(self, extents: list[tuple[int, int]], zeroed: bool = False) -> None:
+        for at, size in extents:
+            self.area.free(at, size, zeroed)
 
     def _sweep(self) -> bool:
         """Free the staged space of leases past their TTL (lock held); whether any was."""
         now = time.monotonic()
         gone = [lid for lid, (expiry, _) in self._held.items() if expiry <= now]
         for lid in gone:
-            for at, size in self._held.pop(lid)[1]:
-                self.area.free(at, size)
+            self._free(self._held.pop(lid)[1])
         return bool(gone)
 
     def release(self, lease_id: int) -> bool:
+        """End a staged lease: its space goes to the zeroer thread, free again once zeroed."""
         with self._lock:
             held = self._held.pop(lease_id, None)
             if held is None:
                 return False
-            for at, size in held[1]:
-                self.area.free(at, size)
+            self._dirty += held[1]
+            self._changed.notify_all()
         return True
+
+    def _zero_released(self) -> None:
+        """The zeroer thread: zero released extents outside the lock, then free them."""
+        while True:
+            with self._lock:
+                while not self._dirty and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                batch, self._dirty = self._dirty, []
+                self._zeroing = len(batch)
+            try:
+                for at, size in batch:
+                    self.area.zero(at, size)
+            finally:
+                with self._lock:
+                    self._free(batch, zeroed=True)
+                    self._zeroing = 0
+                    self._changed.notify_all()
 
     def abort(self, res_ids: Sequence[int]) -> None:
         """Nothing to abort: staged reads reserve no slot (the control server calls it at a
         connection's end)."""
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._free(self._dirty)
+            self._dirty = []
+            self._changed.notify_all()
+        self._zeroer.join(timeout=10)
         self.host.close()
