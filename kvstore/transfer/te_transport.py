@@ -36,11 +36,11 @@ from protos import transfer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 MIN_BUFFER_BYTES = 16 << 20
 # Blocks move in pieces of at most PIECE_BYTES, each its own async transfer, all started at
-# once: the first pieces land (and are hashed) while later ones still move, and each one's
-# status can be polled without spinning (kvstore/transfer/engine.py). A 16 MiB read over
-# loopback took 4.8-5.2 ms (best / median of 11) with 1 MiB pieces, 5.2-5.7 with 512 KiB
-# and 7.4-9.6 with 256 KiB (2-core machine).
-PIECE_BYTES = 1 << 20
+# once; each block is hashed as its pieces land, while later blocks still move. One transfer
+# per block: the engine's TCP transport pays for every transfer (0.3.13), and a 16 MiB block
+# between two network namespaces (benchmarks/bench_multihost.py's reads, 2-core Xeon VM)
+# took 11.2-12.7 ms as one transfer against 17-26 ms as 16 of 1 MiB (best of 5, three runs).
+PIECE_BYTES = 1 << 30
 CONTROL_RETRY_S = 2.0   # a failed control channel is dialled again after this long
 _STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
