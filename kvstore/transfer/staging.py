@@ -8,8 +8,10 @@ channel, copies each leased block out of the slab into staging space and ends th
 lease at once; the reply's offsets are staging offsets. RELEASE, the connection's end or
 the lease's TTL frees that space. A stranger who reaches the engine can then read at most
 blocks in flight, and anything it writes into them fails the reader's checksum (taken at
-put), so it is a miss, never wrong bytes. Released staging space is zeroed at once by a
-thread of its own (off the path of the reader's next LEASE) and only then free again.
+put), so it is a miss, never wrong bytes. Released staging space is zeroed by a thread of
+its own, off the path of the reader's next LEASE (it pauses while a LEASE copies blocks in:
+on the 2-core VM a 16 MiB copy took 1.2 ms alone, 2.7 ms beside a 16 MiB memset), and
+only then free again.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -28,6 +31,10 @@ from kvstore.wire.types import ELSEWHERE, MAPPED
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
+# A block this large is copied into staging in two halves at once, one by a helper thread:
+# a 16 MiB block just put took 1.7 ms in one copy and 0.93 ms in two (2-core VM).
+SPLIT_COPY_BYTES = 4 << 20
+ZERO_CHUNK = 1 << 20   # the zeroer looks for a lease copying blocks in between chunks
 
 
 class StagingArea:
@@ -102,9 +109,12 @@ class StagedReads:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)   # released extents queued, or zeroed
         self._dirty: list[tuple[int, int]] = []   # released, not zeroed yet: neither held nor free
-        self._zeroing = 0                          # extents the zeroer holds outside the lock
+        self._zeroing = 0    # extents the zeroer holds outside the lock
+        self._copying = 0    # leases copying blocks in: the zeroer waits (both want the memory bus) ...
+        self._starved = 0    # ... unless one of them waits for space it is zeroing
         self._closed = False
         self.staged = self.copied_bytes = self.crowded = 0
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="staging-copy")
         self._zeroer = threading.Thread(target=self._zero_released, name="staging-zeroer", daemon=True)
         self._zeroer.start()
 
@@ -113,6 +123,8 @@ class StagedReads:
         """As :meth:`DataPlaneHost.lease_flat`, offsets in the staging area. Raises what it raises."""
         lease_id, _, flat = self.host.lease_flat(keys, ttl_s, stop_at_miss, chain)
         extents: list[tuple[int, int]] = []
+        with self._lock:
+            self._copying += 1
         try:
             for j in range(0, len(flat), 4):
                 if flat[j] != MAPPED:
@@ -124,11 +136,14 @@ class StagedReads:
                     self.crowded += 1
                     continue
                 extents.append((at, size))
-                np.copyto(self.area.buf[at:at + size], self.host.tier.view(offset, size))
+                self._copy(self.area.buf[at:at + size], self.host.tier.view(offset, size))
                 flat[j + 1] = at
                 self.staged += 1
                 self.copied_bytes += size
         finally:
+            with self._lock:
+                self._copying -= 1
+                self._changed.notify_all()
             if lease_id:
                 self.host.release(lease_id)   # the bytes are staged: the slab may move on
         if not extents:
@@ -139,12 +154,25 @@ class StagedReads:
             self._held[staged_id] = (expiry, extents)
         return staged_id, expiry, flat
 
+    def _copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        n = int(dst.nbytes)
+        if n < SPLIT_COPY_BYTES:
+            np.copyto(dst, src)
+            return
+        half = n // 2 - n // 2 % ALIGN
+        rest = self._helper.submit(np.copyto, dst[half:], src[half:])
+        np.copyto(dst[:half], src[:half])
+        rest.result()
+
     def _alloc(self, size: int) -> int | None:
         with self._lock:
             at = self.area.alloc(size)
             if at is None and (self._dirty or self._zeroing):   # space on its way back: take it now
+                self._starved += 1
+                self._changed.notify_all()
                 while self._zeroing:
                     self._changed.wait()
+                self._starved -= 1
                 self._free(self._dirty)
                 self._dirty = []
                 at = self.area.alloc(size)
@@ -175,7 +203,9 @@ class StagedReads:
         return True
 
     def _zero_released(self) -> None:
-        """The zeroer thread: zero released extents outside the lock, then free them."""
+        """The zeroer thread: zero released extents outside the lock, a chunk at a time,
+        pausing while a lease copies blocks in (that copy is on a reader's path), then free
+        them."""
         while True:
             with self._lock:
                 while not self._dirty and not self._closed:
@@ -186,7 +216,11 @@ class StagedReads:
                 self._zeroing = len(batch)
             try:
                 for at, size in batch:
-                    self.area.zero(at, size)
+                    for off in range(0, size, ZERO_CHUNK):
+                        with self._lock:
+                            while self._copying and not self._starved and not self._closed:
+                                self._changed.wait()
+                        self.area.zero(at + off, min(ZERO_CHUNK, size - off))
             finally:
                 with self._lock:
                     self._free(batch, zeroed=True)
@@ -204,4 +238,5 @@ class StagedReads:
             self._dirty = []
             self._changed.notify_all()
         self._zeroer.join(timeout=10)
+        self._helper.shutdown(wait=True)
         self.host.close()

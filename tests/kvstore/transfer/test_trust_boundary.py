@@ -127,6 +127,26 @@ def test_a_staging_node_registers_only_blocks_in_flight(staged_node):
         t.close()
 
 
+def test_a_block_as_large_as_the_staging_area_is_staged_in_two_halves(staged_node):
+    """A 4 MiB block fills the 4 MiB area, copied in by two threads (SPLIT_COPY_BYTES):
+    its bytes arrive whole through the engine, twice in a row (the space zeroed and freed
+    between the leases)."""
+    import os
+
+    from kvstore.transfer import TransferEngineTransport
+    from kvstore.transfer.staging import SPLIT_COPY_BYTES
+
+    address, client = staged_node
+    key, data = b"W" * 32, os.urandom(4 << 20)
+    assert len(data) >= SPLIT_COPY_BYTES and client.put(key, data).ok
+    t = TransferEngineTransport(address, auth_token="tok")
+    try:
+        assert t.get_blocks([key]) == [data] and t.get_blocks([key]) == [data]
+        assert (t.te_reads, t.grpc_reads) == (2, 0)
+    finally:
+        t.close()
+
+
 def test_what_a_stranger_writes_into_a_staged_block_is_caught_by_the_checksum(staged_node):
     """A peer overwrites a block while it is staged for a reader: the reader's checksum
     fails, the block comes over the gRPC stream, and the bytes returned are the put's."""
