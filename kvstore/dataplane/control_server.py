@@ -44,6 +44,7 @@ class ControlServer:
     one core polling, however many clients it serves."""
 
     kind = "control"
+    quiet_after: int | None = None   # an op after whose reply the connection does not poll
 
     def __init__(self, host: DataPlaneHost, sock: socket.socket, auth_token: str | None = None,
                  read_only: bool = False, poll_s: float = NODE_POLL_S) -> None:
@@ -97,7 +98,7 @@ class ControlServer:
         slots: set[int] = set()
         spares: dict[int, int] = {}  # spare slots lent on this connection: id -> bytes
         authed = not self._token
-        poller, poll_s, gate = io.poller_of(conn), self.poll_s, self._poll_gate
+        poller, poll_s, gate, op = io.poller_of(conn), self.poll_s, self._poll_gate, 0
         refused = frame_status(Unauthenticated("")), b"missing or wrong auth token"
         invalid = frame_status(InvalidArgument(""))
         # a caller without the token cannot hold a connection slot and a thread: its frames
@@ -105,7 +106,8 @@ class ControlServer:
         hello_by = time.monotonic() + HELLO_TIMEOUT_S
         try:
             while True:
-                if poll_s and gate.acquire(blocking=False):  # a busy client's next request comes soon
+                # a busy client's next request comes soon
+                if poll_s and op != self.quiet_after and gate.acquire(blocking=False):
                     try:
                         io.spin_until_readable(poller, poll_s)
                     finally:
@@ -263,6 +265,9 @@ class TcpControlServer(ControlServer):
     readers trust a block by its checksum."""
 
     kind = "tcp-control"
+    # The reader's next frame follows a transfer-engine read (hundreds of us at least): no
+    # polling after a LEASE, which would take a core from that read on a small host.
+    quiet_after = w.OP_LEASE
 
     def __init__(self, host: DataPlaneHost, bind_host: str = "127.0.0.1", port: int = 0,
                  auth_token: str | None = None, poll_s: float = NODE_POLL_S) -> None:

@@ -36,11 +36,11 @@ from protos import transfer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 MIN_BUFFER_BYTES = 16 << 20
 # Blocks move in pieces of at most PIECE_BYTES, each its own async transfer, all started at
-# once: the first pieces land (and are hashed) while later ones still move, and each one's
-# status can be polled without spinning (kvstore/transfer/engine.py). A 16 MiB read over
-# loopback took 4.8-5.2 ms (best / median of 11) with 1 MiB pieces, 5.2-5.7 with 512 KiB
-# and 7.4-9.6 with 256 KiB (2-core machine).
-PIECE_BYTES = 1 << 20
+# once; each block is hashed as its pieces land, while later blocks still move. One transfer
+# per block: the engine's TCP transport pays for every transfer (0.3.13), and a 16 MiB block
+# between two network namespaces (benchmarks/bench_multihost.py's reads, 2-core Xeon VM)
+# took 11.2-12.7 ms as one transfer against 17-26 ms as 16 of 1 MiB (best of 5, three runs).
+PIECE_BYTES = 1 << 30
 CONTROL_RETRY_S = 2.0   # a failed control channel is dialled again after this long
 _STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
@@ -187,24 +187,37 @@ class TransferEngineTransport(BlockTransport):
         return self._get(list(keys), outs, stop_at_miss)
 
     def _get(self, keys: list[bytes], outs: Sequence[Any] | None, stop_at_miss: bool) -> list[Any]:
-        """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block)."""
+        """get_blocks (``outs`` None: bytes per block) or get_into (bytes written per block).
+        A staging node answers the blocks its staging area has no room for ELSEWHERE with
+        their size (kvstore/transfer/staging.py): they are leased again, batch after batch,
+        each once the one before is read and released, for as long as each batch moves some
+        block; the rest (other tiers, blocks larger than the area) come over the gRPC stream."""
         if not keys:
             return []
-        lease_id, blocks = self._lease(keys, stop_at_miss)
+        lease_id, got = self._lease(keys, stop_at_miss)
+        blocks = list(got)
         out: list[Any] = [None] * len(blocks)
-        mapped = [i for i, b in enumerate(blocks) if b.state == MAPPED]
-        ok = True
-        try:
-            if mapped:
-                ok = self._read(blocks, mapped, out, outs)
-        finally:
-            # Not waited for: the checksum verified after the copy is what guards the bytes
-            # (a slab range reused after an expired lease cannot match the block's checksum).
-            self._release(lease_id)
-        if not ok:
-            log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
-                        self.endpoint, len(mapped))
-        self.te_reads += sum(1 for i in mapped if out[i] is not None)
+        todo = list(range(len(blocks)))
+        while True:
+            mapped = [i for i in todo if blocks[i].state == MAPPED]
+            ok = True
+            try:
+                if mapped:
+                    ok = self._read(blocks, mapped, out, outs)
+            finally:
+                # Not waited for: the checksum verified after the copy is what guards the bytes
+                # (a slab range reused after an expired lease cannot match the block's checksum).
+                self._release(lease_id)
+            if not ok:
+                log.warning("transfer engine read from %s failed; reading %d blocks over gRPC",
+                            self.endpoint, len(mapped))
+            self.te_reads += sum(1 for i in mapped if out[i] is not None)
+            todo = [i for i in todo if blocks[i].state == ELSEWHERE and blocks[i].size] if self.staged else []
+            if not (ok and mapped and todo):
+                break
+            lease_id, again = self._lease([keys[i] for i in todo], False)
+            for i, b in zip(todo, again):
+                blocks[i] = b
         redo = [i for i, b in enumerate(blocks) if out[i] is None and b.state != MISS]
         if redo:
             self.grpc_reads += len(redo)

@@ -90,6 +90,8 @@ def test_a_staging_node_registers_only_blocks_in_flight(staged_node):
     end the engine refuses."""
     import os
 
+    import numpy as np
+
     from kvstore.transfer import TransferEngineTransport
 
     address, client = staged_node
@@ -101,15 +103,46 @@ def test_a_staging_node_registers_only_blocks_in_flight(staged_node):
     try:
         assert t.staged and t.get_blocks([k for k, _ in blocks]) == [d for _, d in blocks]
         assert t.te_reads == 3 and t.grpc_reads == 0
-        big = [(b"B" * 32, os.urandom(3 << 20)), (b"C" * 32, os.urandom(3 << 20))]
+        big = [(bytes([66 + i]) * 32, os.urandom(3 << 20)) for i in range(3)]
         assert all(r.ok for r in client.put_blocks(big))
-        # 6 MiB leased at once: what does not fit in staging comes over the gRPC stream
-        assert t.get_blocks([k for k, _ in big]) == [d for _, d in big] and t.grpc_reads == 1
+        # 9 MiB asked at once: leased in batches that fit the 4 MiB area, one block each
+        assert t.get_blocks([k for k, _ in big]) == [d for _, d in big]
+        assert (t.te_reads, t.grpc_reads) == (6, 0)
+        out = np.zeros(9 << 20, dtype=np.uint8)
+        t.register(out)
+        views = [out[i * (3 << 20):(i + 1) * (3 << 20)] for i in range(3)]
+        assert t.get_into([k for k, _ in big], views) == [3 << 20] * 3
+        assert out.tobytes() == b"".join(d for _, d in big) and (t.te_reads, t.grpc_reads) == (9, 0)
+        # a block larger than the whole area never fits: the gRPC stream, after one lease
+        huge = (b"H" * 32, os.urandom(5 << 20))
+        assert client.put_blocks([huge])[0].ok
+        assert t.get_blocks([big[0][0], huge[0]]) == [big[0][1], huge[1]]
+        assert (t.te_reads, t.grpc_reads) == (10, 1)
         import time
         time.sleep(0.2)   # the release is not waited for
         seen = _stranger_read(t.engine, info.te_endpoint, info.slab_address, info.slab_bytes)
         assert seen is not None and not any(seen)
         assert _stranger_read(t.engine, info.te_endpoint, info.slab_address + info.slab_bytes, 4096) is None
+    finally:
+        t.close()
+
+
+def test_a_block_as_large_as_the_staging_area_is_staged_in_two_halves(staged_node):
+    """A 4 MiB block fills the 4 MiB area, copied in by two threads (SPLIT_COPY_BYTES):
+    its bytes arrive whole through the engine, twice in a row (the space zeroed and freed
+    between the leases)."""
+    import os
+
+    from kvstore.transfer import TransferEngineTransport
+    from kvstore.transfer.staging import SPLIT_COPY_BYTES
+
+    address, client = staged_node
+    key, data = b"W" * 32, os.urandom(4 << 20)
+    assert len(data) >= SPLIT_COPY_BYTES and client.put(key, data).ok
+    t = TransferEngineTransport(address, auth_token="tok")
+    try:
+        assert t.get_blocks([key]) == [data] and t.get_blocks([key]) == [data]
+        assert (t.te_reads, t.grpc_reads) == (2, 0)
     finally:
         t.close()
 
