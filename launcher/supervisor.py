@@ -41,9 +41,20 @@ def port_taker(host: str, first: int = 0, skip: frozenset[int] = frozenset()) ->
     """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
     ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``), passing over the
     ports in ``skip`` (the front door's). Each call raises RuntimeError naming a port that is
-    not free on ``host`` (:func:`port_is_free`) or past 65535."""
+    not free on ``host`` (:func:`port_is_free`) or past 65535. A port the system picks is never
+    handed out twice: the system may pick a port again once the probe's socket is closed,
+    before the service it went to binds it."""
     if not first:
-        return lambda: free_port(host)
+        given = set(skip)
+
+        def take_free() -> int:
+            for _ in range(1000):
+                port = free_port(host)
+                if port not in given:
+                    given.add(port)
+                    return port
+            raise RuntimeError(f"no free port on {host} that this stack has not taken already")
+        return take_free
     nxt = [first]
 
     def take() -> int:

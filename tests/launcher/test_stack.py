@@ -229,3 +229,13 @@ def test_service_ports_are_taken_in_order_and_a_busy_one_is_named(tmp_path):
         with pytest.raises(RuntimeError, match=rf"--service-ports {first}: port {first + 1} on 127.0.0.1 is not free"):
             take()
     assert port_taker("127.0.0.1")() > 0                 # 0: a free port the system picks
+
+
+def test_a_port_the_system_picks_twice_is_handed_out_once(monkeypatch):
+    """The system may pick a probed port again before the service it went to binds it (a
+    store node's and an engine's metrics port were once the same in one kvstore up)."""
+    import launcher.supervisor as supervisor
+    picks = iter([41000, 41000, 41001, 41002, 41002, 41003])
+    monkeypatch.setattr(supervisor, "free_port", lambda host="127.0.0.1": next(picks))
+    take = supervisor.port_taker("127.0.0.1", skip=frozenset({41002}))
+    assert [take(), take(), take()] == [41000, 41001, 41003]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,8 +25,8 @@ from scheduler.vllm.app import start_vllm_frontdoor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BS = 32
-MAX_TOKENS = 48
-KILL_AT = 8          # tokens the client has when it kills the instance serving the stream
+MAX_TOKENS = 256     # room for the kill to land while the instance still generates
+KILL_AT = 8          # tokens the client has when it freezes, then kills, the instance serving the stream
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +131,18 @@ def killed_mid_stream(model_dir, store, servers, path: str, body: dict) -> tuple
 
                 def kill(out: dict) -> None:
                     victim = by_id[out["decode"]]
-                    if len(out["tokens"]) >= KILL_AT and victim.proc.poll() is None:
-                        victim.kill()
-                        out["killed_at"] = len(out["tokens"])
-                resumed = await stream(s, door.url, path, body, on_tokens=kill)
+                    victim.kill()
+                    out["killed_at"] = len(out["tokens"])
+
+                def freeze(out: dict) -> None:
+                    # the client reads slower than a tiny model writes: SIGSTOP (the engine core
+                    # too) bounds how far the instance gets before the kill a moment later
+                    victim = by_id[out["decode"]]
+                    if len(out["tokens"]) >= KILL_AT and "frozen" not in out and victim.proc.poll() is None:
+                        os.killpg(victim.proc.pid, signal.SIGSTOP)
+                        out["frozen"] = len(out["tokens"])
+                        asyncio.get_running_loop().call_later(0.5, kill, out)
+                resumed = await stream(s, door.url, path, body, on_tokens=freeze)
                 survivor = next(sid for sid in by_id if sid != resumed["decode"])
                 after = await asyncio.to_thread(counters, by_id[survivor], names)
                 grown = {n: after[n] - before[survivor][n] for n in names}
