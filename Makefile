@@ -63,7 +63,8 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # pytest exits 5 when it collected no test: that is a failure here, not green. Two workers
-# (pytest-xdist): the tests that start vLLM go to one of them in turn (tests/conftest.py).
+# (pytest-xdist), given whole modules; the modules that start vLLM go to one of them in turn
+# (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup; rc=$$?; \

@@ -1,6 +1,7 @@
 """Shared pytest fixtures. Append fixtures; keep each group under its own heading."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -222,19 +223,38 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 
 
 # -- parallel runs (make test: pytest-xdist, two workers) ------------------------------------
+# Work goes to the workers a module at a time, so that a module-scoped fixture (a store node,
+# a set of vLLM servers) starts once, not once per worker that happens to get one of its tests.
 # The tests that start vLLM pin its instances to the machine's cores (one per core): two such
-# tests at once would oversubscribe them and run slower than one after the other. They share
-# one xdist group, so `--dist loadgroup` gives them to one worker in turn while the other
-# worker runs the rest.
+# tests at once would oversubscribe them and run slower than one after the other, so every
+# module that starts vLLM is one unit, run by one worker in turn while the other worker runs
+# the rest. (xdist's own ``xdist_group`` marks cannot do this under pytest 9.2, whose node ids
+# xdist 3.8 no longer rewrites: the groups are decided here, on the node ids themselves.)
 _STARTS_VLLM = ("tests.helpers.vllm_driver", "tests.helpers.vllm_engine", "engines.vllm.launch", "launcher.vllm_setups")
+_ROOT = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    sources: dict[Path, bool] = {}
-    for item in items:
-        path = Path(str(item.fspath))
-        if path not in sources:
-            text = path.read_text()
-            sources[path] = any(name in text for name in _STARTS_VLLM)
-        if sources[path]:
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+@functools.cache
+def _starts_vllm(module: str) -> bool:
+    """Whether the test module at ``module`` (a path from the root) starts vLLM."""
+    path = _ROOT / module
+    return path.suffix == ".py" and path.is_file() and any(name in path.read_text() for name in _STARTS_VLLM)
+
+
+def _unit_of(nodeid: str) -> str:
+    """The unit of work a test is scheduled in: ``vllm`` for every module that starts vLLM,
+    else its module."""
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if _starts_vllm(module) else module
+
+
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndVLLM(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid)
+
+    return ModulesAndVLLM(config, log)
