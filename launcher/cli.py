@@ -260,8 +260,8 @@ def _add_scheduler(sub: Any) -> None:
                    "KVSTORE_ENGINE_TOKEN)")
     p.add_argument("--kv-events", metavar="URL", default=env_events(),
                    help="keep a replica of the store's and the prefill engines' indexes from the KV events "
-                        "in this Redis (default: KVSTORE_EVENTS_URL, else --redis; none: pool hits by lookup, "
-                        "no instance's own cache seen)")
+                        "in this Redis, over vLLM too (default: KVSTORE_EVENTS_URL, else --redis; none: pool hits "
+                        "by lookup, no built-in engine's own cache seen)")
     add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     p.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",

@@ -16,7 +16,7 @@ instance its own hit by tier, and the pool's hit (the store node holding the lon
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 
 from engines.client import engine_snapshot
 from kvstore.events.channel import make_channel
@@ -78,14 +78,17 @@ def start_replica(redis_url: str, engines: Mapping[str, str], engine_token: str 
     return replica.start()
 
 
-def split_hits(match: PrefixMatch, engine_ids: Iterable[str]) -> tuple[dict[str, TierHit], TierHit]:
+def split_hits(match: PrefixMatch, engine_ids: Iterable[str],
+               ignored: Container[str] = ()) -> tuple[dict[str, TierHit], TierHit]:
     """(engine id → its own hit by tier, the pool's hit) from one replica lookup: the pool is
     every node that is not an engine, and its hit the longest of theirs (a read fetches a
-    prefix from one node)."""
+    prefix from one node); a node in ``ignored`` counts for neither."""
     engines = set(engine_ids)
     own: dict[str, TierHit] = {}
     pool: tuple[str, ...] = ()
     for node, tiers in match.per_node.items():
+        if node in ignored:
+            continue
         if node in engines:
             own[node] = TierHit.from_tiers(tiers)
         elif len(tiers) > len(pool):

@@ -11,15 +11,14 @@ seconds queued there (T_queue) and its hit; per decode instance the requests it 
 receive, with predicted join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills
 feed the T_prefill regression, finished decodes the TBT regression.
 
-The live engines fetch a longer pool hit themselves — no further than the plan's
-``max_load_blocks`` when the policy chose to recompute — and cannot read a peer's cache, so
-the router runs policies with ``peer_fetch`` off. The prefill engines report how long their
-pool reads took and how many bytes they moved; :meth:`Router.prefill_finished` feeds that to
-the policy's bandwidth estimate (seeded from the configured defaults until then). A prefill
-instance keeps what it fetched, and its events tell the replica so (hot prefixes replicate by
-themselves). KV transfers a request owns in-process (:mod:`scheduler.routing.request_transfers`) are
-registered in ``transfers`` and aborted by ``finished``; the engines' own transfers go through
-the store service, whose streamed put aborts its reservation when the stream breaks.
+The live engines fetch a longer pool hit themselves — no further than the plan's ``max_load_blocks`` when the
+policy chose to recompute — and cannot read a peer's cache, so the router runs policies with ``peer_fetch`` off.
+The prefill engines report how long their pool reads took and how many bytes they moved;
+:meth:`Router.prefill_finished` feeds that to the policy's bandwidth estimate (seeded from the configured
+defaults until then). A prefill instance keeps what it fetched, and its events tell the replica so (hot prefixes
+replicate by themselves). KV transfers a request owns in-process (:mod:`scheduler.routing.request_transfers`)
+are registered in ``transfers`` and aborted by ``finished``; the engines' own transfers go through the store
+service, whose streamed put aborts its reservation when the stream breaks.
 """
 from __future__ import annotations
 
@@ -89,6 +88,7 @@ class Router(Generic[C]):
         self.policy: Conductor = make_policy(policy, nbytes, config)
         self.replica = replica     # the store's index over KV events (None: pool hits by Lookup)
         self.pool_in_replica = True    # False: the replica holds the instances only; pool hits by Lookup
+        self.hits_ignored: frozenset[str] = frozenset()   # replica nodes no hit is taken from (split_hits)
         self.transfers = TransferTable()
         self.decode_max_running = decode_max_running
         self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
@@ -217,7 +217,7 @@ class Router(Generic[C]):
         replica's when None (a miss without a replica)."""
         own: dict[str, TierHit] = {}
         if self.replica is not None and keys:
-            own, replica_pool = split_hits(self.replica.match(keys), self.prefill)
+            own, replica_pool = split_hits(self.replica.match(keys), self.prefill, self.hits_ignored)
             if pool_hit is None:
                 pool_hit = replica_pool
         now = time.monotonic() if now_s is None else now_s

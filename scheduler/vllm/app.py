@@ -52,6 +52,8 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
     on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
     tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``;
     ``kv_events``: the prefill instances' KV-event endpoints (:func:`connect_vllm`);
+    ``config.kv_events``: the Redis of the store nodes' KV events (``--kv-events``, else
+    ``--redis``): the pool's hits then come from the router's replica of their indexes;
     ``quantization``, ``hf_overrides``: the instances' ``--quantization`` and
     ``--hf-overrides``, which their connectors key (the front door's keys must agree).
 
@@ -71,7 +73,8 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_max_running=config.decode_max_running,
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
-                                api_key=config.engine_auth_token, kv_events=kv_events)
+                                api_key=config.engine_auth_token, kv_events=kv_events,
+                                store_events=config.kv_events)
     frontdoor, runner, bound = await serve_app(
         router, lambda tokenizer: VLLMFrontdoor(router, tokenizer, config), model_dir, model.vocab_size, host, port)
     watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))

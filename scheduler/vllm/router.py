@@ -35,9 +35,11 @@ from scheduler.policy.admission import Rejection
 from scheduler.policy.conductor import ConductorConfig
 from scheduler.policy.registry import DEFAULT_POLICY
 from scheduler.policy.views import ClusterView, TierHit
+from scheduler.routing.cache_index import start_replica, store_address_of
 from scheduler.routing.router import DecodeInstance, PrefillInstance, RoutePlan, Router
 from scheduler.vllm.events import VLLMEventBridge, start_bridges, stop_bridges
 from scheduler.vllm.instances import VLLMClient, VLLMModel
+from scheduler.vllm.pool_events import pool_node
 
 log = logging.getLogger(__name__)
 
@@ -171,14 +173,36 @@ class VLLMRouter(Router[VLLMClient]):
             self.decode[new_id].work[plan.request_id] = work
         return dataclasses.replace(moved, decision=dataclasses.replace(moved.decision, decode_id=new_id))
 
+    def read_store_events(self, redis_url: str, store_address: str | None, store_token: str | None) -> None:
+        """Keep a replica of the store nodes' indexes from their KV events in the Redis Stream
+        at ``redis_url`` (:func:`scheduler.routing.cache_index.start_replica`, entries sealed
+        with ``store_token``), as the built-in engines' router does: the pool's hit by tier
+        comes from it, with no ``Lookup`` per request. After a gap a store node is
+        resynchronised from its ``Snapshot`` (a registered member's address, else
+        ``store_address``); the instances' nodes, which the bridges of :meth:`watch_kv_events`
+        number themselves, have no snapshot: a gap there drops the node until its next epoch.
+        Raises InvalidArgument once the bridges run (they feed the replica this one replaces)."""
+        if self.bridges:
+            raise InvalidArgument("read the store nodes' KV events before the instances' (watch_kv_events)")
+        stores = store_address_of(self.store, store_address)
+        bridged = {n for e in self.clients() for n in (e, pool_node(e))}
+        self.replica = start_replica(redis_url, {}, None, lambda node: None if node in bridged else stores(node),
+                                     store_token)
+        self.pool_in_replica = True
+
     def watch_kv_events(self, endpoints: dict[str, tuple[str, str | None]]) -> None:
-        """Keep a replica of the instances' own prefix caches from their vLLM KV events
-        (engine id → (PUB endpoint, replay endpoint or None)), and of what their connectors
-        say the pool holds (scheduler/vllm/pool_events.py). The pool's hits come from the
-        store's ``Lookup`` when the router has a store (the connectors learn of the store's
-        evictions only when a request asks again), else from the connectors' events."""
-        self.replica = IndexReplica(LocalEventChannel())   # fed by the bridges, never polled
-        self.pool_in_replica = self.store is None
+        """Keep the instances' own prefix caches in the replica from their vLLM KV events
+        (engine id → (PUB endpoint, replay endpoint or None)), and what their connectors say
+        the pool holds (scheduler/vllm/pool_events.py, node ``<engine id>/pool``). The pool's
+        hit comes from the store nodes' own events when :meth:`read_store_events` reads them
+        (the connectors' nodes are then kept but give no hit: a connector learns of a store's
+        eviction only when a request asks again), else from the store's ``Lookup`` when the
+        router has a store, else from the connectors' events."""
+        if self.replica is None:
+            self.replica = IndexReplica(LocalEventChannel())   # fed by the bridges, never polled
+            self.pool_in_replica = self.store is None
+        else:
+            self.hits_ignored = frozenset(pool_node(e) for e in endpoints)
         self.bridges = start_bridges(endpoints, self.model.paged, self.replica)
 
     async def close(self) -> None:
@@ -211,7 +235,8 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                        config: ConductorConfig | None = None, store_auth_token: str | None = None,
                        decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
                        ready_timeout_s: float = 60.0, store_redis: str | None = None,
-                       api_key: str | None = None, kv_events: Sequence[str] = ()) -> VLLMRouter:
+                       api_key: str | None = None, kv_events: Sequence[str] = (),
+                       store_events: str | None = None) -> VLLMRouter:
     """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
     ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
     Waits until each answers. ``kv_events``: none, or one per prefill (colocated) instance,
@@ -219,6 +244,9 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
     (``--kv-events-config``'s ``endpoint`` and ``replay_endpoint``): the router then sees
     each instance's own prefix cache (:mod:`scheduler.vllm.events`) beside the pool's hits;
     without them it sees the pool's only (it never guesses an instance's cache).
+    ``store_events``: the Redis the store nodes publish their KV events to (the CLI's
+    ``--kv-events``, else ``--redis``): with a store, the pool's hits come from a replica of
+    their indexes (:meth:`VLLMRouter.read_store_events`), not from a ``Lookup`` per request.
     ``api_key``: the instances' vLLM API key (the engines' token: only the front door may call them). Raises
     Unavailable (an instance not up in ``ready_timeout_s``) or InvalidArgument."""
     from kvstore.client import StoreClient
@@ -237,13 +265,14 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                               f"order), got {len(kv_events)}")
     endpoints = {engine_id: _endpoints(spec) for engine_id, spec in zip(prefill_ids, kv_events)}
     clients = [VLLMClient(u, role, model, engine_id, api_key=api_key) for engine_id, u, role in named]
+    store: BlockStore | None = None
+    router: VLLMRouter | None = None
     try:
         await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
         await asyncio.gather(*(c.load() for c in clients))
         infos = [await c.info() for c in clients]
         pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]
         dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]
-        store: BlockStore | None = None
         if store_redis:
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)
@@ -252,12 +281,19 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
         router = VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
                             decode_max_running=decode_max_running,
                             decode_kv_capacity_tokens=decode_kv_capacity_tokens)
+        if store_events and store is not None:
+            router.read_store_events(store_events, store_address, store_auth_token)
         if endpoints:
             router.watch_kv_events(endpoints)
         return router
     except BaseException:
-        for c in clients:
-            await c.close()
+        if router is not None:
+            await router.close()    # its bridges, replica, store and instance clients
+        else:
+            if store is not None:
+                store.close()
+            for c in clients:
+                await c.close()
         raise
 
 
