@@ -241,17 +241,29 @@ class Load:
         self._stop.set()
         self._thread.join(60)
 
-    def lost(self, survivors: set[str]) -> list[bytes]:
-        """Acknowledged blocks held by a node in ``survivors`` that do not read back."""
+    def lost(self, survivors: set[str], tries: int = 3) -> list[bytes]:
+        """Acknowledged blocks held by a node in ``survivors`` that do not read back. A read
+        that fails (a node slower than the client's timeout on a loaded machine) is a miss
+        to the client, not a loss: the blocks that did not read back are asked again, up to
+        ``tries`` times in all, a second apart; wrong bytes are never asked again."""
         with self._lock:
             keys = [k for k, node in self.acked.items() if node in survivors]
-        lost = []
-        for start in range(0, len(keys), 64):
-            part = keys[start:start + 64]
-            self.client._listed_at = 0.0
-            got = self.client.get_blocks(part)
-            lost += [k for k, d in zip(part, got) if d != block_of(k, self.size)]
-        return lost
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(1.0)
+            missing, wrong = [], []
+            for start in range(0, len(keys), 64):
+                part = keys[start:start + 64]
+                self.client._listed_at = 0.0
+                for k, d in zip(part, self.client.get_blocks(part)):
+                    if d is None:
+                        missing.append(k)
+                    elif d != block_of(k, self.size):
+                        wrong.append(k)
+            if wrong or not missing:
+                return wrong + missing
+            keys = missing
+        return missing
 
     def goes_on(self, within_s: float, requests: int = 3) -> float | None:
         """Seconds until ``requests`` more reads complete (None: not within ``within_s``)."""
