@@ -36,6 +36,7 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)   # the fixture's six vLLM start-ups and three replays: 250 s on a quiet 2-core VM
 def test_kvstore_up_without_engine_runs_vllm_in_three_setups_on_the_same_requests(demo) -> None:
     proc, report, plots = demo
     setups = report["setups"]
