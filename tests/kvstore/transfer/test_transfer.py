@@ -333,11 +333,10 @@ def test_a_stalled_read_retires_its_buffer_until_the_engine_lets_go(spawn_store_
         start = t.engine.read_piece
 
         def stall(*args):
-            tid = start(*args)
-            if not stopped:
+            if not stopped:     # the node stops once the lease is granted, before its bytes are sent
                 os.kill(proc.pid, signal.SIGSTOP)
                 stopped.append(True)
-            return tid
+            return start(*args)
 
         monkeypatch.setattr(t.engine, "read_piece", stall)
         with pytest.raises(Unavailable):        # the engine gave up; the gRPC fallback timed out
