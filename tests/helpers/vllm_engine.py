@@ -1,23 +1,23 @@
-"""A vLLM engine in a process of its own (tests/helpers/vllm_driver.py) for the connector tests
-(tests/engines/vllm/): the engine settings they share, the connector's transfer config, and
-the pool's view of a prompt's blocks."""
+"""vLLM engines for the connector tests (tests/engines/vllm/), each in a process of its own
+forked from a server that has imported vLLM once (tests/helpers/vllm_driver.py): the engine
+settings they share, the connector's transfer config, and the pool's view of a prompt's
+blocks."""
 from __future__ import annotations
 
-import json
+import multiprocessing
+import multiprocessing.context
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from engines.checkpoint_identity import model_identity
 from engines.vllm.layout import PagedLayout
 from kvstore.index.keys import KVLayout
+from tests.helpers.vllm_driver import ENV, serve
 
 BS = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "helpers" / "vllm_driver.py"
 ENGINE = {"dtype": "float32", "enforce_eager": True, "block_size": BS, "max_model_len": 1024,
           "kv_cache_memory_bytes": 32 << 20, "enable_prefix_caching": False, "seed": 0}
 
@@ -27,31 +27,38 @@ def connector(address: str, role: str) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"kvstore.store": address, "kvstore.timeout_s": 5}}
 
 
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """The fork server the engines are forked from, with vLLM imported once
+    (tests/helpers/vllm_preload.py); started with the first engine of this process."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.helpers.vllm_preload"])
+    return ctx
+
+
 class Engine:
-    """One vLLM engine in its own process (tests/helpers/vllm_driver.py)."""
+    """One vLLM engine in a process of its own (tests/helpers/vllm_driver.py); its environment
+    is this process's as it is now, with the driver's settings and ``env`` on top."""
 
     def __init__(self, model_dir: str, log_path: Path, env: dict[str, str] | None = None,
                  **settings: object) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT),
-                   **(env or {}))
+        ctx = _forkserver()
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(DRIVER), model_dir, json.dumps({**ENGINE, **settings})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env, cwd=str(ROOT))
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, model_dir, {**ENGINE, **settings},
+                                                    {**os.environ, **ENV, **(env or {})}, str(log_path)))
+        self.proc.start()
+        child.close()
         assert self._read().get("ready")
 
     def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"vLLM engine exited: {self.log_path.read_text()[-3000:]}")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(timeout=10)
+            raise RuntimeError(f"vLLM engine exited: {self.log_path.read_text()[-3000:]}") from None
 
     def _ask(self, **req: object) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
+        self.conn.send(req)
         return self._read()
 
     def generate(self, prompt: list[int], salt: str | None = "tenant-a", max_tokens: int = 8,
@@ -70,15 +77,11 @@ class Engine:
         return bool(self._ask(op="reset")["ok"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        self.conn.close()           # the engine's loop ends at end of input
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
 
 def held(pool, model_dir: str, prompt: list[int], salt: str = "tenant-a", want: int | None = None,

@@ -57,7 +57,12 @@ def test_status_feed_lists_every_registered_node(redis_url, spawn_store_node):
             time.sleep(0.2)
             listed = {n["node_id"] for n in feed()["nodes"]}
         assert listed == {"n0", "n1"}
-        assert call(door.url, "/health")[0] == 200           # a clean stop leaves no problem behind
+        # a clean stop leaves no problem behind (a node that misses one check on a loaded
+        # machine is down until it answers the next: the front door checks once a second)
+        deadline = time.monotonic() + 10
+        while (health := call(door.url, "/health")[0]) != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health == 200
 
         replica = door.frontdoor.router.replica
         assert replica is not None
