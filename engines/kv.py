@@ -14,12 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstore.errors import InvalidArgument
-from kvstore.index.keys import KVLayout
-
-
-def block_bytes(layout: KVLayout, tokens: int, itemsize: int) -> int:
-    """Bytes of a block of ``tokens`` tokens."""
-    return layout.num_layers * 2 * layout.num_kv_heads * tokens * layout.head_dim * itemsize
+from kvstore.index.keys import KVLayout, block_bytes
 
 
 def slice_bytes(cache: DynamicCache, start: int, end: int) -> bytes:

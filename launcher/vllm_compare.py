@@ -22,7 +22,7 @@ from launcher.vllm_setups import COMPARED, SETUPS, RunningSetup, instance_metric
 def kv_bytes_per_token(model_dir: str) -> int:
     """Bytes of KV one token takes in every layer, keys and values, float32 as the instances
     run: the layout the connector keys (:class:`scheduler.vllm.instances.VLLMModel`)."""
-    from engines.kv import block_bytes
+    from kvstore.index.keys import block_bytes
     from scheduler.vllm.instances import VLLMModel
     return block_bytes(VLLMModel.from_dir(model_dir, dtype="float32").paged.layout, 1, 4)
 

@@ -51,13 +51,13 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
-from engines.kv import block_bytes
 from engines.vllm.connector_obs import ConnectorObservability
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, SchedulerSide, _Tracked
 from engines.vllm.connector_worker import WorkerSide
 from engines.vllm.layout import PagedBlocks, PagedLayout, kv_groups
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.identity import TAG_BYTES, IdentityCheck
+from kvstore.index.keys import block_bytes
 
 __all__ = ["BlockTransfer", "ConnectorStats", "KVStoreConnector", "KVStoreConnectorMetadata"]
 

@@ -135,6 +135,12 @@ class KVLayout:
         return cls(**obj)
 
 
+def block_bytes(layout: KVLayout, tokens: int, itemsize: int) -> int:
+    """Bytes of a block of ``tokens`` tokens of ``layout`` at ``itemsize`` bytes an element:
+    every layer's K and V."""
+    return layout.num_layers * 2 * layout.num_kv_heads * tokens * layout.head_dim * itemsize
+
+
 @dataclass(frozen=True, slots=True)
 class KeyExtras:
     """Everything besides the tokens that changes the KV of a block (docs/key-spec.md §2).

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from typing import Generic
 
 from engines.client import EngineClient
-from engines.kv import block_bytes
 from engines.types import EngineInfo, PrefillResult
 from kvstore.block_store import BlockStore
 from kvstore.client import StoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.events.replica import IndexReplica
+from kvstore.index.keys import block_bytes
 from scheduler.policy.admission import AdmissionConfig, Rejection
 from scheduler.policy.backlog import PrefillBacklog
 from scheduler.policy.conductor import Conductor, ConductorConfig

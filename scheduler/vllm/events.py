@@ -54,11 +54,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.kv import block_bytes
 from engines.vllm.layout import PagedLayout
 from kvstore.errors import InvalidArgument
 from kvstore.events.event import EventKind, KVEvent
 from kvstore.events.replica import IndexReplica
+from kvstore.index.keys import block_bytes
 from scheduler.routing.engine_link import DTYPE_BYTES
 from scheduler.vllm.event_socket import EventSubscriber
 from scheduler.vllm.pool_events import OWNERSHIP, PoolNode
