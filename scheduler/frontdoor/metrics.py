@@ -89,6 +89,11 @@ class FrontdoorMetrics:
         self.kv_index = Gauge(p + "kv_index_replica", "The router's replica of the store's index over KV "
                               "events (scheduler/routing/cache_index.py): events applied, gaps, snapshots applied",
                               ["what"], registry=r)
+        self.pool_lookups = Counter(p + "pool_lookups", "Lookup RPCs the router sent the store to plan a "
+                                    "request, by outcome (ok, failed: planned as a pool miss); none while a "
+                                    "replica of the store's index over KV events gives the pool's hits",
+                                    ["outcome"], registry=r)
+        self._lookups_seen: dict[str, int] = {}
 
     def set_up(self, parts: Iterable[tuple[str, str, bool]]) -> None:
         """``kvstore_scheduler_up`` from (role, instance, up) of every part; a part no longer
@@ -143,11 +148,16 @@ class FrontdoorMetrics:
 
     def render(self, queue_depths: dict[str, int], decode_running: dict[str, int], inflight: int,
                replica: IndexReplica | None = None,
-               prefill_log_error: tuple[float, float] | None = None) -> bytes:
+               prefill_log_error: tuple[float, float] | None = None,
+               pool_lookups: dict[str, int] | None = None) -> bytes:
         """The text exposition format, with the gauges set from the router's current state
         (``replica``: its index replica, when it keeps one; ``prefill_log_error``: its
         T_prefill predictor's (mean, sd) of ln(observed / predicted), once measured —
-        :attr:`scheduler.policy.costing.PrefillModel.log_error`)."""
+        :attr:`scheduler.policy.costing.PrefillModel.log_error`; ``pool_lookups``: its
+        Lookup RPCs so far by outcome, :attr:`scheduler.routing.router.Router.pool_lookups`)."""
+        for outcome, n in (pool_lookups or {}).items():
+            self.pool_lookups.labels(outcome=outcome).inc(n - self._lookups_seen.get(outcome, 0))
+            self._lookups_seen[outcome] = n
         if prefill_log_error is not None:
             self.prefill_error.labels(stat="mean").set(prefill_log_error[0])
             self.prefill_error.labels(stat="sd").set(prefill_log_error[1])

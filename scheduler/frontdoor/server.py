@@ -163,7 +163,7 @@ class Frontdoor:
         self.metrics.set_up(self.health_checks.parts())
         body = self.metrics.render(self.router.queue_depths(), self.router.decode_running(),
                                    self.router.inflight, self.router.replica,
-                                   self.router.policy.prefill_model.log_error)
+                                   self.router.policy.prefill_model.log_error, self.router.pool_lookups)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -90,12 +90,11 @@ class Router(Generic[C]):
         self.pool_in_replica = True    # False: the replica holds the instances only; pool hits by Lookup
         self.hits_ignored: frozenset[str] = frozenset()   # replica nodes no hit is taken from (split_hits)
         self.transfers = TransferTable()
-        self.decode_max_running = decode_max_running
-        self.decode_kv_capacity_tokens = decode_kv_capacity_tokens
+        self.decode_max_running, self.decode_kv_capacity_tokens = decode_max_running, decode_kv_capacity_tokens
         self.inflight = 0
         self.inflight_by_tenant: dict[str, int] = {}   # namespace -> its requests in flight
-        # engine id -> why it is out of routing (scheduler/frontdoor/health.py keeps it current)
-        self.down: dict[str, str] = {}
+        self.down: dict[str, str] = {}   # engine id -> why it is out of routing (scheduler/frontdoor/health.py)
+        self.pool_lookups = {"ok": 0, "failed": 0}   # Lookup RPCs to the store (a replica's hits take none)
 
     @staticmethod
     async def connect(prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
@@ -236,8 +235,9 @@ class Router(Generic[C]):
             found = await asyncio.to_thread(self.store.lookup, keys, "probe")   # planning: no reuse yet
         except KVStoreError as exc:
             log.warning("store lookup failed, counting a pool miss: %s", exc)
-            return NO_HIT
-        return TierHit.from_tiers(found.tiers[:found.blocks])
+            found = None
+        self.pool_lookups["ok" if found is not None else "failed"] += 1
+        return NO_HIT if found is None else TierHit.from_tiers(found.tiers[:found.blocks])
 
     # -- health -----------------------------------------------------------------------------
     def serving(self, role: str) -> list[str]:

@@ -188,6 +188,9 @@ def test_health_and_metrics(door, url):
     mean = re.search(r'^kvstore_scheduler_prefill_prediction_log_error\{stat="mean"\} (\S+)$', text, re.MULTILINE)
     assert sd and mean and float(sd.group(1)) >= 0 and math.isfinite(float(mean.group(1)))
     assert (float(mean.group(1)), float(sd.group(1))) == pytest.approx(router.policy.prefill_model.log_error)
+    # no replica of the store's index here: the pool hit of a prompt of a whole block or more took a Lookup RPC
+    lookups = re.search(r'^kvstore_scheduler_pool_lookups_total\{outcome="ok"\} (\S+)$', text, re.MULTILINE)
+    assert router.replica is None and lookups and float(lookups.group(1)) == router.pool_lookups["ok"] >= 1
 
 
 
