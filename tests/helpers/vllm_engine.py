@@ -4,6 +4,7 @@ settings they share, the connector's transfer config, and the pool's view of a p
 blocks."""
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.context
 import os
@@ -48,6 +49,9 @@ class Engine:
                                                     {**os.environ, **ENV, **(env or {})}, str(log_path)))
         self.proc.start()
         child.close()
+        # an engine a test leaves open is closed at exit, before multiprocessing joins its
+        # (non-daemonic) process, which would otherwise wait on its connection for ever
+        atexit.register(self.close)
         assert self._read().get("ready")
 
     def _read(self) -> dict:
@@ -55,7 +59,8 @@ class Engine:
             return self.conn.recv()
         except EOFError:
             self.proc.join(timeout=10)
-            raise RuntimeError(f"vLLM engine exited: {self.log_path.read_text()[-3000:]}") from None
+            log = self.log_path.read_text()[-3000:] if self.log_path.exists() else "(it wrote no log)"
+            raise RuntimeError(f"vLLM engine exited ({self.proc.exitcode}): {log}") from None
 
     def _ask(self, **req: object) -> dict:
         self.conn.send(req)
@@ -77,6 +82,7 @@ class Engine:
         return bool(self._ask(op="reset")["ok"])
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self.conn.close()           # the engine's loop ends at end of input
         self.proc.join(timeout=30)
         if self.proc.is_alive():
