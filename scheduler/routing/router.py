@@ -213,11 +213,11 @@ class Router(Generic[C]):
                      now_s: float | None = None) -> ClusterView:
         """The policy's view of the cluster for a prompt with block ``keys`` (no await): the
         instances' own hits from the replica; the pool's hit ``pool_hit``, or the
-        replica's when None (a miss without a replica)."""
+        replica's when None (a miss without a replica, or without a store to load from)."""
         own: dict[str, TierHit] = {}
         if self.replica is not None and keys:
             own, replica_pool = split_hits(self.replica.match(keys), self.prefill, self.hits_ignored)
-            if pool_hit is None:
+            if pool_hit is None and self.store is not None:   # no store (--no-store): no pool to load from
                 pool_hit = replica_pool
         now = time.monotonic() if now_s is None else now_s
         prefill = tuple(inst.view(engine_id, now, own.get(engine_id, NO_HIT))

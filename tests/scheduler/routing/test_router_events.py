@@ -144,3 +144,28 @@ def test_a_fetched_prefix_stays_on_the_instance_that_fetched_it(stack):
         finally:
             await router.close()
     run(main())
+
+
+def test_a_front_door_without_a_store_plans_no_pool_hit_from_a_store_nodes_events(stack):
+    """``kvstore scheduler --no-store`` beside a cluster whose nodes publish KV events: the
+    instances' own caches still guide the routing, but a block only a store node holds is no
+    hit, since this front door has no pool to load it from."""
+    _, addresses, url = stack
+
+    async def main() -> None:
+        router = await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
+                                      None, kv_events=url)
+        try:
+            await _prefill_through(router, "prefill-0")
+            keys = router.prompt_keys(PROMPT, "public")
+            # the store node's DRAM holds the prompt too (the engine saved it there)
+            assert await asyncio.to_thread(wait_until, lambda: router.replica.hits(keys).get("store-0") == 6)
+            view = router.cluster_view(keys)
+            assert [v.hit for v in view.prefill] == [TierHit(6, (("hbm", 6),)), TierHit()]
+            assert view.pool_hit == TierHit()
+            plan = await router.plan("r1", PROMPT, "public")
+            assert isinstance(plan, RoutePlan) and plan.prefill_id == "prefill-0"
+            assert plan.decision.cached_tokens == 6 * BS and plan.decision.fetch is None
+        finally:
+            await router.close()
+    run(main())
