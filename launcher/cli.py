@@ -224,7 +224,7 @@ def _add_engine(sub: Any) -> None:
                         "it takes the engine's --auth-token when one is set (default: no metrics port)")
     p.add_argument("--kv-events", metavar="URL", default=env_events(),
                    help="publish the own cache's KV events to this Redis, where the scheduler reads them "
-                        "(default: KVSTORE_EVENTS_URL, else --redis; none: publish nothing)")
+                        "(default: KVSTORE_EVENTS_URL, else --redis; with neither: publish nothing)")
     p.add_argument("--max-model-len", type=positive_int, default=4096,
                    help="longest prompt + generation served, tokens (a checkpoint's max_position_embeddings "
                         "caps it); a longer request is refused (INVALID_ARGUMENT)")
@@ -262,8 +262,8 @@ def _add_scheduler(sub: Any) -> None:
                    "KVSTORE_ENGINE_TOKEN)")
     p.add_argument("--kv-events", metavar="URL", default=env_events(),
                    help="keep a replica of the store's and the prefill engines' indexes from the KV events "
-                        "in this Redis, over vLLM too (default: KVSTORE_EVENTS_URL, else --redis; none: pool hits "
-                        "by lookup, no built-in engine's own cache seen)")
+                        "in this Redis, over vLLM too (default: KVSTORE_EVENTS_URL, else --redis; with neither: "
+                        "pool hits by lookup, no built-in engine's own cache seen)")
     add_api_key_flags(p)
     p.add_argument("--model", metavar="DIR", help="checkpoint whose tokenizer to use (default: byte-level)")
     p.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
