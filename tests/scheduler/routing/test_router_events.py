@@ -53,18 +53,25 @@ def stack(redis_url, spawn_store_node):
         server.stop(grace=None).wait()
 
 
-async def _prefill_through(router: Router, engine_id: str) -> None:
+async def _connect(addresses: dict[str, str], store: str | None, url: str) -> Router:
+    """The router over the stack's engines, its replica fed by their and the node's KV events."""
+    return await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
+                                store, kv_events=url)
+
+
+async def _prefill_through(router: Router, engine_id: str) -> list[bytes]:
+    """Prefill the prompt on ``engine_id``; its block keys."""
     keys = router.prompt_keys(PROMPT, "public")
     await router.prefill[engine_id].client.prefill("r0", PROMPT, "public")
     assert len(keys) == 6
+    return keys
 
 
 def test_hits_per_instance_and_per_tier_come_from_the_kv_events(stack):
     store, addresses, url = stack
 
     async def main() -> None:
-        router = await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
-                                      store, kv_events=url)
+        router = await _connect(addresses, store, url)
         try:
             keys = router.prompt_keys(PROMPT, "public")
             assert router.cluster_view(keys).pool_hit == TierHit()     # nothing cached anywhere yet
@@ -96,11 +103,9 @@ def test_a_lost_event_is_healed_from_the_engines_snapshot(stack):
     store, addresses, url = stack
 
     async def main() -> None:
-        router = await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
-                                      store, kv_events=url)
+        router = await _connect(addresses, store, url)
         try:
-            await _prefill_through(router, "prefill-0")
-            keys = router.prompt_keys(PROMPT, "public")
+            keys = await _prefill_through(router, "prefill-0")
             assert await asyncio.to_thread(wait_until, lambda: router.cluster_view(keys).prefill[0].hit.blocks == 6)
         finally:
             await router.close()
@@ -131,8 +136,7 @@ def test_a_fetched_prefix_stays_on_the_instance_that_fetched_it(stack):
     store, addresses, url = stack
 
     async def main() -> None:
-        router = await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
-                                      store, kv_events=url)
+        router = await _connect(addresses, store, url)
         try:
             first = await router.prefill["prefill-0"].client.prefill("a", PROMPT, "public")
             second = await router.prefill["prefill-1"].client.prefill("b", PROMPT, "public")
@@ -153,11 +157,9 @@ def test_a_front_door_without_a_store_plans_no_pool_hit_from_a_store_nodes_event
     _, addresses, url = stack
 
     async def main() -> None:
-        router = await Router.connect([addresses["prefill-0"], addresses["prefill-1"]], [addresses["decode-0"]],
-                                      None, kv_events=url)
+        router = await _connect(addresses, None, url)
         try:
-            await _prefill_through(router, "prefill-0")
-            keys = router.prompt_keys(PROMPT, "public")
+            keys = await _prefill_through(router, "prefill-0")
             # the store node's DRAM holds the prompt too (the engine saved it there)
             assert await asyncio.to_thread(wait_until, lambda: router.replica.hits(keys).get("store-0") == 6)
             view = router.cluster_view(keys)
