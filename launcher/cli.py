@@ -132,6 +132,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.store is None:      # --no-store: no pool at all, neither one node nor a cluster's Redis
+        if args.redis and args.redis != env_redis():
+            print("kvstore scheduler: --no-store and --redis contradict each other (no pool, or the cluster's "
+                  "pool): give one", file=sys.stderr)
+            return 2
         args.redis = None
     if args.vllm_prefill or args.vllm_decode or args.vllm_colocated:
         from scheduler.vllm.app import serve_vllm_frontdoor_forever
@@ -251,7 +255,7 @@ def _add_scheduler(sub: Any) -> None:
     p.add_argument("--store", type=addresses, default="127.0.0.1:50051", help="store node address host:port")
     p.add_argument("--no-store", dest="store", action="store_const", const=None,
                    help="no pool: vLLM instances served without the kvstore connector (plain vLLM behind the "
-                        "front door's routing and admission); --redis and KVSTORE_REDIS_URL are then ignored")
+                        "front door's routing and admission); KVSTORE_REDIS_URL is then ignored, --redis refused")
     p.add_argument("--redis", metavar="URL", default=env_redis(), help="look up blocks across every store "
                    "node registered in this Redis (cluster mode) instead of --store (default: KVSTORE_REDIS_URL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

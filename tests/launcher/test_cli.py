@@ -185,3 +185,14 @@ def test_engine_names_a_device_it_cannot_use_in_one_line():
     for device, said in cases:
         proc = run("launcher", "engine", "--role", "decode", "--port", "0", "--device", device)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_no_store_with_a_redis_given_on_the_command_line_is_refused(monkeypatch, capsys):
+    """``--no-store --redis URL`` asks for no pool and for a cluster's pool at once. The
+    environment's ``KVSTORE_REDIS_URL`` alone (set on a cluster's hosts) is not a contradiction:
+    ``--no-store`` ignores it (tests/launcher/test_pool_off.py serves a request that way)."""
+    from launcher.cli import main
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "redis://127.0.0.1:1/0")
+    argv = ["scheduler", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--no-store"]
+    assert main([*argv, "--redis", "redis://127.0.0.1:2/0"]) == 2
+    assert "--no-store and --redis contradict each other" in capsys.readouterr().err
