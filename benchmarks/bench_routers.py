@@ -117,7 +117,7 @@ def pooled(reports: list[Report]) -> dict[str, Any]:
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The Conductor against the best peer router (least TTFT p50; least p99; most goodput)."""
     c = results["conductor"]
-    peers = {p: results[p] for p in PEER_ROUTER_POLICIES if results[p]["ttft_p50_s"] is not None}
+    peers = {p: results[p] for p in PEER_ROUTER_POLICIES if p in results and results[p]["ttft_p50_s"] is not None}
     if c["ttft_p50_s"] is None or not peers:
         return {}
     p50 = min(peers, key=lambda p: peers[p]["ttft_p50_s"])
