@@ -87,7 +87,7 @@ class Router(Generic[C]):
         config = dataclasses.replace(config or ConductorConfig(), peer_fetch=False)
         self.policy: Conductor = make_policy(policy, nbytes, config)
         self.replica = replica     # the store's index over KV events (None: pool hits by Lookup)
-        self.pool_in_replica = True    # False: the replica holds the instances only; pool hits by Lookup
+        self.pool_in_replica = store is not None   # False: no pool hit from the replica (by Lookup, or none)
         self.hits_ignored: frozenset[str] = frozenset()   # replica nodes no hit is taken from (split_hits)
         self.transfers = TransferTable()
         self.decode_max_running, self.decode_kv_capacity_tokens = decode_max_running, decode_kv_capacity_tokens
@@ -213,11 +213,11 @@ class Router(Generic[C]):
                      now_s: float | None = None) -> ClusterView:
         """The policy's view of the cluster for a prompt with block ``keys`` (no await): the
         instances' own hits from the replica; the pool's hit ``pool_hit``, or the
-        replica's when None (a miss without a replica, or without a store to load from)."""
+        replica's when None and :attr:`pool_in_replica` (else a miss)."""
         own: dict[str, TierHit] = {}
         if self.replica is not None and keys:
             own, replica_pool = split_hits(self.replica.match(keys), self.prefill, self.hits_ignored)
-            if pool_hit is None and self.store is not None:   # no store (--no-store): no pool to load from
+            if pool_hit is None and self.pool_in_replica:   # without a store (--no-store): no pool to load from
                 pool_hit = replica_pool
         now = time.monotonic() if now_s is None else now_s
         prefill = tuple(inst.view(engine_id, now, own.get(engine_id, NO_HIT))
