@@ -219,6 +219,8 @@ def test_over_a_cluster_the_front_doors_pool_hits_come_from_the_nodes_kv_events_
             out: dict = {"before": (await router.plan("q0", prompt, "dora")).pool_hit}
             await router.prefill[engine_id].client.prefill("r1", prompt, "dora")
             out["node"] = await until(lambda: tiers(held) == ("dram",) * 3, 20) and tiers(held)
+            # the connector's own view of the pool comes from vLLM's engine process, on its own path
+            out["connector_saved"] = await until(lambda: tiers(pool_node(engine_id)) == ("dram",) * 3, 20)
             out["hit"] = (await router.plan("q1", prompt, "dora")).pool_hit
             out["lookups"] = list(lookups)
             pool.remove(keys[0])                      # the node drops the prompt's first block
@@ -244,6 +246,7 @@ def test_over_a_cluster_the_front_doors_pool_hits_come_from_the_nodes_kv_events_
     assert out["lookups"] == [] and out["lookups_after"] == [], out     # no Lookup RPC: the replica answered
     assert out["gone"], out
     assert out["miss"].blocks == 0, out
+    assert out["connector_saved"], out
     assert out["connector"] == ("dram",) * 3, out     # kept, but no hit is taken from it
     assert out["gap"] == (1, ()), out
     assert out["replica_events"] >= 3 + 1, out        # the node's stores and removal, in the front door's metrics
