@@ -20,7 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_demo_replays_20_requests_with_the_pool_on_and_off(tmp_path):
     out, plots = tmp_path / "demo.json", tmp_path / "plots"
     proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--engine", "builtin", "--replay", str(TRACE),
-                           "--requests", "20", "--speed", "10", "--port", "0", "--data-dir", str(tmp_path / "up"),
+                           "--requests", "20", "--speed", "30", "--port", "0", "--data-dir", str(tmp_path / "up"),
                            "--json", str(out), "--plots", str(plots)],
                           cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
