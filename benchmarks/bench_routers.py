@@ -18,7 +18,10 @@ trace seconds of request ``--start``, so that later turns reuse earlier ones; op
 each replay maps the trace's blocks to tokens of its own (a seed per replay) — same lengths,
 same sharing, same timing, nothing cached by an earlier replay. The machine is shared and
 drifts over minutes, so the policies run ``--rounds`` times, in the listed order and then
-reversed, alternately, and each policy's figures pool its rounds' requests.
+reversed, alternately, and each policy's figures pool its rounds' requests. ``--warmup``
+replays (least-loaded routing, counted for no policy) come first: the instances' first
+requests after their start may be slower (first touch of their KV caches and of the pool's
+memory), and the first policy of round one would carry it.
 
 Reported per policy: TTFT p50/p99, goodput (requests/s meeting the TTFT and TBT SLOs), hit
 ratio, rejections, each round's TTFT p50; ``ratios.conductor_vs_best_peer_router_ttft_p50_live`` (target <= 0.9: the
@@ -139,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=120.0,
                    help="take the conversations with the most turns within this many trace seconds of --start")
     p.add_argument("--rounds", type=int, default=2, help="replays per policy (the order reversed every other round)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="replays before the first round, measured by no policy (least-loaded routing; their own "
+                        "tokens): the instances' first requests pay one-off costs the first policy would carry")
     p.add_argument("--speed", type=float, default=4.0, help="replay speed (× the trace's timestamps)")
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         urls = [s.url for s in servers]
         events = [",".join(s.kv_events) for s in specs if s.kv_events]
         seed = 1000
+        for n in range(args.warmup):
+            print(f"== warm-up {n + 1} of {args.warmup} (not counted)", flush=True)
+            replay_policy("least_loaded", 900 + n, model, store, urls, events, args, work)
         for rnd in range(args.rounds):
             print(f"== round {rnd + 1} of {args.rounds}", flush=True)
             for policy in policies if rnd % 2 == 0 else policies[::-1]:
