@@ -373,8 +373,8 @@ def stack_tokens(data_dir: str) -> dict[str, str]:
     with os.fdopen(fd, "w") as f:
         f.writelines(f"{k}={v}\n" for k, v in tokens.items())
     print(f"auth           store and engine ports take bearer tokens only ({', '.join(tokens)} in {path}; "
-          f"the metrics ports and the front door's /metrics also take {METRICS_TOKEN_ENV}, which reads "
-          "nothing else)", flush=True)
+          f"every metrics port and /metrics of the stack also takes {METRICS_TOKEN_ENV}, which reads nothing else)",
+          flush=True)
     return tokens
 
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV
+from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, STORE_TOKEN_ENV
 from launcher.supervisor import Stack, _wait_grpc, _wait_http, port_taker
 
 
@@ -106,6 +106,7 @@ def _specs(args: argparse.Namespace, setup: Setup, model: str, store: str, token
     specs = [VLLMServerSpec(model, take_port(), role, store, host=args.host,
                             kv_cache_bytes=parse_bytes(args.vllm_kv_cache), max_model_len=args.vllm_max_model_len,
                             store_token=tokens[STORE_TOKEN_ENV], api_key=tokens[ENGINE_TOKEN_ENV],
+                            metrics_token=tokens[METRICS_TOKEN_ENV],
                             prefix_caching=setup.prefix_caching, connector=setup.connector, cpus=cpus,
                             kv_events=ipc_endpoints(events_dir, name) if events and kind != "decode" else None)
              for name, (kind, role), cpus in zip(names, roles, cpu_sets(len(roles)))]

@@ -43,7 +43,9 @@ class VLLMServerSpec:
     :func:`ipc_endpoints`; read by :mod:`scheduler.vllm.events`); ``cpus``: cores to pin the
     server and its OpenMP threads to (empty: no pinning); ``dtype``: model and KV dtype;
     ``connector``: False serves plain vLLM, no kvstore connector (the baselines of
-    ``kvstore up``'s comparison: ``store`` and ``store_token`` are then unused)."""
+    ``kvstore up``'s comparison: ``store`` and ``store_token`` are then unused);
+    ``metrics_token``: the read-only token ``/metrics`` also takes where ``api_key`` guards the
+    server (``KVSTORE_METRICS_TOKEN``, kvstore/auth.py), so a scraper needs not the key."""
 
     model_dir: str
     port: int
@@ -60,6 +62,7 @@ class VLLMServerSpec:
     dtype: str = "float32"
     store_token: str | None = None
     api_key: str | None = None      # vLLM's own API key (VLLM_API_KEY): only its holder may call /v1
+    metrics_token: str | None = None   # KVSTORE_METRICS_TOKEN: with api_key, /metrics takes it too (read-only)
     connector: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -107,6 +110,8 @@ class VLLMServerSpec:
             env["KVSTORE_REDIS_URL"] = self.redis   # its password stays off the command line
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
+        if self.metrics_token:
+            env["KVSTORE_METRICS_TOKEN"] = self.metrics_token   # a scraper's token (engines/vllm/api_server.py)
         return env
 
 

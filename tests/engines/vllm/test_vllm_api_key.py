@@ -2,7 +2,8 @@
 ``api_key``, only the front door holds it) answers no caller without it, on any path but
 ``/health``: vLLM's own key guards ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only, and
 serves completions on ``/invocations`` to anyone (with any ``cache_salt``: any tenant's
-namespace in the pool). The read-only metrics token opens ``/metrics`` alone."""
+namespace in the pool). The read-only metrics token (``metrics_token``, which ``kvstore up``
+gives every instance it starts) opens ``/metrics`` alone."""
 from __future__ import annotations
 
 import json
@@ -35,9 +36,9 @@ def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_pa
     from engines.vllm.checkpoint import write_checkpoint
     model_dir = write_checkpoint(str(tmp_path / "tiny-llama"), "tiny", max_model_len=2048)
     _, address = same_host_store
-    monkeypatch.setenv("KVSTORE_METRICS_TOKEN", SCRAPE)      # the server's environment is this one's
+    monkeypatch.delenv("KVSTORE_METRICS_TOKEN", raising=False)   # the spec alone gives the server its token
     spec = VLLMServerSpec(model_dir, free_port(), "kv_both", address, kv_cache_bytes=64 << 20,
-                          max_model_len=2048, api_key=KEY)
+                          max_model_len=2048, api_key=KEY, metrics_token=SCRAPE)
     (server,) = start_servers([spec], tmp_path / "logs", ["keyed"], timeout_s=300)
     try:
         body = {"model": SERVED_MODEL_NAME, "prompt": "hello there", "max_tokens": 2,
@@ -52,3 +53,24 @@ def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_pa
             assert _call(server.url + path, body, SCRAPE) == 401, path
     finally:
         server.stop(grace_s=10)
+
+
+@pytest.mark.parametrize("setup", ["vllm", "kvstore", "recompute"])
+def test_kvstore_up_gives_every_vllm_instance_its_key_and_the_stacks_metrics_token(setup, tmp_path, monkeypatch):
+    """The instances of each of ``kvstore up``'s set-ups get the engines' token as their API
+    key and the stack's metrics token (auth.env) for a scraper of their ``/metrics``."""
+    import argparse
+
+    from launcher.vllm_setups import SETUPS, _specs
+    monkeypatch.delenv("KVSTORE_METRICS_TOKEN", raising=False)
+    tokens = {"KVSTORE_STORE_TOKEN": "store-token-0123456789", "KVSTORE_ENGINE_TOKEN": KEY,
+              "KVSTORE_METRICS_TOKEN": SCRAPE}
+    args = argparse.Namespace(prefill_instances=1, decode_instances=1, topology="colocated", host="127.0.0.1",
+                              vllm_kv_cache="64MiB", vllm_max_model_len=2048, data_dir=str(tmp_path))
+    ports = iter(range(41000, 41010))
+    _, _, specs = _specs(args, SETUPS[setup], str(tmp_path / "model"), "127.0.0.1:1", tokens, lambda: next(ports))
+    assert len(specs) == 2
+    for spec in specs:
+        env = spec.env()
+        assert (env["VLLM_API_KEY"], env["KVSTORE_METRICS_TOKEN"]) == (KEY, SCRAPE)
+        assert KEY not in " ".join(spec.argv()) and SCRAPE not in " ".join(spec.argv())
