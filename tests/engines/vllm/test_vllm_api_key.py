@@ -56,19 +56,21 @@ def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_pa
 
 
 @pytest.mark.parametrize("setup", ["vllm", "kvstore", "recompute"])
-def test_kvstore_up_gives_every_vllm_instance_its_key_and_the_stacks_metrics_token(setup, tmp_path, monkeypatch):
+def test_kvstore_up_gives_every_vllm_instance_its_key_and_the_stacks_metrics_token(setup, monkeypatch):
     """The instances of each of ``kvstore up``'s set-ups get the engines' token as their API
     key and the stack's metrics token (auth.env) for a scraper of their ``/metrics``."""
     import argparse
+    import tempfile
 
     from launcher.vllm_setups import SETUPS, _specs
     monkeypatch.delenv("KVSTORE_METRICS_TOKEN", raising=False)
     tokens = {"KVSTORE_STORE_TOKEN": "store-token-0123456789", "KVSTORE_ENGINE_TOKEN": KEY,
               "KVSTORE_METRICS_TOKEN": SCRAPE}
-    args = argparse.Namespace(prefill_instances=1, decode_instances=1, topology="colocated", host="127.0.0.1",
-                              vllm_kv_cache="64MiB", vllm_max_model_len=2048, data_dir=str(tmp_path))
     ports = iter(range(41000, 41010))
-    _, _, specs = _specs(args, SETUPS[setup], str(tmp_path / "model"), "127.0.0.1:1", tokens, lambda: next(ports))
+    with tempfile.TemporaryDirectory(prefix="kvup-", dir="/tmp") as data_dir:   # its KV-event socket paths fit
+        args = argparse.Namespace(prefill_instances=1, decode_instances=1, topology="colocated", host="127.0.0.1",
+                                  vllm_kv_cache="64MiB", vllm_max_model_len=2048, data_dir=data_dir)
+        _, _, specs = _specs(args, SETUPS[setup], data_dir + "/model", "127.0.0.1:1", tokens, lambda: next(ports))
     assert len(specs) == 2
     for spec in specs:
         env = spec.env()
