@@ -24,7 +24,7 @@ NODES = {"n2", "n3", "n4"}
 OUTSIDER = 5
 SLACK_S = 2 * BEAT_S + 0.5    # a heartbeat in flight, the registry's clock, the client's refresh
 # three reads, each of which may meet a cut link (the client's timeout, 2 s, per call it makes),
-# and SLACK_S for the reads' own time on a loaded machine (a full run once missed 6 s flat)
+# and SLACK_S for the reads' own time on a loaded machine, where 6 s flat is missed
 STALL_S = 3 * 2.0 + SLACK_S
 
 
