@@ -20,12 +20,13 @@ def test_watch_json_counts_the_reads_between_two_refreshes(store_node):
     blocks = [(os.urandom(32), bytes([i]) * 4096) for i in range(8)]
     with StoreClient(address, data_path="grpc") as client:
         assert all(r.ok for r in client.put_blocks(blocks, chain=True))
-        proc = kvctl("--store", address, "watch", "--count", "2", "--interval", "3", "--json")
+        # a generous --timeout: on a loaded machine a node's answer can take longer than the default
+        proc = kvctl("--store", address, "--timeout", "60", "watch", "--count", "2", "--interval", "3", "--json")
         first = json.loads(proc.stdout.readline())            # printed before the interval starts
         assert client.get_blocks([k for k, _ in blocks[:5]]) == [v for _, v in blocks[:5]]
         assert client.get_blocks([os.urandom(32)]) == [None]
         second = json.loads(proc.stdout.readline())
-    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert proc.wait(timeout=90) == 0, (second, proc.stderr.read())
     assert proc.stdout.read() == ""                            # exactly two refreshes
 
     assert first["interval_s"] is None and "rate" not in first["nodes"][0]["tiers"][0]
