@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.auth import METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
 from kvstore.errors import InvalidArgument, Unavailable
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -104,14 +105,14 @@ class VLLMServerSpec:
         if self.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         if self.store_token:
-            env["KVSTORE_STORE_TOKEN"] = self.store_token
-        env.pop("KVSTORE_REDIS_URL", None)   # the connector's pool: this spec's Redis, or its store node
+            env[STORE_TOKEN_ENV] = self.store_token
+        env.pop(REDIS_URL_ENV, None)   # the connector's pool: this spec's Redis, or its store node
         if self.redis:
-            env["KVSTORE_REDIS_URL"] = self.redis   # its password stays off the command line
+            env[REDIS_URL_ENV] = self.redis   # its password stays off the command line
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
         if self.metrics_token:
-            env["KVSTORE_METRICS_TOKEN"] = self.metrics_token   # a scraper's token (engines/vllm/api_server.py)
+            env[METRICS_TOKEN_ENV] = self.metrics_token   # a scraper's token (engines/vllm/api_server.py)
         return env
 
 
