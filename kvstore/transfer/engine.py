@@ -28,7 +28,7 @@ PROTOCOLS = ("tcp", "rdma")
 # cores a 16 MiB read took 7.0-10.3 ms so and 4.8-5.7 ms polling each piece's status with
 # naps of this long between polls (benchmarks/te_probe.py's machine, best of 11).
 POLL_NAP_S = 50e-6
-DONE, FAILED, IN_FLIGHT = 1, -1, 0  # TransferEngineHandle.wait_piece
+DONE, FAILED, TIMED_OUT, IN_FLIGHT = 1, -1, -2, 0  # TransferEngineHandle.wait_piece
 _engines: dict[tuple[str, str, str], TransferEngineHandle] = {}
 _engines_lock = threading.Lock()
 
@@ -99,7 +99,8 @@ class TransferEngineHandle:
     def wait_piece(self, transfer_id: int, deadline: float) -> int:
         """Wait for a transfer of :meth:`read_piece`, polling its status with naps of
         :data:`POLL_NAP_S` instead of spinning. Returns :data:`DONE`, :data:`FAILED` (the
-        engine ended it: refused, failed or timed out; the id is spent either way) or
+        engine refused or failed it), :data:`TIMED_OUT` (the engine's own timeout ended it;
+        the id is spent in both cases) or
         :data:`IN_FLIGHT` when ``deadline`` (monotonic seconds; ``math.inf``: none) came
         first: the engine may still write into the transfer's buffer, which must then stay
         alive and unused until :meth:`ended` says so."""
@@ -109,7 +110,7 @@ class TransferEngineHandle:
         while True:
             status = check(transfer_id)  # 1 done, 0 in flight, -1 failed, -2 timed out
             if status:
-                return DONE if status == 1 else FAILED
+                return DONE if status == 1 else TIMED_OUT if status == -2 else FAILED
             if clock() > deadline:
                 return IN_FLIGHT
             nap(POLL_NAP_S)

@@ -22,7 +22,14 @@ from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.integrity import new_hasher
 from kvstore.tiers.buffers import copy_into
 from kvstore.transfer.base import BlockTransport, register_transport
-from kvstore.transfer.engine import DONE, IN_FLIGHT, TransferEngineHandle, TransferEngineUnavailable, process_engine
+from kvstore.transfer.engine import (
+    DONE,
+    FAILED,
+    IN_FLIGHT,
+    TransferEngineHandle,
+    TransferEngineUnavailable,
+    process_engine,
+)
 from kvstore.transfer.grpc_stream import grpc_only_client
 from kvstore.wire import proto_codec, transfer_codec
 from kvstore.wire.channel import GRPC_OPTIONS
@@ -41,6 +48,9 @@ MIN_BUFFER_BYTES = 16 << 20
 # between two network namespaces (benchmarks/bench_multihost.py's reads, 2-core Xeon VM)
 # took 11.2-12.7 ms as one transfer against 17-26 ms as 16 of 1 MiB (best of 5, three runs).
 PIECE_BYTES = 1 << 30
+# A read the engine failed outright is started again this many times before its blocks go over
+# gRPC; one that ran out of time is not (the node is slow or stopped: gRPC decides).
+TE_RETRIES = 2
 CONTROL_RETRY_S = 2.0   # a failed control channel is dialled again after this long
 _STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
@@ -75,7 +85,9 @@ class TransferEngineTransport(BlockTransport):
     default this host's address on the route to the node's engine: :func:`local_address_toward`;
     ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
-    the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others).
+    the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others); a
+    transfer the engine fails outright is first started again, up to :data:`TE_RETRIES`
+    times (counted in ``te_retries``).
     Leases go over the node's TCP control channel when it announces one (``control`` is
     then a :class:`~kvstore.dataplane.control_client.TcpControl`; for nodes without one, and
     after that connection fails until a new one is made, over gRPC: ``control`` is None).
@@ -93,7 +105,7 @@ class TransferEngineTransport(BlockTransport):
         self._info_stub = pb_grpc.BlockTransferStub(self._channel)
         self._kv = kv_grpc.KVStoreStub(self._channel)
         self.stream = grpc_only_client(address, auth_token, timeout_s)
-        self.te_reads = self.grpc_reads = 0
+        self.te_reads = self.grpc_reads = self.te_retries = 0
         self._registered: list[int] = []  # callers' buffers given to register()
         self._releases: list[Any] = []    # ReleaseLease calls in flight
         self._buf: np.ndarray | None = None
@@ -299,24 +311,19 @@ class TransferEngineTransport(BlockTransport):
                 for off in range(0, size, PIECE_BYTES):
                     n = min(PIECE_BYTES, size - off)
                     pieces.append((i, local + off, view[off:off + n], src + off, n))
-            start, endpoint, wait = self.engine.read_piece, self.endpoint, self.engine.wait_piece
-            ids = [start(endpoint, p[1], p[3], p[4]) for p in pieces]
-            deadline = time.monotonic() + self.timeout_s
-            hashers: dict[int, Any] = {}
-            ok, stalled = True, []
-            for tid, (i, _, view, _, _) in zip(ids, pieces):
-                status = wait(tid, deadline)
-                while status == IN_FLIGHT and direct.get(i) is not None:
-                    # the caller's buffer: never handed back while the engine may write into it
-                    log.warning("transfer engine read from %s into a caller's buffer still in flight after "
-                                "%.0f s; waiting on", self.endpoint, self.timeout_s)
-                    status = wait(tid, time.monotonic() + self.timeout_s)
-                if status == IN_FLIGHT:
-                    stalled.append(tid)
-                if status != DONE:
-                    ok = False
-                    continue  # the later pieces are still waited for
-                hashers.setdefault(i, new_hasher()).update(view)
+            hashers, failed, stalled, slow = self._move(pieces, direct)
+            for _ in range(TE_RETRIES):
+                if slow or not failed:
+                    break
+                # A transfer the engine failed (not one that ran out of time) is started
+                # again, block by block, before its blocks go over gRPC: the TCP transport
+                # can lose a connection under load (its session ends with "End of file").
+                self.te_retries += 1
+                log.info("transfer engine read of %d blocks from %s failed; starting them again",
+                         len(failed), self.endpoint)
+                again, failed, stalled, slow = self._move([p for p in pieces if p[0] in failed], direct)
+                hashers.update(again)
+            ok = not failed
             if stalled:
                 # The transport's buffer may still be written: retire it (registered and alive)
                 # until those transfers end; the next read gets a fresh one.
@@ -336,6 +343,36 @@ class TransferEngineTransport(BlockTransport):
                 else:
                     out[i] = data.tobytes() if outs is None else copy_into(outs[i], data)
             return True
+
+    def _move(self, pieces: list[tuple[int, int, np.ndarray, int, int]], direct: dict[int, Any]
+              ) -> tuple[dict[int, Any], set[int], list[int], bool]:
+        """Start every piece, then wait for each in order, hashing it as it lands. Returns
+        (per block whose every piece landed its hasher, the blocks with a piece that did not,
+        the ids of pieces still in flight at the deadline, whether any piece ran out of time:
+        still in flight, or ended by the engine's own timeout)."""
+        start, endpoint, wait = self.engine.read_piece, self.endpoint, self.engine.wait_piece
+        ids = [start(endpoint, p[1], p[3], p[4]) for p in pieces]
+        deadline = time.monotonic() + self.timeout_s
+        hashers: dict[int, Any] = {}
+        failed: set[int] = set()
+        stalled: list[int] = []
+        timed_out = False
+        for tid, (i, _, view, _, _) in zip(ids, pieces):
+            status = wait(tid, deadline)
+            while status == IN_FLIGHT and direct.get(i) is not None:
+                # the caller's buffer: never handed back while the engine may write into it
+                log.warning("transfer engine read from %s into a caller's buffer still in flight after "
+                            "%.0f s; waiting on", self.endpoint, self.timeout_s)
+                status = wait(tid, time.monotonic() + self.timeout_s)
+            if status == IN_FLIGHT:
+                stalled.append(tid)
+            if status != DONE:
+                failed.add(i)
+                timed_out = timed_out or status != FAILED
+                continue  # the later pieces are still waited for
+            if i not in failed:
+                hashers.setdefault(i, new_hasher()).update(view)
+        return {i: h for i, h in hashers.items() if i not in failed}, failed, stalled, timed_out
 
     def close(self) -> None:
         for call in getattr(self, "_releases", ()):  # let the last releases land

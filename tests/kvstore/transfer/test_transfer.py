@@ -97,9 +97,43 @@ def test_transfer_engine_reads_are_byte_identical(te_node):
         t.close()
 
 
+def test_a_transfer_the_engine_fails_is_started_again_before_grpc(te_node, monkeypatch):
+    """A piece the engine fails outright (here: its first try asks the node for bytes outside
+    its registered slab, which the node's engine refuses) is started again and lands over the
+    engine; one that fails every time goes over gRPC after TE_RETRIES more tries. Right bytes
+    both ways."""
+    from kvstore.transfer.te_transport import TE_RETRIES
+
+    address, client = te_node
+    blocks = blocks_of(7)[:3]
+    assert all(r.ok for r in client.put_blocks(blocks))
+    keys, want = [k for k, _ in blocks], [d for _, d in blocks]
+    t = open_transport("transfer_engine", address)
+    try:
+        start, tries = t.engine.read_piece, []
+
+        def failing(times):
+            def read_piece(endpoint, local, remote, length):
+                tries.append(remote)
+                bad = len(tries) <= times
+                return start(endpoint, local, (1 << 62) if bad else remote, length)
+            return read_piece
+
+        monkeypatch.setattr(t.engine, "read_piece", failing(1))   # the first piece of the read
+        assert t.get_blocks(keys) == want
+        assert (t.te_reads, t.grpc_reads, t.te_retries) == (3, 0, 1) and len(tries) == 4
+        tries.clear()
+        monkeypatch.setattr(t.engine, "read_piece", failing(10 ** 6))
+        assert t.get_blocks(keys) == want
+        assert (t.te_reads, t.grpc_reads, t.te_retries) == (3, 3, 1 + TE_RETRIES)
+        assert len(tries) == 3 * (1 + TE_RETRIES)
+    finally:
+        monkeypatch.undo()
+        t.close()
+
+
 def test_transfer_engine_get_into_registered_and_plain_buffers(te_node):
-    """A 9 MiB block (three pieces, three waves hashed while the next moves) lands straight
-    in a registered arena; others go through the transport's buffer into a plain array and
+    """A 9 MiB block lands straight in a registered arena; others go through the transport's buffer into a plain array and
     a tensor. A byte flipped in the node's slab makes that block a miss on the engine path
     and on the gRPC stream too (both check the checksum taken at put), and the node drops
     it on the reader's report."""
