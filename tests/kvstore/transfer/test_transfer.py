@@ -133,8 +133,8 @@ def test_a_transfer_the_engine_fails_is_started_again_before_grpc(te_node, monke
 
 
 def test_transfer_engine_get_into_registered_and_plain_buffers(te_node):
-    """A 9 MiB block lands straight in a registered arena; others go through the transport's buffer into a plain array and
-    a tensor. A byte flipped in the node's slab makes that block a miss on the engine path
+    """A 9 MiB block lands straight in a registered arena; others go through the transport's
+    buffer into a plain array and a tensor. A byte flipped in the node's slab makes that block a miss on the engine path
     and on the gRPC stream too (both check the checksum taken at put), and the node drops
     it on the reader's report."""
     torch = pytest.importorskip("torch")
@@ -347,6 +347,12 @@ def test_control_port_is_checked_and_a_taken_one_fails_the_node_cleanly(tmp_path
         assert set(glob.glob("/dev/shm/*")) - before == set()   # no slab left behind
 
 
+def _state(pid: int) -> str:
+    """A process's state letter in /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_stalled_read_retires_its_buffer_until_the_engine_lets_go(spawn_store_node, monkeypatch):
     """A node that stops (SIGSTOP) mid-read: the reader gives up after its timeout, but its
     transfers may still land, so the buffer they target is retired (kept registered and
@@ -370,6 +376,10 @@ def test_a_stalled_read_retires_its_buffer_until_the_engine_lets_go(spawn_store_
             if not stopped:     # the node stops once the lease is granted, before its bytes are sent
                 os.kill(proc.pid, signal.SIGSTOP)
                 stopped.append(True)
+                until = time.monotonic() + 5   # SIGSTOP lands asynchronously: wait until it has
+                while _state(proc.pid) != "T" and time.monotonic() < until:
+                    time.sleep(0.001)
+                assert _state(proc.pid) == "T", "the node did not stop"
             return start(*args)
 
         monkeypatch.setattr(t.engine, "read_piece", stall)
