@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from kvstore.admin.client import AdminClient  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.dataplane.control_client import TcpControl  # noqa: E402
-from kvstore.transfer.te_transport import local_address_toward  # noqa: E402
+from kvstore.transfer.engine import local_address_toward  # noqa: E402
 
 PROBE_BYTES = 1 << 20
 

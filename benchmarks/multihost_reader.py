@@ -27,7 +27,7 @@ from dataplane_peers import MIB, Case, block_key  # noqa: E402
 from kvstore.auth import STORE_TOKEN_ENV  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.transfer import TransferEngineTransport  # noqa: E402
-from kvstore.transfer.te_transport import local_address_toward  # noqa: E402
+from kvstore.transfer.engine import local_address_toward  # noqa: E402
 
 SIZES = [("1MiB", MIB, 32), ("16MiB", 16 * MIB, 8)]
 

@@ -121,6 +121,21 @@ class TransferEngineHandle:
         return self.engine.transfer_check_status(transfer_id) != 0
 
 
+def local_address_toward(host: str) -> str:
+    """This host's own address on the route to ``host`` (the source address the kernel picks;
+    a UDP ``connect`` sends nothing): ``127.0.0.1`` toward a node on this host, the address on
+    the shared network toward a node on another, so the reader's engine announces an address
+    the node can reach. ``127.0.0.1`` when there is no route."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))

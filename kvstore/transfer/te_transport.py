@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from kvstore.transfer.engine import (
     IN_FLIGHT,
     TransferEngineHandle,
     TransferEngineUnavailable,
+    local_address_toward,
     process_engine,
 )
 from kvstore.transfer.grpc_stream import grpc_only_client
@@ -62,21 +62,6 @@ def _direct_target(out: Any, size: int, engine: TransferEngineHandle) -> np.ndar
             and out.flags.c_contiguous and out.flags.writeable and engine.registered(int(out.ctypes.data), size)):
         return out[:size]
     return None
-
-
-def local_address_toward(host: str) -> str:
-    """This host's own address on the route to ``host`` (the source address the kernel picks;
-    a UDP ``connect`` sends nothing): ``127.0.0.1`` toward a node on this host, the address on
-    the shared network toward a node on another, so the reader's engine announces an address
-    the node can reach. ``127.0.0.1`` when there is no route."""
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 @register_transport("transfer_engine")
