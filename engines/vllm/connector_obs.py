@@ -56,9 +56,9 @@ class ConnectorObservability:
         self._events_lock = threading.Lock()
 
     # -- called by the connector -------------------------------------------------------------
-    def _obs_looked_up(self, request: Request, keys: list[bytes]) -> None:
-        """A lookup of ``request``'s block ``keys`` just ran (its tiers are the link's)."""
-        tiers = self.link.last_tiers
+    def _obs_looked_up(self, request: Request, keys: list[bytes], tiers: tuple[str, ...]) -> None:
+        """A lookup of ``request``'s block ``keys`` just ran and found ``len(tiers)`` of them,
+        in those tiers."""
         self.recorder.lookup()
         self._found_tiers[request.request_id] = tiers
         if self.event_book is not None:

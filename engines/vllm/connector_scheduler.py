@@ -81,6 +81,7 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)
     saved: int = 0
     local_tokens: int = 0
+    found_tiers: tuple[str, ...] = ()   # the tiers of the blocks the last lookup found
 
     @property
     def num_blocks(self) -> int:
@@ -142,8 +143,10 @@ class SchedulerSide:
         the hit shrinks to its own chains' prefix. Never the last prompt token's block. Also
         the blocks known to be held in every group (not to be saved again)."""
         full = [g for g in self.groups if g.kind == "full"]
+        self.link.last_tiers = ()    # a prompt of no full block looks nothing up
         found = min((self._lookup(tr.keys[i], tr) for i, g in enumerate(self.groups) if g in full),
                     default=tr.num_blocks)
+        tr.found_tiers = self.link.last_tiers[:found]   # before a window's lookups below
         hit = usable_prefix_tokens(found, self.block_size, tr.prompt_len) // self.block_size
         for i, g in enumerate(self.groups):
             need = g.window_blocks()
@@ -163,7 +166,7 @@ class SchedulerSide:
             return 0, False
         hit, tr.saved = self._hit_blocks(tr)
         self.stats.lookups += 1
-        self._obs_looked_up(request, tr.keys[0][0])   # type: ignore[attr-defined]
+        self._obs_looked_up(request, tr.keys[0][0], tr.found_tiers)   # type: ignore[attr-defined]
         tr.local_tokens = num_computed_tokens
         extra = hit * self.block_size - num_computed_tokens
         return (extra, False) if extra > 0 else (0, False)

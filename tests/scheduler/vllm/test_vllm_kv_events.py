@@ -301,6 +301,17 @@ def test_a_vllm_server_with_prefix_caching_shows_its_own_blocks_to_the_router(tm
                 await asyncio.sleep(0.1)
             bob = router.cluster_view(router.prompt_keys(prompt, "bob")).prefill[0].hit.blocks
             (bridge,) = router.bridges
+            # a prompt of no full block after one whose lookup found blocks in the pool: its
+            # lookup finds nothing and is served (it once took the tiers of the lookup before)
+            client = router.prefill[engine_id].client
+            deadline = time.monotonic() + 20
+            keys = router.prompt_keys(prompt, "alice")
+            while (await asyncio.to_thread(router.store.lookup, keys, "probe")).blocks < 3:
+                assert time.monotonic() < deadline, "the connector did not save the prompt's blocks"
+                await asyncio.sleep(0.1)
+            await client.prefill("r2", prompt[:99] + [7], "alice")
+            short = await client.prefill("r3", prompt[:5], "alice")
+            assert short.cached_tokens == 0
             return hit, bob, bridge.stats.stored, bridge.stats.bad
         finally:
             await router.close()
