@@ -165,6 +165,7 @@ class _Layout:
     store_ports: list[int]
     engines: list[tuple[str, str, int]]
     metrics_ports: dict[str, int]
+    redis_port: int = 0   # a private Redis's (taken with the others: never one of theirs)
 
     def store_name(self, i: int) -> str:
         return "store" if len(self.store_ports) == 1 else f"store-{i}"
@@ -180,6 +181,8 @@ def _layout(args: argparse.Namespace, http_port: int) -> _Layout:
     lay = _Layout(args.host, http_port, store_ports, engines, {})
     lay.metrics_ports = {name: take_port() for name in
                          [lay.store_name(i) for i in range(n_store)] + [e[0] for e in engines]}
+    if not getattr(args, "redis", None) and (n_store > 1 or shutil.which("redis-server")):
+        lay.redis_port = take_port()
     return lay
 
 
@@ -197,7 +200,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
-        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports))
+        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports), lay.redis_port)
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
         redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
         pool_flags = redis_flags if len(lay.store_ports) > 1 else ["--store", f"{lay.host}:{lay.store_ports[0]}"]
@@ -225,7 +228,7 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopped all services", flush=True)
 
 
-def _redis(stack: Stack, redis_url: str | None, n_store: int) -> tuple[str | None, bool]:
+def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int = 0) -> tuple[str | None, bool]:
     """The Redis of the stack and whether it is a private one started here. A private Redis
     unless one is given: a cluster's registry, and in every case the channel of the KV events
     the scheduler's index replica reads (the store nodes' and the prefill engines' caches,
@@ -234,7 +237,8 @@ def _redis(stack: Stack, redis_url: str | None, n_store: int) -> tuple[str | Non
     if not redis_url and (n_store > 1 or shutil.which("redis-server")):
         from kvstore.cluster.redis_server import redact_url, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
-        proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token())
+        proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
+                                              port=port)
         stack.adopt("redis", proc)
         print(f"redis          {redact_url(redis_url)}  (private: KV events"
               f"{', membership' if n_store > 1 else ''}; no persistence)", flush=True)

@@ -239,3 +239,23 @@ def test_a_port_the_system_picks_twice_is_handed_out_once(monkeypatch):
     monkeypatch.setattr(supervisor, "free_port", lambda host="127.0.0.1": next(picks))
     take = supervisor.port_taker("127.0.0.1", skip=frozenset({41002}))
     assert [take(), take(), take()] == [41000, 41001, 41003]
+
+
+def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch):
+    """kvstore up's private Redis once probed a free port of its own, which the system had
+    just handed to an engine: its port now comes from the same taker as every service's."""
+    import argparse
+    import itertools
+    import shutil
+
+    import launcher.supervisor as supervisor
+    import launcher.up as up
+    picks = itertools.chain([42000, 42001, 42002, 42003, 42004, 42005, 42003, 42006],   # 42003 twice
+                            itertools.count(43000))
+    monkeypatch.setattr(supervisor, "free_port", lambda host="127.0.0.1": next(picks))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    args = argparse.Namespace(host="127.0.0.1", prefill_instances=1, decode_instances=1, store_nodes=1, redis=None)
+    lay = up._layout(args, 8000)
+    taken = [*lay.store_ports, *(p for _, _, p in lay.engines), *lay.metrics_ports.values(), lay.redis_port]
+    assert lay.redis_port == 42006 and len(set(taken)) == len(taken) == 7
+    assert up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), 8000).redis_port == 0
