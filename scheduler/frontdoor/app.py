@@ -114,12 +114,17 @@ async def start_frontdoor(prefill_addresses: Sequence[str], decode_addresses: Se
         router.info.vocab_size, host, port)
     log.info("front door on http://%s:%d: %d prefill, %d decode engines (model %s)", host, bound,
              len(router.prefill), len(router.decode), router.info.model_id)
+    log_api_keys(config)
+    return RunningFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}")
+
+
+def log_api_keys(config: FrontdoorConfig) -> None:
+    """Say at start whether the front door takes API keys (a warning when it serves anyone)."""
     if config.api_keys:
         log.info("front door requires an API key (%d accepted) on every path but /health", len(config.api_keys))
     else:
         log.warning("front door takes no API keys (--api-key / --api-keys-file): every caller is served, "
                     "in the tenant its own bearer token names ('public' without one)")
-    return RunningFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}")
 
 
 # ---- adapters for launcher/cli.py (argparse namespaces in, exit codes out) ----

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvstore.errors import InvalidArgument
 from scheduler.config import FrontdoorConfig
-from scheduler.frontdoor.app import serve_app
+from scheduler.frontdoor.app import log_api_keys, serve_app
 from scheduler.frontdoor.tasks import cancel_and_wait
 from scheduler.vllm.frontdoor import VLLMFrontdoor
 from scheduler.vllm.instances import VLLMModel
@@ -80,6 +80,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
     watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))
     log.info("front door on http://%s:%d over vLLM (%s): %d prefill, %d decode instances", host, bound,
              topology, len(router.prefill), len(router.decode))
+    log_api_keys(config)
     return RunningVLLMFrontdoor(runner, bound, frontdoor, f"http://{host}:{bound}", watcher)
 
 

@@ -259,3 +259,13 @@ def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch):
     taken = [*lay.store_ports, *(p for _, _, p in lay.engines), *lay.metrics_ports.values(), lay.redis_port]
     assert lay.redis_port == 42006 and len(set(taken)) == len(taken) == 7
     assert up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), 8000).redis_port == 0
+
+
+def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys):
+    import argparse
+
+    from launcher.up import write_api_keys
+    assert write_api_keys(argparse.Namespace(data_dir=str(tmp_path), api_key=None, api_keys_file=None)) is None
+    assert "front door     takes no API keys: every caller that reaches it is served" in capsys.readouterr().out
+    path = write_api_keys(argparse.Namespace(data_dir=str(tmp_path), api_key=["sk-a"], api_keys_file=None))
+    assert path and open(path).read() == "sk-a\n" and "takes no API keys" not in capsys.readouterr().out
