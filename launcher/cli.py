@@ -149,6 +149,16 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    vllm = up_defaults(args)
+    if vllm:
+        from launcher.up_vllm import run_up_vllm
+        return run_up_vllm(args)
+    from launcher.up import run_up
+    return run_up(args)
+
+
+def up_defaults(args: argparse.Namespace) -> bool:
+    """Fill in ``kvstore up``'s defaults that depend on the engine; returns whether it is vLLM."""
     vllm = args.engine == "vllm"
     if args.dram is None:
         args.dram = "2GiB" if vllm else "256MiB"
@@ -156,11 +166,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.tokens_per_block = 32 if vllm else 64
     if args.speed is None:    # over vLLM: the window's load is about what two CPU cores serve
         args.speed = 2.0 if vllm else 4.0
-    if vllm:
-        from launcher.up_vllm import run_up_vllm
-        return run_up_vllm(args)
-    from launcher.up import run_up
-    return run_up(args)
+    if args.max_model_len is None:
+        args.max_model_len = args.vllm_max_model_len if vllm else UP_MAX_MODEL_LEN
+    elif vllm:                # one limit: the instances' context length is the front door's
+        args.vllm_max_model_len = args.max_model_len
+    return vllm
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -296,10 +306,13 @@ def _add_up(sub: Any) -> None:
                    help="the ports of the store nodes, engines (or vLLM instances) and their metrics, in that "
                         "order from FIRST up, each of which must be free, so a Prometheus config or a firewall "
                         "can name them (0, the default: free ones, new at each start); the banner prints each")
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: tiny seeded Llama)")
-    p.add_argument("--max-model-len", type=positive_int, default=UP_MAX_MODEL_LEN, metavar="TOKENS",
-                   help="the engines' and the front door's limit on prompt + generation (tokens); a longer "
-                        "request gets a 400 and a replay skips it")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint (default: a random-weight "
+                   "Llama written to ~/.cache/kvstore/checkpoints: 'bench', 8 layers of hidden 512, over vLLM; "
+                   "'tiny' on the built-in engines)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
+                   help="the engines' (or vLLM instances') and the front door's limit on prompt + generation "
+                        f"(tokens); a longer request gets a 400 and a replay skips it (default: {UP_MAX_MODEL_LEN} "
+                        "on the built-in engines; over vLLM --vllm-max-model-len's, which this overrides)")
     p.add_argument("--dram", default=None, help="store node DRAM tier capacity (default: 2GiB over vLLM, "
                    "which holds the demo's working set; 256MiB on the built-in engines)")
     p.add_argument("--ssd", default="1GiB", help="store node SSD tier capacity")

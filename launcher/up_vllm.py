@@ -22,7 +22,7 @@ import sys
 
 from engines.vllm.launch import BLOCK_SIZE
 from kvstore.errors import Unavailable
-from launcher.flags import json_object
+from launcher.flags import json_object, positive_int
 from launcher.supervisor import _serve_until_signal
 from launcher.up import forget_stack, preflight, record_stack, stack_tokens, write_api_keys
 
@@ -37,7 +37,8 @@ def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kv-cache", default="320MiB",
                    help="with --engine vllm: each instance's own paged KV cache (the bench checkpoint's KV is "
                         "32 KiB a token: 320 MiB holds 10,240 tokens, a fifth of the demo's working set)")
-    p.add_argument("--vllm-max-model-len", type=int, default=8192, help="with --engine vllm: context length (tokens)")
+    p.add_argument("--vllm-max-model-len", type=positive_int, default=8192,
+                   help="with --engine vllm: context length (tokens; --max-model-len overrides it)")
     p.add_argument("--vllm-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="with --engine vllm: each kvstore instance's own prefix cache, with its KV events on a "
                         "private ipc:// socket so that the router sees what each instance holds "
@@ -65,6 +66,19 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "directory only this user can open, not TCP")
 
 
+def _vllm_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the vLLM flags (checked before anything starts), or None."""
+    from kvstore.config import parse_bytes
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        return f"--model {args.model}: not a checkpoint directory (no config.json there)"
+    try:
+        if parse_bytes(args.vllm_kv_cache) <= 0:
+            return f"--vllm-kv-cache {args.vllm_kv_cache}: must be more than 0 bytes"
+    except ValueError as exc:
+        return f"--vllm-kv-cache: {exc}"
+    return None
+
+
 def default_checkpoint(max_model_len: int) -> str:
     """The ``bench`` checkpoint (engines/vllm/checkpoint.py: a random-weight Llama of 8 layers,
     hidden 512; nothing downloaded), written once to ``$XDG_CACHE_HOME/kvstore/checkpoints``
@@ -83,6 +97,10 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     args.data_dir = os.path.abspath(args.data_dir)
     if args.model and os.path.exists(args.model):
         args.model = os.path.abspath(args.model)
+    problem = _vllm_problem(args)
+    if problem:
+        print(f"kvstore up: {problem}", file=sys.stderr)
+        return 2
     http_port = preflight(args)
     if http_port is None:
         return 2

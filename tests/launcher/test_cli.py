@@ -196,3 +196,15 @@ def test_no_store_with_a_redis_given_on_the_command_line_is_refused(monkeypatch,
     argv = ["scheduler", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--no-store"]
     assert main([*argv, "--redis", "redis://127.0.0.1:2/0"]) == 2
     assert "--no-store and --redis contradict each other" in capsys.readouterr().err
+
+
+def test_up_max_model_len_is_the_vllm_instances_context_length_too():
+    """``kvstore up --max-model-len`` was ignored over vLLM (its instances took
+    --vllm-max-model-len's 8192): it now sets both; without it each engine keeps its default."""
+    from launcher.cli import UP_MAX_MODEL_LEN, build_parser, up_defaults
+    args = build_parser().parse_args(["up", "--max-model-len", "4096"])
+    assert up_defaults(args) and (args.max_model_len, args.vllm_max_model_len) == (4096, 4096)
+    args = build_parser().parse_args(["up"])
+    assert up_defaults(args) and args.max_model_len == args.vllm_max_model_len == 8192
+    args = build_parser().parse_args(["up", "--engine", "builtin"])
+    assert not up_defaults(args) and args.max_model_len == UP_MAX_MODEL_LEN

@@ -159,7 +159,11 @@ def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -
                           "999999"], "--start 999999 is outside the trace (requests 0 to 12030)"),
                         (["--speed", "0"], "--speed: must be > 0 and finite, got 0"),
                         (["--window-s", "-1"], "--window-s: must be > 0 seconds"),
-                        (["--max-output-tokens", "0"], "--max-output-tokens")):
+                        (["--max-output-tokens", "0"], "--max-output-tokens"),
+                        # over vLLM: the checkpoint and the instances' cache size, before the store starts
+                        (["--model", str(tmp_path / "nothing")], "not a checkpoint directory (no config.json"),
+                        (["--vllm-kv-cache", "-5"], "--vllm-kv-cache"),
+                        (["--vllm-max-model-len", "0"], "--vllm-max-model-len")):
         proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir",
                                str(tmp_path / "up"), *flags], cwd=root, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(root)})
