@@ -182,8 +182,18 @@ class Stack:
                                    f"{self.log_tail(child.name)}")
             delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(child.crashes) - 1))
             child.restart_at = now + delay
-            print(f"kvstore up: {child.name} exited ({how}); restart {len(child.crashes)} of "
+            print(f"kvstore up: {child.name} exited unasked ({how}); restart {len(child.crashes)} of "
                   f"{self.max_restarts} in {delay:.1f} s (log: {self.log_dir}/{child.name}.log)", flush=True)
+            last = self.log_error(child.name)
+            if last:
+                print(f"kvstore up: {child.name}'s last error: {last}", flush=True)
+
+    def log_error(self, name: str) -> str:
+        """The last line of a child's log tail that names an error (``Error``, ``ERROR``,
+        ``Traceback``), trimmed; "" when none does."""
+        hits = [ln.strip() for ln in self.log_tail(name, 60).splitlines()
+                if "Error" in ln or "ERROR" in ln or "Traceback" in ln]
+        return hits[-1][:300] if hits else ""
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         """The last ``lines`` lines of a child's log, without Python's resource_tracker

@@ -56,6 +56,9 @@ def test_an_adopted_child_with_a_respawn_is_restarted_through_it(tmp_path, capsy
         return started[-1]
 
     stack = Stack(log_dir=str(tmp_path / "logs"))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "vllm-prefill-0.log").write_text("starting\nvllm.v1.engine.exceptions.EngineDeadError: "
+                                                           "EngineCore encountered an issue\nshutting down\n")
     first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     stack.adopt("vllm-prefill-0", first, respawn=respawn)
     first.wait(30)
@@ -71,7 +74,8 @@ def test_an_adopted_child_with_a_respawn_is_restarted_through_it(tmp_path, capsy
         stack.stop()
     assert started[0].returncode is not None         # the restarted process was stopped too
     out = capsys.readouterr().out
-    assert "vllm-prefill-0 exited (exit status 3); restart 1 of 5" in out
+    assert "vllm-prefill-0 exited unasked (exit status 3); restart 1 of 5" in out
+    assert "vllm-prefill-0's last error: vllm.v1.engine.exceptions.EngineDeadError: EngineCore" in out
     assert f"vllm-prefill-0 restarted (pid {started[0].pid})" in out
 
 
