@@ -320,8 +320,10 @@ def _add_up(sub: Any) -> None:
                    help="the stack's directory: store data, logs, tokens (auth.env), API keys; wiped at start "
                         "unless --keep-data (a directory kvstore up did not make must be empty)")
     p.add_argument("--keep-data", action="store_true", help="do not wipe --data-dir at start")
-    p.add_argument("--prefill-instances", type=int, default=1, help="prefill engines to start")
-    p.add_argument("--decode-instances", type=int, default=1, help="decode engines to start")
+    p.add_argument("--prefill-instances", type=int, default=1,
+                   help="prefill engines to start (over vLLM's default colocated topology: this many plus "
+                        "--decode-instances vLLM instances, each prefilling and decoding)")
+    p.add_argument("--decode-instances", type=int, default=1, help="decode engines to start (see above)")
     p.add_argument("--store-nodes", type=int, default=1,
                    help="store nodes to start; > 1 forms a cluster registered in Redis")
     p.add_argument("--redis", metavar="URL", help="Redis for membership and KV events (default with "
@@ -332,7 +334,8 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="each engine times a few prefills or decode steps at start, one engine at a time, and "
                         "the front door seeds its T_prefill and TBT predictors from them (kvstore engine "
-                        "--profile; --no-profile: built-in seeds; vLLM instances are never profiled)")
+                        "--profile; --no-profile: built-in seeds); built-in engines only: vLLM instances "
+                        "are never profiled")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up, tokens_per_block=None, speed=None)

@@ -87,6 +87,9 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
         print(f"each instance's own KV cache holds {kv_tokens:,} tokens: "
               f"{settings['instance_kv_vs_working_set']:.0%} of the replay's working set "
               f"({first['working_set_tokens']:,} tokens)", flush=True)
+        if settings["instance_kv_vs_working_set"] >= 1:
+            print("  each instance's own cache holds the whole working set: the pool adds no capacity in this "
+                  "run (more --requests, or a smaller --vllm-kv-cache, shows what it adds)", flush=True)
     print(f"three set-ups in {settings['wall_s_all_setups']:.0f} s", flush=True)
     if getattr(args, "json", None):
         path = Path(args.json)
