@@ -367,10 +367,24 @@ def _add_simulate(sub: Any) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (the children it starts
+    inherit it): every connection to a service takes a descriptor, and a soft limit of 1,024
+    is soon reached by many callers, or by idle connections held open to deny service."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            logging.getLogger(__name__).info("open-files limit stays %d (%s)", soft, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    raise_fd_limit()
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError, KVStoreError) as exc:

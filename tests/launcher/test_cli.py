@@ -208,3 +208,18 @@ def test_up_max_model_len_is_the_vllm_instances_context_length_too():
     assert up_defaults(args) and args.max_model_len == args.vllm_max_model_len == 8192
     args = build_parser().parse_args(["up", "--engine", "builtin"])
     assert not up_defaults(args) and args.max_model_len == UP_MAX_MODEL_LEN
+
+
+def test_kvstore_raises_its_open_files_limit_to_the_hard_limit():
+    """Each connection takes a descriptor: a service started with a soft limit of 1,024 was
+    soon out of them. A kvstore command raises the soft limit to the hard one at start."""
+    import resource
+    import subprocess
+    import sys
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    code = ("import resource, launcher.cli as c; c.raise_fd_limit(); "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
+                          f"({min(256, hard)}, {hard})); {code}"], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.split()
+    assert [int(x) for x in out] == [hard, hard]
