@@ -350,7 +350,6 @@ def chat_text(body: dict[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -
         raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages", "messages")
     if len(messages) > limits.max_model_len:    # every message takes a token of the template at least
         raise _too_long(len(messages), "messages", limits)
-    turns = []
     for i, m in enumerate(messages):
         text = message_text(m.get("content")) if isinstance(m, dict) else None
         parts = m.get("content") if isinstance(m, dict) else None
@@ -366,8 +365,15 @@ def chat_text(body: dict[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} and 'content' "
                        "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",
                        "messages")
-        turns.append({"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": text})
-    return tokenizer.apply_chat_template(turns)
+    return tokenizer.apply_chat_template(template_messages(messages))
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A checked chat body's ``messages`` as :func:`chat_text` renders them: each role (as the
+    template names it) and its text, nothing else — what an engine that renders them again
+    must get, so that its prompt is the one the front door counted and prefilled."""
+    return [{"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": message_text(m["content"]) or ""}
+            for m in messages]
 
 
 def parse_tokenize(body: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:

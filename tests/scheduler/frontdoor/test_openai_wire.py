@@ -352,3 +352,16 @@ def test_tokenize_detokenize_version_and_ping_as_vllm_serves_them(url):
     status, _, data = call(url, "/version")
     assert status == 200 and json.loads(data)["version"]
     assert call(url, "/ping")[0] == 200 and call(url, "/ping", {})[0] == 200
+
+
+def test_the_messages_an_engine_renders_again_are_the_ones_the_front_door_rendered():
+    """The front door over vLLM sends chat ``messages`` on to the decode instance, which
+    renders them with its template: only each role (as the template names it) and its text go,
+    so fields the front door neither checked nor counted (``name``, ``tool_calls``) cannot make
+    that prompt differ from the one it prefilled."""
+    from scheduler.frontdoor.openai_api import template_messages
+    messages = [{"role": "developer", "content": "be brief", "name": "x" * 1000},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                 "tool_calls": [{"id": 1}]}]
+    assert template_messages(messages) == [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "ab"}]
