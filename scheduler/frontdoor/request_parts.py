@@ -127,6 +127,8 @@ async def parse_json_body(request: web.Request, parse: Callable[[Any], T], slots
     and whatever ``parse`` raises."""
     check_media_type(request)
     declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(declared, limit)  # at once: its sender would wait for a timeout otherwise
     if slots is not None and declared is not None and declared >= LARGE_BODY_BYTES:
         slots.check(tenant)              # a 429 before the body is read, when it would be one after
     raw, coding = await receive_body(request, timeout_s)

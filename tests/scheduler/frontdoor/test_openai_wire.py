@@ -148,6 +148,16 @@ def test_a_body_that_cannot_be_read_is_a_json_400_and_one_too_large_a_json_413(u
     status, _, data = call(url, "/v1/completions", raw=b" " * (2 << 20))     # the limit: 1 MiB at 4096 tokens
     err = error_of(status, data, 413)
     assert err["code"] == "request_too_large" and "1048576" in err["message"]
+    # a Content-Length over the limit is refused at once, before any of the body is read (its
+    # sender waited for the read timeout, then got a 408)
+    import socket
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000000\r\n\r\n{")
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
     assert complete(url, {"prompt": [1, 2, 3], "max_tokens": 1})["choices"]   # and it serves on
 
 
