@@ -86,7 +86,14 @@ class QuotaStore:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"version": FORMAT_VERSION, "quotas": self._quotas}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())   # on disk before the rename: a power loss leaves the old file or the new
         os.replace(tmp, self.path)
+        dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)          # the rename itself
+        finally:
+            os.close(dfd)
 
     def get(self, namespace: str) -> int | None:
         """The namespace's quota in bytes, or None when it has none."""
