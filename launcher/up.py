@@ -317,13 +317,13 @@ def _start_front_door(stack: Stack, args: argparse.Namespace, lay: _Layout, pool
 
 
 def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
-                 redis_url: str | None) -> str:
+                 redis_url: str | None, vllm: dict | None = None) -> str:
     """Record the running stack where kvctl looks (kvstore/kvctl/common.py ``up_file``:
     ``$XDG_RUNTIME_DIR/kvstore/up-<pid>.json``, mode 0600, one per running ``kvstore up``):
-    this process's pid, the store nodes', engines' and front door's addresses, and the path
-    of its ``auth.env`` (which gets the Redis URL too, since a private Redis's holds its
-    password). Records left by a ``kvstore up`` that died without removing its own are
-    removed. Returns the file's path."""
+    this process's pid, the store nodes', engines' and front door's addresses, the path of its
+    ``auth.env`` (which gets the Redis URL too, since a private Redis's holds its password)
+    and over vLLM what its keys are made of (``vllm``: model, block_size, ...). Records of a
+    ``kvstore up`` that died without removing its own are removed. Returns the file's path."""
     import glob
     import json
 
@@ -340,7 +340,7 @@ def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
     path = up_file()
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     doc = {"version": 1, "pid": os.getpid(), "stores": stores, "engines": engines, "frontdoor": url,
-           "auth_env": auth_env, "data_dir": os.path.abspath(data_dir), "cluster": bool(redis_url)}
+           "auth_env": auth_env, "data_dir": os.path.abspath(data_dir), "cluster": bool(redis_url), "vllm": vllm}
     fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)

@@ -130,7 +130,9 @@ def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens:
         running = start_setup(args, SETUPS["kvstore"], model, http_port, tokens, keys_file,
                               os.path.join(args.data_dir, "logs"))
         print(f"front door     {running.url}  over vLLM ({args.topology}; GET /metrics, GET /status)", flush=True)
-        up_record = record_stack([running.store or ""], [], running.url, args.data_dir, None)
+        up_record = record_stack([running.store or ""], [], running.url, args.data_dir, None,
+                                 {"model": model, "block_size": BLOCK_SIZE, "quantization": args.vllm_quantization,
+                                  "hf_overrides": args.vllm_hf_overrides})
         print(f"started in {running.startup_s:.1f} s; logs in {running.stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)

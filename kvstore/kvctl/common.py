@@ -167,6 +167,7 @@ class Target:
     source: str = "flag"
     engines: list[str] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)
+    vllm: dict[str, Any] | None = None   # a vLLM stack's key spec (launcher/up.py record_stack)
     # tokens read from a stack's auth.env go to that stack's own nodes and engines only
     token_from_stack: bool = False
     engine_token_from_stack: bool = False
@@ -234,6 +235,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
                     list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
                     token_from_stack=not given and token is not None,
                     engine_token_from_stack=not given_engine and engine_token is not None)
+    target.vllm = up.get("vllm") if up else None
     target.store = target.own(store)   # the stack's own address of it: localhost may resolve to someone's [::1]
     return target
 
