@@ -55,13 +55,17 @@ def ttft_cdf(c: Comparison | SetupComparison, path: str | Path) -> Path:
     return save_figure(fig, plt, path)
 
 
-def _cumulative_hit(rep: Report) -> list[float]:
-    """After each request sent (arrival order), trace blocks served from a cache so far / trace
-    blocks sent so far."""
+def _cumulative_hit(rep: Report, unit: str) -> list[float]:
+    """After each request sent (arrival order), what was served from a cache so far / what was
+    sent so far, in trace blocks (``unit`` "blocks") or prompt tokens ("tokens")."""
     sent = [o for o in rep.outcomes if o.status != "skipped"]
-    hits = accumulate(o.cached_blocks if o.status == "ok" else 0 for o in sent)
-    blocks = accumulate(o.trace_blocks for o in sent)
-    return [h / b if b else 0.0 for h, b in zip(hits, blocks)]
+    ok = [o.status == "ok" for o in sent]
+    if unit == "blocks":
+        hits, total = [o.cached_blocks for o in sent], [o.trace_blocks for o in sent]
+    else:
+        hits, total = [o.cached_tokens for o in sent], [o.prompt_tokens for o in sent]
+    return [h / b if b else 0.0 for h, b in zip(accumulate(h if k else 0 for h, k in zip(hits, ok)),
+                                                 accumulate(total))]
 
 
 def hit_ratio_over_replay(c: Comparison | SetupComparison, path: str | Path) -> Path:
@@ -70,18 +74,22 @@ def hit_ratio_over_replay(c: Comparison | SetupComparison, path: str | Path) -> 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = _runs(c)
+    # trace blocks where the outcomes carry them (a live replay); prompt tokens for a report
+    # read back from its JSON, whose requests keep their tokens only
+    unit = "blocks" if any(o.trace_blocks for _, rep in runs for o in rep.outcomes) else "tokens"
     for label, rep in runs:
-        ys = _cumulative_hit(rep)
-        ax.plot(range(1, len(ys) + 1), ys, linewidth=2.5, label=f"{label}: {rep.hit_ratio:.3f} at the end")
+        ys = _cumulative_hit(rep, unit)
+        ax.plot(range(1, len(ys) + 1), ys, linewidth=2.5,
+                label=f"{label}: {ys[-1] if ys else 0.0:.3f} at the end")
     first = runs[0][1]
     sent = [o for o in first.outcomes if o.status != "skipped"]
-    if first.best_blocks and len(first.best_blocks) == len(sent):   # drawn on top: a run may reach it
+    if unit == "blocks" and first.best_blocks and len(first.best_blocks) == len(sent):   # on top: a run may reach it
         best = [h / b if b else 0.0 for h, b in zip(accumulate(first.best_blocks),
                                                      accumulate(o.trace_blocks for o in sent))]
         ax.plot(range(1, len(best) + 1), best, color="black", linestyle="--", linewidth=1,
                 label=f"best possible (infinite cache): {first.best_possible_hit_ratio:.3f}")
     ax.set_xlabel("requests sent (arrival order)")
-    ax.set_ylabel("prefix hit ratio so far (trace blocks)")
+    ax.set_ylabel(f"prefix hit ratio so far ({'trace blocks' if unit == 'blocks' else 'prompt tokens'})")
     ax.set_ylim(-0.02, 1.0)
     ax.set_title(f"Hit ratio over the replay\n{_title(c)}", fontsize=10)
     ax.grid(True, alpha=0.3)
