@@ -33,7 +33,7 @@ from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvctl", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kvctl", description=(__doc__ or "").replace("``", "`"),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", help="a store node host:port (default: the running kvstore up's, from "
                                         f"{up_dir()}/up-PID.json, else 127.0.0.1:50051)")

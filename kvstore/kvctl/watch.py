@@ -143,7 +143,8 @@ def watch(read: Callable[[], list[NodeReading]], interval_s: float, count: int |
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``watch`` on kvctl's subcommands."""
     p = sub.add_parser("watch", help="a refreshing view of tiers, hit ratio and rates",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=(__doc__ or "").replace("``", "`"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--interval", type=_positive, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
     p.add_argument("--count", type=whole_number(1), metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
     p.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
