@@ -137,6 +137,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
                   "pool): give one", file=sys.stderr)
             return 2
         args.redis = None
+    from launcher.supervisor import port_is_free
+    if args.port and not port_is_free(args.host, args.port):   # before waiting for its engines
+        print(f"kvstore scheduler: port {args.port} on {args.host} is in use; pick another with --port",
+              file=sys.stderr)
+        return 2
     if args.vllm_prefill or args.vllm_decode or args.vllm_colocated:
         from scheduler.vllm.app import serve_vllm_frontdoor_forever
         return serve_vllm_frontdoor_forever(args)
@@ -368,9 +373,8 @@ def _add_simulate(sub: Any) -> None:
 
 
 def raise_fd_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit (the children it starts
-    inherit it): every connection to a service takes a descriptor, and a soft limit of 1,024
-    is soon reached by many callers, or by idle connections held open to deny service."""
+    """Raise this process's soft limit on open files to its hard limit (its children inherit
+    it): each connection takes a descriptor, and 1,024 are soon taken by many callers."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:

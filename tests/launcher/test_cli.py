@@ -223,3 +223,22 @@ def test_kvstore_raises_its_open_files_limit_to_the_hard_limit():
                           f"({min(256, hard)}, {hard})); {code}"], capture_output=True, text=True, check=True,
                          cwd=ROOT).stdout.split()
     assert [int(x) for x in out] == [hard, hard]
+
+
+def test_scheduler_on_a_taken_port_says_so_at_once():
+    """``kvstore scheduler --port P`` with P taken waited up to 60 s for its engines before
+    it found out; it now says so before anything else."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "launcher", "scheduler", "--port", str(port), "--prefill",
+                               "127.0.0.1:1", "--decode", "127.0.0.1:1"], capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+    assert proc.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 30
