@@ -390,7 +390,7 @@ def write_api_keys(args: argparse.Namespace) -> str | None:
     from scheduler.frontdoor.api_keys import load_api_keys
     keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_keys_file", None))
     if not keys:
-        print("front door     takes no API keys: every caller that reaches it is served (--api-key KEY, "
+        print("api keys       none: the front door serves every caller that reaches it (--api-key KEY, "
               "--api-keys-file FILE: each caller then needs one)", flush=True)
         return None
     path = os.path.join(args.data_dir, "api-keys")

@@ -274,6 +274,6 @@ def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys)
 
     from launcher.up import write_api_keys
     assert write_api_keys(argparse.Namespace(data_dir=str(tmp_path), api_key=None, api_keys_file=None)) is None
-    assert "front door     takes no API keys: every caller that reaches it is served" in capsys.readouterr().out
+    assert "api keys       none: the front door serves every caller that reaches it" in capsys.readouterr().out
     path = write_api_keys(argparse.Namespace(data_dir=str(tmp_path), api_key=["sk-a"], api_keys_file=None))
-    assert path and open(path).read() == "sk-a\n" and "takes no API keys" not in capsys.readouterr().out
+    assert path and open(path).read() == "sk-a\n" and "api keys" not in capsys.readouterr().out
