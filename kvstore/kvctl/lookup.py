@@ -5,9 +5,9 @@ The key spec's inputs come from an engine's ``Info`` (``--engine``; after ``kvst
 the stack's first engine): model id, revision and KV layout, which with the tenant's
 namespace form the key extras (``engines.types.extras_for``: ``KeyExtras(model, revision,
 layout, namespace)``), and the block size. ``--model``/``--revision``/``--layout``/
-``--block-size`` give them by hand instead. Over vLLM the keys are the connector's
-(:func:`vllm_keys`): from ``--vllm-model DIR``, or after ``kvstore up`` over vLLM from the
-checkpoint its record names. The namespace is the front door's
+``--block-size`` give them by hand instead. The keys of vLLM's connector (made from the
+checkpoint's identity, engines/vllm/layout.py) are not made here: after ``kvstore up`` over
+vLLM it says so. The namespace is the front door's
 (``scheduler.routing.tenancy.namespace_from_authorization``): ``key-`` + the first 16 hex digits of
 SHA-256 of the tenant's API key (``--tenant KEY``), or ``public`` without one.
 ``--prompt TEXT`` is tokenized as the tiny model's byte tokenizer does (UTF-8 bytes + 3,
@@ -78,31 +78,17 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
     return args.model, args.revision, layout, args.block_size, "flags"
 
 
-def vllm_keys(spec: dict[str, Any], args: argparse.Namespace, namespace: str) -> tuple[list[int], list[bytes]]:
-    """The prompt's tokens and block keys as vLLM's connector and the front door over vLLM
-    make them (:class:`scheduler.vllm.instances.VLLMModel`), from a vLLM stack's key spec
-    (``model``, ``block_size``, ``quantization``, ``hf_overrides``); ``--prompt`` through that
-    checkpoint's tokenizer."""
-    from scheduler.vllm.instances import VLLMModel
-    model = VLLMModel.from_dir(spec["model"], spec.get("block_size") or 32, quantization=spec.get("quantization"),
-                               hf_overrides=spec.get("hf_overrides"))
-    tokens = tokens_of(argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or spec["model"]}))
-    return tokens, model.keys(tokens, namespace)
-
-
 def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     namespace = args.namespace if args.namespace is not None else namespace_of(args.tenant)
-    spec = ({"model": args.vllm_model, "block_size": args.block_size} if args.vllm_model else
-            t.vllm if t.vllm and not (args.engine or args.model) else None)
-    if spec is not None:   # over vLLM: the connector's keys
-        tokens, keys = vllm_keys(spec, args, namespace)
-        model, revision, block_size = spec["model"], "", spec.get("block_size") or 32
-        source = "--vllm-model" if args.vllm_model else "the vLLM stack's checkpoint"
-    else:
-        tokens = tokens_of(args)
-        model, revision, layout, block_size, source = key_spec(t, args)
-        keys = block_keys(tokens, block_size, KeyExtras(model=model, revision=revision, layout=layout,
-                                                        namespace=namespace))
+    if t.vllm and not (args.engine or args.model):
+        raise InvalidArgument(
+            "this kvstore up serves vLLM: its connector keys blocks by the checkpoint's identity "
+            "(engines/vllm/layout.py), which kvctl lookup does not make; kvctl ls and kvctl namespaces list the "
+            "pool's blocks, and the front door's /metrics and /status its hits")
+    tokens = tokens_of(args)
+    model, revision, layout, block_size, source = key_spec(t, args)
+    keys = block_keys(tokens, block_size, KeyExtras(model=model, revision=revision, layout=layout,
+                                                    namespace=namespace))
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
     for node in nodes:
@@ -152,8 +138,6 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--revision", default="", help="model revision (with --model)")
     p.add_argument("--layout", metavar="JSON", help="KV layout JSON (with --model), as an engine's Info gives "
                    'it: {"dtype": "float32", "num_layers": N, "num_kv_heads": N, "head_dim": N, "block_size": N}')
-    p.add_argument("--block-size", type=int, help="tokens per block (with --model; with --vllm-model, default 32)")
-    p.add_argument("--vllm-model", metavar="DIR", help="the checkpoint vLLM instances with kvstore's connector "
-                   "serve: key as they do (default after kvstore up over vLLM: its checkpoint)")
+    p.add_argument("--block-size", type=int, help="tokens per block (with --model)")
     add_json(p)
     p.set_defaults(func=cmd_lookup)

@@ -66,26 +66,20 @@ def test_lookup_gives_the_engines_keys_and_finds_the_blocks(engine, tmp_path):
     assert rc == 1 and "UNAUTHENTICATED" in err
 
 
-def test_lookup_over_vllm_keys_as_the_connector_does(spawn_store_node, tmp_path):
-    """``kvctl lookup --vllm-model DIR`` keys a prompt as vLLM's kvstore connector and the
-    front door over vLLM do (scheduler.vllm.instances.VLLMModel): blocks stored under those
-    keys in a tenant's namespace are found, another tenant's are not. (Without it, the
-    built-in engines' keys found none of a vLLM pool's blocks.)"""
-    from engines.vllm.checkpoint import write_checkpoint
-    from kvstore.client import StoreClient
-    from scheduler.vllm.instances import VLLMModel
-    _, store = spawn_store_node("lk-vllm", "--dram", "64MiB", "--ssd", "0", "--auth-token", TOKEN,
+
+def test_lookup_after_kvstore_up_over_vllm_says_it_does_not_make_the_connectors_keys(spawn_store_node, tmp_path):
+    """After ``kvstore up`` over vLLM, kvctl lookup keyed prompts as the built-in engines do
+    and reported every block of a vLLM pool a miss; it now says it cannot key them."""
+    import json
+    import os
+    _, store = spawn_store_node("lk-vllm", "--dram", "16MiB", "--ssd", "0", "--auth-token", TOKEN,
                                 "--transfer-engine", "off")
-    model_dir = write_checkpoint(str(tmp_path / "tiny-llama"), "tiny", max_model_len=2048)
-    tokens = [5 + (i * 37) % 250 for i in range(100)]            # 3 full blocks of 32
-    keys = VLLMModel.from_dir(model_dir, 32).keys(tokens, "alice")
-    with StoreClient(store, auth_token=TOKEN) as client:
-        assert all(r.ok for r in client.put_blocks([(k, b"kv" * 512) for k in keys], chain=True, namespace="alice"))
     env = kvctl_env(tmp_path)
-    for who, held in (("alice", 3), ("bob", 0)):
-        rc, doc, err = kvctl(env, "--store", store, "lookup", "--vllm-model", model_dir, "--tokens",
-                             ",".join(map(str, tokens)), "--namespace", who)
-        assert rc == 0, err
-        assert doc["key_spec_from"] == "--vllm-model" and doc["block_size"] == 32
-        assert doc["held_prefix_blocks"] == held, (who, doc)
-    assert [b["key"] for b in doc["blocks"]] == [k.hex() for k in VLLMModel.from_dir(model_dir, 32).keys(tokens, "bob")]
+    record = {"version": 1, "pid": os.getpid(), "stores": [store], "engines": [], "frontdoor": "http://127.0.0.1:1",
+              "auth_env": "", "data_dir": str(tmp_path), "cluster": False,
+              "vllm": {"model": str(tmp_path / "ckpt"), "block_size": 32}}
+    os.makedirs(os.path.dirname(env["KVSTORE_UP_FILE"]), exist_ok=True)
+    with open(env["KVSTORE_UP_FILE"], "w") as f:
+        json.dump(record, f)
+    rc, _, err = kvctl(env, "lookup", "--tokens", "1,2,3")
+    assert rc != 0 and "this kvstore up serves vLLM" in err and "kvctl ls" in err, err
