@@ -48,9 +48,13 @@ MIN_BUFFER_BYTES = 16 << 20
 # between two network namespaces (benchmarks/bench_multihost.py's reads, 2-core Xeon VM)
 # took 11.2-12.7 ms as one transfer against 17-26 ms as 16 of 1 MiB (best of 5, three runs).
 PIECE_BYTES = 1 << 30
-# A read the engine failed outright is started again this many times before its blocks go over
-# gRPC; one that ran out of time is not (the node is slow or stopped: gRPC decides).
-TE_RETRIES = 2
+# A read the engine failed at once (that try took at most RETRY_WITHIN_S: a dropped session) is
+# started again this many times before its blocks go over gRPC; one that ran out of time, or
+# failed only after a while (a host that does not answer: an ARP or connect timeout), is not.
+# The engine may hold a new transfer to a peer whose session just failed for up to a second
+# (0.3.13: after a refused read, the next to that peer took 1.0 s here), so once at most.
+TE_RETRIES = 1
+RETRY_WITHIN_S = 0.5
 CONTROL_RETRY_S = 2.0   # a failed control channel is dialled again after this long
 _STALLED: list = []  # buffers of closed readers whose transfers never ended: kept, never freed
 
@@ -71,7 +75,7 @@ class TransferEngineTransport(BlockTransport):
     ``KVSTORE_TE_METADATA``, default the node's metadata; the protocol is
     the node's). Blocks not in the node's slab (SSD, HBM) and transfers that fail are read over
     the gRPC stream instead (counted in ``grpc_reads``; ``te_reads`` counts the others); a
-    transfer the engine fails outright is first started again, up to :data:`TE_RETRIES`
+    transfer the engine fails at once is first started again, up to :data:`TE_RETRIES`
     times (counted in ``te_retries``).
     Leases go over the node's TCP control channel when it announces one (``control`` is
     then a :class:`~kvstore.dataplane.control_client.TcpControl`; for nodes without one, and
@@ -296,9 +300,11 @@ class TransferEngineTransport(BlockTransport):
                 for off in range(0, size, PIECE_BYTES):
                     n = min(PIECE_BYTES, size - off)
                     pieces.append((i, local + off, view[off:off + n], src + off, n))
+            t0 = time.monotonic()
             hashers, failed, stalled, slow = self._move(pieces, direct)
             for _ in range(TE_RETRIES):
-                if slow or not failed:
+                took, t0 = time.monotonic() - t0, time.monotonic()
+                if slow or not failed or took > min(RETRY_WITHIN_S, self.timeout_s / 4):
                     break
                 # A transfer the engine failed (not one that ran out of time) is started
                 # again, block by block, before its blocks go over gRPC: the TCP transport
