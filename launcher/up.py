@@ -182,7 +182,7 @@ def _layout(args: argparse.Namespace, http_port: int) -> _Layout:
     lay.metrics_ports = {name: take_port() for name in
                          [lay.store_name(i) for i in range(n_store)] + [e[0] for e in engines]}
     if not getattr(args, "redis", None) and (n_store > 1 or shutil.which("redis-server")):
-        lay.redis_port = take_port()
+        lay.redis_port = take_port()   # a private Redis is started (_redis)
     return lay
 
 
@@ -228,13 +228,13 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopped all services", flush=True)
 
 
-def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int = 0) -> tuple[str | None, bool]:
+def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int) -> tuple[str | None, bool]:
     """The Redis of the stack and whether it is a private one started here. A private Redis
     unless one is given: a cluster's registry, and in every case the channel of the KV events
     the scheduler's index replica reads (the store nodes' and the prefill engines' caches,
     scheduler/routing/cache_index.py)."""
     private_redis = False
-    if not redis_url and (n_store > 1 or shutil.which("redis-server")):
+    if not redis_url and port:   # the layout took a port for one (_layout)
         from kvstore.cluster.redis_server import redact_url, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),

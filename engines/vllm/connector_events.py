@@ -133,7 +133,7 @@ class PoolEventBook:
         announce the found ones not yet announced in that tier, and the loss of the first
         one past them when it was announced (a lookup stops at the first block missing: it
         tells nothing of the ones after it)."""
-        found = min(len(tiers), len(keys))
+        found = len(tiers)
         news = [i for i in range(found) if self._announced.get(keys[i]) != tiers[i]]
         for tier in dict.fromkeys(tiers[i] for i in news):
             idx = [i for i in news if tiers[i] == tier]

@@ -134,7 +134,7 @@ class SchedulerSide:
 
     def _lookup(self, keys: list[list[bytes]], tr: _Tracked) -> int:
         """Blocks of the longest prefix every rank's chain has in the pool."""
-        return min(self.link.lookup(k, self.lookup_purpose, tr.namespace).blocks if k else 0 for k in keys)
+        return min(self.link.lookup(k, self.lookup_purpose, tr.namespace).blocks for k in keys)
 
     def _hit_blocks(self, tr: _Tracked) -> tuple[int, int]:
         """Blocks of the prompt's head the pool holds for every group and rank: the longest
@@ -143,10 +143,9 @@ class SchedulerSide:
         the hit shrinks to its own chains' prefix. Never the last prompt token's block. Also
         the blocks known to be held in every group (not to be saved again)."""
         full = [g for g in self.groups if g.kind == "full"]
-        self.link.last_tiers = ()    # a prompt of no full block looks nothing up
         found = min((self._lookup(tr.keys[i], tr) for i, g in enumerate(self.groups) if g in full),
                     default=tr.num_blocks)
-        tr.found_tiers = self.link.last_tiers[:found]   # before a window's lookups below
+        tr.found_tiers = self.link.last_tiers[:found] if full else ()   # before a window's lookups below
         hit = usable_prefix_tokens(found, self.block_size, tr.prompt_len) // self.block_size
         for i, g in enumerate(self.groups):
             need = g.window_blocks()

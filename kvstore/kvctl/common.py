@@ -234,8 +234,8 @@ def resolve_target(args: argparse.Namespace) -> Target:
     target = Target(store, token, redis_url, engine_token, args.timeout, source,
                     list(up.get("engines", [])) if up else [], list(up.get("stores", [])) if up else [],
                     token_from_stack=not given and token is not None,
-                    engine_token_from_stack=not given_engine and engine_token is not None)
-    target.vllm = up.get("vllm") if up else None
+                    engine_token_from_stack=not given_engine and engine_token is not None,
+                    vllm=up.get("vllm") if up else None)
     target.store = target.own(store)   # the stack's own address of it: localhost may resolve to someone's [::1]
     return target
 

@@ -87,8 +87,8 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
             "pool's blocks, and the front door's /metrics and /status its hits")
     tokens = tokens_of(args)
     model, revision, layout, block_size, source = key_spec(t, args)
-    keys = block_keys(tokens, block_size, KeyExtras(model=model, revision=revision, layout=layout,
-                                                    namespace=namespace))
+    extras = KeyExtras(model=model, revision=revision, layout=layout, namespace=namespace)
+    keys = block_keys(tokens, block_size, extras)
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
     for node in nodes:

@@ -300,15 +300,10 @@ class TransferEngineTransport(BlockTransport):
                 for off in range(0, size, PIECE_BYTES):
                     n = min(PIECE_BYTES, size - off)
                     pieces.append((i, local + off, view[off:off + n], src + off, n))
-            t0 = time.monotonic()
             hashers, failed, stalled, slow = self._move(pieces, direct)
-            for _ in range(TE_RETRIES):
-                took, t0 = time.monotonic() - t0, time.monotonic()
-                if slow or not failed or took > min(RETRY_WITHIN_S, self.timeout_s / 4):
+            for _ in range(TE_RETRIES):   # the failed blocks again, when that try failed at once
+                if slow or not failed:
                     break
-                # A transfer the engine failed (not one that ran out of time) is started
-                # again, block by block, before its blocks go over gRPC: the TCP transport
-                # can lose a connection under load (its session ends with "End of file").
                 self.te_retries += 1
                 log.info("transfer engine read of %d blocks from %s failed; starting them again",
                          len(failed), self.endpoint)
@@ -339,11 +334,13 @@ class TransferEngineTransport(BlockTransport):
               ) -> tuple[dict[int, Any], set[int], list[int], bool]:
         """Start every piece, then wait for each in order, hashing it as it lands. Returns
         (per block whose every piece landed its hasher, the blocks with a piece that did not,
-        the ids of pieces still in flight at the deadline, whether any piece ran out of time:
-        still in flight, or ended by the engine's own timeout)."""
+        the ids of pieces still in flight at the deadline, whether the try was slow: a piece
+        ran out of time — still in flight, or ended by the engine's own timeout — or the try
+        took longer than :data:`RETRY_WITHIN_S`)."""
         start, endpoint, wait = self.engine.read_piece, self.endpoint, self.engine.wait_piece
+        t0 = time.monotonic()
         ids = [start(endpoint, p[1], p[3], p[4]) for p in pieces]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = t0 + self.timeout_s
         hashers: dict[int, Any] = {}
         failed: set[int] = set()
         stalled: list[int] = []
@@ -363,7 +360,8 @@ class TransferEngineTransport(BlockTransport):
                 continue  # the later pieces are still waited for
             if i not in failed:
                 hashers.setdefault(i, new_hasher()).update(view)
-        return {i: h for i, h in hashers.items() if i not in failed}, failed, stalled, timed_out
+        slow = timed_out or time.monotonic() - t0 > min(RETRY_WITHIN_S, self.timeout_s / 4)
+        return {i: h for i, h in hashers.items() if i not in failed}, failed, stalled, slow
 
     def close(self) -> None:
         for call in getattr(self, "_releases", ()):  # let the last releases land

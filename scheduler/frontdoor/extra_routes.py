@@ -5,21 +5,12 @@ health check's status code, as vLLM's SageMaker-style ``/ping``)."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 import kvstore
-from engines.tokenizer import Tokenizer
-from scheduler.frontdoor.openai_api import (
-    APIError,
-    ModelLimits,
-    _bad,
-    _common,
-    _encode,
-    _too_long,
-    chat_text,
-)
+from scheduler.frontdoor.openai_api import APIError, parse_detokenize, parse_tokenize
 from scheduler.frontdoor.request_parts import parse_json_body
 
 if TYPE_CHECKING:
@@ -62,32 +53,3 @@ def extra_routes(door: Frontdoor) -> list[web.RouteDef]:
 
     return [web.post("/tokenize", tokenize), web.post("/detokenize", detokenize),
             web.get("/version", version), web.get("/ping", ping), web.post("/ping", ping)]
-
-
-def parse_tokenize(body: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
-    """The token ids of a ``/tokenize`` body (vLLM's: ``{"prompt": str}`` or
-    ``{"messages": [...]}``, chat-templated as :func:`parse_chat` does; ``model`` optional).
-    Raises APIError 400 (what is wrong; ``context_length_exceeded`` for text no tokenization
-    could fit in the context) or 404 (``model`` is not the served model)."""
-    _common(body, limits)
-    if "messages" in body:
-        return _encode(tokenizer, chat_text(body, tokenizer, limits), "messages", limits)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise _bad("'prompt' (a string) or 'messages' is required", "missing_prompt", "prompt")
-    return _encode(tokenizer, prompt, "prompt", limits)
-
-
-def parse_detokenize(body: Any, limits: ModelLimits) -> list[int]:
-    """The token ids of a ``/detokenize`` body (vLLM's: ``{"tokens": [int, ...]}``), each
-    in ``[0, vocab_size)``, at most ``max_model_len`` of them. Raises APIError 400 or 404."""
-    _common(body, limits)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-        raise _bad("'tokens' must be a list of integer token ids", "invalid_type", "tokens")
-    if len(tokens) > limits.max_model_len:
-        raise _too_long(len(tokens), "tokens", limits)
-    bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise _bad(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "invalid_value", "tokens")
-    return tokens

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.tokenizer import Tokenizer
@@ -69,12 +69,12 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated request. ``prompt``: token ids; ``max_tokens``: tokens to generate (>= 1);
-    ``chat``: answer in the chat shapes; ``temperature``, ``top_p``, ``seed``: as sent
-    (None: not sent); ``include_usage``: a stream ends with a usage chunk
-    (``stream_options.include_usage``); ``logprobs``: how many alternatives per token the
-    client asked log probabilities for (None: none asked); ``prefix_cache``: False computes
-    every prompt token, reading and writing no cache (the request's ``"prefix_cache": false``)."""
+    """A validated request. ``prompt``: token ids; ``max_tokens``: tokens to generate (>= 1); ``chat``: answer
+    in the chat shapes; ``temperature``, ``top_p``, ``seed``: as sent (None: not sent); ``include_usage``: a
+    stream ends with a usage chunk (``stream_options.include_usage``); ``logprobs``: how many alternatives per
+    token the client asked log probabilities for (None: none asked); ``prefix_cache``: False computes every
+    prompt token, reading and writing no cache (the request's ``"prefix_cache": false``); ``messages``: a
+    chat request's messages as its prompt was rendered from them (role and text alone)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -88,6 +88,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None
     prefix_cache: bool = True
+    messages: tuple[dict[str, str], ...] = ()
 
 
 def _bad(message: str, code: str = "invalid_value", param: str | None = None) -> APIError:
@@ -338,18 +339,19 @@ def parse_chat(body: Any, tokenizer: Tokenizer, limits: ModelLimits,
     the tokenizer's chat template of them. Raises APIError 400 or 404 as
     :func:`parse_completion`."""
     _common(body, limits)
-    text = chat_text(body, tokenizer, limits)
-    return _finish(body, _encode(tokenizer, text, "messages", limits), limits, default_max_tokens, chat=True)
+    turns = chat_turns(body, limits)
+    tokens = _encode(tokenizer, tokenizer.apply_chat_template(turns), "messages", limits)
+    return replace(_finish(body, tokens, limits, default_max_tokens, chat=True), messages=tuple(turns))
 
 
-def chat_text(body: dict[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -> str:
-    """The prompt text of a chat body's ``messages``: the tokenizer's chat template of them.
-    Raises APIError 400 as :func:`parse_chat`."""
+def chat_turns(body: dict[str, Any], limits: ModelLimits) -> list[dict[str, str]]:
+    """A chat body's ``messages`` as its template renders them (role, text); APIError 400 as :func:`parse_chat`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' is required: a non-empty list of {role, content}", "missing_messages", "messages")
     if len(messages) > limits.max_model_len:    # every message takes a token of the template at least
         raise _too_long(len(messages), "messages", limits)
+    turns = []
     for i, m in enumerate(messages):
         text = message_text(m.get("content")) if isinstance(m, dict) else None
         parts = m.get("content") if isinstance(m, dict) else None
@@ -365,12 +367,34 @@ def chat_text(body: dict[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -
             raise _bad(f"messages[{i}] must be an object with 'role' one of {list(CHAT_ROLES)} and 'content' "
                        "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})", "invalid_type",
                        "messages")
-    return tokenizer.apply_chat_template(template_messages(messages))
+        turns.append({"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": text})
+    return turns
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """A checked chat body's ``messages`` as :func:`chat_text` renders them: each role (as the
-    template names it) and its text, nothing else — what an engine that renders them again
-    must get, so that its prompt is the one the front door counted and prefilled."""
-    return [{"role": TEMPLATE_ROLE.get(m["role"], m["role"]), "content": message_text(m["content"]) or ""}
-            for m in messages]
+def parse_tokenize(body: Any, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
+    """The token ids of a ``/tokenize`` body (vLLM's: ``{"prompt": str}`` or
+    ``{"messages": [...]}``, chat-templated as :func:`parse_chat` does; ``model`` optional).
+    Raises APIError 400 (what is wrong; ``context_length_exceeded`` for text no tokenization
+    could fit in the context) or 404 (``model`` is not the served model)."""
+    _common(body, limits)
+    if "messages" in body:
+        return _encode(tokenizer, tokenizer.apply_chat_template(chat_turns(body, limits)), "messages", limits)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("'prompt' (a string) or 'messages' is required", "missing_prompt", "prompt")
+    return _encode(tokenizer, prompt, "prompt", limits)
+
+
+def parse_detokenize(body: Any, limits: ModelLimits) -> list[int]:
+    """The token ids of a ``/detokenize`` body (vLLM's: ``{"tokens": [int, ...]}``), each
+    in ``[0, vocab_size)``, at most ``max_model_len`` of them. Raises APIError 400 or 404."""
+    _common(body, limits)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise _bad("'tokens' must be a list of integer token ids", "invalid_type", "tokens")
+    if len(tokens) > limits.max_model_len:
+        raise _too_long(len(tokens), "tokens", limits)
+    bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise _bad(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "invalid_value", "tokens")
+    return tokens

@@ -49,7 +49,7 @@ from engines.types import PrefillResult
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from scheduler.config import FrontdoorConfig
 from scheduler.frontdoor.health import HealthChecker
-from scheduler.frontdoor.openai_api import APIError, GenerationRequest, parse_chat, template_messages
+from scheduler.frontdoor.openai_api import APIError, GenerationRequest, parse_chat
 from scheduler.frontdoor.request_parts import StreamWriter, TokenClock, parse_json_body
 from scheduler.frontdoor.server import Frontdoor, tenant_of
 from scheduler.routing.hit_sources import hit_sources
@@ -160,7 +160,7 @@ class VLLMFrontdoor(Frontdoor):
                    cache_salt=plan.namespace, request_id=plan.request_id, stream=req.stream,
                    return_token_ids=True)
         if chat:   # what the front door rendered and prefilled: role and text alone (parse_chat checked them)
-            out["messages"] = template_messages(body["messages"])
+            out["messages"] = list(req.messages)
         else:
             out["prompt"] = list(req.prompt)
         if req.stream:

@@ -369,9 +369,11 @@ def test_the_messages_an_engine_renders_again_are_the_ones_the_front_door_render
     renders them with its template: only each role (as the template names it) and its text go,
     so fields the front door neither checked nor counted (``name``, ``tool_calls``) cannot make
     that prompt differ from the one it prefilled."""
-    from scheduler.frontdoor.openai_api import template_messages
+    from engines.tokenizer import ByteTokenizer
+    from scheduler.frontdoor.openai_api import ModelLimits, parse_chat
     messages = [{"role": "developer", "content": "be brief", "name": "x" * 1000},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                  "tool_calls": [{"id": 1}]}]
-    assert template_messages(messages) == [{"role": "system", "content": "be brief"},
+    req = parse_chat({"messages": messages}, ByteTokenizer(), ModelLimits(vocab_size=512, max_model_len=8192), 8)
+    assert list(req.messages) == [{"role": "system", "content": "be brief"},
                                            {"role": "user", "content": "ab"}]
