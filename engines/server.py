@@ -25,7 +25,7 @@ from kvstore.errors import Cancelled, InvalidArgument, KVStoreError
 from kvstore.events.channel import make_channel
 from kvstore.limits import check_keys
 from kvstore.metrics_http import MetricsServer
-from kvstore.wire.channel import SERVER_OPTIONS, listen
+from kvstore.wire.channel import listen, server_options
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 
@@ -229,7 +229,7 @@ def start_engine(role: str, store_address: str | None, *, model_dir: str | None 
         else:
             log.info("%s engine profiled on %s in %.2f s: %s", role, lm.device, time.perf_counter() - t0,
                      describe(points))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(),
                          interceptors=interceptors_for(auth_token))
     port = listen(server, address, "engine")
     engine_id = engine_id or default_engine_id(role, port)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
 
 from kvstore.auth import METRICS_TOKEN_ENV, bearer_matches, token_from
+from kvstore.port_hold import held
 
 log = logging.getLogger(__name__)
 METRICS_PATH = "/metrics"
@@ -77,8 +78,13 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True      # a scrape in progress never holds the process up at exit
     # SO_REUSEADDR: a node restarted on its port binds while the last scrapes' connections
     # linger in TIME-WAIT (the server closes each one first); on Linux it never lets a second
-    # listener share the port (that is SO_REUSEPORT, left off): a port in use stays an error.
+    # listener share the port (that is SO_REUSEPORT, left off): a port in use stays an error,
+    # unless a supervisor holds the port for this node (kvstore/port_hold.py).
     allow_reuse_address = True
+
+    def server_bind(self) -> None:
+        self.allow_reuse_port = held()
+        super().server_bind()
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int, head_timeout_s: float) -> None:
         super().__init__(address, handler)

@@ -30,7 +30,7 @@ from kvstore.pool.lease import Reservation
 from kvstore.pool.pool import KVPool, PutResult
 from kvstore.tiers.buffers import to_bytes
 from kvstore.wire import proto_codec as codec
-from kvstore.wire.channel import SERVER_OPTIONS, listen
+from kvstore.wire.channel import listen, server_options
 from kvstore.wire.errors import grpc_abort, refusing
 from kvstore.wire.stream_guard import UNPARSED, StreamGuard, StreamLane, StreamParseGuard
 from protos import kvstore_pb2 as pb
@@ -317,7 +317,7 @@ def grpc_server(pool: KVPool, address: str = "127.0.0.1:0", auth_token: str | No
                                                                 STREAM_WAIT_PER_MESSAGE_S)]
     if metrics is not None:
         interceptors.append(metrics.interceptor())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(),
                          interceptors=interceptors)
     if metrics is not None and dataplane is not None:
         metrics.watch_dataplane(dataplane)

@@ -16,14 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import Unavailable
+from kvstore.port_hold import HELD_ENV, held, hold
 
 
 def port_is_free(host: str, port: int) -> bool:
     """Whether a TCP listener could bind ``host:port`` now (as the services bind, with
     SO_REUSEADDR: a port whose last connections linger in TIME-WAIT after a stack stopped is
-    free, and was refused for a minute)."""
+    free, and was refused for a minute; with SO_REUSEPORT too where this process's supervisor
+    holds its ports, as the services then bind: kvstore/port_hold.py)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if held():
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -37,37 +41,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def port_taker(host: str, first: int = 0, skip: frozenset[int] = frozenset()) -> Callable[[], int]:
+def port_taker(host: str, holds: list[socket.socket], first: int = 0,
+               skip: frozenset[int] = frozenset()) -> Callable[[], int]:
     """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
     ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``), passing over the
-    ports in ``skip`` (the front door's). Each call raises RuntimeError naming a port that is
-    not free on ``host`` (:func:`port_is_free`) or past 65535. A port the system picks is never
-    handed out twice: the system may pick a port again once the probe's socket is closed,
-    before the service it went to binds it."""
-    if not first:
-        given = set(skip)
-
-        def take_free() -> int:
-            for _ in range(1000):
-                port = free_port(host)
-                if port not in given:
-                    given.add(port)
-                    return port
-            raise RuntimeError(f"no free port on {host} that this stack has not taken already")
-        return take_free
+    ports in ``skip`` (the front door's). Each port is held (:func:`kvstore.port_hold.hold`,
+    the socket appended to ``holds``, a stack's :attr:`Stack.holds`) until the stack stops: no
+    other user's process can bind it meanwhile, and a free port is the hold's own bind, never
+    probed and released (the system would pick it again, for this stack or anyone). Each call
+    raises RuntimeError naming a port that is not free on ``host`` or past 65535."""
     nxt = [first]
 
     def take() -> int:
+        if not first:
+            return _take_held(host, 0, holds, "")
         while nxt[0] in skip:
             nxt[0] += 1
         port = nxt[0]
         nxt[0] += 1
         if port > 65535:
             raise RuntimeError(f"--service-ports {first}: ran past port 65535")
-        if not port_is_free(host, port):
-            raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
-        return port
+        return _take_held(host, port, holds, f"--service-ports {first}: ")
     return take
+
+
+def _take_held(host: str, port: int, holds: list[socket.socket], flag: str) -> int:
+    try:
+        sock = hold(host, port)
+    except OSError as exc:
+        raise RuntimeError(f"{flag}port {port or '(any)'} on {host} is not free ({exc.strerror or exc})") from None
+    holds.append(sock)
+    return sock.getsockname()[1]
 
 
 MAX_RESTARTS = 5          # per child within RESTART_WINDOW_S; one more crash stops the stack
@@ -127,6 +131,18 @@ class Stack:
     restarts: int = 0
     stopping: bool = False            # set once a stop began: a signal then kills the children
     handlers_installed: bool = False
+    holds: list[socket.socket] = field(default_factory=list)   # its services' ports (port_taker), until stop
+
+    def release_port(self, port: int) -> None:
+        """Give up the hold on ``port`` (for a service that cannot bind beside it: Redis)."""
+        for sock in [s for s in self.holds if s.getsockname()[1] == port]:
+            sock.close()
+            self.holds.remove(sock)
+
+    def hold_port(self, host: str, port: int) -> None:
+        """Hold ``port`` of ``host`` (the front door's) until the stack stops. Raises
+        RuntimeError when it is taken."""
+        _take_held(host, port, self.holds, "")
 
     def start(self, name: str, *argv: str) -> None:
         self.adopt(name, self._spawn(name, argv, "wb"), respawn=lambda: self._spawn(name, argv, "ab"))
@@ -144,7 +160,8 @@ class Stack:
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
             return subprocess.Popen([sys.executable, "-m", "launcher", *argv], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+                                    env={**os.environ, **self.env, **({HELD_ENV: "1"} if self.holds else {})},
+                                    preexec_fn=_die_with_parent)
 
     def pid(self, name: str) -> int:
         return self.children[name].proc.pid
@@ -226,6 +243,9 @@ class Stack:
             if proc.returncode < 0:
                 killed.append(proc.pid)
         self.sweep(killed)
+        for sock in self.holds:     # every child is gone: their ports are free again
+            sock.close()
+        self.holds.clear()
 
     def sweep(self, pids: list[int], sockets: bool = True) -> None:
         """Unlink the shared-memory slabs of these (dead) children and (``sockets``) the

@@ -171,10 +171,11 @@ class _Layout:
         return "store" if len(self.store_ports) == 1 else f"store-{i}"
 
 
-def _layout(args: argparse.Namespace, http_port: int) -> _Layout:
+def _layout(args: argparse.Namespace, http_port: int, stack: Stack) -> _Layout:
     n_prefill, n_decode = getattr(args, "prefill_instances", 1), getattr(args, "decode_instances", 1)
     n_store = getattr(args, "store_nodes", 1)
-    take_port = port_taker(args.host, getattr(args, "service_ports", 0), frozenset({http_port}))
+    stack.hold_port(args.host, http_port)   # every port held by the stack until it stops: kvstore/port_hold.py
+    take_port = port_taker(args.host, stack.holds, getattr(args, "service_ports", 0), frozenset({http_port}))
     store_ports = [take_port() for _ in range(n_store)]
     engines = [(f"prefill-{i}", "prefill", take_port()) for i in range(n_prefill)]
     engines += [(f"decode-{i}", "decode", take_port()) for i in range(n_decode)]
@@ -192,12 +193,12 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"),
                   max_restarts=getattr(args, "max_restarts", MAX_RESTARTS))
-    lay = _layout(args, http_port)
     t0 = time.monotonic()
     _install_stop_handlers(stack)
     stack.handlers_installed = True
     up_record: str | None = None
     try:
+        lay = _layout(args, http_port, stack)
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
         redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports), lay.redis_port)
@@ -237,6 +238,7 @@ def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int) -> tupl
     if not redis_url and port:   # the layout took a port for one (_layout)
         from kvstore.cluster.redis_server import redact_url, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
+        stack.release_port(port)     # redis-server binds without SO_REUSEPORT, so not beside a hold
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
                                               port=port)
         stack.adopt("redis", proc)
@@ -355,13 +357,11 @@ def forget_stack(path: str | None) -> None:
     if not path:
         return
     import json
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open(path) as f:
             mine = json.load(f).get("pid") == os.getpid()
         if mine:
             os.remove(path)
-    except (OSError, ValueError):
-        pass
 
 
 def stack_tokens(data_dir: str) -> dict[str, str]:

@@ -108,6 +108,7 @@ def _specs(args: argparse.Namespace, setup: Setup, model: str, store: str, token
                             store_token=tokens[STORE_TOKEN_ENV], api_key=tokens[ENGINE_TOKEN_ENV],
                             metrics_token=tokens[METRICS_TOKEN_ENV],
                             prefix_caching=setup.prefix_caching, connector=setup.connector, cpus=cpus,
+                            port_held=True,
                             kv_events=ipc_endpoints(events_dir, name) if events and kind != "decode" else None)
              for name, (kind, role), cpus in zip(names, roles, cpu_sets(len(roles)))]
     return names, roles, specs
@@ -145,8 +146,11 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
     t0 = time.monotonic()
     running = RunningSetup(setup, Stack(log_dir=log_dir))
     running.stack.env.update(tokens)
-    take_port = port_taker(args.host, getattr(args, "service_ports", 0), frozenset({http_port}))
     try:
+        # every port held until the set-up stops (kvstore/port_hold.py)
+        running.stack.hold_port(args.host, http_port)
+        take_port = port_taker(args.host, running.stack.holds, getattr(args, "service_ports", 0),
+                               frozenset({http_port}))
         if setup.connector:
             store_port, metrics_port = take_port(), take_port()
             running.store = f"{args.host}:{store_port}"

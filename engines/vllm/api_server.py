@@ -9,7 +9,10 @@ pool — and ``/tokenize``, ``/metrics`` and the rest answer too. ``kvstore up -
 gives its instances a key only the front door holds, so here every request without it is a
 401; ``/health`` stays open for readiness probes. ``/metrics`` also takes the read-only
 metrics token (``KVSTORE_METRICS_TOKEN``, kvstore/auth.py) as every kvstore metrics port does, so
-a Prometheus scraper needs not the key, which runs requests."""
+a Prometheus scraper needs not the key, which runs requests.
+
+Where ``kvstore up`` holds the instance's port (kvstore/port_hold.py), the server binds it with
+SO_REUSEPORT, beside the hold (vLLM's API server binds without it)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +20,7 @@ import runpy
 from typing import Any
 
 from kvstore.auth import METRICS_TOKEN_ENV, bearer_matches
+from kvstore.port_hold import held
 
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
@@ -48,6 +52,21 @@ def guard_every_path() -> None:
     authenticate.AuthenticationMiddleware.__call__ = __call__   # type: ignore[method-assign]
 
 
+def bind_beside_hold() -> None:
+    """Make vLLM's API server bind its port with SO_REUSEPORT (its ``run_server`` asks for
+    none): the port's hold (kvstore/port_hold.py) lets only such a socket of this user bind."""
+    from vllm.entrypoints.launchers import launcher
+    from vllm.entrypoints.launchers.api_server import entry
+    setup_server = launcher.setup_server
+
+    def setup_server_beside_hold(args: Any, *, reuse_port: bool) -> Any:
+        return setup_server(args, reuse_port=True)
+
+    entry.setup_server = setup_server_beside_hold   # the name run_server calls
+
+
 if __name__ == "__main__":
     guard_every_path()
+    if held():
+        bind_beside_hold()
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvstore.auth import METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.port_hold import HELD_ENV
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -65,6 +66,7 @@ class VLLMServerSpec:
     api_key: str | None = None      # vLLM's own API key (VLLM_API_KEY): only its holder may call /v1
     metrics_token: str | None = None   # KVSTORE_METRICS_TOKEN: with api_key, /metrics takes it too (read-only)
     connector: bool = True
+    port_held: bool = False         # its supervisor holds its port: bind beside the hold (kvstore/port_hold.py)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -113,6 +115,9 @@ class VLLMServerSpec:
             env["VLLM_API_KEY"] = self.api_key   # in the environment, not on the command line
         if self.metrics_token:
             env[METRICS_TOKEN_ENV] = self.metrics_token   # a scraper's token (engines/vllm/api_server.py)
+        env.pop(HELD_ENV, None)
+        if self.port_held:
+            env[HELD_ENV] = "1"
         return env
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from engines.tokenizer import load_tokenizer
 from kvstore.auth import ENGINE_TOKEN_ENV, STORE_TOKEN_ENV, token_from
 from kvstore.errors import KVStoreError
+from kvstore.port_hold import held
 from scheduler.config import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, FrontdoorConfig
 from scheduler.frontdoor.api_keys import load_api_keys, read_keys_file
 from scheduler.frontdoor.connection_guard import ConnectionGuard, GuardedTCPSite
@@ -52,7 +53,8 @@ async def serve_app(router: Router[Any], make: Callable[[Any], F], model_dir: st
         # bodies are decoded by the handler that reads them (scheduler/frontdoor/content_encoding.py)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await runner.setup()
-        await GuardedTCPSite(runner, host, port, guard).start()
+        # beside the hold of its supervisor (kvstore up) where it holds the port: kvstore/port_hold.py
+        await GuardedTCPSite(runner, host, port, guard, reuse_port=held() or None).start()
         frontdoor.health_checks.start()
     except BaseException:
         await router.close()

@@ -17,7 +17,7 @@ from engines.prefill import PrefillEngine
 from engines.server import EngineServicer
 from engines.types import EngineLoad
 from kvstore.errors import Cancelled
-from kvstore.wire.channel import SERVER_OPTIONS, listen
+from kvstore.wire.channel import listen, server_options
 from protos import engine_pb2 as pb
 from protos import engine_pb2_grpc as pb_grpc
 
@@ -28,7 +28,7 @@ BS = 16
 def served():
     engine = PrefillEngine(load_model(ModelConfig(block_size=BS)), None, "prefill-cancel", local_cache_blocks=64)
     metrics = EngineMetrics(engine)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=server_options())
     port = listen(server, "127.0.0.1:0", "engine")
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, metrics), server)
     server.start()

@@ -225,8 +225,8 @@ def test_service_ports_are_taken_in_order_and_a_busy_one_is_named(tmp_path):
     import socket
 
     from launcher.supervisor import free_port, port_taker
-    first = free_port()
-    take = port_taker("127.0.0.1", first)
+    first, holds = free_port(), []
+    take = port_taker("127.0.0.1", holds, first)
     assert take() == first
     with socket.socket() as busy:
         try:
@@ -236,37 +236,35 @@ def test_service_ports_are_taken_in_order_and_a_busy_one_is_named(tmp_path):
         busy.listen()
         with pytest.raises(RuntimeError, match=rf"--service-ports {first}: port {first + 1} on 127.0.0.1 is not free"):
             take()
-    assert port_taker("127.0.0.1")() > 0                 # 0: a free port the system picks
+    assert port_taker("127.0.0.1", holds)() > 0         # 0: a free port the system picks
+    for sock in holds:
+        sock.close()
 
 
-def test_a_port_the_system_picks_twice_is_handed_out_once(monkeypatch):
-    """The system may pick a probed port again before the service it went to binds it (a
-    store node's and an engine's metrics port were once the same in one kvstore up)."""
-    import launcher.supervisor as supervisor
-    picks = iter([41000, 41000, 41001, 41002, 41002, 41003])
-    monkeypatch.setattr(supervisor, "free_port", lambda host="127.0.0.1": next(picks))
-    take = supervisor.port_taker("127.0.0.1", skip=frozenset({41002}))
-    assert [take(), take(), take()] == [41000, 41001, 41003]
-
-
-def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch):
+def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch, tmp_path):
     """kvstore up's private Redis once probed a free port of its own, which the system had
-    just handed to an engine: its port now comes from the same taker as every service's."""
+    just handed to an engine: its port comes from the same taker as every service's, and
+    every port stays held by the stack until it stops."""
     import argparse
-    import itertools
     import shutil
 
-    import launcher.supervisor as supervisor
     import launcher.up as up
-    picks = itertools.chain([42000, 42001, 42002, 42003, 42004, 42005, 42003, 42006],   # 42003 twice
-                            itertools.count(43000))
-    monkeypatch.setattr(supervisor, "free_port", lambda host="127.0.0.1": next(picks))
+    from launcher.supervisor import free_port
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     args = argparse.Namespace(host="127.0.0.1", prefill_instances=1, decode_instances=1, store_nodes=1, redis=None)
-    lay = up._layout(args, 8000)
+    stack = Stack(log_dir=str(tmp_path / "logs"))
+    http_port = free_port()
+    lay = up._layout(args, http_port, stack)
     taken = [*lay.store_ports, *(p for _, _, p in lay.engines), *lay.metrics_ports.values(), lay.redis_port]
-    assert lay.redis_port == 42006 and len(set(taken)) == len(taken) == 7
-    assert up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), 8000).redis_port == 0
+    assert lay.redis_port and len(set(taken + [http_port])) == len(taken) + 1 == 8
+    assert sorted(s.getsockname()[1] for s in stack.holds) == sorted(taken + [http_port])
+    stack.release_port(lay.redis_port)                 # Redis binds without SO_REUSEPORT: not beside a hold
+    assert lay.redis_port not in [s.getsockname()[1] for s in stack.holds]
+    stack.stop()
+    assert stack.holds == []
+    other = Stack(log_dir=str(tmp_path / "logs2"))
+    assert up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), free_port(), other).redis_port == 0
+    other.stop()
 
 
 def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys):
@@ -277,3 +275,4 @@ def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys)
     assert "api keys       none: the front door serves every caller that reaches it" in capsys.readouterr().out
     path = write_api_keys(argparse.Namespace(data_dir=str(tmp_path), api_key=["sk-a"], api_keys_file=None))
     assert path and open(path).read() == "sk-a\n" and "api keys" not in capsys.readouterr().out
+

@@ -4,6 +4,7 @@ scheduler's replica applies their events (seen in its /metrics). Real processes 
 the launcher, redis-server, the store node, the engines, the front door."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,35 @@ def _metric(url: str, what: str) -> float:
     return float(m.group(1)) if m else -1.0
 
 
+def _store_port_stays_held_while_the_node_is_down(up: subprocess.Popen, port: int, lines: list[str]) -> None:
+    """kvstore up holds every port of its stack (kvstore/port_hold.py): with the store node
+    killed and kvstore up paused before it restarts the node, another user still cannot bind
+    the node's port (without the hold, nothing was bound there: the squatter got the store
+    token of every client that reconnected). Then the node is restarted on it."""
+    import psutil
+
+    from tests.helpers.other_user import SYSTEM_PYTHON, binds_as_nobody
+    if os.geteuid() != 0 or SYSTEM_PYTHON is None:
+        return
+    node = next(p for p in psutil.process_iter(["cmdline"])
+                if "serve" in (p.info["cmdline"] or []) and str(port) in (p.info["cmdline"] or []))
+    os.kill(up.pid, signal.SIGSTOP)         # its supervisor would restart the node within 0.5 s
+    try:
+        node.kill()
+        deadline = time.monotonic() + 30
+        with contextlib.suppress(psutil.NoSuchProcess):   # a zombie of the paused parent: its sockets are gone
+            while node.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert binds_as_nobody("127.0.0.1", port) == ["EADDRINUSE"] * 8
+    finally:
+        os.kill(up.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("kvstore up: store restarted") for line in lines):
+        assert time.monotonic() < deadline, "".join(lines[-20:])
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path: Path) -> None:
     port = free_port()
@@ -92,6 +122,7 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
         # The store node's and the prefill engine's events: NodeCleared and BlockStored each.
         assert _metric(url, "events") >= 2 + 2 * 4, "".join(lines[-40:])
         assert _metric(url, "resync_failures") == 0
+        _store_port_stays_held_while_the_node_is_down(proc, first, lines)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
