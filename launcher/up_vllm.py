@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from collections.abc import Callable
 
 from engines.vllm.launch import BLOCK_SIZE
 from kvstore.errors import Unavailable
@@ -116,8 +118,31 @@ def run_up_vllm(args: argparse.Namespace) -> int:
         args.tokens_per_block = BLOCK_SIZE
     if args.replay and args.compare:
         from launcher.vllm_compare import compare_setups
-        return compare_setups(args, model, http_port, tokens, keys_file)
-    return _serve_kvstore(args, model, http_port, tokens, keys_file)
+        return _stopping_on_signal(lambda: compare_setups(args, model, http_port, tokens, keys_file))
+    return _stopping_on_signal(lambda: _serve_kvstore(args, model, http_port, tokens, keys_file))
+
+
+def _stopping_on_signal(run: Callable[[], int]) -> int:
+    """``run()``, where SIGTERM, as SIGINT, unwinds once to the ``finally`` that stops every
+    service (the vLLM instances run in sessions of their own: nothing else would stop them)
+    and a signal during that stop is ignored, so that it runs to its end. Returns ``run()``'s
+    code, 130 after a signal."""
+    stopping: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run()
+    except KeyboardInterrupt as exc:
+        print(f"kvstore up: {exc or 'SIGINT'}: stopped", flush=True)
+        return 130
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens: dict[str, str],
