@@ -316,6 +316,30 @@ def render_demo() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_capacity() -> str:
+    """benchmarks/results/capacity.json: SLO attainment of vLLM alone and kvstore at each swept
+    rate, then each one's capacity at each goal and kvstore's ratio."""
+    data = load("capacity")
+    if data is None:
+        return "Not measured here: no benchmarks/results/capacity.json.\n"
+    lines = [provenance(data, "capacity"), "", "| speed | requests/s | vLLM alone: met both SLOs, TTFT p50 | "
+             "kvstore: met both SLOs, TTFT p50 |", "|---|---|---|---|"]
+    for row in data["sweep"]:
+        cells = [f"{p['met_slo']} of {p['requests']} ({p['attainment']:.0%}), {_value('{:.2f} s', p['ttft_p50_s'])}"
+                 for p in (row["setups"]["vllm"], row["setups"]["kvstore"])]
+        lines.append(f"| {row['speed']:g} | {row['rate_rps']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "| SLO attainment goal | vLLM alone | kvstore | kvstore ÷ vLLM alone |", "|---|---|---|---|"]
+    for goal in data["settings"]["goals"]:
+        caps = [data["capacity"][name][str(goal)] for name in ("vllm", "kvstore")]
+        cells = [("–" if c["rate_rps"] is None else f"{'≥ ' if c['lower_bound'] else ''}{c['rate_rps']:.2f} req/s")
+                 for c in caps]
+        key = f"capacity_kvstore_vs_vllm_at_{round(goal * 100)}"
+        ratio = data["ratios"].get(key)
+        mark = "≥ " if data["ratios"].get(f"{key}_lower_bound") else ""
+        lines.append(f"| {goal:.0%} | " + " | ".join(cells) + f" | {mark}{_value('{:.2f}', ratio)} (`{key}`) |")
+    return "\n".join(lines) + "\n"
+
+
 def render_recorded(doc: str) -> str:
     """The recorded table less the rows whose figure a benchmark's JSON now holds (a JSON of
     some of a benchmark's rows, e.g. ``bench_vllm.py --only-new-rows``, leaves the others here)."""
@@ -345,6 +369,7 @@ def generate() -> dict[Path, str]:
     new_doc = render_recorded(doc)
     for table in TABLES:
         new_doc = fill(new_doc, table.name, render_table(table, rec))
+    new_doc = fill(new_doc, "capacity", render_capacity())
     readme = fill(readme, "headline", render_headline(rec))
     return {DOC: new_doc, README: fill(readme, "demo", render_demo())}
 

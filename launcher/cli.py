@@ -303,7 +303,7 @@ def _add_up(sub: Any) -> None:
                                    "print them side by side; without --replay, serve until Ctrl-C.")
     p.add_argument("--replay", metavar="TRACE",
                    help="Mooncake-format trace to replay, e.g. data/traces/conversation_trace.jsonl")
-    add_replay_flags(p)
+    add_replay_flags(p, setups=True)
     add_scheduler_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=port_number, default=8000, help="front door port (0 picks a free one)")

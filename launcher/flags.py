@@ -128,7 +128,19 @@ def _tier_arg(text: str) -> TierSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_replay_flags(p: argparse.ArgumentParser) -> None:
+def setup_names(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated set-ups of ``kvstore up --replay`` over vLLM, returned in
+    the order they run (:data:`launcher.vllm_setups.COMPARED`)."""
+    from launcher.vllm_setups import COMPARED
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(COMPARED))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: not a set-up "
+                                         f"(choose from {', '.join(COMPARED)})")
+    return tuple(n for n in COMPARED if n in names)
+
+
+def add_replay_flags(p: argparse.ArgumentParser, setups: bool = False) -> None:
     p.add_argument("--requests", type=positive_int, default=100, help="requests to replay")
     p.add_argument("--start", type=non_negative_int, default=0, help="index of the trace request the window starts at")
     p.add_argument("--window-s", type=positive_seconds, default=180.0, metavar="S",
@@ -146,6 +158,10 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
                    help="kvstore up over vLLM: replay on three set-ups one after another (vLLM alone, kvstore, "
                         "recompute) and print them side by side; on the built-in engines and kvstore replay: "
                         "twice, pool on then pool off (every prompt recomputed: \"prefix_cache\": false)")
+    if setups:
+        p.add_argument("--setups", type=setup_names, default=None, metavar="LIST",
+                       help="over vLLM with --compare: the set-ups to run, comma-separated, of vllm, kvstore, "
+                            "recompute (default: all three)")
     p.add_argument("--plots", metavar="DIR", help="with --compare, write the TTFT CDF and hit ratio PNGs here")
     p.add_argument("--max-output-tokens", type=positive_int, default=16, help="cap on each request's output_length")
     p.add_argument("--ttft-slo-s", type=positive_seconds, default=2.0, help="TTFT SLO for goodput (seconds)")

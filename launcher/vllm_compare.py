@@ -58,14 +58,16 @@ def _run_one(args: argparse.Namespace, name: str, model: str, http_port: int, to
 
 def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens: dict[str, str],
                    keys_file: str | None) -> int:
-    """Run every set-up of :data:`COMPARED` on ``--replay``'s requests and print them side by
-    side. Returns 0, 1 when a set-up could not run or completed no request."""
+    """Run the set-ups of ``--setups`` (default: every one of :data:`COMPARED`) on
+    ``--replay``'s requests and print them side by side. Returns 0, 1 when a set-up could not
+    run or completed no request."""
     from scheduler.replay.compare_setups import SetupComparison, format_setups
     t0 = time.monotonic()
     runs = []
+    names = getattr(args, "setups", None) or COMPARED
     try:
-        for i, name in enumerate(COMPARED):
-            step = f"set-up {i + 1} of {len(COMPARED)}:"
+        for i, name in enumerate(names):
+            step = f"set-up {i + 1} of {len(names)}:"
             runs.append(_run_one(args, name, model, http_port, tokens, keys_file, step))
     except (RuntimeError, Unavailable, KVStoreError, OSError) as exc:
         print(f"kvstore up: {exc}", file=sys.stderr)
@@ -90,7 +92,7 @@ def compare_setups(args: argparse.Namespace, model: str, http_port: int, tokens:
         if settings["instance_kv_vs_working_set"] >= 1:
             print("  each instance's own cache holds the whole working set: the pool adds no capacity in this "
                   "run (more --requests, or a smaller --vllm-kv-cache, shows what it adds)", flush=True)
-    print(f"three set-ups in {settings['wall_s_all_setups']:.0f} s", flush=True)
+    print(f"{len(runs)} set-ups in {settings['wall_s_all_setups']:.0f} s", flush=True)
     if getattr(args, "json", None):
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

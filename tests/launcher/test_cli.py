@@ -160,6 +160,8 @@ def test_replay_takes_its_api_key_from_openai_api_key(monkeypatch):
     (["scheduler", "--prefill", "nonsense", "--decode", "127.0.0.1:5"], "not a host:port address"),
     (["scheduler", "--prefill", "127.0.0.1:1,h:0", "--decode", "127.0.0.1:5"], "'h:0'"),
     (["engine", "--role", "prefill", "--store", "127.0.0.1"], "argument --store: not a host:port address"),
+    (["up", "--setups", "vllm,sglang"], "argument --setups: sglang: not a set-up (choose from vllm, kvstore, "
+                                        "recompute)"),
 ])
 def test_ports_and_addresses_are_checked_before_anything_starts(argv, message, capsys):
     """Every command refuses a port out of range or an address without one at once, naming
@@ -172,6 +174,7 @@ def test_ports_and_addresses_are_checked_before_anything_starts(argv, message, c
     args = build_parser().parse_args(["scheduler", "--prefill", "127.0.0.1:1,localhost:2", "--decode", "[::1]:5",
                                       "--port", "0"])
     assert args.port == 0 and args.prefill == "127.0.0.1:1,localhost:2"
+    assert build_parser().parse_args(["up", "--setups", "kvstore, vllm"]).setups == ("vllm", "kvstore")   # run order
 
 
 def test_engine_names_a_device_it_cannot_use_in_one_line():
