@@ -24,9 +24,17 @@ def port_is_free(host: str, port: int) -> bool:
     SO_REUSEADDR: a port whose last connections linger in TIME-WAIT after a stack stopped is
     free, and was refused for a minute; with SO_REUSEPORT too where this process's supervisor
     holds its ports, as the services then bind: kvstore/port_hold.py)."""
-    with socket.socket() as s:
+    return _bindable(host, port, reuse_port=held())
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bindable(host: str, port: int, reuse_port: bool = False) -> bool:
+    with socket.socket(_family(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if held():
+        if reuse_port:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((host, port))
@@ -36,33 +44,60 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def port_taker(host: str, holds: list[socket.socket], first: int = 0,
-               skip: frozenset[int] = frozenset()) -> Callable[[], int]:
+               skip: frozenset[int] = frozenset()) -> Callable[..., int]:
     """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
     ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``), passing over the
-    ports in ``skip`` (the front door's). Each port is held (:func:`kvstore.port_hold.hold`,
-    the socket appended to ``holds``, a stack's :attr:`Stack.holds`) until the stack stops: no
-    other user's process can bind it meanwhile, and a free port is the hold's own bind, never
-    probed and released (the system would pick it again, for this stack or anyone). Each call
-    raises RuntimeError naming a port that is not free on ``host`` or past 65535."""
+    ports in ``skip`` (the front door's), never one twice. Each port is held
+    (:func:`kvstore.port_hold.hold`, the socket appended to ``holds``, a stack's
+    :attr:`Stack.holds`) until the stack stops, so no other user's process can bind it; a free
+    port is the hold's own bind, never probed and released. ``take(held=False)`` gives a port
+    that is free but not held, for a service that cannot bind beside a hold (redis-server). A
+    port something is bound to, even a hold or listener of this user's, is not free (a hold
+    beside another stack's SO_REUSEPORT listener would share its connections); one whose last
+    connections linger in TIME-WAIT is. Each call raises RuntimeError naming a port that is
+    not free on ``host`` or past 65535."""
     nxt = [first]
+    given = set(skip)
 
-    def take() -> int:
+    def take(held: bool = True) -> int:
         if not first:
-            return _take_held(host, 0, holds, "")
-        while nxt[0] in skip:
+            port = _free_held(host, holds, given) if held else _free_unheld(host, given)
+        else:
+            while nxt[0] in given:
+                nxt[0] += 1
+            port = nxt[0]
             nxt[0] += 1
-        port = nxt[0]
-        nxt[0] += 1
-        if port > 65535:
-            raise RuntimeError(f"--service-ports {first}: ran past port 65535")
-        return _take_held(host, port, holds, f"--service-ports {first}: ")
+            if port > 65535:
+                raise RuntimeError(f"--service-ports {first}: ran past port 65535")
+            if not _bindable(host, port):
+                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
+            if held:
+                _take_held(host, port, holds, f"--service-ports {first}: ")
+        given.add(port)
+        return port
     return take
+
+
+def _free_held(host: str, holds: list[socket.socket], given: set[int]) -> int:
+    for _ in range(1000):
+        port = _take_held(host, 0, holds, "")
+        if port not in given:      # a port given unheld (Redis's) and not yet bound by its service
+            return port
+    raise RuntimeError(f"no free port on {host} that this stack has not taken already")
+
+
+def _free_unheld(host: str, given: set[int]) -> int:
+    for _ in range(1000):
+        port = free_port(host)
+        if port not in given:      # the system may pick a probed port again
+            return port
+    raise RuntimeError(f"no free port on {host} that this stack has not taken already")
 
 
 def _take_held(host: str, port: int, holds: list[socket.socket], flag: str) -> int:
@@ -132,12 +167,6 @@ class Stack:
     stopping: bool = False            # set once a stop began: a signal then kills the children
     handlers_installed: bool = False
     holds: list[socket.socket] = field(default_factory=list)   # its services' ports (port_taker), until stop
-
-    def release_port(self, port: int) -> None:
-        """Give up the hold on ``port`` (for a service that cannot bind beside it: Redis)."""
-        for sock in [s for s in self.holds if s.getsockname()[1] == port]:
-            sock.close()
-            self.holds.remove(sock)
 
     def hold_port(self, host: str, port: int) -> None:
         """Hold ``port`` of ``host`` (the front door's) until the stack stops. Raises

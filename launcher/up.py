@@ -183,7 +183,7 @@ def _layout(args: argparse.Namespace, http_port: int, stack: Stack) -> _Layout:
     lay.metrics_ports = {name: take_port() for name in
                          [lay.store_name(i) for i in range(n_store)] + [e[0] for e in engines]}
     if not getattr(args, "redis", None) and (n_store > 1 or shutil.which("redis-server")):
-        lay.redis_port = take_port()   # a private Redis is started (_redis)
+        lay.redis_port = take_port(held=False)   # a private Redis (_redis): it cannot bind beside a hold
     return lay
 
 
@@ -238,7 +238,6 @@ def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int) -> tupl
     if not redis_url and port:   # the layout took a port for one (_layout)
         from kvstore.cluster.redis_server import redact_url, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
-        stack.release_port(port)     # redis-server binds without SO_REUSEPORT, so not beside a hold
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
                                               port=port)
         stack.adopt("redis", proc)
