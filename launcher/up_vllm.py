@@ -155,9 +155,9 @@ def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens:
         running = start_setup(args, SETUPS["kvstore"], model, http_port, tokens, keys_file,
                               os.path.join(args.data_dir, "logs"))
         print(f"front door     {running.url}  over vLLM ({args.topology}; GET /metrics, GET /status)", flush=True)
+        # what the instances' keys are made of (they run with neither --quantization nor --hf-overrides)
         up_record = record_stack([running.store or ""], [], running.url, args.data_dir, None,
-                                 {"model": model, "block_size": BLOCK_SIZE, "quantization": args.vllm_quantization,
-                                  "hf_overrides": args.vllm_hf_overrides})
+                                 {"model": model, "block_size": BLOCK_SIZE, "dtype": running.servers[0].spec.dtype})
         print(f"started in {running.startup_s:.1f} s; logs in {running.stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)

@@ -3,7 +3,8 @@ vLLM alone, kvstore, recompute — one after another on the same 10 trace reques
 vLLM instances of the bench checkpoint. Each instance's own KV cache is cut to 1,280 tokens
 here, below the requests' working set (1,760), so that what the pool adds shows in ten
 requests; it still holds the longest prompt beside a short one, so the front door's
-decode-capacity admission refuses none."""
+decode-capacity admission refuses none. Then ``kvstore up`` as the README starts it, serving
+until SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,59 @@ def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
     assert cpu_sets(2, [0, 1]) == [(0,), (1,)]
     assert cpu_sets(2, [0, 1, 2, 3, 4]) == [(0, 1), (2, 3)]
     assert cpu_sets(3, [0, 1]) == [(), (), ()]      # fewer cores than instances: none pinned
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kvstore_up_serves_over_vllm_until_sigterm_stops_every_instance(tmp_path) -> None:
+    """``kvstore up`` as the README starts it (vLLM, no --replay): it serves completions through
+    its front door, records itself for kvctl, holds each instance's port (another user cannot
+    bind it) and on SIGTERM stops every vLLM instance (they run in sessions of their own)."""
+    import json as _json
+    import re
+    import signal
+    import threading
+    import urllib.request
+
+    import psutil
+
+    from tests.helpers.other_user import SYSTEM_PYTHON, binds_as_nobody
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir", str(tmp_path / "up"),
+                             "--vllm-kv-cache", "40MiB", "--vllm-max-model-len", "1088", "--dram", "256MiB"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving;"):
+                ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300), "".join(lines[-30:])
+        out = "".join(lines)
+        url = re.search(r"^front door +(http://\S+)", out, re.M).group(1)
+        ports = [int(p) for p in re.findall(r"^vLLM kv_both .* http://127\.0\.0\.1:(\d+)", out, re.M)]
+        assert len(ports) == 2 and "kvctl          finds this stack" in out, out
+        body = _json.dumps({"prompt": "the same words again and again", "max_tokens": 3}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert _json.loads(r.read())["usage"]["completion_tokens"] == 3
+        if os.geteuid() == 0 and SYSTEM_PYTHON:
+            assert binds_as_nobody("127.0.0.1", ports[0]) == ["EADDRINUSE"] * 8
+        instances = [p for p in psutil.process_iter(["cmdline"])
+                     if "engines.vllm.api_server" in (p.info["cmdline"] or [])
+                     and any(str(port) in (p.info["cmdline"] or []) for port in ports)]
+        assert len(instances) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0          # serving, a stop asked for (130 when it cuts a start or a replay)
+        _, alive = psutil.wait_procs(instances, timeout=30)
+        assert not alive, [p.pid for p in alive]
+        assert "kvstore up: SIGTERM: stopping" in "".join(lines) and "stopped all services" in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
