@@ -91,29 +91,27 @@ def test_kvstore_up_serves_over_vllm_until_sigterm_stops_every_instance(tmp_path
     bind it) and on SIGTERM stops every vLLM instance (they run in sessions of their own)."""
     import json as _json
     import re
+    import shutil
     import signal
-    import threading
+    import tempfile
+    import time
     import urllib.request
 
     import psutil
 
     from tests.helpers.other_user import SYSTEM_PYTHON, binds_as_nobody
+    from tests.helpers.process_lines import collect_lines
+    # a short data directory: the instances' KV-event sockets live in it (107 bytes at most)
+    data_dir = tempfile.mkdtemp(prefix="kvup-", dir="/tmp")
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_RUNTIME_DIR=str(tmp_path / "run"))
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir", str(tmp_path / "up"),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--port", "0", "--data-dir", data_dir,
                              "--vllm-kv-cache", "40MiB", "--vllm-max-model-len", "1088", "--dram", "256MiB"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("serving;"):
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
+    lines, ready = collect_lines(proc, "serving;")
     try:
-        assert ready.wait(300), "".join(lines[-30:])
+        deadline = time.monotonic() + 300
+        while not ready.wait(0.5):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
         out = "".join(lines)
         url = re.search(r"^front door +(http://\S+)", out, re.M).group(1)
         ports = [int(p) for p in re.findall(r"^vLLM kv_both .* http://127\.0\.0\.1:(\d+)", out, re.M)]
@@ -137,3 +135,4 @@ def test_kvstore_up_serves_over_vllm_until_sigterm_stops_every_instance(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(data_dir, ignore_errors=True)

@@ -175,21 +175,27 @@ def test_kvstore_up_refuses_a_bad_tier_size_before_starting_anything(tmp_path) -
         assert "redis" not in proc.stdout.lower() and not (tmp_path / "up").exists(), proc.stdout
 
 
-def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
-    """A stack that just stopped leaves its front door's port in TIME-WAIT: kvstore up takes
-    it (the services bind with SO_REUSEADDR too), and refuses a port something listens on."""
+def _listener_with_a_connection_in_time_wait():
+    """A listener (SO_REUSEADDR, no SO_REUSEPORT) on a free port of 127.0.0.1 whose one
+    connection it closed first, so that its end waits in TIME-WAIT."""
     import socket
-
-    from launcher.supervisor import port_is_free
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("127.0.0.1", 0))
     server.listen()
-    port = server.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
     conn, _ = server.accept()
-    conn.close()                 # the server side closes first: its end waits in TIME-WAIT
+    conn.close()
     client.close()
+    return server
+
+
+def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
+    """A stack that just stopped leaves its front door's port in TIME-WAIT: kvstore up takes
+    it (the services bind with SO_REUSEADDR too), and refuses a port something listens on."""
+    from launcher.supervisor import port_is_free
+    server = _listener_with_a_connection_in_time_wait()
+    port = server.getsockname()[1]
     assert not port_is_free("127.0.0.1", port)       # still listening
     server.close()
     assert port_is_free("127.0.0.1", port)
@@ -265,18 +271,9 @@ def test_a_port_in_time_wait_after_redis_is_taken_for_redis_again(tmp_path):
     """The private Redis's connections linger in TIME-WAIT after a stack stops; Redis binds
     without SO_REUSEPORT, so its port is taken free but not held, and the same
     ``--service-ports`` starts again at once (a hold there was refused for a minute)."""
-    import socket
-
     from launcher.supervisor import port_taker
-    server = socket.socket()
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as redis-server binds
-    server.bind(("127.0.0.1", 0))
-    server.listen()
+    server = _listener_with_a_connection_in_time_wait()     # SO_REUSEADDR, as redis-server binds
     port = server.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))
-    conn, _ = server.accept()
-    conn.close()                  # the server side closes first: its end waits in TIME-WAIT
-    client.close()
     server.close()
     holds: list = []
     assert port_taker("127.0.0.1", holds, port)(held=False) == port and holds == []

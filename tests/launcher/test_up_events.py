@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.supervisor import free_port
+from tests.helpers.process_lines import collect_lines
 
 
 def _free_run(n: int) -> int:
@@ -92,16 +92,7 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
                              "--port", str(port), "--data-dir", str(tmp_path / "up"), "--dram", "64MiB",
                              "--ssd", "64MiB", "--service-ports", str(first)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("front door"):
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
+    lines, ready = collect_lines(proc, "front door")
     url = f"http://127.0.0.1:{port}"
     try:
         assert ready.wait(300), "".join(lines[-40:])
