@@ -32,6 +32,8 @@ from engines.vllm.layout import PagedLayout, checkpoint_quantized, model_variant
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
 
+KEEPALIVE_S = 4.0   # an idle connection to an instance: less than vLLM's 5-s keep-alive
+
 
 @dataclass(frozen=True)
 class VLLMModel:
@@ -153,8 +155,12 @@ class VLLMClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # An idle connection is dropped after 4 s, before vLLM's server closes it (uvicorn's
+            # keep-alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): at aiohttp's default of 15 s a request
+            # could go out on a connection the server was closing, fail with "Server disconnected",
+            # and mark a healthy instance down.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5))
         return self._session
 
