@@ -18,11 +18,15 @@ import socket
 HELD_ENV = "KVSTORE_PORT_HELD"   # "1": this process's supervisor holds its ports (bind with SO_REUSEPORT)
 
 
+def family(host: str) -> socket.AddressFamily:
+    """The address family of a literal ``host`` (an IPv6 address has a colon)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def hold(host: str, port: int = 0) -> socket.socket:
     """A hold on ``port`` of ``host`` (0: a free one the system picks; the socket's
     ``getsockname()`` says which). Raises OSError (EADDRINUSE) when the port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))

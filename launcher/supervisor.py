@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import Unavailable
-from kvstore.port_hold import HELD_ENV, held, hold
+from kvstore.port_hold import HELD_ENV, family, held, hold
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -27,12 +27,8 @@ def port_is_free(host: str, port: int) -> bool:
     return _bindable(host, port, reuse_port=held())
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
 def _bindable(host: str, port: int, reuse_port: bool = False) -> bool:
-    with socket.socket(_family(host)) as s:
+    with socket.socket(family(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -44,7 +40,7 @@ def _bindable(host: str, port: int, reuse_port: bool = False) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(_family(host)) as s:
+    with socket.socket(family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -67,7 +63,7 @@ def port_taker(host: str, holds: list[socket.socket], first: int = 0,
 
     def take(held: bool = True) -> int:
         if not first:
-            port = _free_held(host, holds, given) if held else _free_unheld(host, given)
+            port = _free(host, (lambda: _take_held(host, 0, holds, "")) if held else (lambda: free_port(host)), given)
         else:
             while nxt[0] in given:
                 nxt[0] += 1
@@ -84,18 +80,13 @@ def port_taker(host: str, holds: list[socket.socket], first: int = 0,
     return take
 
 
-def _free_held(host: str, holds: list[socket.socket], given: set[int]) -> int:
+def _free(host: str, pick: Callable[[], int], given: set[int]) -> int:
+    """A port from ``pick`` (a hold's own bind, or a probe) that this stack has not given: a
+    port given unheld (Redis's) is not bound until its service starts, so the system may pick
+    it again."""
     for _ in range(1000):
-        port = _take_held(host, 0, holds, "")
-        if port not in given:      # a port given unheld (Redis's) and not yet bound by its service
-            return port
-    raise RuntimeError(f"no free port on {host} that this stack has not taken already")
-
-
-def _free_unheld(host: str, given: set[int]) -> int:
-    for _ in range(1000):
-        port = free_port(host)
-        if port not in given:      # the system may pick a probed port again
+        port = pick()
+        if port not in given:
             return port
     raise RuntimeError(f"no free port on {host} that this stack has not taken already")
 
