@@ -26,11 +26,7 @@ goodput target is the demo's figure. About 25 minutes with the default speeds.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,17 +50,12 @@ def trace_span_s(requests: int) -> float:
 
 def replay(speed: float, requests: int, timeout_s: float) -> dict[str, Any]:
     """``kvstore up --replay`` of vLLM alone and kvstore at ``speed``: its JSON report."""
-    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
-        out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--replay", str(TRACE),
-               "--requests", str(requests), "--window-s", str(WINDOW_S), "--speed", str(speed),
-               "--setups", ",".join(SETUPS), "--port", "0", "--data-dir", str(Path(tmp) / "up"),
-               "--json", str(out)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"kvstore up at speed {speed} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        return json.loads(out.read_text())
+    from benchmarks.vllm_serving import up_replay
+    report = up_replay(["--requests", str(requests), "--window-s", str(WINDOW_S), "--speed", str(speed),
+                        "--setups", ",".join(SETUPS)], timeout_s)
+    if "error" in report:
+        raise RuntimeError(f"speed {speed}: {report['error']}")
+    return report
 
 
 def point(setup: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.run_info import write_results
     try:
         result = run(args.speeds, args.goals, args.requests, args.timeout_s)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except RuntimeError as exc:
         print(f"bench_capacity: {exc}", file=sys.stderr)
         return 1
     write_results(RESULTS, result)

@@ -32,13 +32,13 @@ def met(value: float | None, rule: tuple[str, float]) -> bool:
     return value is not None and (value <= bound if op == "<=" else value >= bound)
 
 
-def run_serving(requests: int, timeout_s: float = 1200.0) -> dict[str, Any]:
-    """Run the comparison on ``requests`` trace requests; its JSON report with ``targets`` and
-    ``met`` added, or ``{"error": ...}`` when it failed."""
+def up_replay(extra: list[str], timeout_s: float) -> dict[str, Any]:
+    """``kvstore up --replay`` of the trace with ``extra`` flags (``--requests``, ``--speed``,
+    ``--setups``, ...): its JSON report, or ``{"error": ...}`` when it failed."""
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         out = Path(tmp) / "serving.json"
-        cmd = [sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--replay", str(TRACE),
-               "--requests", str(requests), "--port", "0", "--data-dir", str(Path(tmp) / "up"), "--json", str(out)]
+        cmd = [sys.executable, "-m", "launcher", "--log-level", "WARNING", "up", "--replay", str(TRACE), *extra,
+               "--port", "0", "--data-dir", str(Path(tmp) / "up"), "--json", str(out)]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -47,7 +47,15 @@ def run_serving(requests: int, timeout_s: float = 1200.0) -> dict[str, Any]:
         print(proc.stdout[-6000:], flush=True)
         if proc.returncode != 0 or not out.exists():
             return {"error": f"kvstore up exited {proc.returncode}: {proc.stderr[-2000:]}"}
-        report = json.loads(out.read_text())
+        return json.loads(out.read_text())
+
+
+def run_serving(requests: int, timeout_s: float = 1200.0) -> dict[str, Any]:
+    """Run the comparison on ``requests`` trace requests; its JSON report with ``targets`` and
+    ``met`` added, or ``{"error": ...}`` when it failed."""
+    report = up_replay(["--requests", str(requests)], timeout_s)
+    if "error" in report:
+        return report
     ratios = report["ratios"]
     report["targets"] = {k: f"{op} {bound}" for k, (op, bound) in SERVING_TARGETS.items()}
     report["met"] = {k: met(ratios.get(k), rule) for k, rule in SERVING_TARGETS.items()}
