@@ -71,10 +71,10 @@ def port_taker(host: str, holds: list[socket.socket], first: int = 0,
             nxt[0] += 1
             if port > 65535:
                 raise RuntimeError(f"--service-ports {first}: ran past port 65535")
-            if not _bindable(host, port):
-                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
             if held:
                 _take_held(host, port, holds, f"--service-ports {first}: ")
+            elif not _bindable(host, port):
+                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
         given.add(port)
         return port
     return take
@@ -92,6 +92,11 @@ def _free(host: str, pick: Callable[[], int], given: set[int]) -> int:
 
 
 def _take_held(host: str, port: int, holds: list[socket.socket], flag: str) -> int:
+    """Hold ``port`` (0: a free one) and return it. A port anything is bound to is refused first,
+    a hold or listener of this user's too (the hold, SO_REUSEPORT, could bind beside it and share
+    its connections)."""
+    if port and not _bindable(host, port):
+        raise RuntimeError(f"{flag}port {port} on {host} is not free")
     try:
         sock = hold(host, port)
     except OSError as exc:
