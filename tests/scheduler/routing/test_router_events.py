@@ -142,7 +142,10 @@ def test_a_fetched_prefix_stays_on_the_instance_that_fetched_it(stack):
             second = await router.prefill["prefill-1"].client.prefill("b", PROMPT, "public")
             assert first.cached_tokens == 0 and second.cached_tokens == 6 * BS
             keys = router.prompt_keys(PROMPT, "public")
-            assert await asyncio.to_thread(wait_until, lambda: router.replica.hits(keys).get("prefill-1") == 6)
+            def both_hold() -> bool:     # each engine publishes its own events, in no set order
+                hits = router.replica.hits(keys)
+                return hits.get("prefill-0") == 6 and hits.get("prefill-1") == 6
+            assert await asyncio.to_thread(wait_until, both_hold)
             view = router.cluster_view(keys)
             assert [v.hit for v in view.prefill] == [TierHit(6, (("hbm", 6),))] * 2
         finally:
@@ -160,8 +163,12 @@ def test_a_front_door_without_a_store_plans_no_pool_hit_from_a_store_nodes_event
         router = await _connect(addresses, None, url)
         try:
             keys = await _prefill_through(router, "prefill-0")
-            # the store node's DRAM holds the prompt too (the engine saved it there)
-            assert await asyncio.to_thread(wait_until, lambda: router.replica.hits(keys).get("store-0") == 6)
+            # the store node's DRAM holds the prompt too (the engine saved it there); the node's
+            # and the engine's events are separate publishers, so wait for both
+            def both_seen() -> bool:
+                hits = router.replica.hits(keys)
+                return hits.get("store-0") == 6 and hits.get("prefill-0") == 6
+            assert await asyncio.to_thread(wait_until, both_seen)
             view = router.cluster_view(keys)
             assert [v.hit for v in view.prefill] == [TierHit(6, (("hbm", 6),)), TierHit()]
             assert view.pool_hit == TierHit()
