@@ -313,6 +313,6 @@ def private_socket_dir(max_len: int = MAX_SOCKET_PATH - 40) -> str:
         pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise OSError(f"{path} is not a directory of this user's alone (mode 0700): the same-host data plane's "
-                      "socket cannot go there; give --dataplane-socket a path, or a shorter --data-dir")
+        raise OSError(f"{path} is not a directory of this user's alone (mode 0700): kvstore's Unix sockets "
+                      "cannot go there; give a shorter --data-dir (a store node: or --dataplane-socket a path)")
     return path

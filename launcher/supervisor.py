@@ -46,49 +46,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_taker(host: str, holds: list[socket.socket], first: int = 0,
-               skip: frozenset[int] = frozenset()) -> Callable[..., int]:
+               skip: frozenset[int] = frozenset()) -> Callable[[], int]:
     """A source of ports for a stack's services: free ones the system picks (``first`` 0), or
     ``first``, ``first + 1``, ... in turn (``kvstore up --service-ports``), passing over the
     ports in ``skip`` (the front door's), never one twice. Each port is held
     (:func:`kvstore.port_hold.hold`, the socket appended to ``holds``, a stack's
     :attr:`Stack.holds`) until the stack stops, so no other user's process can bind it; a free
-    port is the hold's own bind, never probed and released. ``take(held=False)`` gives a port
-    that is free but not held, for a service that cannot bind beside a hold (redis-server). A
-    port something is bound to, even a hold or listener of this user's, is not free (a hold
-    beside another stack's SO_REUSEPORT listener would share its connections); one whose last
-    connections linger in TIME-WAIT is. Each call raises RuntimeError naming a port that is
-    not free on ``host`` or past 65535."""
+    port is the hold's own bind, never probed and released. A port something is bound to,
+    even a hold or listener of this user's, is not free (a hold beside another stack's
+    SO_REUSEPORT listener would share its connections); one whose last connections linger in
+    TIME-WAIT is. Each call raises RuntimeError naming a port that is not free on ``host`` or
+    past 65535."""
     nxt = [first]
-    given = set(skip)
 
-    def take(held: bool = True) -> int:
+    def take() -> int:
         if not first:
-            port = _free(host, (lambda: _take_held(host, 0, holds, "")) if held else (lambda: free_port(host)), given)
-        else:
-            while nxt[0] in given:
-                nxt[0] += 1
-            port = nxt[0]
+            return _take_held(host, 0, holds, "")   # a held port stays bound: never picked twice
+        while nxt[0] in skip:
             nxt[0] += 1
-            if port > 65535:
-                raise RuntimeError(f"--service-ports {first}: ran past port 65535")
-            if held:
-                _take_held(host, port, holds, f"--service-ports {first}: ")
-            elif not _bindable(host, port):
-                raise RuntimeError(f"--service-ports {first}: port {port} on {host} is not free")
-        given.add(port)
-        return port
+        port = nxt[0]
+        nxt[0] += 1
+        if port > 65535:
+            raise RuntimeError(f"--service-ports {first}: ran past port 65535")
+        return _take_held(host, port, holds, f"--service-ports {first}: ")
     return take
-
-
-def _free(host: str, pick: Callable[[], int], given: set[int]) -> int:
-    """A port from ``pick`` (a hold's own bind, or a probe) that this stack has not given: a
-    port given unheld (Redis's) is not bound until its service starts, so the system may pick
-    it again."""
-    for _ in range(1000):
-        port = pick()
-        if port not in given:
-            return port
-    raise RuntimeError(f"no free port on {host} that this stack has not taken already")
 
 
 def _take_held(host: str, port: int, holds: list[socket.socket], flag: str) -> int:

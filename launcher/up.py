@@ -1,7 +1,6 @@
-"""``kvstore up``: the whole stack on one host, as separate processes — a store node
-(``--store-nodes N``: N nodes registered in Redis — ``--redis URL``, else a private
-``redis-server`` — with engines and scheduler in cluster mode),
-``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
+"""``kvstore up``: the whole stack on one host, as separate processes — a store node (``--store-nodes
+N``: N nodes registered in Redis, ``--redis URL`` or a private ``redis-server``, engines and
+scheduler in cluster mode), ``--prefill-instances`` prefill engines, ``--decode-instances`` decode engines and the
 scheduler's front door (``--policy``), engines and front door limited to ``--max-model-len``
 tokens — then a trace replay through the front door (``--replay``: by default twice, pool
 on then pool off, side by side; scheduler/replay/compare.py) or serving until Ctrl-C."""
@@ -165,7 +164,7 @@ class _Layout:
     store_ports: list[int]
     engines: list[tuple[str, str, int]]
     metrics_ports: dict[str, int]
-    redis_port: int = 0   # a private Redis's (taken with the others: never one of theirs)
+    private_redis: bool = False   # one of its own, on a Unix socket in the data directory (_redis)
 
     def store_name(self, i: int) -> str:
         return "store" if len(self.store_ports) == 1 else f"store-{i}"
@@ -183,7 +182,7 @@ def _layout(args: argparse.Namespace, http_port: int, stack: Stack) -> _Layout:
     lay.metrics_ports = {name: take_port() for name in
                          [lay.store_name(i) for i in range(n_store)] + [e[0] for e in engines]}
     if not getattr(args, "redis", None) and (n_store > 1 or shutil.which("redis-server")):
-        lay.redis_port = take_port(held=False)   # a private Redis (_redis): it cannot bind beside a hold
+        lay.private_redis = True
     return lay
 
 
@@ -201,7 +200,8 @@ def run_up(args: argparse.Namespace) -> int:
         lay = _layout(args, http_port, stack)
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
-        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports), lay.redis_port)
+        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports),
+                                          args.data_dir if lay.private_redis else None)
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
         redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
         pool_flags = redis_flags if len(lay.store_ports) > 1 else ["--store", f"{lay.host}:{lay.store_ports[0]}"]
@@ -229,20 +229,20 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopped all services", flush=True)
 
 
-def _redis(stack: Stack, redis_url: str | None, n_store: int, port: int) -> tuple[str | None, bool]:
-    """The Redis of the stack and whether it is a private one started here. A private Redis
-    unless one is given: a cluster's registry, and in every case the channel of the KV events
-    the scheduler's index replica reads (the store nodes' and the prefill engines' caches,
-    scheduler/routing/cache_index.py)."""
+def _redis(stack: Stack, redis_url: str | None, n_store: int, data_dir: str | None) -> tuple[str | None, bool]:
+    """The Redis of the stack and whether it is a private one started here (``data_dir``: the
+    layout wants one): a cluster's registry, and the channel of the KV events the scheduler's
+    index replica reads (scheduler/routing/cache_index.py). A private one listens on a Unix
+    socket in the 0700 data directory: no other user can reach it or take its address first."""
     private_redis = False
-    if not redis_url and port:   # the layout took a port for one (_layout)
-        from kvstore.cluster.redis_server import redact_url, start_private_redis
+    if not redis_url and data_dir:
+        from kvstore.cluster.redis_server import redact_url, socket_path, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
-                                              port=port)
+                                              unix_socket=socket_path(data_dir))
         stack.adopt("redis", proc)
-        print(f"redis          {redact_url(redis_url)}  (private: KV events"
-              f"{', membership' if n_store > 1 else ''}; no persistence)", flush=True)
+        print(f"redis          {redact_url(redis_url)}  (private: KV events{', membership' if n_store > 1 else ''}; "
+              "no persistence)", flush=True)
         if n_store > 1:
             stack.env[REDIS_URL_ENV] = redis_url   # children read it there: no password on a command line
         private_redis = True

@@ -46,3 +46,22 @@ def binds_as_nobody(host: str, port: int) -> list[str]:
     proc = subprocess.run([SYSTEM_PYTHON, "-c", _BIND, host, str(port)], user="nobody", capture_output=True,
                           text=True, timeout=30, check=True)
     return proc.stdout.split()
+
+
+_CONNECT = """
+import errno, socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+    print("connected")
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno, str(exc.errno)))
+"""
+
+
+def connects_as_nobody(path: str) -> str:
+    """What ``nobody``'s connect to the Unix socket ``path`` gave (``connected`` or an errno name)."""
+    need_other_user()
+    proc = subprocess.run([SYSTEM_PYTHON, "-c", _CONNECT, path], user="nobody", capture_output=True,
+                          text=True, timeout=30, check=True)
+    return proc.stdout.strip()

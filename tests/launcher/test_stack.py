@@ -3,6 +3,7 @@ exits is restarted after a back-off that doubles, at most ``max_restarts`` times
 stack gives up with the child's log; a child that cannot be restarted stops the stack."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -267,22 +268,10 @@ def test_a_port_another_stack_of_this_user_holds_or_listens_on_is_not_free(tmp_p
             port_taker("127.0.0.1", [], port)()
 
 
-def test_a_port_in_time_wait_after_redis_is_taken_for_redis_again(tmp_path):
-    """The private Redis's connections linger in TIME-WAIT after a stack stops; Redis binds
-    without SO_REUSEPORT, so its port is taken free but not held, and the same
-    ``--service-ports`` starts again at once (a hold there was refused for a minute)."""
-    from launcher.supervisor import port_taker
-    server = _listener_with_a_connection_in_time_wait()     # SO_REUSEADDR, as redis-server binds
-    port = server.getsockname()[1]
-    server.close()
-    holds: list = []
-    assert port_taker("127.0.0.1", holds, port)(held=False) == port and holds == []
-
-
-def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch, tmp_path):
-    """kvstore up's private Redis once probed a free port of its own, which the system had
-    just handed to an engine: its port comes from the same taker as every service's, and
-    every port stays held by the stack until it stops."""
+def test_every_port_of_the_layout_is_held_and_the_private_redis_takes_none(monkeypatch, tmp_path):
+    """Every service port kvstore up lays out is held by the stack until it stops; the private
+    Redis (wanted unless ``--redis`` is given) listens on a Unix socket, so it takes no port
+    (redis-server binds without SO_REUSEPORT: a port of its own could not be held)."""
     import argparse
     import shutil
 
@@ -293,15 +282,37 @@ def test_the_private_redis_port_is_taken_with_the_services_ports(monkeypatch, tm
     stack = Stack(log_dir=str(tmp_path / "logs"))
     http_port = free_port()
     lay = up._layout(args, http_port, stack)
-    taken = [*lay.store_ports, *(p for _, _, p in lay.engines), *lay.metrics_ports.values(), lay.redis_port]
-    assert lay.redis_port and len(set(taken + [http_port])) == len(taken) + 1 == 8
-    # every port held but Redis's (redis-server binds without SO_REUSEPORT: not beside a hold)
-    assert sorted(s.getsockname()[1] for s in stack.holds) == sorted(set(taken + [http_port]) - {lay.redis_port})
+    taken = [*lay.store_ports, *(p for _, _, p in lay.engines), *lay.metrics_ports.values()]
+    assert lay.private_redis and len(set(taken + [http_port])) == len(taken) + 1 == 7
+    assert sorted(s.getsockname()[1] for s in stack.holds) == sorted(taken + [http_port])
     stack.stop()
     assert stack.holds == []
     other = Stack(log_dir=str(tmp_path / "logs2"))
-    assert up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), free_port(), other).redis_port == 0
+    assert not up._layout(argparse.Namespace(**{**vars(args), "redis": "redis://x"}), free_port(), other).private_redis
     other.stop()
+
+
+def test_the_private_redis_socket_moves_to_a_private_directory_when_the_data_dir_is_too_deep(tmp_path):
+    """A Unix socket's path has at most 107 bytes: under a deep ``--data-dir`` the private
+    Redis's socket goes to this user's 0700 socket directory instead, and still serves."""
+    import stat
+
+    from kvstore.cluster.redis_server import socket_path, start_private_redis, stop_private_redis
+    assert socket_path(str(tmp_path)) == str(tmp_path / "redis.sock")
+    deep = tmp_path / ("d" * 120)
+    path = socket_path(str(deep))
+    assert len(path) < 100 and not path.startswith(str(tmp_path))
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    proc, url = start_private_redis(password="pw", unix_socket=path)
+    try:
+        import redis
+        client = redis.Redis.from_url(url)
+        assert url == f"unix://:pw@{path}?db=0" and client.ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(unix_socket_path=path).ping()
+        client.close()
+    finally:
+        stop_private_redis(proc)
 
 
 def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys):

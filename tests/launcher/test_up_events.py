@@ -79,6 +79,17 @@ def _store_port_stays_held_while_the_node_is_down(up: subprocess.Popen, port: in
         time.sleep(0.1)
 
 
+def _redis_is_on_a_socket_only_this_user_reaches(lines: list[str], data_dir: Path) -> None:
+    """The private Redis listens on a Unix socket in the 0700 data directory, on no TCP port:
+    another user can neither connect to it nor take its address first (and with it the
+    password its clients send)."""
+    from tests.helpers.other_user import connects_as_nobody
+    line = next(line for line in lines if line.startswith("redis "))
+    assert f"unix://:***@{data_dir.resolve()}/redis.sock?db=0" in line, line
+    assert (data_dir / "redis.sock").is_socket()
+    assert connects_as_nobody(str(data_dir / "redis.sock")) == "EACCES"
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path: Path) -> None:
     port = free_port()
@@ -97,6 +108,7 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
     try:
         assert ready.wait(300), "".join(lines[-40:])
         assert any(line.startswith("redis ") and "KV events" in line for line in lines), "".join(lines)
+        _redis_is_on_a_socket_only_this_user_reaches(lines, tmp_path / "up")
         banner = "".join(lines)
         assert f"store node     127.0.0.1:{first}  " in banner and f"127.0.0.1:{first + 3}/metrics" in banner
         assert f"prefill engine prefill-0 127.0.0.1:{first + 1}" in banner, banner

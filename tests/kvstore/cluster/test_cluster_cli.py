@@ -30,8 +30,9 @@ def test_up_with_three_store_nodes_replays_through_the_cluster(tmp_path, redis_s
     assert report["completed"] + report["rejected"] == 8 and report["failed"] == 0
     assert report["hit_ratio"] > 0                       # lookups found blocks across the nodes
     assert proc.stdout.count("store node ") == 3
-    assert "redis://:***@127.0.0.1:" in proc.stdout       # a password, shown redacted, never in full
-    assert not re.search(r"redis://:(?!\*\*\*@)", proc.stdout + proc.stderr)
+    # the private Redis, on a socket in the data directory: a password, shown redacted, never in full
+    assert f"unix://:***@{(tmp_path / 'up').resolve()}/redis.sock?db=0" in proc.stdout
+    assert not re.search(r"(redis|unix)://:(?!\*\*\*@)", proc.stdout + proc.stderr)
     logs = tmp_path / "up" / "logs"
     assert {p.name for p in logs.iterdir()} >= {"redis.log", "store-0.log", "store-1.log", "store-2.log"}
     assert "stopped all services" in proc.stdout
