@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -32,6 +33,16 @@ def blocks(n: int, size: int = 64 << 10, seed: int = 0) -> list[tuple[bytes, byt
     return [(os.urandom(32), bytes([(seed + i) % 251]) * size) for i in range(n)]
 
 
+def scrape_released(url: str, plane: str, token: str | None = TOKEN) -> dict:
+    """A scrape taken once ``plane`` lends no read lease: a reader's RELEASE gets no reply, so
+    it reaches the node a moment after the read returned (the node's control thread, not the
+    reader, takes the lease back). 5 s at most; the caller asserts what it then shows."""
+    deadline = time.monotonic() + 5
+    while value(got := scrape(url, token), "kvstore_leases", plane=plane) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 def test_store_metrics_parse_and_move_with_traffic(node):
     address, url, _ = node
     assert url is not None and url.startswith("http://127.0.0.1:")
@@ -54,7 +65,7 @@ def test_store_metrics_parse_and_move_with_traffic(node):
         assert local.get_blocks([k for k, _ in mapped]) == [v for _, v in mapped]
         assert stream.get_blocks([k for k, _ in streamed]) == [v for _, v in streamed]
         assert stream.get_blocks([os.urandom(32)]) == [None]
-        after = scrape(url)
+        after = scrape_released(url, "local")
     finally:
         local.close()
         stream.close()
@@ -218,7 +229,7 @@ def test_store_metrics_count_the_transfer_engine_plane(tmp_path, redis_url):
             cluster.wait_for_nodes(1, timeout_s=10)
             assert cluster.get_blocks([k for k, _ in data]) == [v for _, v in data]
             assert set(cluster.paths.values()) == {"transfer_engine"}, cluster.paths
-        got = scrape(served.metrics_url, None)
+        got = scrape_released(served.metrics_url, "remote", None)
         assert value(got, "kvstore_dataplane_op_seconds_count", plane="remote", op="lease") >= 1
         assert value(got, "kvstore_leases", plane="remote") == 0      # released after the read
     finally:

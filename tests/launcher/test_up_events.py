@@ -119,10 +119,11 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
             with urllib.request.urlopen(req, timeout=120) as r:
                 answer = json.loads(r.read())
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * 16
-        deadline = time.monotonic() + 30
-        while _metric(url, "events") <= 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
         # The store node's and the prefill engine's events: NodeCleared and BlockStored each.
+        # Two publishers, in no set order: wait for all of them, not for the first to land.
+        deadline = time.monotonic() + 30
+        while _metric(url, "events") < 2 + 2 * 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _metric(url, "events") >= 2 + 2 * 4, "".join(lines[-40:])
         assert _metric(url, "resync_failures") == 0
         _store_port_stays_held_while_the_node_is_down(proc, first, lines)

@@ -132,7 +132,8 @@ def test_the_connectors_events_put_the_pools_blocks_on_the_instances_pool_node_b
     assert held(replica, layout, prompt, "alice") == ()     # not the instance's own cache
     book.looked_up(keys, ("dram",), prompt, "alice", None)  # the pool lost block 1
     publish(*book.take())
-    wait_until(lambda: len(replica.match(keys).per_node.get(node, ())) == 1)
+    # the bridge counts a removal once the replica applied it: wait for the count too
+    wait_until(lambda: len(replica.match(keys).per_node.get(node, ())) == 1 and bridge.stats.removed >= 1)
     assert bridge.stats.removed == 1 and bridge.stats.bad == 0
     publish(AllBlocksCleared())
     wait_until(lambda: node not in replica.match(keys).per_node)
@@ -165,7 +166,8 @@ def test_a_lost_batch_is_replayed_and_one_the_replay_lost_drops_the_instances_hi
         publish()
     sent(publisher)
     bridge.start()
-    wait_until(lambda: bridge.stats.clears == 1, poke=publish)
+    # the bridge counts a clear before it drops the hits: wait for the drop too
+    wait_until(lambda: bridge.stats.clears == 1 and held(replica, layout, prompt, "t") == (), poke=publish)
     assert held(replica, layout, prompt, "t") == ()      # no stale hit: every one dropped
     publish(stored(keep[:1], prompt[:4], extra=[("t",)]))   # vLLM re-announces what it reuses
     wait_until(lambda: held(replica, layout, prompt, "t") == ("hbm",))
@@ -184,7 +186,8 @@ def test_a_restarted_instance_leaves_no_hit_of_the_old_one(tmp_path, wire) -> No
     publisher.shutdown()
     publisher._pub.close(linger=0)   # what a stopped process does to its socket
     publisher._replay.close(linger=0)
-    wait_until(lambda: bridge.stats.clears == 1)
+    # the bridge counts a clear before it drops the hits: wait for the drop too
+    wait_until(lambda: bridge.stats.clears == 1 and held(replica, layout, prompt, "t") == ())
     assert held(replica, layout, prompt, "t") == ()
     again = ZmqEventPublisher(0, endpoint=bridge.endpoint, replay_endpoint=bridge.replay_endpoint, buffer_steps=20)
     try:
@@ -213,7 +216,8 @@ def test_only_what_the_connector_keys_alike_is_kept(wire) -> None:
     wait_until(lambda: bridge.stats.skipped >= 5)
     assert held(replica, layout, b, "t") == ()
     publish(stored([b"a1" * 16], list(range(900, 904)), extra=[("t",)]))   # hash a1 now names other tokens
-    wait_until(lambda: held(replica, layout, a, "t") == ())
+    # the old key's removal reaches the replica before the new key's store: wait for both
+    wait_until(lambda: held(replica, layout, a, "t") == () and held(replica, layout, list(range(900, 904)), "t"))
     assert held(replica, layout, list(range(900, 904)), "t") == ("hbm",)
     publish(stored([b"a1" * 16], list(range(900, 904)), medium="CPU"),     # no extras: never keyed as "default"
             stored([b"zz" * 16], list(range(700, 704)), medium="CPU"))

@@ -107,7 +107,9 @@ def test_blocks_the_pool_stores_for_an_instance_are_in_the_routers_index_by_tier
                 pool.remove(key)                      # the pool evicts the prompt's first block
             result = await router.prefill[engine_id].client.prefill("r2", prompt, "alice")
             out["cached"] = result.cached_tokens
-            await until(lambda: bridge.stats.removed >= 1 and pool_tiers() == ("dram",) * 3)
+            # the bridge counts a store once the replica applied it: wait for the count too
+            await until(lambda: bridge.stats.removed >= 1 and pool_tiers() == ("dram",) * 3
+                        and bridge.stats.stored >= 4)
             out["removed"], out["stored"], out["bad"] = bridge.stats.removed, bridge.stats.stored, bridge.stats.bad
             out["again"] = pool_tiers()
             return out
