@@ -145,6 +145,14 @@ def _stopping_on_signal(run: Callable[[], int]) -> int:
             signal.signal(sig, old)
 
 
+def _key_spec(model: str, dtype: str | None) -> dict:
+    """What the instances' keys are made of, for kvctl lookup (they run with neither
+    ``--quantization`` nor ``--hf-overrides``): the checkpoint, its tokenizer, the key extras."""
+    from scheduler.vllm.instances import VLLMModel
+    return {"model": model, "block_size": BLOCK_SIZE, "dtype": dtype,
+            "key_spec": VLLMModel.from_dir(model, BLOCK_SIZE, dtype).key_spec()}
+
+
 def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens: dict[str, str],
                    keys_file: str | None) -> int:
     """The kvstore set-up alone: serve until Ctrl-C, or replay once (``--no-compare``)."""
@@ -155,9 +163,8 @@ def _serve_kvstore(args: argparse.Namespace, model: str, http_port: int, tokens:
         running = start_setup(args, SETUPS["kvstore"], model, http_port, tokens, keys_file,
                               os.path.join(args.data_dir, "logs"))
         print(f"front door     {running.url}  over vLLM ({args.topology}; GET /metrics, GET /status)", flush=True)
-        # what the instances' keys are made of (they run with neither --quantization nor --hf-overrides)
         up_record = record_stack([running.store or ""], [], running.url, args.data_dir, None,
-                                 {"model": model, "block_size": BLOCK_SIZE, "dtype": running.servers[0].spec.dtype})
+                                 _key_spec(model, running.servers[0].spec.dtype))
         print(f"started in {running.startup_s:.1f} s; logs in {running.stack.log_dir}", flush=True)
         if not args.replay:
             print("serving; Ctrl-C stops everything", flush=True)

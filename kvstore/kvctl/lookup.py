@@ -6,8 +6,9 @@ the stack's first engine): model id, revision and KV layout, which with the tena
 namespace form the key extras (``engines.types.extras_for``: ``KeyExtras(model, revision,
 layout, namespace)``), and the block size. ``--model``/``--revision``/``--layout``/
 ``--block-size`` give them by hand instead. The keys of vLLM's connector (made from the
-checkpoint's identity, engines/vllm/layout.py) are not made here: after ``kvstore up`` over
-vLLM it says so. The namespace is the front door's
+checkpoint's identity, engines/vllm/layout.py) come from the record ``kvstore up`` over vLLM
+keeps of its stack, which holds their extras (``key_spec``) and the checkpoint, whose
+tokenizer then tokenizes ``--prompt``. The namespace is the front door's
 (``scheduler.routing.tenancy.namespace_from_authorization``): ``key-`` + the first 16 hex digits of
 SHA-256 of the tenant's API key (``--tenant KEY``), or ``public`` without one.
 ``--prompt TEXT`` is tokenized as the tiny model's byte tokenizer does (UTF-8 bytes + 3,
@@ -40,24 +41,29 @@ def namespace_of(api_key: str | None) -> str:
     return "key-" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
 
 
-def tokens_of(args: argparse.Namespace) -> list[int]:
+def tokens_of(args: argparse.Namespace, tokenizer: str | None = None) -> list[int]:
+    """The tokens of ``--tokens``, or of ``--prompt`` by ``--tokenizer`` (else ``tokenizer``, else
+    the byte tokenizer)."""
+    tokenizer = args.tokenizer or tokenizer
     if args.tokens is not None:
         try:
             return [int(x) for x in args.tokens.replace(",", " ").split()]
         except ValueError:
             raise InvalidArgument(f"--tokens takes integers separated by commas or spaces, "
                                   f"got {args.tokens!r}") from None
-    if args.tokenizer:
+    if tokenizer:
         from transformers import AutoTokenizer
-        return list(AutoTokenizer.from_pretrained(args.tokenizer).encode(args.prompt, add_special_tokens=False))
+        return list(AutoTokenizer.from_pretrained(tokenizer).encode(args.prompt, add_special_tokens=False))
     try:
         return [b + BYTE_TOKEN_OFFSET for b in args.prompt.encode("utf-8")]
     except UnicodeEncodeError as exc:
         raise InvalidArgument(f"the prompt is not valid Unicode: {exc.reason}") from None
 
 
-def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | None, int, str]:
-    """(model, revision, layout, block size, where they came from)."""
+def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | None, int, str, tuple[Any, ...]]:
+    """(model, revision, layout, block size, where they came from, the extras' ``other``)."""
+    if t.vllm and not (args.engine or args.model):
+        return vllm_key_spec(t.vllm)
     engine = t.own(args.engine) if args.engine else (None if args.model is not None else
                                                      (t.engines[0] if t.engines else None))
     if engine:
@@ -68,26 +74,35 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
                     engine_pb2.InfoRequest(), timeout=t.timeout_s, metadata=bearer_metadata(t.engine_token_for(engine)))
             except grpc.RpcError as exc:
                 raise Unavailable(f"engine at {engine}: {exc.code().name}: {exc.details()}") from None
-        return info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size, f"engine {engine}"
+        return (info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size,
+                f"engine {engine}", ())
     if args.model is None or args.block_size is None:
         raise InvalidArgument("give --engine ADDR (its Info has the key spec), or --model, --block-size "
                               "(and --revision, --layout) by hand")
     if args.block_size < 1:
         raise InvalidArgument(f"--block-size is tokens per block, >= 1; got {args.block_size}")
     layout = KVLayout.from_json(args.layout) if args.layout else None
-    return args.model, args.revision, layout, args.block_size, "flags"
+    return args.model, args.revision, layout, args.block_size, "flags", ()
+
+
+def vllm_key_spec(record: dict[str, Any]) -> tuple[str, str, KVLayout | None, int, str, tuple[Any, ...]]:
+    """The vLLM connector's key spec from ``kvstore up``'s record of its stack (launcher/up_vllm.py
+    ``_key_spec``). Raises InvalidArgument when the record has none (a ``kvstore up`` of
+    another version)."""
+    spec = record.get("key_spec")
+    if not isinstance(spec, dict):
+        raise InvalidArgument("this kvstore up serves vLLM and its record holds no key spec (a kvstore up of "
+                              "another version): restart it, or give --model, --revision, --layout, --block-size")
+    return (spec["model_id"], spec["revision"], KVLayout.from_json(spec["layout"]), int(spec["block_size"]),
+            f"kvstore up's vLLM connector, checkpoint {record.get('model')}", tuple(spec["other"]))
 
 
 def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     namespace = args.namespace if args.namespace is not None else namespace_of(args.tenant)
-    if t.vllm and not (args.engine or args.model):
-        raise InvalidArgument(
-            "this kvstore up serves vLLM: its connector keys blocks by the checkpoint's identity "
-            "(engines/vllm/layout.py), which kvctl lookup does not make; kvctl ls and kvctl namespaces list the "
-            "pool's blocks, and the front door's /metrics and /status its hits")
-    tokens = tokens_of(args)
-    model, revision, layout, block_size, source = key_spec(t, args)
-    extras = KeyExtras(model=model, revision=revision, layout=layout, namespace=namespace)
+    # over vLLM the front door tokenizes with the checkpoint's tokenizer
+    tokens = tokens_of(args, t.vllm.get("model") if t.vllm and not (args.engine or args.model) else None)
+    model, revision, layout, block_size, source, other = key_spec(t, args)
+    extras = KeyExtras(model=model, revision=revision, layout=layout, namespace=namespace, other=other)
     keys = block_keys(tokens, block_size, extras)
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
@@ -133,7 +148,8 @@ def add_commands(sub: Any) -> None:
     who.add_argument("--namespace", type=namespace_arg, help="the namespace itself (key-<16 hex>, public, ...)")
     p.add_argument("--engine", metavar="ADDR", help="an engine whose Info gives the key spec (default: kvstore up's)")
     p.add_argument("--engine-token", help="the engines' token (default: KVSTORE_ENGINE_TOKEN)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt")
+    p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt "
+                   "(default: after kvstore up over vLLM, its checkpoint's; else the tiny model's byte tokenizer)")
     p.add_argument("--model", help="model id (instead of --engine)")
     p.add_argument("--revision", default="", help="model revision (with --model)")
     p.add_argument("--layout", metavar="JSON", help="KV layout JSON (with --model), as an engine's Info gives "

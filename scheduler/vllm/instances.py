@@ -87,6 +87,15 @@ class VLLMModel:
         ``cache_salt``): the connector's own keys."""
         return self.paged.keys(tokens, namespace)
 
+    def key_spec(self) -> dict[str, Any]:
+        """The connector's key extras but the tenant, as JSON (``kvstore up`` records it for
+        ``kvctl lookup``, which makes the same keys with :class:`kvstore.index.keys.KeyExtras`):
+        model id, revision, KV layout, the extras' ``other`` values, block size."""
+        extras = self.paged.extras(None)
+        assert extras.layout is not None     # PagedLayout always has one
+        return {"model_id": extras.model, "revision": extras.revision, "layout": extras.layout.to_json(),
+                "other": extras.other, "block_size": self.block_size}
+
     def engine_info(self, engine_id: str, role: str, max_model_len: int) -> EngineInfo:
         p = self.paged
         return EngineInfo(engine_id, role, p.model_id, p.revision, p.layout, p.block_size, self.vocab_size,

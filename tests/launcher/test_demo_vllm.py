@@ -83,6 +83,29 @@ def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
     assert cpu_sets(3, [0, 1]) == [(), (), ()]      # fewer cores than instances: none pinned
 
 
+def _kvctl_finds_the_prompts_blocks(env: dict[str, str], prompt: str, prompt_tokens: int) -> None:
+    """``kvctl lookup --prompt`` after ``kvstore up`` over vLLM keys the prompt as the connector
+    did (the record's key spec, the checkpoint's tokenizer) and finds every full block of it
+    in the pool, saved there by the instance that served it."""
+    import time
+
+    from tests.helpers.kvctl_helpers import kvctl
+    env = {k: v for k, v in env.items() if not k.startswith("KVSTORE_")}
+    deadline = time.monotonic() + 30
+    while True:          # the connector saves a request's blocks as it finishes: wait for them
+        rc, doc, err = kvctl(env, "lookup", "--prompt", prompt)
+        assert rc == 0, err
+        if doc["held_prefix_blocks"] == len(doc["blocks"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert doc["tokens"] == prompt_tokens and doc["namespace"] == "public", doc
+    assert doc["key_spec_from"].startswith("kvstore up's vLLM connector")
+    assert len(doc["blocks"]) == prompt_tokens // doc["block_size"] > 0
+    assert doc["held_prefix_blocks"] == len(doc["blocks"]), doc
+    rc, doc, err = kvctl(env, "lookup", "--prompt", prompt, "--tenant", "sk-someone-else")
+    assert rc == 0 and doc["held_prefix_blocks"] == 0, err      # another tenant's keys differ
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_kvstore_up_serves_over_vllm_until_sigterm_stops_every_instance(tmp_path) -> None:
@@ -116,10 +139,13 @@ def test_kvstore_up_serves_over_vllm_until_sigterm_stops_every_instance(tmp_path
         url = re.search(r"^front door +(http://\S+)", out, re.M).group(1)
         ports = [int(p) for p in re.findall(r"^vLLM kv_both .* http://127\.0\.0\.1:(\d+)", out, re.M)]
         assert len(ports) == 2 and "kvctl          finds this stack" in out, out
-        body = _json.dumps({"prompt": "the same words again and again", "max_tokens": 3}).encode()
+        prompt = "the same words again and again, " * 12
+        body = _json.dumps({"prompt": prompt, "max_tokens": 3}).encode()
         req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
-            assert _json.loads(r.read())["usage"]["completion_tokens"] == 3
+            usage = _json.loads(r.read())["usage"]
+        assert usage["completion_tokens"] == 3
+        _kvctl_finds_the_prompts_blocks(env, prompt, usage["prompt_tokens"])
         if os.geteuid() == 0 and SYSTEM_PYTHON:
             assert binds_as_nobody("127.0.0.1", ports[0]) == ["EADDRINUSE"] * 8
         instances = [p for p in psutil.process_iter(["cmdline"])

@@ -67,19 +67,34 @@ def test_lookup_gives_the_engines_keys_and_finds_the_blocks(engine, tmp_path):
 
 
 
-def test_lookup_after_kvstore_up_over_vllm_says_it_does_not_make_the_connectors_keys(spawn_store_node, tmp_path):
-    """After ``kvstore up`` over vLLM, kvctl lookup keyed prompts as the built-in engines do
-    and reported every block of a vLLM pool a miss; it now says it cannot key them."""
+def test_lookup_after_kvstore_up_over_vllm_makes_the_connectors_keys_from_its_record(spawn_store_node, tmp_path):
+    """After ``kvstore up`` over vLLM, kvctl lookup makes the connector's keys from the key spec
+    the stack's record holds (the front door's, scheduler/vllm/instances.py): the same keys,
+    and a record without one is refused, naming what to do."""
     import json
     import os
+
+    from kvstore.index.keys import KeyExtras, KVLayout, block_keys
     _, store = spawn_store_node("lk-vllm", "--dram", "16MiB", "--ssd", "0", "--auth-token", TOKEN,
                                 "--transfer-engine", "off")
     env = kvctl_env(tmp_path)
+    layout = KVLayout("float32", 2, 2, 16, 4)
+    spec = {"model_id": "bench-llama", "revision": "0123abcd", "layout": layout.to_json(),
+            "other": ["vllm-paged-v2", ["tp", 1, 2]], "block_size": 4}
     record = {"version": 1, "pid": os.getpid(), "stores": [store], "engines": [], "frontdoor": "http://127.0.0.1:1",
               "auth_env": "", "data_dir": str(tmp_path), "cluster": False,
-              "vllm": {"model": str(tmp_path / "ckpt"), "block_size": 32}}
+              "vllm": {"model": str(tmp_path / "ckpt"), "block_size": 4, "key_spec": spec}}
     os.makedirs(os.path.dirname(env["KVSTORE_UP_FILE"]), exist_ok=True)
     with open(env["KVSTORE_UP_FILE"], "w") as f:
         json.dump(record, f)
+    rc, doc, err = kvctl(env, "lookup", "--tokens", "1,2,3,4,5,6,7,8,9", "--tenant", "sk-alice")
+    assert rc == 0, err
+    extras = KeyExtras(model="bench-llama", revision="0123abcd", layout=layout, namespace=namespace_of("sk-alice"),
+                       other=("vllm-paged-v2", ("tp", 1, 2)))
+    assert [b["key"] for b in doc["blocks"]] == [k.hex() for k in block_keys(list(range(1, 10)), 4, extras)]
+    assert doc["held_prefix_blocks"] == 0 and doc["key_spec_from"].startswith("kvstore up's vLLM connector")
+    del record["vllm"]["key_spec"]
+    with open(env["KVSTORE_UP_FILE"], "w") as f:
+        json.dump(record, f)
     rc, _, err = kvctl(env, "lookup", "--tokens", "1,2,3")
-    assert rc != 0 and "this kvstore up serves vLLM" in err and "kvctl ls" in err, err
+    assert rc != 0 and "holds no key spec" in err and "--model" in err, err
