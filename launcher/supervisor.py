@@ -86,6 +86,30 @@ def _take_held(host: str, port: int, holds: list[socket.socket], flag: str) -> i
     return sock.getsockname()[1]
 
 
+_RUN_HOLDS: dict[int, socket.socket] = {}   # port → hold: the front door's, for a whole kvstore up
+
+
+def hold_front_door(host: str, port: int) -> int:
+    """Hold the front door's ``port`` of ``host`` (0: a free one, the hold's own bind) from
+    ``kvstore up``'s preflight until :func:`release_front_door`, across every stack it starts
+    (a comparison's set-ups, one after another): no other user can take it between the pick
+    and the front door's start, or between two set-ups. Returns the port. Raises RuntimeError
+    when it is not free (anything bound to it, this user's too)."""
+    holds: list[socket.socket] = []
+    port = _take_held(host, port, holds, "")
+    _RUN_HOLDS[port] = holds[0]
+    return port
+
+
+def release_front_door(port: int | None = None) -> None:
+    """Close the hold of :func:`hold_front_door` on ``port`` (None: every one; ``kvstore up`` is
+    ending)."""
+    for p in list(_RUN_HOLDS) if port is None else [port]:
+        sock = _RUN_HOLDS.pop(p, None)
+        if sock is not None:
+            sock.close()
+
+
 MAX_RESTARTS = 5          # per child within RESTART_WINDOW_S; one more crash stops the stack
 RESTART_WINDOW_S = 300.0
 BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second
@@ -144,11 +168,15 @@ class Stack:
     stopping: bool = False            # set once a stop began: a signal then kills the children
     handlers_installed: bool = False
     holds: list[socket.socket] = field(default_factory=list)   # its services' ports (port_taker), until stop
+    front_door_held: bool = False     # its front door's port is held by the run (hold_front_door)
 
     def hold_port(self, host: str, port: int) -> None:
-        """Hold ``port`` of ``host`` (the front door's) until the stack stops. Raises
-        RuntimeError when it is taken."""
-        _take_held(host, port, self.holds, "")
+        """Hold ``port`` of ``host`` (the front door's) until the stack stops, unless the run
+        holds it already (:func:`hold_front_door`). Raises RuntimeError when it is taken."""
+        if port in _RUN_HOLDS:
+            self.front_door_held = True
+        else:
+            _take_held(host, port, self.holds, "")
 
     def start(self, name: str, *argv: str) -> None:
         self.adopt(name, self._spawn(name, argv, "wb"), respawn=lambda: self._spawn(name, argv, "ab"))
@@ -166,7 +194,8 @@ class Stack:
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
             return subprocess.Popen([sys.executable, "-m", "launcher", *argv], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **self.env, **({HELD_ENV: "1"} if self.holds else {})},
+                                    env={**os.environ, **self.env,
+                                         **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})},
                                     preexec_fn=_die_with_parent)
 
     def pid(self, name: str) -> int:

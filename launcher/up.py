@@ -7,7 +7,6 @@ on then pool off, side by side; scheduler/replay/compare.py) or serving until Ct
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from kvstore.auth import ENGINE_TOKEN_ENV, METRICS_TOKEN_ENV, REDIS_URL_ENV, STO
 from kvstore.errors import Unavailable
 from kvstore.events.channel import EVENTS_URL_ENV
 from launcher.flags import connection_flags
+from launcher.stack_record import forget_stack, record_stack
 from launcher.supervisor import (
     MAX_RESTARTS,
     Stack,
@@ -26,9 +26,9 @@ from launcher.supervisor import (
     _Stopped,
     _wait_grpc,
     _wait_http,
-    free_port,
-    port_is_free,
+    hold_front_door,
     port_taker,
+    release_front_door,
 )
 
 PROFILE_BUDGET_S = 30.0      # engines/profiling.py BUDGET_S (not imported: it would load torch here)
@@ -108,11 +108,13 @@ def preflight(args: argparse.Namespace) -> int | None:
     elif getattr(args, "replay", None) and (problem := _trace_problem(args)) is not None:
         pass
     else:
-        http_port = args.port or free_port(host)
-        problem = None if port_is_free(host, http_port) else (
-            f"port {http_port} on {host} is in use (another front door?); "
-            "pick another with --port, or --port 0 for a free one")
-        problem = problem or fresh_data_dir(args.data_dir, args.keep_data)
+        try:   # held from here to the end of kvstore up (release_front_door)
+            http_port = hold_front_door(host, args.port)
+        except RuntimeError:
+            problem = (f"port {args.port} on {host} is in use (another front door?); "
+                       "pick another with --port, or --port 0 for a free one")
+        if not problem and (problem := fresh_data_dir(args.data_dir, args.keep_data)):
+            release_front_door(http_port)
     if problem:
         print(f"kvstore up: {problem}", file=sys.stderr)
         return None
@@ -226,6 +228,7 @@ def run_up(args: argparse.Namespace) -> int:
         stack.stopping = True   # a signal from here on kills the children, never unwinds
         forget_stack(up_record)
         stack.stop()
+        release_front_door()
         print("stopped all services", flush=True)
 
 
@@ -315,52 +318,6 @@ def _start_front_door(stack: Stack, args: argparse.Namespace, lay: _Layout, pool
     print(f"front door     {url}  (POST /v1/completions and /v1/chat/completions, "
           "GET /health, GET /metrics, GET /status)", flush=True)
     return url
-
-
-def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
-                 redis_url: str | None, vllm: dict | None = None) -> str:
-    """Record the running stack where kvctl looks (kvstore/kvctl/common.py ``up_file``:
-    ``$XDG_RUNTIME_DIR/kvstore/up-<pid>.json``, mode 0600, one per running ``kvstore up``):
-    this process's pid, the store nodes', engines' and front door's addresses, the path of its
-    ``auth.env`` (which gets the Redis URL too, since a private Redis's holds its password)
-    and over vLLM what its keys are made of (``vllm``: model, block_size, ...). Records of a
-    ``kvstore up`` that died without removing its own are removed. Returns the file's path."""
-    import glob
-    import json
-
-    from kvstore.kvctl.common import pid_alive, up_file
-    for stale in glob.glob(os.path.join(os.path.dirname(up_file()), "up-*.json")):
-        pid = os.path.basename(stale)[3:-5]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            with contextlib.suppress(OSError):
-                os.remove(stale)
-    auth_env = os.path.abspath(os.path.join(data_dir, "auth.env"))
-    if redis_url:
-        with open(auth_env, "a") as f:
-            f.write(f"{REDIS_URL_ENV}={redis_url}\n")
-    path = up_file()
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    doc = {"version": 1, "pid": os.getpid(), "stores": stores, "engines": engines, "frontdoor": url,
-           "auth_env": auth_env, "data_dir": os.path.abspath(data_dir), "cluster": bool(redis_url), "vllm": vllm}
-    fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(f"{path}.tmp", path)
-    print(f"kvctl          finds this stack through {path} (kvctl tiers, kvctl nodes, ...; "
-          f"kvctl --stack {os.getpid()} ... when several run)", flush=True)
-    return path
-
-
-def forget_stack(path: str | None) -> None:
-    """Remove the record :func:`record_stack` wrote, if it is still this process's."""
-    if not path:
-        return
-    import json
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            mine = json.load(f).get("pid") == os.getpid()
-        if mine:
-            os.remove(path)
 
 
 def stack_tokens(data_dir: str) -> dict[str, str]:

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from engines.vllm.launch import BLOCK_SIZE
 from kvstore.errors import Unavailable
 from launcher.flags import json_object, positive_int
-from launcher.supervisor import _serve_until_signal
-from launcher.up import forget_stack, preflight, record_stack, stack_tokens, write_api_keys
+from launcher.stack_record import forget_stack, record_stack
+from launcher.supervisor import _serve_until_signal, release_front_door
+from launcher.up import preflight, stack_tokens, write_api_keys
 
 
 def add_vllm_up_flags(p: argparse.ArgumentParser) -> None:
@@ -106,6 +107,13 @@ def run_up_vllm(args: argparse.Namespace) -> int:
     http_port = preflight(args)
     if http_port is None:
         return 2
+    try:
+        return _run(args, http_port)
+    finally:
+        release_front_door()   # held since the preflight, across the set-ups
+
+
+def _run(args: argparse.Namespace, http_port: int) -> int:
     model = args.model or default_checkpoint(args.vllm_max_model_len)
     # Nothing it starts serves a caller without a token: the store takes KVSTORE_STORE_TOKEN,
     # the vLLM instances the engines' token as their API key (only the front door sets a

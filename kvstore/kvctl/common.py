@@ -167,7 +167,7 @@ class Target:
     source: str = "flag"
     engines: list[str] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)
-    vllm: dict[str, Any] | None = None   # a vLLM stack's key spec (launcher/up.py record_stack)
+    vllm: dict[str, Any] | None = None   # a vLLM stack's key spec (launcher/stack_record.py)
     # tokens read from a stack's auth.env go to that stack's own nodes and engines only
     token_from_stack: bool = False
     engine_token_from_stack: bool = False

@@ -77,7 +77,7 @@ def test_a_bad_namespace_on_a_put_is_refused(node):
 
 
 def test_kvctl_finds_the_stack_kvstore_up_recorded(node, tmp_path, monkeypatch):
-    from launcher.up import forget_stack, record_stack
+    from launcher.stack_record import forget_stack, record_stack
     env = kvctl_env(tmp_path, token=None)
     monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
     data = tmp_path / "up"
@@ -114,7 +114,7 @@ def test_kvctl_sends_a_stacks_token_to_its_own_nodes_only(node, tmp_path, monkey
     of every tenant's blocks) to ADDR even when the stack holds no node there."""
     from concurrent import futures
 
-    from launcher.up import forget_stack, record_stack
+    from launcher.stack_record import forget_stack, record_stack
     env = kvctl_env(tmp_path, token=None)
     monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
     (tmp_path / "up").mkdir()
@@ -161,8 +161,8 @@ def test_kvctl_never_sends_a_stacks_token_to_whoever_holds_its_ports_on_ipv6_loo
     address instead."""
     from concurrent import futures
 
+    from launcher.stack_record import forget_stack, record_stack
     from launcher.supervisor import free_port
-    from launcher.up import forget_stack, record_stack
     env = kvctl_env(tmp_path, token=None)
     monkeypatch.setenv("KVSTORE_UP_FILE", env["KVSTORE_UP_FILE"])
     (tmp_path / "up").mkdir()
@@ -227,7 +227,7 @@ def test_kvctl_with_several_stacks_running_asks_which(spawn_store_node, tmp_path
     import json
     import subprocess
 
-    from launcher.up import record_stack
+    from launcher.stack_record import record_stack
     other_token = "other-store-token-0123456789"
     nodes = {}
     for name, token in (("stack-a-node", TOKEN), ("stack-b-node", other_token)):

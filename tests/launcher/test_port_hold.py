@@ -71,3 +71,32 @@ def test_a_grpc_service_binds_beside_its_hold_only_when_told(monkeypatch):
     finally:
         for sock in holds:
             sock.close()
+
+
+def test_the_front_doors_port_is_held_from_the_preflight_to_the_end_of_kvstore_up(tmp_path, capsys):
+    """``kvstore up --port 0`` picks the front door's port by holding it, in its preflight, and
+    holds it until it ends, across the stacks it starts one after another (a comparison's
+    set-ups): there is no moment between the pick and the front door's start, or between two
+    set-ups, when another user could bind it. A second kvstore up is refused the port."""
+    import argparse
+
+    from launcher.supervisor import port_is_free, release_front_door
+    from launcher.up import preflight
+    args = argparse.Namespace(host="127.0.0.1", port=0, data_dir=str(tmp_path / "up"), keep_data=False, replay=None)
+    port = preflight(args)
+    assert port
+    try:
+        assert binds_as_nobody("127.0.0.1", port) == ["EADDRINUSE"] * 8
+        for _ in range(2):            # two set-ups, one after the other
+            stack = Stack(log_dir=str(tmp_path / "logs"))
+            stack.hold_port("127.0.0.1", port)
+            assert stack.front_door_held and stack.holds == []     # the run's hold, not the stack's
+            stack.stop()
+            assert binds_as_nobody("127.0.0.1", port) == ["EADDRINUSE"] * 8
+        again = argparse.Namespace(**{**vars(args), "port": port, "data_dir": str(tmp_path / "up2")})
+        assert preflight(again) is None
+        assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+        assert binds_as_nobody("127.0.0.1", port) == ["EADDRINUSE"] * 8    # still the first one's
+    finally:
+        release_front_door()
+    assert port_is_free("127.0.0.1", port)
