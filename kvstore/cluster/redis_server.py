@@ -29,7 +29,7 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     if binary is None:
         raise RuntimeError("redis-server is not installed; pass --redis URL or install redis-server")
     if unix_socket:
-        listen = f"port 0\nunixsocket {unix_socket}\nunixsocketperm 700\n"
+        listen = f"port 0\nunixsocket {_config_string(unix_socket)}\nunixsocketperm 700\n"
     else:
         if not port:
             with socket.socket() as s:
@@ -40,13 +40,13 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     # The settings go on standard input ("-": read the config from stdin), so a password is
     # never in the process list.
     conf = (listen + "save \"\"\nappendonly no\nprotected-mode yes\n"
-            + (f"requirepass {password}\n" if password else ""))
+            + (f"requirepass {_config_string(password)}\n" if password else ""))
     proc = subprocess.Popen([*argv_prefix, binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(conf.encode())
     proc.stdin.close()
     auth = f":{quote(password, safe='')}@" if password else ""
-    url = f"unix://{auth}{unix_socket}?db=0" if unix_socket else f"redis://{auth}{host}:{port}/0"
+    url = f"unix://{auth}{quote(unix_socket)}?db=0" if unix_socket else f"redis://{auth}{host}:{port}/0"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -57,6 +57,11 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
                 proc.kill()
                 raise RuntimeError(f"redis-server did not start on {unix_socket or f'port {port}'}") from None
             time.sleep(0.05)
+
+
+def _config_string(text: str) -> str:
+    """``text`` as one argument of a redis.conf line, whatever it holds (spaces, quotes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def _connect(unix_socket: str | None, host: str, port: int) -> None:

@@ -308,8 +308,18 @@ def test_the_private_redis_socket_moves_to_a_private_directory_when_the_data_dir
         import redis
         client = redis.Redis.from_url(url)
         assert url == f"unix://:pw@{path}?db=0" and client.ping()
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(unix_socket_path=path).ping()
+        client.close()
+    finally:
+        stop_private_redis(proc)
+    # a data directory and a password of any characters: quoted in the config and the URL
+    odd = tmp_path / 'a "b" c%20?#'
+    odd.mkdir()
+    proc, url = start_private_redis(password='p w"%@', unix_socket=socket_path(str(odd)))
+    try:
+        client = redis.Redis.from_url(url)
+        assert client.ping() and (odd / "redis.sock").is_socket()
+        with pytest.raises(redis.AuthenticationError):      # the password is needed
+            redis.Redis(unix_socket_path=str(odd / "redis.sock")).ping()
         client.close()
     finally:
         stop_private_redis(proc)
