@@ -9,19 +9,22 @@ front door, two instances of the bench checkpoint, one per core, each with a KV 
 tokens; TTFT ≤ 2 s, mean ITL ≤ 0.2 s) replayed at a sweep of speeds, vLLM alone and kvstore at
 each (``--setups vllm,kvstore``). A speed's request rate is the requests over the trace span they
 arrive in, times the speed. Per set-up and rate: the SLO attainment (requests that met both SLOs
-over requests sent; a rejected or failed request misses). A set-up's capacity at a goal: the
+over requests sent; a rejected or failed request misses), pooled over ``--repeats`` replays of
+each rate (a few requests decide an attainment near the goal). A set-up's capacity at a goal: the
 highest rate before its attainment first falls below the goal, interpolated linearly between the
 last swept rate that holds it and the next; a set-up that holds it at every swept rate has at
 least the highest one (``lower_bound``), one that holds it at none has no figure.
 
 Keys: ``sweep`` (per speed, per set-up: ``attainment``, ``met_slo``, ``requests``, ``rejected``,
-``ttft_missed``, ``itl_missed``, ``not_completed``, ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p99_s``,
-``goodput_rps``), ``capacity.<set-up>.<goal>``
+``ttft_missed``, ``itl_missed``, ``not_completed`` over the repeats pooled; ``ttft_p50_s``,
+``ttft_p99_s``, ``itl_p99_s``, ``goodput_rps`` their means over the repeats; ``attainments``,
+each repeat's), ``capacity.<set-up>.<goal>``
 (``rate_rps``, ``lower_bound``), ``ratios.capacity_kvstore_vs_vllm_at_<goal %>`` (kvstore's
 capacity ÷ vLLM alone's; ``ratios.…_lower_bound`` true where it is one). No target: the issue's
-goodput target is the demo's figure. About 25 minutes with the default speeds.
+goodput target is the demo's figure. About 17 minutes per repeat with the default speeds.
 
     python benchmarks/bench_capacity.py [--speeds 1,2,3,4,6] [--goals 0.5,0.6,0.7,0.8,0.9] [--requests 100]
+                                        [--repeats 2]
 """
 from __future__ import annotations
 
@@ -73,6 +76,23 @@ def point(setup: dict[str, Any]) -> dict[str, Any]:
             "itl_p99_s": report["tbt_p99_s"], "goodput_rps": report["goodput_rps"]}
 
 
+POOLED = ("met_slo", "requests", "rejected", "ttft_missed", "itl_missed", "not_completed")
+AVERAGED = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "goodput_rps")
+
+
+def pooled(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """One set-up's figures at one rate over its repeats (:func:`point` each): the counts
+    summed, the attainment of the sum, the latencies and goodput averaged, each repeat's
+    attainment kept."""
+    out: dict[str, Any] = {k: sum(p[k] for p in points) for k in POOLED}
+    out["attainment"] = out["met_slo"] / out["requests"] if out["requests"] else 0.0
+    for k in AVERAGED:
+        values = [p[k] for p in points if p[k] is not None]
+        out[k] = sum(values) / len(values) if values else None
+    out["attainments"] = [p["attainment"] for p in points]
+    return out
+
+
 def capacity(rates: list[float], attainment: list[float], goal: float) -> dict[str, Any]:
     """The highest rate before ``attainment`` first falls below ``goal`` (rates ascending),
     interpolated to the first rate that misses it; None when the lowest rate misses it."""
@@ -99,24 +119,28 @@ def ratios(caps: dict[str, dict[str, dict[str, Any]]], goals: list[float]) -> di
     return out
 
 
-def run(speeds: list[float], goals: list[float], requests: int, timeout_s: float) -> dict[str, Any]:
+def run(speeds: list[float], goals: list[float], requests: int, timeout_s: float,
+        repeats: int = 1) -> dict[str, Any]:
     span = trace_span_s(requests)
     sweep = []
     t0 = time.monotonic()
     for n, speed in enumerate(sorted(speeds)):
         rate = requests / (span / speed)
-        print(f"== speed {speed:g} ({rate:.2f} req/s), {n + 1} of {len(speeds)}; "
-              f"{time.monotonic() - t0:.0f} s so far", flush=True)
-        report = replay(speed, requests, timeout_s)
-        row = {"speed": speed, "rate_rps": rate,
-               "setups": {name: point(report["setups"][name]) for name in SETUPS}}
-        sweep.append(row)
-        print("   " + "; ".join(f"{name}: {p['met_slo']} of {p['requests']} met both SLOs, TTFT p50 "
-                                f"{p['ttft_p50_s'] or 0:.2f} s" for name, p in row["setups"].items()), flush=True)
+        points: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
+        for k in range(repeats):
+            print(f"== speed {speed:g} ({rate:.2f} req/s), {n + 1} of {len(speeds)}, replay {k + 1} of {repeats}; "
+                  f"{time.monotonic() - t0:.0f} s so far", flush=True)
+            report = replay(speed, requests, timeout_s)
+            for name in SETUPS:
+                points[name].append(point(report["setups"][name]))
+            print("   " + "; ".join(f"{name}: {p[-1]['met_slo']} of {p[-1]['requests']} met both SLOs, TTFT p50 "
+                                    f"{p[-1]['ttft_p50_s'] or 0:.2f} s" for name, p in points.items()), flush=True)
+        sweep.append({"speed": speed, "rate_rps": rate, "setups": {name: pooled(points[name]) for name in SETUPS}})
     rates = [row["rate_rps"] for row in sweep]
     caps = {name: {str(g): capacity(rates, [row["setups"][name]["attainment"] for row in sweep], g) for g in goals}
             for name in SETUPS}
-    settings = {"requests": requests, "window_s": WINDOW_S, "trace_span_s": span, "speeds": sorted(speeds),
+    settings = {"requests": requests, "repeats": repeats, "window_s": WINDOW_S, "trace_span_s": span,
+                "speeds": sorted(speeds),
                 "goals": goals, "setups": list(SETUPS), "wall_s": time.monotonic() - t0,
                 "slos": "TTFT <= 2 s, mean ITL of a request <= 0.2 s (kvstore up's defaults)",
                 "replay": "kvstore up --replay over vLLM at its defaults (make demo's set-up), --setups vllm,kvstore"}
@@ -141,15 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goals", type=_numbers, default=[0.5, 0.6, 0.7, 0.8, 0.9],
                    help="SLO-attainment goals (fractions of the requests) to give each set-up's capacity at")
     p.add_argument("--requests", type=int, default=100, help="trace requests per replay (the demo's)")
-    p.add_argument("--timeout-s", type=float, default=1200.0, help="limit on one speed's two replays")
+    p.add_argument("--repeats", type=int, default=2, help="replays of each speed, pooled")
+    p.add_argument("--timeout-s", type=float, default=1200.0, help="limit on one replay of both set-ups")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats: at least 1")
     if any(g > 1 for g in args.goals):
         p.error("--goals: fractions of the requests, at most 1")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks.run_info import write_results
     try:
-        result = run(args.speeds, args.goals, args.requests, args.timeout_s)
+        result = run(args.speeds, args.goals, args.requests, args.timeout_s, args.repeats)
     except RuntimeError as exc:
         print(f"bench_capacity: {exc}", file=sys.stderr)
         return 1

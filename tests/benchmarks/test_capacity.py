@@ -36,3 +36,17 @@ def test_the_ratio_is_none_where_vllm_alone_has_no_upper_figure_and_flagged_wher
     out = bench.ratios(caps, [0.8, 0.9])
     assert out["capacity_kvstore_vs_vllm_at_80"] == 2.0 and out["capacity_kvstore_vs_vllm_at_80_lower_bound"]
     assert out["capacity_kvstore_vs_vllm_at_90"] is None and not out["capacity_kvstore_vs_vllm_at_90_lower_bound"]
+
+
+def test_repeats_pool_the_counts_and_average_the_latencies(bench):
+    """A rate's repeats: the attainment is that of the pooled requests (not a mean of shares),
+    each repeat's kept; latencies and goodput are averaged over the repeats that have one."""
+    def one(met: int, sent: int, p99: float | None) -> dict:
+        return {"attainment": met / sent, "met_slo": met, "requests": sent, "rejected": 1, "ttft_missed": 2,
+                "itl_missed": 0, "not_completed": 1, "ttft_p50_s": 0.5, "ttft_p99_s": p99, "itl_p99_s": 0.1,
+                "goodput_rps": 1.0}
+    out = bench.pooled([one(76, 100, 4.0), one(86, 100, None), one(9, 10, 2.0)])
+    assert out["met_slo"] == 171 and out["requests"] == 210 and out["rejected"] == 3
+    assert out["attainment"] == pytest.approx(171 / 210)
+    assert out["attainments"] == [0.76, 0.86, 0.9]
+    assert out["ttft_p99_s"] == pytest.approx(3.0) and out["ttft_p50_s"] == pytest.approx(0.5)
