@@ -261,7 +261,7 @@ class StoreConfig:
         if self.dataplane_socket == "auto":
             import os
             path = os.path.abspath(os.path.join(self.data_dir, self.node_id, "dataplane.sock"))
-            if len(path) < MAX_SOCKET_PATH:
+            if len(os.fsencode(path)) < MAX_SOCKET_PATH:     # sun_path counts bytes
                 return path
             name = f"{self.node_id}-{os.getpid()}.sock"
             return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(name)), name)
@@ -289,7 +289,7 @@ def _tier_spec(item: Any) -> TierSpec:
         return TierSpec(str(item["kind"]), parse_bytes(item["bytes"]))
     raise ValueError(f"a tier is {{kind = NAME, bytes = SIZE}} or 'NAME=SIZE', got {item!r}")
 
-MAX_SOCKET_PATH = 100    # sun_path holds 108 bytes on Linux, 104 on macOS
+MAX_SOCKET_PATH = 100    # bytes: sun_path holds 108 on Linux, 104 on macOS
 
 
 def private_socket_dir(max_len: int = MAX_SOCKET_PATH - 40) -> str:
@@ -306,7 +306,7 @@ def private_socket_dir(max_len: int = MAX_SOCKET_PATH - 40) -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     candidates = [os.path.join(runtime, "kvstore")] if runtime and os.path.isabs(runtime) else []
     candidates.append(os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}"))
-    path = next((c for c in candidates if len(c) < max_len), candidates[-1])
+    path = next((c for c in candidates if len(os.fsencode(c)) < max_len), candidates[-1])
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -21,6 +21,7 @@ from launcher.stack_record import forget_stack, record_stack
 from launcher.supervisor import (
     MAX_RESTARTS,
     Stack,
+    _die_with_parent,
     _install_stop_handlers,
     _serve_until_signal,
     _Stopped,
@@ -61,13 +62,17 @@ def fresh_data_dir(path: str, keep: bool) -> str | None:
     """Prepare ``kvstore up``'s data directory (0700): wiped at start unless ``keep``, but
     only when it is empty or one kvstore up made (it holds :data:`STACK_MARK`), so a wrong
     ``--data-dir`` never deletes someone's files; and never while another ``kvstore up``
-    runs on it (each holds a lock on its directory for its lifetime). Returns an error
+    runs on it (each holds a lock on its directory for its lifetime). A directory of another
+    user's is refused untouched (root's chmod would leave it theirs). Returns an error
     message, or None."""
     given, path = path, os.path.realpath(path)   # a link to a directory elsewhere means that one
     busy = (f"--data-dir {given} is in use by another kvstore up that is still running (its tokens, "
             f"logs and blocks are there); stop it first, or give another --data-dir")
     try:
         if os.path.isdir(path):
+            if os.stat(path).st_uid != os.geteuid():    # checked before it is changed in any way
+                return (f"--data-dir {given} belongs to another user (uid {os.stat(path).st_uid}), who could read "
+                        "the stack's tokens, logs and blocks there; give a directory of your own")
             if not _hold(path):
                 return busy
             if not keep and os.listdir(path):
@@ -166,7 +171,7 @@ class _Layout:
     store_ports: list[int]
     engines: list[tuple[str, str, int]]
     metrics_ports: dict[str, int]
-    private_redis: bool = False   # one of its own, on a Unix socket in the data directory (_redis)
+    private_redis: bool = False   # one of its own, on a Unix socket (_redis)
 
     def store_name(self, i: int) -> str:
         return "store" if len(self.store_ports) == 1 else f"store-{i}"
@@ -202,8 +207,7 @@ def run_up(args: argparse.Namespace) -> int:
         lay = _layout(args, http_port, stack)
         stack.env.update(stack_tokens(args.data_dir))
         keys_file = write_api_keys(args)
-        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports),
-                                          args.data_dir if lay.private_redis else None)
+        redis_url, private_redis = _redis(stack, getattr(args, "redis", None), len(lay.store_ports), lay.private_redis)
         # Engines and the scheduler find a cluster's nodes in Redis; a single node by address.
         redis_flags = [] if private_redis or not redis_url else ["--redis", redis_url]
         pool_flags = redis_flags if len(lay.store_ports) > 1 else ["--store", f"{lay.host}:{lay.store_ports[0]}"]
@@ -232,17 +236,18 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopped all services", flush=True)
 
 
-def _redis(stack: Stack, redis_url: str | None, n_store: int, data_dir: str | None) -> tuple[str | None, bool]:
-    """The Redis of the stack and whether it is a private one started here (``data_dir``: the
+def _redis(stack: Stack, redis_url: str | None, n_store: int, private: bool) -> tuple[str | None, bool]:
+    """The Redis of the stack and whether it is a private one started here (``private``: the
     layout wants one): a cluster's registry, and the channel of the KV events the scheduler's
     index replica reads (scheduler/routing/cache_index.py). A private one listens on a Unix
-    socket in the 0700 data directory: no other user can reach it or take its address first."""
+    socket in this user's 0700 socket directory (no other user can reach it or take its
+    address first) and dies with kvstore up, even by SIGKILL."""
     private_redis = False
-    if not redis_url and data_dir:
+    if not redis_url and private:
         from kvstore.cluster.redis_server import redact_url, socket_path, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
-                                              unix_socket=socket_path(data_dir))
+                                              unix_socket=socket_path(), preexec_fn=_die_with_parent)
         stack.adopt("redis", proc)
         print(f"redis          {redact_url(redis_url)}  (private: KV events{', membership' if n_store > 1 else ''}; "
               "no persistence)", flush=True)

@@ -127,7 +127,10 @@ class PoolLink:
 
     @property
     def target(self) -> str:
-        return f"cluster at {self.cfg.redis}" if self.cfg.redis else f"store node {self.cfg.store}"
+        if self.cfg.redis:    # the URL may hold the Redis password: never in a log line
+            from kvstore.cluster.redis_server import redact_url
+            return f"cluster at {redact_url(self.cfg.redis)}"
+        return f"store node {self.cfg.store}"
 
     def _get_client(self) -> Any:
         """The client, made on first use; None while backing off after a failure."""

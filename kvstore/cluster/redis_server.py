@@ -10,21 +10,24 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 
 def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
                         password: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                        argv_prefix: Sequence[str] = (), unix_socket: str | None = None
-                        ) -> tuple[subprocess.Popen, str]:
+                        argv_prefix: Sequence[str] = (), unix_socket: str | None = None,
+                        preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``redis-server`` (no persistence) on the Unix socket ``unix_socket`` (mode 0700,
     TCP off; its directory should be this user's alone: :func:`socket_path`), else bound to
     ``host`` only on ``port`` (0: a free one of this network namespace's). Returns the process
     and its URL (``unix://:PASSWORD@/PATH?db=0`` or ``redis://:PASSWORD@HOST:PORT/0`` with a
     ``password``, which every client then needs). ``argv_prefix`` goes before the server's
     command line (``["ip", "netns", "exec", NS]``: give a ``port``, the free-port probe runs
-    here). Raises RuntimeError when the binary is missing or does not start."""
+    here); ``preexec_fn`` runs in the child before it (a supervisor's death signal). It has
+    started once it answers PING under ``password`` while its process runs, so a server left
+    on the same address by an earlier run is never taken for it. Raises RuntimeError when the
+    binary is missing or does not start (its log's path named)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed; pass --redis URL or install redis-server")
@@ -41,7 +44,8 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     # never in the process list.
     conf = (listen + "save \"\"\nappendonly no\nprotected-mode yes\n"
             + (f"requirepass {_config_string(password)}\n" if password else ""))
-    proc = subprocess.Popen([*argv_prefix, binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+    proc = subprocess.Popen([*argv_prefix, binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                            preexec_fn=preexec_fn)
     assert proc.stdin is not None
     proc.stdin.write(conf.encode())
     proc.stdin.close()
@@ -49,14 +53,13 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     url = f"unix://{auth}{quote(unix_socket)}?db=0" if unix_socket else f"redis://{auth}{host}:{port}/0"
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            _connect(unix_socket, host, port)
+        if _answers(url) and proc.poll() is None:
             return proc, url
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"redis-server did not start on {unix_socket or f'port {port}'}") from None
-            time.sleep(0.05)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"redis-server did not start on {unix_socket or f'port {port}'}"
+                               + (f" (its log: {log_path})" if log_path else "")) from None
+        time.sleep(0.05)
 
 
 def _config_string(text: str) -> str:
@@ -64,28 +67,27 @@ def _config_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _connect(unix_socket: str | None, host: str, port: int) -> None:
-    """Connect to the server's socket and close again; OSError while nothing listens there."""
-    if unix_socket:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(0.2)
-            s.connect(unix_socket)
-    else:
-        socket.create_connection((host, port), timeout=0.2).close()
+def _answers(url: str) -> bool:
+    """Whether the server at ``url`` answers PING under the URL's password."""
+    import redis
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.2)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
 
 
-def socket_path(data_dir: str) -> str:
-    """Where ``kvstore up`` puts its private Redis's socket: ``DATA_DIR/redis.sock`` (the data
-    directory is 0700), or, when that path is too long for a Unix socket,
-    ``redis-<pid>.sock`` in this user's private socket directory
-    (:func:`kvstore.config.private_socket_dir`). Raises OSError when that directory cannot be
-    had."""
+def socket_path() -> str:
+    """Where ``kvstore up`` puts its private Redis's socket: ``redis-<pid>.sock`` in this
+    user's private socket directory (:func:`kvstore.config.private_socket_dir`: 0700, this
+    user's, checked; ``$XDG_RUNTIME_DIR/kvstore`` or ``/tmp/kvstore-<uid>``), never in a
+    directory someone else could own or rename (a ``--data-dir`` under another user's
+    directory). Raises OSError when that directory cannot be had."""
     import os
 
     from kvstore.config import MAX_SOCKET_PATH, private_socket_dir
-    path = os.path.abspath(os.path.join(data_dir, "redis.sock"))
-    if len(path) < MAX_SOCKET_PATH:
-        return path
     name = f"redis-{os.getpid()}.sock"
     return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(name)), name)
 

@@ -77,8 +77,9 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
         return (info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size,
                 f"engine {engine}", ())
     if args.model is None or args.block_size is None:
-        raise InvalidArgument("give --engine ADDR (its Info has the key spec), or --model, --block-size "
-                              "(and --revision, --layout) by hand")
+        raise InvalidArgument("no engine to take the key spec from (no kvstore up found, or --stack names none): "
+                              "give --engine ADDR (its Info has the key spec), or --model, --block-size (and "
+                              "--revision, --layout) by hand")
     if args.block_size < 1:
         raise InvalidArgument(f"--block-size is tokens per block, >= 1; got {args.block_size}")
     layout = KVLayout.from_json(args.layout) if args.layout else None
@@ -92,7 +93,8 @@ def vllm_key_spec(record: dict[str, Any]) -> tuple[str, str, KVLayout | None, in
     spec = record.get("key_spec")
     if not isinstance(spec, dict):
         raise InvalidArgument("this kvstore up serves vLLM and its record holds no key spec (a kvstore up of "
-                              "another version): restart it, or give --model, --revision, --layout, --block-size")
+                              "another version): restart it with this version; the connector's keys hold its block "
+                              "format, which no flag of kvctl lookup gives")
     return (spec["model_id"], spec["revision"], KVLayout.from_json(spec["layout"]), int(spec["block_size"]),
             f"kvstore up's vLLM connector, checkpoint {record.get('model')}", tuple(spec["other"]))
 
@@ -137,7 +139,13 @@ def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("lookup", help="key a prompt as the engines do; per block: key, node, tier, size, pins")
+    p = sub.add_parser("lookup", help="key a prompt as the engines do; per block: key, node, tier, size, pins",
+                       description="Make a prompt's block keys as the engines make them and say where each block "
+                                   "is held (node, tiers, size, pin) and how long a prefix the pool holds. The key "
+                                   "spec comes from kvstore up's record (over vLLM: the connector's keys, the "
+                                   "prompt tokenized by the checkpoint's tokenizer), --engine's Info, or --model "
+                                   "and the flags after it; the tenant from --tenant or --namespace (default: "
+                                   "the front door's 'public').")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (tokenized as the front door does)")
     g.add_argument("--tokens", help="token ids, comma- or space-separated")
@@ -146,7 +154,8 @@ def add_commands(sub: Any) -> None:
                      help="the tenant's API key (default: the public namespace; --namespace key-<16 hex> "
                           "names it without the key showing in ps)")
     who.add_argument("--namespace", type=namespace_arg, help="the namespace itself (key-<16 hex>, public, ...)")
-    p.add_argument("--engine", metavar="ADDR", help="an engine whose Info gives the key spec (default: kvstore up's)")
+    p.add_argument("--engine", metavar="ADDR", help="a built-in engine whose Info gives the key spec (default: "
+                   "kvstore up's first engine; over vLLM, the stack's record)")
     p.add_argument("--engine-token", help="the engines' token (default: KVSTORE_ENGINE_TOKEN)")
     p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face checkpoint's tokenizer for --prompt "
                    "(default: after kvstore up over vLLM, its checkpoint's; else the tiny model's byte tokenizer)")

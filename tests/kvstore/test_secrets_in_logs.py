@@ -46,3 +46,14 @@ def test_a_redis_password_is_never_logged(tmp_path, caplog) -> None:
         if node is not None:
             node.stop(grace_s=0)
         stop_private_redis(proc)
+
+
+def test_the_vllm_connector_names_its_cluster_without_the_redis_password() -> None:
+    """The connector's log lines name its pool (``PoolLink.target``: at start, and in every
+    lookup, load or save failure); in cluster mode that is the Redis URL, shown with the
+    password as ``***``."""
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
+    password = new_token()
+    for url in (f"redis://:{password}@127.0.0.1:6390/0", f"unix://:{password}@/run/kvstore/redis-1.sock?db=0"):
+        target = PoolLink(ConnectorConfig(redis=url)).target
+        assert password not in target and ":***@" in target, target

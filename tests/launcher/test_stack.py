@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from launcher.supervisor import BACKOFF_S, Stack
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_crashing_child_is_restarted_with_back_off_then_given_up(tmp_path, capsys):
@@ -101,6 +104,23 @@ def test_kvstore_up_wipes_only_a_data_dir_it_made(tmp_path) -> None:
     a_file.write_text("not a directory")
     problem = fresh_data_dir(str(a_file), keep=False)      # was a raw "[Errno 17] File exists"
     assert problem and "cannot be used as a directory" in problem and a_file.read_text() == "not a directory"
+
+
+def test_kvstore_up_refuses_a_data_dir_of_another_user_and_leaves_it_as_it_is(tmp_path) -> None:
+    """A --data-dir another user made (root could chmod it 0700, and it would still be theirs,
+    its tokens, logs and blocks readable by them) is refused before anything in it changes."""
+    import pwd
+
+    from launcher.up import fresh_data_dir
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user's")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chmod(theirs, 0o777)
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    problem = fresh_data_dir(str(theirs), keep=False)
+    assert problem and "belongs to another user" in problem and "a directory of your own" in problem
+    assert (theirs.stat().st_mode & 0o777) == 0o777 and list(theirs.iterdir()) == []
 
 
 def test_kvstore_up_never_wipes_a_running_stack_or_an_unmarked_directory(tmp_path) -> None:
@@ -292,37 +312,61 @@ def test_every_port_of_the_layout_is_held_and_the_private_redis_takes_none(monke
     other.stop()
 
 
-def test_the_private_redis_socket_moves_to_a_private_directory_when_the_data_dir_is_too_deep(tmp_path):
-    """A Unix socket's path has at most 107 bytes: under a deep ``--data-dir`` the private
-    Redis's socket goes to this user's 0700 socket directory instead, and still serves."""
+def test_the_private_redis_is_in_this_users_socket_directory_and_answers_only_its_password(tmp_path):
+    """kvstore up's private Redis listens in this user's 0700 socket directory (never in a
+    --data-dir another user could own or rename), under a password of any characters (quoted
+    in its config, percent-encoded in its URL); it has started only once it answers PING
+    under that password, so a listener already on the path is never taken for it."""
+    import socket
     import stat
 
+    import redis
+
     from kvstore.cluster.redis_server import socket_path, start_private_redis, stop_private_redis
-    assert socket_path(str(tmp_path)) == str(tmp_path / "redis.sock")
-    deep = tmp_path / ("d" * 120)
-    path = socket_path(str(deep))
-    assert len(path) < 100 and not path.startswith(str(tmp_path))
-    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
-    proc, url = start_private_redis(password="pw", unix_socket=path)
-    try:
-        import redis
-        client = redis.Redis.from_url(url)
-        assert url == f"unix://:pw@{path}?db=0" and client.ping()
-        client.close()
-    finally:
-        stop_private_redis(proc)
-    # a data directory and a password of any characters: quoted in the config and the URL
+    path = socket_path()
+    st = os.stat(os.path.dirname(path))
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid() and len(path) < 100
     odd = tmp_path / 'a "b" c%20?#'
     odd.mkdir()
-    proc, url = start_private_redis(password='p w"%@', unix_socket=socket_path(str(odd)))
+    stale = socket.socket(socket.AF_UNIX)        # a listener left on the path (not a Redis)
+    stale.bind(str(odd / "redis.sock"))
+    stale.listen()
+    proc, url = start_private_redis(password='p w"%@', unix_socket=str(odd / "redis.sock"))
     try:
         client = redis.Redis.from_url(url)
-        assert client.ping() and (odd / "redis.sock").is_socket()
+        assert client.ping() and proc.poll() is None and (odd / "redis.sock").is_socket()
         with pytest.raises(redis.AuthenticationError):      # the password is needed
             redis.Redis(unix_socket_path=str(odd / "redis.sock")).ping()
         client.close()
     finally:
         stop_private_redis(proc)
+        stale.close()
+
+
+def test_the_private_redis_dies_with_kvstore_up_even_by_sigkill(tmp_path):
+    """Started with the supervisor's death signal, the private Redis stops when kvstore up is
+    killed -9 (it held the stack's Redis password, serving on, one more per kill)."""
+    import signal
+    import time
+
+    import psutil
+    code = ("import time; from kvstore.cluster.redis_server import start_private_redis, socket_path; "
+            "from launcher.supervisor import _die_with_parent; "
+            "proc, _ = start_private_redis(password='pw', unix_socket=socket_path(), preexec_fn=_die_with_parent); "
+            "print(proc.pid, flush=True); time.sleep(60)")
+    up = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        redis_pid = int(up.stdout.readline())
+        assert psutil.pid_exists(redis_pid)
+        up.send_signal(signal.SIGKILL)
+        up.wait(10)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(redis_pid) and psutil.Process(redis_pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "redis-server outlived its parent"
+            time.sleep(0.1)
+    finally:
+        if up.poll() is None:
+            up.kill()
 
 
 def test_kvstore_up_says_when_its_front_door_takes_no_api_keys(tmp_path, capsys):

@@ -79,15 +79,20 @@ def _store_port_stays_held_while_the_node_is_down(up: subprocess.Popen, port: in
         time.sleep(0.1)
 
 
-def _redis_is_on_a_socket_only_this_user_reaches(lines: list[str], data_dir: Path) -> None:
-    """The private Redis listens on a Unix socket in the 0700 data directory, on no TCP port:
-    another user can neither connect to it nor take its address first (and with it the
-    password its clients send)."""
+def _redis_is_on_a_socket_only_this_user_reaches(lines: list[str]) -> None:
+    """The private Redis listens on a Unix socket in this user's 0700 socket directory, on no
+    TCP port: another user can neither connect to it nor take its address first (and with it
+    the password its clients send)."""
+    import stat
+
     from tests.helpers.other_user import connects_as_nobody
     line = next(line for line in lines if line.startswith("redis "))
-    assert f"unix://:***@{data_dir.resolve()}/redis.sock?db=0" in line, line
-    assert (data_dir / "redis.sock").is_socket()
-    assert connects_as_nobody(str(data_dir / "redis.sock")) == "EACCES"
+    found = re.search(r"unix://:\*\*\*@(/\S+/redis-\d+\.sock)\?db=0", line)
+    assert found, line
+    path = Path(found.group(1))
+    directory = path.parent.stat()
+    assert path.is_socket() and directory.st_uid == os.geteuid() and stat.S_IMODE(directory.st_mode) == 0o700
+    assert connects_as_nobody(str(path)) == "EACCES"
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -108,7 +113,7 @@ def test_kvstore_up_with_one_store_node_feeds_the_router_from_kv_events(tmp_path
     try:
         assert ready.wait(300), "".join(lines[-40:])
         assert any(line.startswith("redis ") and "KV events" in line for line in lines), "".join(lines)
-        _redis_is_on_a_socket_only_this_user_reaches(lines, tmp_path / "up")
+        _redis_is_on_a_socket_only_this_user_reaches(lines)
         banner = "".join(lines)
         assert f"store node     127.0.0.1:{first}  " in banner and f"127.0.0.1:{first + 3}/metrics" in banner
         assert f"prefill engine prefill-0 127.0.0.1:{first + 1}" in banner, banner
