@@ -21,7 +21,7 @@ Keys: ``sweep`` (per speed, per set-up: ``attainment``, ``met_slo``, ``requests`
 each repeat's), ``capacity.<set-up>.<goal>``
 (``rate_rps``, ``lower_bound``), ``ratios.capacity_kvstore_vs_vllm_at_<goal %>`` (kvstore's
 capacity ÷ vLLM alone's; ``ratios.…_lower_bound`` true where it is one). No target: the issue's
-goodput target is the demo's figure. About 17 minutes per repeat with the default speeds.
+goodput target is the demo's figure. About 20 minutes per repeat with the default speeds.
 
     python benchmarks/bench_capacity.py [--speeds 1,2,3,4,6] [--goals 0.5,0.6,0.7,0.8,0.9] [--requests 100]
                                         [--repeats 2]
@@ -183,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     write_results(RESULTS, result)
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     for name in SETUPS:
-        print(f"  {name}: " + ", ".join(f"at {float(g):.0%}: {c['rate_rps'] or 0:.2f} req/s"
-                                        f"{' or more' if c['lower_bound'] else ''}"
+        print(f"  {name}: " + ", ".join(f"at {float(g):.0%}: " + ("none (missed at the lowest rate)"
+                                                                 if c["rate_rps"] is None else
+                                                                 f"{c['rate_rps']:.2f} req/s"
+                                                                 f"{' or more' if c['lower_bound'] else ''}")
                                         for g, c in result["capacity"][name].items()))
     for key, value in result["ratios"].items():
         if not key.endswith("_lower_bound"):
