@@ -263,8 +263,7 @@ class StoreConfig:
             path = os.path.abspath(os.path.join(self.data_dir, self.node_id, "dataplane.sock"))
             if len(os.fsencode(path)) < MAX_SOCKET_PATH:     # sun_path counts bytes
                 return path
-            name = f"{self.node_id}-{os.getpid()}.sock"
-            return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(name)), name)
+            return private_socket_path(f"{self.node_id}-{os.getpid()}.sock")
         return self.dataplane_socket or None
 
     def pool_settings(self) -> PoolSettings:
@@ -290,6 +289,13 @@ def _tier_spec(item: Any) -> TierSpec:
     raise ValueError(f"a tier is {{kind = NAME, bytes = SIZE}} or 'NAME=SIZE', got {item!r}")
 
 MAX_SOCKET_PATH = 100    # bytes: sun_path holds 108 on Linux, 104 on macOS
+
+
+def private_socket_path(name: str) -> str:
+    """``name`` in :func:`private_socket_dir`, chosen so the path fits a Unix socket. Raises
+    OSError as that does."""
+    import os
+    return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(os.fsencode(name))), name)
 
 
 def private_socket_dir(max_len: int = MAX_SOCKET_PATH - 40) -> str:

@@ -70,8 +70,9 @@ def fresh_data_dir(path: str, keep: bool) -> str | None:
             f"logs and blocks are there); stop it first, or give another --data-dir")
     try:
         if os.path.isdir(path):
-            if os.stat(path).st_uid != os.geteuid():    # checked before it is changed in any way
-                return (f"--data-dir {given} belongs to another user (uid {os.stat(path).st_uid}), who could read "
+            owner = os.stat(path).st_uid
+            if owner != os.geteuid():    # checked before it is changed in any way
+                return (f"--data-dir {given} belongs to another user (uid {owner}), who could read "
                         "the stack's tokens, logs and blocks there; give a directory of your own")
             if not _hold(path):
                 return busy

@@ -81,15 +81,14 @@ def _answers(url: str) -> bool:
 
 def socket_path() -> str:
     """Where ``kvstore up`` puts its private Redis's socket: ``redis-<pid>.sock`` in this
-    user's private socket directory (:func:`kvstore.config.private_socket_dir`: 0700, this
+    user's private socket directory (:func:`kvstore.config.private_socket_path`: 0700, this
     user's, checked; ``$XDG_RUNTIME_DIR/kvstore`` or ``/tmp/kvstore-<uid>``), never in a
     directory someone else could own or rename (a ``--data-dir`` under another user's
     directory). Raises OSError when that directory cannot be had."""
     import os
 
-    from kvstore.config import MAX_SOCKET_PATH, private_socket_dir
-    name = f"redis-{os.getpid()}.sock"
-    return os.path.join(private_socket_dir(MAX_SOCKET_PATH - 1 - len(name)), name)
+    from kvstore.config import private_socket_path
+    return private_socket_path(f"redis-{os.getpid()}.sock")
 
 
 def redact_url(url: str) -> str:

@@ -18,6 +18,7 @@ engines/tokenizer.py) or, with ``--tokenizer DIR``, by that checkpoint's tokeniz
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -60,10 +61,9 @@ def tokens_of(args: argparse.Namespace, tokenizer: str | None = None) -> list[in
         raise InvalidArgument(f"the prompt is not valid Unicode: {exc.reason}") from None
 
 
-def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | None, int, str, tuple[Any, ...]]:
-    """(model, revision, layout, block size, where they came from, the extras' ``other``)."""
-    if t.vllm and not (args.engine or args.model):
-        return vllm_key_spec(t.vllm)
+def key_spec(t: Target, args: argparse.Namespace) -> tuple[KeyExtras, int, str]:
+    """The key extras but the tenant's namespace, the block size and where they came from: an
+    engine's Info, or the flags."""
     engine = t.own(args.engine) if args.engine else (None if args.model is not None else
                                                      (t.engines[0] if t.engines else None))
     if engine:
@@ -74,8 +74,8 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
                     engine_pb2.InfoRequest(), timeout=t.timeout_s, metadata=bearer_metadata(t.engine_token_for(engine)))
             except grpc.RpcError as exc:
                 raise Unavailable(f"engine at {engine}: {exc.code().name}: {exc.details()}") from None
-        return (info.model_id, info.revision, KVLayout.from_json(info.layout_json), info.block_size,
-                f"engine {engine}", ())
+        extras = KeyExtras(model=info.model_id, revision=info.revision, layout=KVLayout.from_json(info.layout_json))
+        return extras, info.block_size, f"engine {engine}"
     if args.model is None or args.block_size is None:
         raise InvalidArgument("no engine to take the key spec from (no kvstore up found, or --stack names none): "
                               "give --engine ADDR (its Info has the key spec), or --model, --block-size (and "
@@ -83,28 +83,31 @@ def key_spec(t: Target, args: argparse.Namespace) -> tuple[str, str, KVLayout | 
     if args.block_size < 1:
         raise InvalidArgument(f"--block-size is tokens per block, >= 1; got {args.block_size}")
     layout = KVLayout.from_json(args.layout) if args.layout else None
-    return args.model, args.revision, layout, args.block_size, "flags", ()
+    return KeyExtras(model=args.model, revision=args.revision, layout=layout), args.block_size, "flags"
 
 
-def vllm_key_spec(record: dict[str, Any]) -> tuple[str, str, KVLayout | None, int, str, tuple[Any, ...]]:
+def vllm_key_spec(record: dict[str, Any]) -> tuple[KeyExtras, int, str]:
     """The vLLM connector's key spec from ``kvstore up``'s record of its stack (launcher/up_vllm.py
-    ``_key_spec``). Raises InvalidArgument when the record has none (a ``kvstore up`` of
-    another version)."""
+    ``_key_spec``), as :func:`key_spec` gives one. Raises InvalidArgument when the record has
+    none (a ``kvstore up`` of another version)."""
     spec = record.get("key_spec")
     if not isinstance(spec, dict):
         raise InvalidArgument("this kvstore up serves vLLM and its record holds no key spec (a kvstore up of "
                               "another version): restart it with this version; the connector's keys hold its block "
                               "format, which no flag of kvctl lookup gives")
-    return (spec["model_id"], spec["revision"], KVLayout.from_json(spec["layout"]), int(spec["block_size"]),
-            f"kvstore up's vLLM connector, checkpoint {record.get('model')}", tuple(spec["other"]))
+    extras = KeyExtras(model=spec["model_id"], revision=spec["revision"], layout=KVLayout.from_json(spec["layout"]),
+                       other=tuple(spec["other"]))
+    return extras, int(spec["block_size"]), f"kvstore up's vLLM connector, checkpoint {record.get('model')}"
 
 
 def cmd_lookup(t: Target, args: argparse.Namespace) -> int:
     namespace = args.namespace if args.namespace is not None else namespace_of(args.tenant)
-    # over vLLM the front door tokenizes with the checkpoint's tokenizer
-    tokens = tokens_of(args, t.vllm.get("model") if t.vllm and not (args.engine or args.model) else None)
-    model, revision, layout, block_size, source, other = key_spec(t, args)
-    extras = KeyExtras(model=model, revision=revision, layout=layout, namespace=namespace, other=other)
+    record = t.vllm if t.vllm and not (args.engine or args.model) else None   # kvstore up over vLLM
+    # there the front door tokenizes with the checkpoint's tokenizer
+    tokens = tokens_of(args, record.get("model") if record else None)
+    spec, block_size, source = vllm_key_spec(record) if record else key_spec(t, args)
+    extras = dataclasses.replace(spec, namespace=namespace)
+    model, revision = extras.model, extras.revision
     keys = block_keys(tokens, block_size, extras)
     where: list[list[dict[str, Any]]] = [[] for _ in keys]
     nodes = cluster_nodes(t)
