@@ -45,6 +45,7 @@ import numpy as np
 from benchmarks.multihost import Cluster, stop_all
 from benchmarks.multihost_engines import metrics
 from benchmarks.multihost_vllm import TE_STAGING, _scrape
+from kvstore.child_process import guarded_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_HOSTS, DOOR_HOST = (3, 4), 5
@@ -81,10 +82,10 @@ class Stack:
     def _popen(self, name: str, host: int, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] = ()) -> None:
         self.logs[name] = self.cluster.workdir / f"{name}.log"
         log = open(self.logs[name], "ab")
-        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        if cpus:          # bound by the exec shim: a preexec_fn would fork (kvstore/child_process.py)
+            argv = guarded_argv(argv, die_with_parent=False, cpus=cpus)
         self.procs[name] = self.cluster.topology.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
-                                                       stdin=subprocess.DEVNULL, cwd=str(ROOT), env=env,
-                                                       preexec_fn=preexec)
+                                                       stdin=subprocess.DEVNULL, cwd=str(ROOT), env=env)
 
     def start_vllm(self, kv_cache: int) -> list[str]:
         """Both servers (they load at once); their URLs."""

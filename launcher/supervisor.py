@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvstore.child_process import guarded_argv
 from kvstore.errors import Unavailable
 from kvstore.port_hold import HELD_ENV, family, held, hold
 
@@ -116,23 +117,6 @@ BACKOFF_S = (0.5, 8.0)   # first restart delay, doubling up to the second
 STOP_DEADLINE_S = 9.5    # SIGTERM, then SIGKILL of what is left (children force themselves at 8 s)
 
 
-def _prctl() -> Callable[..., int] | None:
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl()   # looked up here: a child between fork and exec must not import
-
-
-def _die_with_parent() -> None:
-    """In a child before exec: SIGTERM when ``kvstore up`` dies, even by SIGKILL (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Child:
     """One supervised process: how to start it again, and its crashes so far."""
@@ -192,11 +176,10 @@ class Stack:
     def _spawn(self, name: str, argv: tuple[str, ...], mode: str) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
-            return subprocess.Popen([sys.executable, "-m", "launcher", *argv], stdout=log,
+            return subprocess.Popen(guarded_argv([sys.executable, "-m", "launcher", *argv]), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **self.env,
-                                         **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})},
-                                    preexec_fn=_die_with_parent)
+                                         **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})})
 
     def pid(self, name: str) -> int:
         return self.children[name].proc.pid

@@ -21,7 +21,6 @@ from launcher.stack_record import forget_stack, record_stack
 from launcher.supervisor import (
     MAX_RESTARTS,
     Stack,
-    _die_with_parent,
     _install_stop_handlers,
     _serve_until_signal,
     _Stopped,
@@ -248,7 +247,7 @@ def _redis(stack: Stack, redis_url: str | None, n_store: int, private: bool) -> 
         from kvstore.cluster.redis_server import redact_url, socket_path, start_private_redis
         os.makedirs(stack.log_dir, exist_ok=True)
         proc, redis_url = start_private_redis(os.path.join(stack.log_dir, "redis.log"), password=new_token(),
-                                              unix_socket=socket_path(), preexec_fn=_die_with_parent)
+                                              unix_socket=socket_path(), die_with_parent=True)
         stack.adopt("redis", proc)
         print(f"redis          {redact_url(redis_url)}  (private: KV events{', membership' if n_store > 1 else ''}; "
               "no persistence)", flush=True)

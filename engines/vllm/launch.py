@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.auth import METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+from kvstore.child_process import guarded_argv
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.port_hold import HELD_ENV
 
@@ -146,11 +147,12 @@ class VLLMServer:
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
-        cpus = self.spec.cpus
-        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        return subprocess.Popen(self.spec.argv(), stdout=self._log, stderr=subprocess.STDOUT,
+        argv = self.spec.argv()
+        if self.spec.cpus:      # bound by the exec shim: a preexec_fn would fork (kvstore/child_process.py)
+            argv = guarded_argv(argv, die_with_parent=False, cpus=self.spec.cpus)
+        return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=self.spec.env(), cwd=str(ROOT),
-                                preexec_fn=preexec, start_new_session=True)
+                                start_new_session=True)
 
     def restart(self) -> subprocess.Popen:
         """Start the server again from its spec (same port, same role), its log appended to:

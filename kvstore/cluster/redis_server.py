@@ -10,21 +10,24 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
+
+from kvstore.child_process import guarded_argv
 
 
 def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
                         password: str | None = None, host: str = "127.0.0.1", port: int = 0,
                         argv_prefix: Sequence[str] = (), unix_socket: str | None = None,
-                        preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.Popen, str]:
+                        die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``redis-server`` (no persistence) on the Unix socket ``unix_socket`` (mode 0700,
     TCP off; its directory should be this user's alone: :func:`socket_path`), else bound to
     ``host`` only on ``port`` (0: a free one of this network namespace's). Returns the process
     and its URL (``unix://:PASSWORD@/PATH?db=0`` or ``redis://:PASSWORD@HOST:PORT/0`` with a
     ``password``, which every client then needs). ``argv_prefix`` goes before the server's
     command line (``["ip", "netns", "exec", NS]``: give a ``port``, the free-port probe runs
-    here); ``preexec_fn`` runs in the child before it (a supervisor's death signal). It has
+    here); ``die_with_parent``: the server gets SIGTERM when this process dies, even by SIGKILL
+    (a supervisor's children; :func:`kvstore.child_process.guarded_argv`). It has
     started once it answers PING under ``password`` while its process runs, so a server left
     on the same address by an earlier run is never taken for it. Raises RuntimeError when the
     binary is missing or does not start (its log's path named)."""
@@ -44,8 +47,9 @@ def start_private_redis(log_path: str | None = None, timeout_s: float = 10.0,
     # never in the process list.
     conf = (listen + "save \"\"\nappendonly no\nprotected-mode yes\n"
             + (f"requirepass {_config_string(password)}\n" if password else ""))
-    proc = subprocess.Popen([*argv_prefix, binary, "-"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                            preexec_fn=preexec_fn)
+    argv = [*argv_prefix, binary, "-"]
+    proc = subprocess.Popen(guarded_argv(argv) if die_with_parent else argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(conf.encode())
     proc.stdin.close()

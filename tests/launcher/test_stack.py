@@ -351,8 +351,7 @@ def test_the_private_redis_dies_with_kvstore_up_even_by_sigkill(tmp_path):
 
     import psutil
     code = ("import time; from kvstore.cluster.redis_server import start_private_redis, socket_path; "
-            "from launcher.supervisor import _die_with_parent; "
-            "proc, _ = start_private_redis(password='pw', unix_socket=socket_path(), preexec_fn=_die_with_parent); "
+            "proc, _ = start_private_redis(password='pw', unix_socket=socket_path(), die_with_parent=True); "
             "print(proc.pid, flush=True); time.sleep(60)")
     up = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     try:
