@@ -11,14 +11,14 @@ seconds queued there (T_queue) and its hit; per decode instance the requests it 
 receive, with predicted join and finish instants; ``now_s`` from ``time.monotonic()``. Finished prefills
 feed the T_prefill regression, finished decodes the TBT regression.
 
-The live engines fetch a longer pool hit themselves — no further than the plan's ``max_load_blocks`` when the
-policy chose to recompute — and cannot read a peer's cache, so the router runs policies with ``peer_fetch`` off.
-The prefill engines report how long their pool reads took and how many bytes they moved;
-:meth:`Router.prefill_finished` feeds that to the policy's bandwidth estimate (seeded from the configured
-defaults until then). A prefill instance keeps what it fetched, and its events tell the replica so (hot prefixes
-replicate by themselves). KV transfers a request owns in-process (:mod:`scheduler.routing.request_transfers`)
-are registered in ``transfers`` and aborted by ``finished``; the engines' own transfers go through the store
-service, whose streamed put aborts its reservation when the stream breaks.
+The live engines fetch a longer pool hit themselves — no further than the plan's ``max_load_blocks`` when the policy
+chose to recompute — and cannot read a peer's cache, so the router runs policies with ``peer_fetch`` off. The prefill
+engines report how long their pool reads took and how many bytes they moved; :meth:`Router.prefill_finished` feeds
+that to the policy's bandwidth estimate (seeded from the configured defaults until then). Each route and each finished
+prefill (predicted and measured seconds) is logged at DEBUG. A prefill instance keeps what it fetched, and its events
+tell the replica so (hot prefixes replicate by themselves). KV transfers a request owns in-process
+(:mod:`scheduler.routing.request_transfers`) are registered in ``transfers`` and aborted by ``finished``; the engines'
+own transfers go through the store service, whose streamed put aborts its reservation when the stream breaks.
 """
 from __future__ import annotations
 
@@ -298,6 +298,7 @@ class Router(Generic[C]):
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
             plan.prompt_tokens + n * plan.max_tokens, d.decode_start_s, d.decode_finish_s, n)
         self._advance(backlog, time.monotonic())      # FIFO: it starts now when nothing runs there
+        log.debug("route %s", d)       # the policy's choice and its predicted TTFT, queue, transfer and prefill
         self.inflight += n
         self.inflight_by_tenant[plan.namespace] = self.inflight_by_tenant.get(plan.namespace, 0) + n
 
@@ -318,19 +319,19 @@ class Router(Generic[C]):
                 return
 
     def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
-        """The prefill is over (``result`` None: it failed or was cancelled). On success the
-        T_prefill fit learns from its compute seconds (the engine's less its pool read,
-        which the policy predicts apart as T_transfer and the bandwidth estimate learns
-        from; the simulator's fit sees the same, ``SimRequest.compute_s``), the replica
-        hears of the blocks from the engine's own events, and the request's decode work is
-        re-timed from now."""
+        """The prefill is over (``result`` None: it failed or was cancelled). On success the T_prefill fit learns
+        from its compute seconds (the engine's less its pool read, which the policy predicts apart as T_transfer and
+        the bandwidth estimate learns from; the simulator's fit sees the same, ``SimRequest.compute_s``), the
+        replica hears of the blocks from the engine's own events, and the request's decode work is re-timed."""
         backlog = self.prefill[plan.prefill_id].backlog
         backlog.remove(plan.request_id)
         self._advance(backlog, time.monotonic())      # the next one queued there starts
         if result is None:
             return
-        self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens,
-                                    result.prefill_s - min(result.load_s, result.prefill_s))
+        compute_s = result.prefill_s - min(result.load_s, result.prefill_s)
+        log.debug("prefill %s on %s: %d prompt tokens, %d cached, computed in %.3f s (predicted %.3f)", plan.request_id,
+                  plan.prefill_id, plan.prompt_tokens, result.cached_tokens, compute_s, plan.decision.prefill_s)
+        self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, compute_s)
         if result.load_bytes > 0 and result.load_s > 0:
             # A measured read from the pool: the tier's bandwidth estimate moves towards it
             # (seeded from the configured defaults until then).
@@ -380,11 +381,9 @@ class Router(Generic[C]):
         for dec in self.decode.values():
             dec.work.pop(plan.request_id, None)
         self.inflight -= plan.sequences
-        left = self.inflight_by_tenant.get(plan.namespace, 0) - plan.sequences
+        left = self.inflight_by_tenant.pop(plan.namespace, 0) - plan.sequences
         if left > 0:
             self.inflight_by_tenant[plan.namespace] = left
-        else:
-            self.inflight_by_tenant.pop(plan.namespace, None)
 
     def prefill_client(self, plan: RoutePlan) -> C:
         return self.prefill[plan.prefill_id].client
