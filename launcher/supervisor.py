@@ -146,6 +146,7 @@ class Stack:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     log_dir: str = "var/up/logs"
     env: dict[str, str] = field(default_factory=dict)   # added to each child's environment (tokens)
+    log_level: str | None = None      # each child's --log-level (kvstore up's own); None: the children's default
     max_restarts: int = MAX_RESTARTS
     children: dict[str, Child] = field(default_factory=dict)
     restarts: int = 0
@@ -176,7 +177,8 @@ class Stack:
     def _spawn(self, name: str, argv: tuple[str, ...], mode: str) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
-            return subprocess.Popen(guarded_argv([sys.executable, "-m", "launcher", *argv]), stdout=log,
+            level = ["--log-level", self.log_level] if self.log_level else []
+            return subprocess.Popen(guarded_argv([sys.executable, "-m", "launcher", *level, *argv]), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **self.env,
                                          **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})})

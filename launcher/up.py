@@ -198,7 +198,7 @@ def run_up(args: argparse.Namespace) -> int:
     if http_port is None:
         return 2
     stack = Stack(log_dir=os.path.join(args.data_dir, "logs"),
-                  max_restarts=getattr(args, "max_restarts", MAX_RESTARTS))
+                  max_restarts=getattr(args, "max_restarts", MAX_RESTARTS), log_level=getattr(args, "log_level", None))
     t0 = time.monotonic()
     _install_stop_handlers(stack)
     stack.handlers_installed = True

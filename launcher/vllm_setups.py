@@ -144,7 +144,7 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
     from engines.vllm.launch import start_servers
     from kvstore.config import parse_bytes
     t0 = time.monotonic()
-    running = RunningSetup(setup, Stack(log_dir=log_dir))
+    running = RunningSetup(setup, Stack(log_dir=log_dir, log_level=getattr(args, "log_level", None)))
     running.stack.env.update(tokens)
     try:
         # every port held until the set-up stops (kvstore/port_hold.py)

@@ -40,6 +40,19 @@ def test_a_crashing_child_is_restarted_with_back_off_then_given_up(tmp_path, cap
     assert (tmp_path / "logs" / "flaky.log").read_text().count("kvstore ") == 3   # appended
 
 
+def test_the_children_log_at_the_stacks_level(tmp_path):
+    """kvstore up's --log-level reaches each service it starts (their DEBUG lines: the router's
+    decisions); a level the CLI does not know is its error in the child's log."""
+    for level, expected in (("DEBUG", "kvstore "), ("LOUD", "invalid choice: 'LOUD'")):
+        stack = Stack(log_dir=str(tmp_path / level), log_level=level)
+        stack.start("child", "--version")
+        try:
+            stack.children["child"].proc.wait(30)
+        finally:
+            stack.stop()
+        assert expected in (tmp_path / level / "child.log").read_text()
+
+
 def test_a_child_that_cannot_be_restarted_stops_the_stack(tmp_path):
     stack = Stack(log_dir=str(tmp_path / "logs"))
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
