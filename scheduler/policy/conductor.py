@@ -127,6 +127,11 @@ class Conductor:
         ``cached_tokens`` were loaded."""
         self.prefill_model.observe(prompt_tokens, cached_tokens, seconds)
 
+    def observe_prefills(self, prefills: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Prefills (prompt tokens, cached tokens) an engine ran together, in ``seconds`` in all
+        (:meth:`PrefillModel.observe_group`)."""
+        self.prefill_model.observe_group(prefills, seconds)
+
     def observe_decode(self, batch: int, kv_tokens: int, tbt_s: float) -> None:
         """A decode measurement: mean ``tbt_s`` at ``batch`` requests and ``kv_tokens``."""
         self.tbt_model.observe(batch, kv_tokens, tbt_s)

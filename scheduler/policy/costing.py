@@ -27,12 +27,18 @@ engine rarely beats (a residual above the prediction, a straggler's, does not wi
 itself). Until ``min_samples`` prefills were observed
 the profile's coefficients are used; a profile never implies a speed below
 ``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject
-for a guess). Nor does the fit beyond the prompts it has measured: a prompt that computes
-more tokens, or sees more context, than any observed one is predicted at most at that
-speed too. Fitted on short prompts only, the attention coefficient ``k2`` is noise (their
-``c·(n+p)/2`` is tiny), and squared up to a long prompt it predicted one 4,000-token
-prefill on the tiny CPU model at 1,766 s (0.5 s measured) after 30 prompts of 1–20 tokens,
-and the router answered 429 with a Retry-After of half an hour.
+for a guess). Nor is the fit trusted beyond the prompts it has measured: a prompt that
+computes more tokens, or sees more context, than any observed one is predicted at most at
+the seconds per computed token the fit gives the longest prefill observed, or at the floor
+speed where that is slower. Fitted on short prompts only, the attention coefficient ``k2``
+is noise (their ``c·(n+p)/2`` is tiny), and squared up to a long prompt it predicted one
+4,000-token prefill on the tiny CPU model at 1,766 s (0.5 s measured) after 30 prompts of
+1–20 tokens, and the router answered 429 with a Retry-After of half an hour. The floor alone
+erred the other way on vLLM: 3.8 s predicted for a 7,540-token prompt that took 24 s, after
+prompts of up to 2,000 tokens measured at 0.7k tokens/s. Per computed token a longer prompt
+costs at least what a shorter one did (attention grows with the context), so the bound is
+still low, but it is measured, not guessed. Prefills an engine ran together are one
+observation at the sum of their features (:meth:`PrefillModel.observe_group`).
 
 T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw(t)``; read
 from another host (a peer instance, or a store node reached over the network) it costs
@@ -45,7 +51,7 @@ docs/benchmarks.md, "Figures for orientation" (shared memory ~6 GB/s, gRPC ~0.5 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
@@ -109,6 +115,7 @@ class PrefillModel:
         self.outliers = 0        # observations above the outlier cap (stragglers), folded in capped
         self._log_err = [0.0, 0.0]   # Σ ln(seconds / predicted), Σ of its square, over residuals
         self._seen = (0.0, 0.0)      # the largest computed tokens and attention feature observed
+        self._edge = (0.0, 0.0)      # (computed tokens, attention feature) of the longest prefill observed
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -125,20 +132,38 @@ class PrefillModel:
         k0, k1, k2 = self.fit.coefficients
         s = k0 * one + k1 * c + k2 * attn
         if not self.fit.fitted or c > self._seen[0] or attn > self._seen[1]:   # a guess: bounded
-            s = min(s, self.profile.fixed_s + c / self.profile.floor_tokens_per_s)
+            s = min(s, self.profile.fixed_s + c * self._edge_s_per_token())
         return max(self.profile.min_prefill_s, s)
 
+    def _edge_s_per_token(self) -> float:
+        """Seconds per computed token beyond the prompts measured: the fit's for the longest
+        prefill observed (``(k1·c + k2·attn) / c`` there), or the floor speed's when that is
+        faster or the fit is not in use."""
+        floor = 1.0 / self.profile.floor_tokens_per_s
+        c, attn = self._edge
+        if not self.fit.fitted or c <= 0:
+            return floor
+        _, k1, k2 = self.fit.coefficients
+        return max(floor, (k1 * c + k2 * attn) / c)
+
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Fold in one finished prefill (engine-side seconds); ignores nonsense (no tokens
-        computed, seconds not a finite number > 0, or so far from the prediction that their
-        ratio is not a finite number > 0). Its residual against the current prediction
-        updates the measured error; a frozen model (``learn=False``: the simulator's
-        ``--oracle``) keeps its coefficients."""
-        if prompt_tokens <= 0 or cached_tokens < 0 or cached_tokens >= prompt_tokens:
+        """Fold in one finished prefill (engine-side seconds): :meth:`observe_group` of one."""
+        self.observe_group(((prompt_tokens, cached_tokens),), seconds)
+
+    def observe_group(self, prefills: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Fold in prefills (prompt tokens, cached tokens) an engine ran together — batched into
+        the same steps, their first tokens in the same step — in ``seconds`` in all. T_prefill
+        is linear in its features, so the group's seconds are a point of the fit at the sum of
+        its prefills' features, predicted at the sum of their predictions. Ignores nonsense (a
+        prefill that computes nothing, seconds not a finite number > 0, or so far from the
+        prediction that their ratio is not a finite number > 0). Its residual against the
+        current prediction updates the measured error; a frozen model (``learn=False``: the
+        simulator's ``--oracle``) keeps its coefficients."""
+        if not prefills or any(n <= 0 or p < 0 or p >= n for n, p in prefills):
             return
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        predicted = max(self.predict(prompt_tokens, cached_tokens), 1e-9)
+        predicted = max(sum(self.predict(n, p) for n, p in prefills), 1e-9)
         ratio = seconds / predicted
         if not (math.isfinite(ratio) and ratio > 0):
             return
@@ -157,10 +182,13 @@ class PrefillModel:
                 self.outliers += 1
                 seconds = cap
         if self.learn:
-            _, c, attn = self.features(prompt_tokens, cached_tokens)
-            self._seen = (max(self._seen[0], c), max(self._seen[1], attn))
+            rows = [self.features(n, p) for n, p in prefills]
+            for _, c, attn in rows:
+                self._seen = (max(self._seen[0], c), max(self._seen[1], attn))
+                if c >= self._edge[0]:
+                    self._edge = (c, attn)
             weight = 1.0 / predicted ** 2 if predicted < 1e150 else 0.0     # no overflow
-            self.fit.observe(self.features(prompt_tokens, cached_tokens), seconds, weight)
+            self.fit.observe(tuple(sum(column) for column in zip(*rows)), seconds, weight)
 
     @property
     def log_error(self) -> tuple[float, float] | None:

@@ -318,11 +318,12 @@ class Router(Generic[C]):
                 inst.work[started] = w._replace(start_s=end, finish_s=end + (w.finish_s - w.start_s))
                 return
 
-    def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
+    def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None, learn: bool = True) -> None:
         """The prefill is over (``result`` None: it failed or was cancelled). On success the T_prefill fit learns
         from its compute seconds (the engine's less its pool read, which the policy predicts apart as T_transfer and
         the bandwidth estimate learns from; the simulator's fit sees the same, ``SimRequest.compute_s``), the
-        replica hears of the blocks from the engine's own events, and the request's decode work is re-timed."""
+        replica hears of the blocks from the engine's own events, and the request's decode work is re-timed.
+        ``learn`` False: the caller feeds the fit itself (colocated vLLM, :mod:`scheduler.vllm.prefill_groups`)."""
         backlog = self.prefill[plan.prefill_id].backlog
         backlog.remove(plan.request_id)
         self._advance(backlog, time.monotonic())      # the next one queued there starts
@@ -331,10 +332,10 @@ class Router(Generic[C]):
         compute_s = result.prefill_s - min(result.load_s, result.prefill_s)
         log.debug("prefill %s on %s: %d prompt tokens, %d cached, computed in %.3f s (predicted %.3f)", plan.request_id,
                   plan.prefill_id, plan.prompt_tokens, result.cached_tokens, compute_s, plan.decision.prefill_s)
-        self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, compute_s)
+        if learn:
+            self.policy.observe_prefill(plan.prompt_tokens, result.cached_tokens, compute_s)
         if result.load_bytes > 0 and result.load_s > 0:
-            # A measured read from the pool: the tier's bandwidth estimate moves towards it
-            # (seeded from the configured defaults until then).
+            # A measured read from the pool: the tier's bandwidth estimate (seeded from the defaults) moves to it
             latency = self.policy.config.bandwidths.fetch_latency_s
             seconds = result.load_s - latency if result.load_s > 2 * latency else result.load_s
             self.policy.observe_transfer(result.load_tier or "dram", result.load_bytes, seconds, remote=True)

@@ -40,6 +40,7 @@ from scheduler.routing.router import DecodeInstance, PrefillInstance, RoutePlan,
 from scheduler.vllm.events import VLLMEventBridge, start_bridges, stop_bridges
 from scheduler.vllm.instances import VLLMClient, VLLMModel
 from scheduler.vllm.pool_events import pool_node
+from scheduler.vllm.prefill_groups import PrefillGroups
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class VLLMRouter(Router[VLLMClient]):
         self.mean_prefill_s = 0.0
         self._began: dict[str, float] = {}          # colocated: request id -> when it was routed
         self._prefill_s: dict[str, float] = {}      # colocated: request id -> its prefill's own seconds
+        self.prefill_groups = PrefillGroups()       # colocated: prefills vLLM ran together, for the T_prefill fit
         self.bridges: list[VLLMEventBridge] = []   # vLLM KV events into self.replica (watch_kv_events)
 
     @property
@@ -118,8 +120,8 @@ class VLLMRouter(Router[VLLMClient]):
         return dataclasses.replace(view, prefill=tuple(prefill), decode=tuple(decode), colocated=self.colocated)
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None) -> None:
-        super().prefill_finished(plan, result)
+    def prefill_finished(self, plan: RoutePlan, result: PrefillResult | None, learn: bool = True) -> None:
+        super().prefill_finished(plan, result, learn)
         if result is not None:
             a = 0.2
             self.mean_prefill_s = result.prefill_s if not self.mean_prefill_s else \
@@ -141,6 +143,8 @@ class VLLMRouter(Router[VLLMClient]):
         if began is not None and plan.request_id in backlog:
             started = backlog.started_s(plan.request_id)
             self._prefill_s[plan.request_id] = now - max(began, started if started is not None else began)
+            self._learn(self.prefill_groups.first_token(plan.prefill_id, plan.request_id, plan.prompt_tokens,
+                                                        now - self._prefill_s[plan.request_id], now))
         backlog.remove(plan.request_id)
         self._advance(backlog, now)
 
@@ -152,12 +156,22 @@ class VLLMRouter(Router[VLLMClient]):
         queues (live, 60 requests: TTFT a median 0.21 of the Conductor's prediction)."""
         seconds = self._prefill_s.pop(plan.request_id, ttft_s)
         self.prefill_finished(plan, PrefillResult(plan.request_id, 0, plan.keys, cached_tokens,
-                                                  plan.prompt_tokens - cached_tokens, b"", 0, seconds, 0, 0))
+                                                  plan.prompt_tokens - cached_tokens, b"", 0, seconds, 0, 0),
+                              learn=False)
+        self._learn(self.prefill_groups.cached(plan.request_id, cached_tokens, time.monotonic()))
+
+    def _learn(self, groups: list[tuple[list[tuple[int, int]], float]]) -> None:
+        """Colocated: the T_prefill fit learns from the prefills vLLM ran together
+        (:mod:`scheduler.vllm.prefill_groups`), each group whole."""
+        for prefills, seconds in groups:
+            log.debug("prefills %s (prompt, cached tokens) computed together in %.3f s", prefills, seconds)
+            self.policy.observe_prefills(prefills, seconds)
 
     def finished(self, plan: RoutePlan) -> None:
         super().finished(plan)
         self._began.pop(plan.request_id, None)
         self._prefill_s.pop(plan.request_id, None)
+        self.prefill_groups.forget(plan.request_id)
 
     def reroute(self, plan: RoutePlan, role: str, tried: set[str]) -> RoutePlan | None:
         """As :meth:`Router.reroute`; colocated, the request moves whole (its prefill queue

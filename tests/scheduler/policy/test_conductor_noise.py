@@ -189,3 +189,46 @@ def test_t_prefill_beyond_the_prompts_it_has_measured_is_bounded_by_the_floor_sp
     for _ in range(10):                    # long prompts measured: the fit takes over there
         model.observe(4000, 0, 0.5 * rng.uniform(0.9, 1.1))
     assert model.predict(4000) == pytest.approx(0.5, rel=0.1)
+
+
+def _vllm_cpu_seconds(n: int) -> float:
+    """A 512-hidden, 8-layer Llama prefilled by vLLM on one CPU core, measured live: 1,680
+    tokens 2.4 s, 3,119 tokens 6.2 s, 7,540 tokens 24.4 s — superlinear in the prompt."""
+    return 9.1e-4 * n + 3.1e-7 * n * n
+
+
+def test_t_prefill_beyond_the_prompts_measured_runs_no_faster_per_token_than_the_longest_did():
+    """Fitted on prompts of up to 2,000 tokens, a 7,540-token prompt was predicted at the
+    profile's floor speed, 3.8 s, where it took 24 s, and the router queued three requests
+    behind it. The bound beyond the prompts measured is now the speed the fit gives the
+    longest one (per computed token, a longer prompt costs at least that): still below the
+    truth, since attention grows with the context, but no longer a constant the profile guessed."""
+    import random
+    rng = random.Random(3)
+    model = PrefillModel(PrefillProfile())        # floor: 2,000 tokens/s
+    for _ in range(40):
+        n = rng.randint(100, 2000)
+        model.observe(n, 0, _vllm_cpu_seconds(n) * rng.uniform(0.9, 1.1))
+    floor_bound = PrefillProfile().fixed_s + 7540 / PrefillProfile().floor_tokens_per_s
+    per_token_at_edge = model.predict(2000) / 2000
+    assert model.predict(7540) >= 0.9 * 7540 * per_token_at_edge
+    assert model.predict(7540) > 2.5 * floor_bound
+    assert model.predict(7540) <= _vllm_cpu_seconds(7540)
+    assert model.predict(1500) == pytest.approx(_vllm_cpu_seconds(1500), rel=0.1)   # measured sizes: the fit
+
+
+def test_prefills_run_together_teach_the_fit_what_each_costs():
+    """Groups of prefills an engine ran in the same steps, each group's seconds the sum of its
+    members': the fit (linear in its features) predicts each prompt alone as if measured alone."""
+    import random
+    rng = random.Random(4)
+    model = PrefillModel(PrefillProfile(floor_tokens_per_s=1.0))
+    for _ in range(60):
+        group = [(rng.randint(100, 3000), 0) for _ in range(rng.randint(1, 3))]
+        model.observe_group(group, sum(_vllm_cpu_seconds(n) for n, _ in group) * rng.uniform(0.95, 1.05))
+    for n, rel in ((200, 0.2), (1000, 0.1), (2500, 0.1)):    # as close as prefills measured alone come
+        assert model.predict(n) == pytest.approx(_vllm_cpu_seconds(n), rel=rel)
+    before = model.residuals
+    model.observe_group([(100, 0), (50, 50)], 1.0)     # a member that computes nothing: nonsense, ignored
+    model.observe_group([], 1.0)
+    assert model.residuals == before

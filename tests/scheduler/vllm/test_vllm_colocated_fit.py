@@ -1,6 +1,8 @@
 """Colocated over vLLM, the T_prefill fit learns each prefill's own seconds, not its TTFT: a
 request routed behind another on the same instance waits for it first, a wait T_queue
-predicts apart (scheduler/vllm/router.py, ``VLLMRouter.first_token``). No vLLM engine here:
+predicts apart (scheduler/vllm/router.py, ``VLLMRouter.first_token``); prefills whose first
+tokens come together (vLLM ran them in the same steps) are learnt as one group
+(scheduler/vllm/prefill_groups.py). No vLLM engine here:
 the router's books alone, over instances nothing listens on (no call reaches them), on a clock
 the test moves (the routers' ``time.monotonic``), so that a loaded machine cannot stretch the
 gaps it sets."""
@@ -29,13 +31,14 @@ class Clock:
         return self.now
 
 
-async def _two_behind_one(model: VLLMModel, clock: Clock) -> list[tuple[int, int, float]]:
+async def _two_behind_one(model: VLLMModel, clock: Clock, gaps: tuple[float, float]) -> list:
     clients = [VLLMClient(f"http://127.0.0.1:{free_port()}", "colocated", model, "vllm-0")]
     infos = [await c.info() for c in clients]
     router = VLLMRouter([PrefillInstance(c, i) for c, i in zip(clients, infos)],
                         [DecodeInstance(c, i) for c, i in zip(clients, infos)], None, model, "colocated")
-    seen: list[tuple[int, int, float]] = []
-    router.policy.observe_prefill = lambda n, cached, seconds: seen.append((n, cached, seconds))  # type: ignore[method-assign]
+    seen: list = []
+    router.policy.observe_prefill = lambda *a: seen.append(("alone", *a))  # type: ignore[method-assign]
+    router.policy.observe_prefills = lambda prefills, seconds: seen.append((prefills, seconds))  # type: ignore
     try:
         plans = []
         for rid in ("first", "second"):
@@ -44,15 +47,17 @@ async def _two_behind_one(model: VLLMModel, clock: Clock) -> list[tuple[int, int
             router.begin(plan)
             plans.append(plan)
         t0 = clock.now
-        clock.now += 0.3
+        clock.now += gaps[0]
         router.first_token(plans[0])                   # the first prefill ends; the second starts now
-        clock.now += 0.2
+        clock.now += gaps[1]
         router.first_token(plans[1])
         ttft = clock.now - t0
+        clock.now += 1.0                               # each usage comes at its stream's end
         for plan in plans:
             router.colocated_prefilled(plan, 0, ttft)
             router.finished(plan)
         assert not router._began and not router._prefill_s
+        assert not router.prefill_groups._of and not router.prefill_groups._open
     finally:
         await router.close()
     return seen
@@ -65,7 +70,20 @@ def test_a_colocated_prefill_feeds_its_own_seconds_not_its_wait(tmp_path: Path, 
     clock = Clock()
     for module in (scheduler.routing.router, scheduler.vllm.router):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
-    (n1, c1, s1), (n2, c2, s2) = asyncio.run(_two_behind_one(model, clock))
-    assert (n1, c1, n2, c2) == (100, 0, 100, 0)
-    assert s1 == pytest.approx(0.3)     # routed to an idle instance: from routing to first token
-    assert s2 == pytest.approx(0.2)     # behind the first: from its end, not the 0.5-s TTFT
+    seen = asyncio.run(_two_behind_one(model, clock, (0.3, 0.2)))
+    assert seen == [([(100, 0)], pytest.approx(0.3)),   # routed to an idle instance: from routing to first token
+                    ([(100, 0)], pytest.approx(0.2))]   # behind the first: from its end, not the 0.5-s TTFT
+
+
+def test_prefills_whose_first_tokens_come_together_are_learnt_as_one_group(tmp_path: Path, monkeypatch) -> None:
+    """Booked one after another, the second of two prefills vLLM ran in the same step took
+    ~0 s (a 964-token prompt "computed in 0.000 s" in a live replay): the fit gets both
+    prompts in the 0.3 s they took together."""
+    import scheduler.routing.router
+    import scheduler.vllm.router
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    clock = Clock()
+    for module in (scheduler.routing.router, scheduler.vllm.router):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    seen = asyncio.run(_two_behind_one(model, clock, (0.3, 0.004)))
+    assert seen == [([(100, 0), (100, 0)], pytest.approx(0.304))]
