@@ -201,6 +201,7 @@ class Router(Generic[C]):
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size, sequences)
         result = self.policy.decide(request, view)
         if isinstance(result, Rejection):
+            log.debug("reject %s (%d prompt tokens): %s; views %s", request_id, len(tokens), result, view.prefill)
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
                          load_limit(result, pool_hit, self.info.block_size), reuse, sequences)
@@ -392,8 +393,7 @@ class Router(Generic[C]):
     def decode_client(self, plan: RoutePlan) -> C:
         return self.decode[plan.decode_id].client
 
-    def queue_depths(self) -> dict[str, int]:
-        """Prefill engine id → requests routed to it whose prefill has not finished."""
+    def queue_depths(self) -> dict[str, int]:       # prefill engine id → requests routed there, prefill unfinished
         return {engine_id: len(inst.backlog) for engine_id, inst in self.prefill.items()}
 
     def decode_running(self) -> dict[str, int]:
