@@ -113,7 +113,10 @@ class VLLMRouter(Router[VLLMClient]):
             load = self.decode[d.instance_id].client.last_load
             if load is not None and load.kv_blocks:
                 capacity = load.kv_blocks * self.model.block_size
-                ours = sum(w.kv_tokens for w in d.work if w.start_s <= view.now_s)
+                # Colocated, a request routed here holds KV from its first prefill chunk on: every one
+                # is ours (counting only those past prefill took the others' KV for foreign load, and
+                # booked it twice). Disaggregated, the KV arrives with the hand-off.
+                ours = sum(w.kv_tokens for w in d.work if self.colocated or w.start_s <= view.now_s)
                 foreign = max(0, int(load.kv_usage * capacity) - ours)
                 d = d._replace(kv_capacity_tokens=min(d.kv_capacity_tokens, max(0, capacity - foreign)))
             decode.append(d)

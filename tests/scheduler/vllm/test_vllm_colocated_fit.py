@@ -87,3 +87,40 @@ def test_prefills_whose_first_tokens_come_together_are_learnt_as_one_group(tmp_p
         monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     seen = asyncio.run(_two_behind_one(model, clock, (0.3, 0.004)))
     assert seen == [([(100, 0), (100, 0)], pytest.approx(0.304))]
+
+
+async def _decode_room(model: VLLMModel, clock: Clock) -> tuple[int, int]:
+    from scheduler.vllm.instances import VLLMLoad
+    clients = [VLLMClient(f"http://127.0.0.1:{free_port()}", "colocated", model, "vllm-0")]
+    infos = [await c.info() for c in clients]
+    router = VLLMRouter([PrefillInstance(c, i) for c, i in zip(clients, infos)],
+                        [DecodeInstance(c, i) for c, i in zip(clients, infos)], None, model, "colocated")
+    try:
+        blocks = 64                                    # 1,024 tokens of paged KV cache
+        clients[0].last_load = VLLMLoad(0, 0, 0.0, blocks, clock.now)
+        idle = router.cluster_view(()).decode[0].kv_capacity_tokens
+        plan = await router.plan("long", list(range(3, 603)), "alice", max_tokens=4)
+        assert isinstance(plan, RoutePlan)
+        router.begin(plan)                             # in prefill: vLLM holds its KV already
+        used = 600 / (blocks * model.block_size)
+        clients[0].last_load = VLLMLoad(1, 0, used, blocks, clock.now)
+        busy = router.cluster_view(()).decode[0].kv_capacity_tokens
+        router.finished(plan)
+    finally:
+        await router.close()
+    return idle, busy
+
+
+def test_the_kv_of_a_prefill_under_way_is_not_counted_as_foreign_load(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's KV usage holds a colocated request's blocks from its first prefill chunk; the
+    router counted only requests past prefill as its own, so the rest looked like another
+    client's load — and was also booked as this request's decode work: an instance seemed
+    full and requests went behind a 7,540-token prefill on the other one instead."""
+    import scheduler.routing.router
+    import scheduler.vllm.router
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    clock = Clock()
+    for module in (scheduler.routing.router, scheduler.vllm.router):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    idle, busy = asyncio.run(_decode_room(model, clock))
+    assert idle == 1024 and busy == idle
