@@ -200,8 +200,9 @@ class Router(Generic[C]):
             return busy
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size, sequences)
         result = self.policy.decide(request, view)
+        rejected = isinstance(result, Rejection)       # the decision and the prefill views it was judged on
+        log.debug("%s %s: %s; views %s", "reject" if rejected else "route", request_id, result, view.prefill)
         if isinstance(result, Rejection):
-            log.debug("reject %s (%d prompt tokens): %s; views %s", request_id, len(tokens), result, view.prefill)
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
                          load_limit(result, pool_hit, self.info.block_size), reuse, sequences)
@@ -299,7 +300,6 @@ class Router(Generic[C]):
         self.decode[d.decode_id].work[plan.request_id] = DecodeWork(
             plan.prompt_tokens + n * plan.max_tokens, d.decode_start_s, d.decode_finish_s, n)
         self._advance(backlog, time.monotonic())      # FIFO: it starts now when nothing runs there
-        log.debug("route %s", d)       # the policy's choice and its predicted TTFT, queue, transfer and prefill
         self.inflight += n
         self.inflight_by_tenant[plan.namespace] = self.inflight_by_tenant.get(plan.namespace, 0) + n
 
