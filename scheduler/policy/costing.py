@@ -37,7 +37,10 @@ is noise (their ``c·(n+p)/2`` is tiny), and squared up to a long prompt it pred
 erred the other way on vLLM: 3.8 s predicted for a 7,540-token prompt that took 24 s, after
 prompts of up to 2,000 tokens measured at 0.7k tokens/s. Per computed token a longer prompt
 costs at least what a shorter one did (attention grows with the context), so the bound is
-still low, but it is measured, not guessed. Prefills an engine ran together are one
+still low, but it is measured, not guessed. Where the model's FLOPs are known
+(``PrefillProfile.attention_ratio``), a prompt beyond the ones measured is instead the fit's
+prediction for the longest one scaled by the FLOPs (:meth:`PrefillModel._anchored`): the
+7,540-token prompt above comes out at ~19 s after prompts of up to 2,000 tokens. Prefills an engine ran together are one
 observation at the sum of their features (:meth:`PrefillModel.observe_group`).
 
 T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw(t)``; read
@@ -72,8 +75,10 @@ class PrefillProfile:
     the seed (no online fit — the simulator's oracle runs; the error is still measured).
     ``residual_alpha``: EWMA weight of each residual in the measured error, in (0, 1].
     ``outlier_k``: an observation above ``predicted · (1 + outlier_k · max(σ↓, 0.05))`` is a
-    straggler, folded into the fit at that cap (> 0; ``math.inf``: never). The
-    defaults fit the tiny CPU model of ``engines/model.py`` loosely."""
+    straggler, folded into the fit at that cap (> 0; ``math.inf``: never).
+    ``attention_ratio``: ``s_per_token_context / s_per_token`` as the model's FLOPs have it
+    (:func:`attention_ratio`; 0: the model is not known), the shape a prediction beyond the
+    prompts measured follows. The defaults fit the tiny CPU model of ``engines/model.py`` loosely."""
 
     fixed_s: float = 5e-3
     s_per_token: float = 3e-5
@@ -85,8 +90,11 @@ class PrefillProfile:
     learn: bool = True
     residual_alpha: float = 0.05
     outlier_k: float = 3.0
+    attention_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.attention_ratio >= 0:
+            raise InvalidArgument(f"attention_ratio must be >= 0, got {self.attention_ratio!r}")
         for name in ("fixed_s", "s_per_token", "s_per_token_context", "min_prefill_s"):
             if not getattr(self, name) >= 0:
                 raise InvalidArgument(f"{name} must be >= 0 s, got {getattr(self, name)!r}")
@@ -132,8 +140,22 @@ class PrefillModel:
         k0, k1, k2 = self.fit.coefficients
         s = k0 * one + k1 * c + k2 * attn
         if not self.fit.fitted or c > self._seen[0] or attn > self._seen[1]:   # a guess: bounded
-            s = min(s, self.profile.fixed_s + c * self._edge_s_per_token())
+            anchored = self._anchored(c, attn)
+            s = anchored if anchored is not None else min(s, self.profile.fixed_s + c * self._edge_s_per_token())
         return max(self.profile.min_prefill_s, s)
+
+    def _anchored(self, c: float, attn: float) -> float | None:
+        """Beyond the prompts measured, with the model's FLOPs known (``attention_ratio`` ρ > 0):
+        the fit at the longest prefill observed, scaled by the FLOPs, ``k0 + r·(c + ρ·attn)``
+        with ``r`` such that the longest one is predicted as the fit predicts it. None while the
+        fit is not in use, nothing was observed, or ρ is 0."""
+        rho = self.profile.attention_ratio
+        c_e, attn_e = self._edge
+        if rho <= 0 or not self.fit.fitted or c_e <= 0:
+            return None
+        k0, k1, k2 = self.fit.coefficients
+        r = (k1 * c_e + k2 * attn_e) / (c_e + rho * attn_e)
+        return k0 + r * (c + rho * attn)
 
     def _edge_s_per_token(self) -> float:
         """Seconds per computed token beyond the prompts measured: the fit's for the longest
@@ -233,6 +255,18 @@ class PrefillModel:
     @property
     def samples(self) -> int:
         return self.fit.samples
+
+
+def attention_ratio(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> float:
+    """``s_per_token_context / s_per_token`` of a decoder layer by its multiply-adds (Mooncake,
+    FAST'25 §5: ``flops(n) = l·(a·n²·d + b·n·d²)``): per computed token, the projections
+    ``2·d·H·hd + 2·d·KV·hd`` (query and output; key and value) and a gated MLP ``3·d·ffn``; per
+    computed token and context token, ``2·H·hd`` (scores and the weighted sum). The bench
+    checkpoint (hidden 512, 8 heads of 64, MLP 1,408): 3.2e-4."""
+    if min(hidden, heads, kv_heads, head_dim, intermediate) <= 0:
+        raise InvalidArgument("attention_ratio: every dimension must be > 0")
+    per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
+    return 2 * heads * head_dim / per_token
 
 
 def _octave(seconds: float) -> int:

@@ -66,9 +66,13 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
         raise InvalidArgument("the front door over vLLM needs --model DIR: the checkpoint the instances serve")
     config = config or FrontdoorConfig(model_dir=model_dir)
     model = VLLMModel.from_dir(model_dir, block_size, quantization=quantization, hf_overrides=hf_overrides)
+    conductor = config.conductor     # T_prefill beyond the prompts measured follows the model's FLOPs
+    if not conductor.prefill.attention_ratio:
+        conductor = dataclasses.replace(conductor, prefill=dataclasses.replace(
+            conductor.prefill, attention_ratio=model.attention_ratio()))
     router = await connect_vllm(model, prefill_urls, decode_urls, store_address, topology=topology,
                                 colocated_urls=colocated_urls, policy=config.policy,
-                                config=dataclasses.replace(config.conductor, admission=config.admission),
+                                config=dataclasses.replace(conductor, admission=config.admission),
                                 store_auth_token=config.store_auth_token,
                                 decode_max_running=config.decode_max_running,
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,

@@ -31,6 +31,7 @@ from engines.vllm.launch import SERVED_MODEL_NAME
 from engines.vllm.layout import PagedLayout, checkpoint_quantized, model_variant
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index.keys import KVLayout
+from scheduler.policy.costing import attention_ratio
 
 KEEPALIVE_S = 4.0   # an idle connection to an instance: less than vLLM's 5-s keep-alive
 
@@ -81,6 +82,20 @@ class VLLMModel:
     @property
     def block_size(self) -> int:
         return self.paged.block_size
+
+    def attention_ratio(self) -> float:
+        """The model's ``s_per_token_context / s_per_token`` by its FLOPs
+        (:func:`scheduler.policy.costing.attention_ratio`), from its ``config.json``; 0 when that
+        does not give the dimensions (T_prefill beyond the prompts measured is then bounded by
+        the longest one's speed alone)."""
+        try:
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                cfg = json.load(f)
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return attention_ratio(hidden, heads, int(cfg.get("num_key_value_heads") or heads),
+                                   int(cfg.get("head_dim") or hidden // heads), int(cfg["intermediate_size"]))
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, InvalidArgument):
+            return 0.0
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         """The pool keys of ``tokens``' full blocks for tenant ``namespace`` (sent to vLLM as

@@ -232,3 +232,29 @@ def test_prefills_run_together_teach_the_fit_what_each_costs():
     model.observe_group([(100, 0), (50, 50)], 1.0)     # a member that computes nothing: nonsense, ignored
     model.observe_group([], 1.0)
     assert model.residuals == before
+
+
+def test_t_prefill_beyond_the_prompts_measured_follows_the_models_flops_from_the_longest_one():
+    """With the model's FLOPs known (the vLLM front door reads them from the checkpoint), a
+    prompt longer than any measured is the longest one's prediction scaled by the FLOPs:
+    attention's share grows with the context, as the engine's seconds do."""
+    import random
+
+    from scheduler.policy.costing import attention_ratio
+    rho = attention_ratio(512, 8, 8, 64, 1408)            # the bench checkpoint
+    assert rho == pytest.approx(3.19e-4, rel=0.01)
+    rng = random.Random(3)
+    model = PrefillModel(PrefillProfile(attention_ratio=rho))
+    bounded = PrefillModel(PrefillProfile())
+    for _ in range(40):
+        n = rng.randint(100, 2000)
+        seconds = _vllm_cpu_seconds(n) * rng.uniform(0.9, 1.1)
+        model.observe(n, 0, seconds)
+        bounded.observe(n, 0, seconds)
+    truth = _vllm_cpu_seconds(7540)
+    assert 0.7 * truth <= model.predict(7540) <= 1.1 * truth
+    assert model.predict(7540) > 1.3 * bounded.predict(7540)
+    assert model.predict(1500) == pytest.approx(bounded.predict(1500), rel=0.01)   # measured sizes: the fit
+    from kvstore.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="attention_ratio"):
+        PrefillProfile(attention_ratio=-1.0)

@@ -124,3 +124,16 @@ def test_the_kv_of_a_prefill_under_way_is_not_counted_as_foreign_load(tmp_path: 
         monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     idle, busy = asyncio.run(_decode_room(model, clock))
     assert idle == 1024 and busy == idle
+
+
+def test_the_front_door_reads_the_models_attention_ratio_from_its_checkpoint(tmp_path: Path) -> None:
+    import json
+
+    from scheduler.policy.costing import attention_ratio
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint"), "bench"), block_size=16)
+    cfg = json.loads((Path(model.model_dir) / "config.json").read_text())
+    assert model.attention_ratio() == pytest.approx(attention_ratio(512, 8, 8, 64, 1408))
+    assert cfg["hidden_size"] == 512 and cfg["intermediate_size"] == 1408
+    cfg.pop("intermediate_size")
+    (Path(model.model_dir) / "config.json").write_text(json.dumps(cfg))
+    assert model.attention_ratio() == 0.0          # dimensions it cannot read: no FLOPs shape
