@@ -189,6 +189,21 @@ class ClusterView:
     inflight: int = 0
     colocated: bool = False
 
+    def __str__(self) -> str:
+        """One line for a log: per prefill instance its T_queue, queued requests and hit
+        blocks; per decode instance its KV capacity and the requests and KV tokens of its work
+        (those decoding now, then those still to join)."""
+        now = self.now_s
+        pre = ", ".join(f"{v.instance_id} queue {v.queue_s:.2f} s, {v.queued} queued, hit {v.hit.blocks}"
+                        for v in self.prefill)
+
+        def work(d: DecodeView, joined: bool) -> str:
+            ws = [w for w in d.work if (w.start_s <= now) == joined]
+            return f"{len(ws)} {'decoding' if joined else 'to join'} ({sum(w.kv_tokens for w in ws)} tokens)"
+        dec = ", ".join(f"{d.instance_id} KV {d.kv_capacity_tokens}: {work(d, True)}, {work(d, False)}"
+                        for d in self.decode)
+        return f"prefill [{pre}]; decode [{dec}]; pool hit {self.pool_hit.blocks}"
+
 
 @dataclass(frozen=True, slots=True)
 class FetchPlan:

@@ -201,7 +201,7 @@ class Router(Generic[C]):
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size, sequences)
         result = self.policy.decide(request, view)
         rejected = isinstance(result, Rejection)       # the decision and the prefill views it was judged on
-        log.debug("%s %s: %s; views %s", "reject" if rejected else "route", request_id, result, view.prefill)
+        log.debug("%s %s: %s; %s", "reject" if rejected else "route", request_id, result, view)
         if isinstance(result, Rejection):
             return result
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
