@@ -62,7 +62,10 @@ class ConductorConfig:
     kvcache_balancing_threshold); ``peer_fetch``: may fetch from another prefill instance's
     cache (False: from the pool only, as the live engines do); ``prefill``, ``decode``,
     ``bandwidths``: the predictors' seeds and the tier bandwidths; ``seed``: of the random
-    baseline."""
+    baseline. ``chunked_prefill``: the engines run prefill chunks in the same steps as their
+    decode batch (vLLM's scheduler): colocated, a prefill does not wait for the batch to drain,
+    so T_queue adds no decode wait (:meth:`Conductor.decode_waits`) — the decodes' share of
+    each step is in the prefill seconds the fit measures."""
 
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     balancing_threshold: float = 1.0
@@ -71,6 +74,7 @@ class ConductorConfig:
     decode: DecodeProfile = field(default_factory=DecodeProfile)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     seed: int = 0
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold >= 0:
@@ -195,7 +199,7 @@ class Conductor:
         memo: dict[tuple[int, str | None], tuple] = {}
         local_s = self.transfer.local_s
         waits = self.decode_waits(cluster) if cluster.colocated and self.colocated_decode_wait and \
-            self.predictors_measured else {}
+            not self.config.chunked_prefill and self.predictors_measured else {}
         out = []
         for view in cluster.prefill:
             hit = view.hit

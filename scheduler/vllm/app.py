@@ -66,7 +66,8 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
         raise InvalidArgument("the front door over vLLM needs --model DIR: the checkpoint the instances serve")
     config = config or FrontdoorConfig(model_dir=model_dir)
     model = VLLMModel.from_dir(model_dir, block_size, quantization=quantization, hf_overrides=hf_overrides)
-    conductor = config.conductor     # T_prefill beyond the prompts measured follows the model's FLOPs
+    # vLLM runs prefill chunks in its decode steps; T_prefill beyond the prompts measured follows the model's FLOPs
+    conductor = dataclasses.replace(config.conductor, chunked_prefill=True)
     if not conductor.prefill.attention_ratio:
         conductor = dataclasses.replace(conductor, prefill=dataclasses.replace(
             conductor.prefill, attention_ratio=model.attention_ratio()))

@@ -285,6 +285,11 @@ def test_colocated_t_queue_counts_the_decode_batch_still_running():
         base = make_policy(name, BLOCK_BYTES, ConductorConfig())
         b = base.decide(request(64), ClusterView(1.0, prefill, (decoding, short), colocated=True))
         assert isinstance(b, Decision) and b.prefill_id == "c0" and b.queue_s == 0.0, name
+    # vLLM runs prefill chunks in its decode steps: no drain to wait for (a live replay sent
+    # requests behind a 7,540-token prefill for a 27-s decode wait predicted on the other instance)
+    chunked = conductor(prefill=PrefillProfile(learn=False), decode=DecodeProfile(learn=False), chunked_prefill=True)
+    d = chunked.decide(request(64), ClusterView(1.0, queued, (decoding, short), colocated=True))
+    assert isinstance(d, Decision) and d.prefill_id == "c0" and d.queue_s == 0.0
 
 
 def test_least_predicted_tbt_decode_and_tbt_slo():
