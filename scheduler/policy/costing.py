@@ -26,22 +26,23 @@ size of the prefill — short ones carry the fixed costs the fit smooths over), 
 engine rarely beats (a residual above the prediction, a straggler's, does not widen it by
 itself). Until ``min_samples`` prefills were observed
 the profile's coefficients are used; a profile never implies a speed below
-``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject
-for a guess). Nor is the fit trusted beyond the prompts it has measured: a prompt that
-computes more tokens, or sees more context, than any observed one is predicted at most at
-the seconds per computed token the fit gives the longest prefill observed, or at the floor
-speed where that is slower. Fitted on short prompts only, the attention coefficient ``k2``
-is noise (their ``c·(n+p)/2`` is tiny), and squared up to a long prompt it predicted one
-4,000-token prefill on the tiny CPU model at 1,766 s (0.5 s measured) after 30 prompts of
-1–20 tokens, and the router answered 429 with a Retry-After of half an hour. The floor alone
-erred the other way on vLLM: 3.8 s predicted for a 7,540-token prompt that took 24 s, after
-prompts of up to 2,000 tokens measured at 0.7k tokens/s. Per computed token a longer prompt
-costs at least what a shorter one did (attention grows with the context), so the bound is
-still low, but it is measured, not guessed. Where the model's FLOPs are known
+``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject for
+a guess). Nor is the fit trusted beyond the prompts it has measured: a prompt that computes
+more tokens, or sees more context, than any observed one is predicted at most at the seconds
+per computed token the fit gives the longest prefill observed, or at the floor speed where
+that is slower. Fitted on short prompts only, the attention coefficient ``k2`` is noise
+(their ``c·(n+p)/2`` is tiny), and squared up to a long prompt it predicted one 4,000-token
+prefill on the tiny CPU model at 1,766 s (0.5 s measured) after 30 prompts of 1–20 tokens,
+and the router answered 429 with a Retry-After of half an hour. The floor alone erred the
+other way on vLLM: 3.8 s predicted for a 7,540-token prompt that took 24 s, after prompts of
+up to 2,000 tokens measured at 0.7k tokens/s. Per computed token a longer prompt costs at
+least what a shorter one did (attention grows with the context), so the bound is still low,
+but it is measured, not guessed. Where the model's FLOPs are known
 (``PrefillProfile.attention_ratio``), a prompt beyond the ones measured is instead the fit's
 prediction for the longest one scaled by the FLOPs (:meth:`PrefillModel._anchored`): the
-7,540-token prompt above comes out at ~19 s after prompts of up to 2,000 tokens. Prefills an engine ran together are one
-observation at the sum of their features (:meth:`PrefillModel.observe_group`).
+7,540-token prompt above comes out at ~19 s after prompts of up to 2,000 tokens. Prefills an
+engine ran together are one observation at the sum of their features
+(:meth:`PrefillModel.observe_group`).
 
 T_transfer. A block in tier ``t`` read on the same host costs ``block_bytes / bw(t)``; read
 from another host (a peer instance, or a store node reached over the network) it costs
