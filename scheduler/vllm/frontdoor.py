@@ -199,15 +199,15 @@ class VLLMFrontdoor(Frontdoor):
                 continue
             answer["id"] = plan.request_id
             answer["model"] = self.info.model_id      # the id /v1/models lists, not vLLM's served name
-            self._account(plan, answer.get("usage"), time.perf_counter() - t0)
+            self._account(plan, answer.get("usage"))
             self.metrics.generated_tokens.inc(int((answer.get("usage") or {}).get("completion_tokens") or 0))
             return web.json_response(answer, headers=_route(plan)), "ok"
 
-    def _account(self, plan: RoutePlan, usage: dict[str, Any] | None, ttft_s: float) -> None:
+    def _account(self, plan: RoutePlan, usage: dict[str, Any] | None) -> None:
         cached = self._true_usage(plan, usage)
-        if self.router.colocated:
-            self.router.first_token(plan)
-            self.router.colocated_prefilled(plan, cached, ttft_s)
+        if self.router.colocated:       # not streamed: the first token's time is the response's end
+            self.router.first_token(plan, measured=False)
+            self.router.colocated_prefilled(plan, cached)
 
     def _true_usage(self, plan: RoutePlan, usage: dict[str, Any] | None) -> int:
         """Book vLLM's ``usage`` of a request and make its ``cached_tokens`` the request's
@@ -299,8 +299,7 @@ class VLLMFrontdoor(Frontdoor):
                 for _ in range(tokens):
                     tick()
                 if event.get("usage"):
-                    self._account_stream(plan, event["usage"], tick.first - tick.t0 if tick.tokens else 0.0,
-                                         resume.resumed)
+                    self._account_stream(plan, event["usage"], resume.resumed)
                     if not include_usage:
                         event.pop("usage")
                         if not event.get("choices"):
@@ -327,11 +326,11 @@ class VLLMFrontdoor(Frontdoor):
         self.metrics.resumed.inc()
         return moved
 
-    def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], ttft_s: float, resumed: bool) -> None:
+    def _account_stream(self, plan: RoutePlan, usage: dict[str, Any], resumed: bool) -> None:
         """The stream's usage event (``usage`` made the request's in place, before it is sent)."""
         cached = self._true_usage(plan, usage)
         if self.router.colocated and not resumed:   # a continuation's prefill is not the request's
-            self.router.colocated_prefilled(plan, cached, ttft_s)
+            self.router.colocated_prefilled(plan, cached)
 
 
 class _NothingSent(Exception):

@@ -135,15 +135,17 @@ class VLLMRouter(Router[VLLMClient]):
         if self.colocated:
             self._began[plan.request_id] = time.monotonic()
 
-    def first_token(self, plan: RoutePlan) -> None:
+    def first_token(self, plan: RoutePlan, measured: bool = True) -> None:
         """Colocated: the instance's prefill is over (its first token arrived). Its own seconds
         are the time since it was routed, or since the prefill ahead of it in the instance's
         books ended when it started later (:meth:`PrefillBacklog.started_s`): what T_prefill
-        predicts, without the wait that T_queue predicts apart."""
+        predicts, without the wait that T_queue predicts apart. ``measured`` False: the call
+        comes at the whole response's end (not streamed), whose seconds hold the decode too,
+        so nothing is learnt from them."""
         backlog = self.prefill[plan.prefill_id].backlog
         now = time.monotonic()
         began = self._began.pop(plan.request_id, None)
-        if began is not None and plan.request_id in backlog:
+        if began is not None and plan.request_id in backlog and measured:
             started = backlog.started_s(plan.request_id)
             self._prefill_s[plan.request_id] = now - max(began, started if started is not None else began)
             self._learn(self.prefill_groups.first_token(plan.prefill_id, plan.request_id, plan.prompt_tokens,
@@ -151,15 +153,15 @@ class VLLMRouter(Router[VLLMClient]):
         backlog.remove(plan.request_id)
         self._advance(backlog, now)
 
-    def colocated_prefilled(self, plan: RoutePlan, cached_tokens: int, ttft_s: float) -> None:
+    def colocated_prefilled(self, plan: RoutePlan, cached_tokens: int) -> None:
         """Colocated: feed the T_prefill fit once the request's usage says what was cached, with
-        the prefill's own seconds (:meth:`first_token`; the TTFT when they are unknown). The
+        the prefill's own seconds (:meth:`first_token`; nothing when they were not measured). The
         TTFT also holds the wait behind the prefills routed there before it, which T_queue
         counts: fed to the fit, every wait was counted twice and predictions grew with the
         queues (live, 60 requests: TTFT a median 0.21 of the Conductor's prediction)."""
-        seconds = self._prefill_s.pop(plan.request_id, ttft_s)
-        self.prefill_finished(plan, PrefillResult(plan.request_id, 0, plan.keys, cached_tokens,
-                                                  plan.prompt_tokens - cached_tokens, b"", 0, seconds, 0, 0),
+        seconds = self._prefill_s.pop(plan.request_id, None)     # None: not measured, nothing to learn
+        self.prefill_finished(plan, None if seconds is None else PrefillResult(
+            plan.request_id, 0, plan.keys, cached_tokens, plan.prompt_tokens - cached_tokens, b"", 0, seconds, 0, 0),
                               learn=False)
         self._learn(self.prefill_groups.cached(plan.request_id, cached_tokens, time.monotonic()))
 

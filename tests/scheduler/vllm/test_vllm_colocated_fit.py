@@ -31,7 +31,7 @@ class Clock:
         return self.now
 
 
-async def _two_behind_one(model: VLLMModel, clock: Clock, gaps: tuple[float, float]) -> list:
+async def _two_behind_one(model: VLLMModel, clock: Clock, gaps: tuple[float, float], measured: bool = True) -> list:
     clients = [VLLMClient(f"http://127.0.0.1:{free_port()}", "colocated", model, "vllm-0")]
     infos = [await c.info() for c in clients]
     router = VLLMRouter([PrefillInstance(c, i) for c, i in zip(clients, infos)],
@@ -46,15 +46,13 @@ async def _two_behind_one(model: VLLMModel, clock: Clock, gaps: tuple[float, flo
             assert isinstance(plan, RoutePlan) and not isinstance(plan, Rejection)
             router.begin(plan)
             plans.append(plan)
-        t0 = clock.now
         clock.now += gaps[0]
-        router.first_token(plans[0])                   # the first prefill ends; the second starts now
+        router.first_token(plans[0], measured)         # the first prefill ends; the second starts now
         clock.now += gaps[1]
-        router.first_token(plans[1])
-        ttft = clock.now - t0
+        router.first_token(plans[1], measured)
         clock.now += 1.0                               # each usage comes at its stream's end
         for plan in plans:
-            router.colocated_prefilled(plan, 0, ttft)
+            router.colocated_prefilled(plan, 0)
             router.finished(plan)
         assert not router._began and not router._prefill_s
         assert not router.prefill_groups._of and not router.prefill_groups._open
@@ -137,3 +135,15 @@ def test_the_front_door_reads_the_models_attention_ratio_from_its_checkpoint(tmp
     cfg.pop("intermediate_size")
     (Path(model.model_dir) / "config.json").write_text(json.dumps(cfg))
     assert model.attention_ratio() == 0.0          # dimensions it cannot read: no FLOPs shape
+
+
+def test_a_response_not_streamed_teaches_the_fit_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Not streamed, the front door sees the first token only with the whole response: those
+    seconds hold the decode too, and are not prefill seconds."""
+    import scheduler.routing.router
+    import scheduler.vllm.router
+    model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint")), block_size=16)
+    clock = Clock()
+    for module in (scheduler.routing.router, scheduler.vllm.router):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    assert asyncio.run(_two_behind_one(model, clock, (0.3, 0.2), measured=False)) == []
