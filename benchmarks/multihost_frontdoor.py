@@ -83,7 +83,7 @@ class Stack:
         self.logs[name] = self.cluster.workdir / f"{name}.log"
         log = open(self.logs[name], "ab")
         if cpus:          # bound by the exec shim: a preexec_fn would fork (kvstore/child_process.py)
-            argv = guarded_argv(argv, die_with_parent=False, cpus=cpus)
+            argv = guarded_argv(argv, die_with_parent=False, cpus=cpus, env=env)
         self.procs[name] = self.cluster.topology.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
                                                        stdin=subprocess.DEVNULL, cwd=str(ROOT), env=env)
 

@@ -178,10 +178,9 @@ class Stack:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{name}.log"), mode) as log:
             level = ["--log-level", self.log_level] if self.log_level else []
-            return subprocess.Popen(guarded_argv([sys.executable, "-m", "launcher", *level, *argv]), stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **self.env,
-                                         **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})})
+            env = {**os.environ, **self.env, **({HELD_ENV: "1"} if self.holds or self.front_door_held else {})}
+            return subprocess.Popen(guarded_argv([sys.executable, "-m", "launcher", *level, *argv], env=env),
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def pid(self, name: str) -> int:
         return self.children[name].proc.pid

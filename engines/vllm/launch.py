@@ -147,12 +147,11 @@ class VLLMServer:
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
-        argv = self.spec.argv()
+        argv, env = self.spec.argv(), self.spec.env()
         if self.spec.cpus:      # bound by the exec shim: a preexec_fn would fork (kvstore/child_process.py)
-            argv = guarded_argv(argv, die_with_parent=False, cpus=self.spec.cpus)
+            argv = guarded_argv(argv, die_with_parent=False, cpus=self.spec.cpus, env=env)
         return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=self.spec.env(), cwd=str(ROOT),
-                                start_new_session=True)
+                                stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
 
     def restart(self) -> subprocess.Popen:
         """Start the server again from its spec (same port, same role), its log appended to:

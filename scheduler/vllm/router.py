@@ -149,6 +149,7 @@ class VLLMRouter(Router[VLLMClient]):
             started = backlog.started_s(plan.request_id)
             self._prefill_s[plan.request_id] = now - max(began, started if started is not None else began)
             self._learn(self.prefill_groups.first_token(plan.prefill_id, plan.request_id, plan.prompt_tokens,
+                                                        plan.decision.cached_tokens,
                                                         now - self._prefill_s[plan.request_id], now))
         backlog.remove(plan.request_id)
         self._advance(backlog, now)
@@ -176,7 +177,7 @@ class VLLMRouter(Router[VLLMClient]):
         super().finished(plan)
         self._began.pop(plan.request_id, None)
         self._prefill_s.pop(plan.request_id, None)
-        self.prefill_groups.forget(plan.request_id)
+        self._learn(self.prefill_groups.forget(plan.request_id))
 
     def reroute(self, plan: RoutePlan, role: str, tried: set[str]) -> RoutePlan | None:
         """As :meth:`Router.reroute`; colocated, the request moves whole (its prefill queue
@@ -190,6 +191,8 @@ class VLLMRouter(Router[VLLMClient]):
         work = self.decode[plan.decode_id].work.pop(plan.request_id, None)
         if work is not None:
             self.decode[new_id].work[plan.request_id] = work
+        if plan.request_id in self._began:     # its prefill there starts now, not when first routed
+            self._began[plan.request_id] = time.monotonic()
         return dataclasses.replace(moved, decision=dataclasses.replace(moved.decision, decode_id=new_id))
 
     def read_store_events(self, redis_url: str, store_address: str | None, store_token: str | None) -> None:

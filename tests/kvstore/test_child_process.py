@@ -91,3 +91,20 @@ def test_a_guarded_child_gets_sigterm_when_its_parent_is_killed():
 def test_an_empty_command_is_refused():
     with pytest.raises(ValueError, match="empty"):
         guarded_argv([])
+
+
+def test_the_program_gets_default_signals_and_the_environment_it_was_given():
+    """The shim's interpreter ignores SIGPIPE and SIGXFSZ and, under a C locale, coerces
+    LC_CTYPE into its environment; the program it execs (a shell here) gets neither."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_")} | {"LANG": "C"}
+    script = "grep SigIgn /proc/self/status; echo LC_CTYPE=${LC_CTYPE-unset}"
+    done = subprocess.run(guarded_argv(["sh", "-c", script], env=env), env=env,
+                          capture_output=True, text=True, timeout=30, check=True)
+    ignored = int(done.stdout.split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)) and not ignored & (1 << (signal.SIGXFSZ - 1))
+    assert "LC_CTYPE=unset" in done.stdout
+
+
+def test_a_program_that_does_not_exist_is_refused_in_the_caller():
+    with pytest.raises(FileNotFoundError, match="no-such-program"):
+        guarded_argv(["no-such-program-kvstore"])
