@@ -123,8 +123,8 @@ class PrefillModel:
         self.residuals = 0       # residuals measured
         self.outliers = 0        # observations above the outlier cap (stragglers), folded in capped
         self._log_err = [0.0, 0.0]   # Σ ln(seconds / predicted), Σ of its square, over residuals
-        self._seen = (0.0, 0.0)      # the largest computed tokens and attention feature observed
         self._edge = (0.0, 0.0)      # (computed tokens, attention feature) of the longest prefill observed
+        self._max_attn = 0.0         # the largest attention feature observed
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -140,10 +140,20 @@ class PrefillModel:
         one, c, attn = self.features(prompt_tokens, cached_tokens)
         k0, k1, k2 = self.fit.coefficients
         s = k0 * one + k1 * c + k2 * attn
-        if not self.fit.fitted or c > self._seen[0] or attn > self._seen[1]:   # a guess: bounded
+        if not self.fit.fitted or c > self._edge[0] or attn > self._max_attn:   # a guess: bounded
             anchored = self._anchored(c, attn)
             s = anchored if anchored is not None else min(s, self.profile.fixed_s + c * self._edge_s_per_token())
         return max(self.profile.min_prefill_s, s)
+
+    def _edge_rate(self, rho: float) -> float | None:
+        """The fit's seconds for the longest prefill observed, less its fixed part, per
+        FLOPs-weighted token there: ``(k1·c + k2·attn) / (c + ρ·attn)`` (ρ = 0: per computed
+        token). None while the fit is not in use or nothing was observed."""
+        c, attn = self._edge
+        if not self.fit.fitted or c <= 0:
+            return None
+        _, k1, k2 = self.fit.coefficients
+        return (k1 * c + k2 * attn) / (c + rho * attn)
 
     def _anchored(self, c: float, attn: float) -> float | None:
         """Beyond the prompts measured, with the model's FLOPs known (``attention_ratio`` ρ > 0):
@@ -151,23 +161,13 @@ class PrefillModel:
         with ``r`` such that the longest one is predicted as the fit predicts it. None while the
         fit is not in use, nothing was observed, or ρ is 0."""
         rho = self.profile.attention_ratio
-        c_e, attn_e = self._edge
-        if rho <= 0 or not self.fit.fitted or c_e <= 0:
-            return None
-        k0, k1, k2 = self.fit.coefficients
-        r = (k1 * c_e + k2 * attn_e) / (c_e + rho * attn_e)
-        return k0 + r * (c + rho * attn)
+        r = self._edge_rate(rho) if rho > 0 else None
+        return None if r is None else self.fit.coefficients[0] + r * (c + rho * attn)
 
     def _edge_s_per_token(self) -> float:
         """Seconds per computed token beyond the prompts measured: the fit's for the longest
-        prefill observed (``(k1·c + k2·attn) / c`` there), or the floor speed's when that is
-        faster or the fit is not in use."""
-        floor = 1.0 / self.profile.floor_tokens_per_s
-        c, attn = self._edge
-        if not self.fit.fitted or c <= 0:
-            return floor
-        _, k1, k2 = self.fit.coefficients
-        return max(floor, (k1 * c + k2 * attn) / c)
+        prefill observed, or the floor speed's when that is faster or the fit is not in use."""
+        return max(1.0 / self.profile.floor_tokens_per_s, self._edge_rate(0.0) or 0.0)
 
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
         """Fold in one finished prefill (engine-side seconds): :meth:`observe_group` of one."""
@@ -207,7 +207,7 @@ class PrefillModel:
         if self.learn:
             rows = [self.features(n, p) for n, p in prefills]
             for _, c, attn in rows:
-                self._seen = (max(self._seen[0], c), max(self._seen[1], attn))
+                self._max_attn = max(self._max_attn, attn)
                 if c >= self._edge[0]:
                     self._edge = (c, attn)
             weight = 1.0 / predicted ** 2 if predicted < 1e150 else 0.0     # no overflow

@@ -200,10 +200,10 @@ class Router(Generic[C]):
             return busy
         request = RequestView(request_id, len(tokens), keys, max_tokens, self.info.block_size, sequences)
         result = self.policy.decide(request, view)
-        rejected = isinstance(result, Rejection)       # the decision and the prefill views it was judged on
-        log.debug("%s %s: %s; %s", "reject" if rejected else "route", request_id, result, view)
-        if isinstance(result, Rejection):
+        if isinstance(result, Rejection):     # each decision logged with the views it was judged on
+            log.debug("reject %s: %s; %s", request_id, result, view)
             return result
+        log.debug("route %s: %s; %s", request_id, result, view)
         return RoutePlan(request_id, namespace, len(tokens), max_tokens, keys, pool_hit, result,
                          load_limit(result, pool_hit, self.info.block_size), reuse, sequences)
 

@@ -70,7 +70,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
     conductor = dataclasses.replace(config.conductor, chunked_prefill=True)
     if not conductor.prefill.attention_ratio:
         conductor = dataclasses.replace(conductor, prefill=dataclasses.replace(
-            conductor.prefill, attention_ratio=model.attention_ratio()))
+            conductor.prefill, attention_ratio=model.attention_ratio))
     router = await connect_vllm(model, prefill_urls, decode_urls, store_address, topology=topology,
                                 colocated_urls=colocated_urls, policy=config.policy,
                                 config=dataclasses.replace(conductor, admission=config.admission),

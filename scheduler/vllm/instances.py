@@ -36,16 +36,30 @@ from scheduler.policy.costing import attention_ratio
 KEEPALIVE_S = 4.0   # an idle connection to an instance: less than vLLM's 5-s keep-alive
 
 
+def _attention_ratio(cfg: dict[str, Any], heads: int, head_dim: int) -> float:
+    """:attr:`VLLMModel.attention_ratio` from a parsed ``config.json`` (0 without its dimensions)."""
+    try:
+        return attention_ratio(int(cfg["hidden_size"]), heads, int(cfg.get("num_key_value_heads") or heads),
+                               head_dim, int(cfg["intermediate_size"]))
+    except (ValueError, KeyError, TypeError, InvalidArgument):
+        return 0.0
+
+
 @dataclass(frozen=True)
 class VLLMModel:
     """The checkpoint the instances serve: ``paged`` (the connector's key layout: model id,
-    revision, KV layout), ``vocab_size`` (model), ``eos_token_id``. Built from the local
-    checkpoint directory, as the connector builds it from vLLM's config."""
+    revision, KV layout), ``vocab_size`` (model), ``eos_token_id``, ``attention_ratio`` (the
+    model's ``s_per_token_context / s_per_token`` by its FLOPs,
+    :func:`scheduler.policy.costing.attention_ratio`; 0 when its ``config.json`` does not give
+    the dimensions, and T_prefill beyond the prompts measured is then bounded by the longest
+    one's speed alone). Built from the local checkpoint directory, as the connector builds it
+    from vLLM's config."""
 
     model_dir: str
     paged: PagedLayout
     vocab_size: int
     eos_token_id: int
+    attention_ratio: float = 0.0
 
     @classmethod
     def from_dir(cls, model_dir: str, block_size: int = 32, dtype: str | None = None,
@@ -77,25 +91,11 @@ class VLLMModel:
         eos = eos[0] if isinstance(eos, list) else eos
         variant = model_variant(quantization, hf_overrides, checkpoint_quantized(cfg, model_dir))
         return cls(model_dir, PagedLayout(*model_identity(model_dir, None), layout, variant=variant),
-                   int(cfg["vocab_size"]), int(eos or 0))
+                   int(cfg["vocab_size"]), int(eos or 0), _attention_ratio(cfg, heads, head_dim))
 
     @property
     def block_size(self) -> int:
         return self.paged.block_size
-
-    def attention_ratio(self) -> float:
-        """The model's ``s_per_token_context / s_per_token`` by its FLOPs
-        (:func:`scheduler.policy.costing.attention_ratio`), from its ``config.json``; 0 when that
-        does not give the dimensions (T_prefill beyond the prompts measured is then bounded by
-        the longest one's speed alone)."""
-        try:
-            with open(os.path.join(self.model_dir, "config.json")) as f:
-                cfg = json.load(f)
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            return attention_ratio(hidden, heads, int(cfg.get("num_key_value_heads") or heads),
-                                   int(cfg.get("head_dim") or hidden // heads), int(cfg["intermediate_size"]))
-        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, InvalidArgument):
-            return 0.0
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         """The pool keys of ``tokens``' full blocks for tenant ``namespace`` (sent to vLLM as

@@ -60,8 +60,7 @@ class PrefillGroups:
             if group is not None:
                 group.closed = True
                 done += self._hand_over(group)
-            floor = self._ended.get(instance, 0.0)
-            group = self._open[instance] = _Group(instance, max(floor, min(start_s, now_s)), now_s, floor)
+            group = self._open[instance] = _Group(instance, now_s, now_s, self._ended.get(instance, 0.0))
         group.start_s = max(group.floor_s, min(group.start_s, start_s))
         group.members[request_id] = [prompt_tokens, planned_cached, None]
         group.end_s = max(group.end_s, now_s)

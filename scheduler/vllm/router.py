@@ -147,10 +147,10 @@ class VLLMRouter(Router[VLLMClient]):
         began = self._began.pop(plan.request_id, None)
         if began is not None and plan.request_id in backlog and measured:
             started = backlog.started_s(plan.request_id)
-            self._prefill_s[plan.request_id] = now - max(began, started if started is not None else began)
+            start = max(began, started if started is not None else began)
+            self._prefill_s[plan.request_id] = now - start
             self._learn(self.prefill_groups.first_token(plan.prefill_id, plan.request_id, plan.prompt_tokens,
-                                                        plan.decision.cached_tokens,
-                                                        now - self._prefill_s[plan.request_id], now))
+                                                        plan.decision.cached_tokens, start, now))
         backlog.remove(plan.request_id)
         self._advance(backlog, now)
 

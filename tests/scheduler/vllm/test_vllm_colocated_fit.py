@@ -130,11 +130,12 @@ def test_the_front_door_reads_the_models_attention_ratio_from_its_checkpoint(tmp
     from scheduler.policy.costing import attention_ratio
     model = VLLMModel.from_dir(write_checkpoint(str(tmp_path / "checkpoint"), "bench"), block_size=16)
     cfg = json.loads((Path(model.model_dir) / "config.json").read_text())
-    assert model.attention_ratio() == pytest.approx(attention_ratio(512, 8, 8, 64, 1408))
+    assert model.attention_ratio == pytest.approx(attention_ratio(512, 8, 8, 64, 1408))
     assert cfg["hidden_size"] == 512 and cfg["intermediate_size"] == 1408
     cfg.pop("intermediate_size")
     (Path(model.model_dir) / "config.json").write_text(json.dumps(cfg))
-    assert model.attention_ratio() == 0.0          # dimensions it cannot read: no FLOPs shape
+    model = VLLMModel.from_dir(model.model_dir, block_size=16)
+    assert model.attention_ratio == 0.0            # dimensions it cannot read: no FLOPs shape
 
 
 def test_a_response_not_streamed_teaches_the_fit_nothing(tmp_path: Path, monkeypatch) -> None:
