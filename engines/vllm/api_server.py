@@ -16,7 +16,6 @@ SO_REUSEPORT, beside the hold (vLLM's API server binds without it)."""
 from __future__ import annotations
 
 import os
-import runpy
 from typing import Any
 
 from kvstore.auth import METRICS_TOKEN_ENV, bearer_matches
@@ -65,8 +64,17 @@ def bind_beside_hold() -> None:
     entry.setup_server = setup_server_beside_hold   # the name run_server calls
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """vLLM's API server (what ``python -m vllm.entrypoints.openai.api_server`` runs), guarded.
+    Called from this module, which stays ``__main__``: vLLM's CPU platform spawns the engine
+    core process, and a spawned child imports its parent's main module again, which here is
+    this one (80 ms), not vLLM's API server with its whole HTTP stack (8 s of a 20-s start)."""
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
     guard_every_path()
     if held():
         bind_beside_hold()
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -193,7 +193,7 @@ class VLLMServer:
             if time.monotonic() > deadline:
                 raise Unavailable(f"vLLM server on port {self.spec.port} not ready after {timeout_s} s; "
                                   f"its log ends:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def _signal_group(self, sig: int) -> None:
         try:
