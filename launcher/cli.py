@@ -339,8 +339,8 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="each engine times a few prefills or decode steps at start, one engine at a time, and "
                         "the front door seeds its T_prefill and TBT predictors from them (kvstore engine "
-                        "--profile; --no-profile: built-in seeds); over vLLM the front door times the "
-                        "instances' prefills (kvstore scheduler --vllm-profile)")
+                        "--profile; --no-profile: built-in seeds); built-in engines only: vLLM instances "
+                        "are never profiled")
     add_api_key_flags(p)
     add_vllm_up_flags(p)
     p.set_defaults(func=cmd_up, tokens_per_block=None, speed=None)

@@ -55,10 +55,6 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-colocated", nargs="+", metavar="URL",
                    help="vLLM instances that prefill and decode (kv_both): the colocated topology")
     p.add_argument("--vllm-block-size", type=int, default=32, help="the vLLM instances' --block-size")
-    p.add_argument("--vllm-profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="before serving, each prefill (or colocated) instance computes a short prompt and "
-                        "then prompts of 128, 512 and 1,024 random tokens, and T_prefill's seed is fitted to "
-                        "their seconds (about 2 s on a CPU core; --no-vllm-profile: the built-in seed)")
     p.add_argument("--vllm-quantization", metavar="METHOD",
                    help="the vLLM instances' --quantization, when they quantize at load (e.g. fp8): their "
                         "connectors key it, and the front door's keys must agree with theirs")

@@ -133,7 +133,6 @@ def _scheduler_flags(args: argparse.Namespace, setup: Setup, roles, specs, store
             "--admit-tbt-s", str(args.admit_tbt_s), "--policy", setup.policy or args.policy,
             "--decode-max-running", str(args.decode_max_running),
             "--balancing-threshold", str(args.balancing_threshold),
-            *([] if getattr(args, "profile", True) else ["--no-vllm-profile"]),
             *(["--api-keys-file", keys_file] if keys_file else [])]
 
 

@@ -47,7 +47,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                colocated_urls: Sequence[str] = (), block_size: int = 32,
                                store_redis: str | None = None, watch_interval_s: float = 0.5,
                                kv_events: Sequence[str] = (), quantization: str | None = None,
-                               hf_overrides: dict | None = None, profile: bool = True) -> RunningVLLMFrontdoor:
+                               hf_overrides: dict | None = None) -> RunningVLLMFrontdoor:
     """Connect to running vLLM instances (``http://host:port``) and the store node, serve HTTP
     on ``host:port`` (0: a free port). ``model_dir``: the checkpoint the instances serve (its
     tokenizer, and its config for the keys); ``block_size``: the instances' ``--block-size``;
@@ -55,9 +55,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
     ``config.kv_events``: the Redis of the store nodes' KV events (``--kv-events``, else
     ``--redis``): the pool's hits then come from the router's replica of their indexes;
     ``quantization``, ``hf_overrides``: the instances' ``--quantization`` and
-    ``--hf-overrides``, which their connectors key (the front door's keys must agree);
-    ``profile``: seed T_prefill from a profiling pass of the instances before serving
-    (:mod:`scheduler.vllm.profiling`; ``kvstore scheduler --no-vllm-profile``: the built-in seed).
+    ``--hf-overrides``, which their connectors key (the front door's keys must agree).
 
     Raises:
         Unavailable: an instance did not answer within ``config.ready_timeout_s``.
@@ -81,7 +79,7 @@ async def start_vllm_frontdoor(model_dir: str, prefill_urls: Sequence[str] = (),
                                 decode_kv_capacity_tokens=config.decode_kv_capacity_tokens,
                                 ready_timeout_s=config.ready_timeout_s, store_redis=store_redis,
                                 api_key=config.engine_auth_token, kv_events=kv_events,
-                                store_events=config.kv_events, profile=profile)
+                                store_events=config.kv_events)
     frontdoor, runner, bound = await serve_app(
         router, lambda tokenizer: VLLMFrontdoor(router, tokenizer, config), model_dir, model.vocab_size, host, port)
     watcher = asyncio.get_running_loop().create_task(router.watch(watch_interval_s))
@@ -101,6 +99,5 @@ def serve_vllm_frontdoor_forever(args: argparse.Namespace) -> int:
         args.host, args.port, config_from_args(args), topology="colocated" if colocated else "disaggregated",
         colocated_urls=colocated, block_size=args.vllm_block_size, store_redis=getattr(args, "redis", None),
         kv_events=_split(getattr(args, "vllm_kv_events", None) or ""),
-        quantization=getattr(args, "vllm_quantization", None), hf_overrides=getattr(args, "vllm_hf_overrides", None),
-        profile=getattr(args, "vllm_profile", True)),
+        quantization=getattr(args, "vllm_quantization", None), hf_overrides=getattr(args, "vllm_hf_overrides", None)),
         " over vLLM")

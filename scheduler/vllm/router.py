@@ -258,7 +258,7 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
                        decode_max_running: int = 64, decode_kv_capacity_tokens: int = 1 << 20,
                        ready_timeout_s: float = 60.0, store_redis: str | None = None,
                        api_key: str | None = None, kv_events: Sequence[str] = (),
-                       store_events: str | None = None, profile: bool = True) -> VLLMRouter:
+                       store_events: str | None = None) -> VLLMRouter:
     """A :class:`VLLMRouter` over running vLLM instances (``http://host:port`` each):
     ``prefill_urls`` and ``decode_urls`` (disaggregated) or ``colocated_urls`` (colocated).
     Waits until each answers. ``kv_events``: none, or one per prefill (colocated) instance,
@@ -266,9 +266,7 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
     (``--kv-events-config``'s ``endpoint`` and ``replay_endpoint``): the router then sees
     each instance's own prefix cache (:mod:`scheduler.vllm.events`) beside the pool's hits;
     without them it sees the pool's only (it never guesses an instance's cache).
-    ``profile``: T_prefill's seed is fitted to a profiling pass of the prefill (colocated)
-    instances before the router is made (:mod:`scheduler.vllm.profiling`; False: ``config``'s
-    seed). ``store_events``: the Redis the store nodes publish their KV events to (the CLI's
+    ``store_events``: the Redis the store nodes publish their KV events to (the CLI's
     ``--kv-events``, else ``--redis``): with a store, the pool's hits come from a replica of
     their indexes (:meth:`VLLMRouter.read_store_events`), not from a ``Lookup`` per request.
     ``api_key``: the instances' vLLM API key (the engines' token: only the front door may call them). Raises
@@ -294,11 +292,6 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
     try:
         await asyncio.gather(*(c.wait_ready(ready_timeout_s) for c in clients))
         await asyncio.gather(*(c.load() for c in clients))
-        if profile:
-            from scheduler.vllm.profiling import seeded_from_vllm
-            config = await seeded_from_vllm(config or ConductorConfig(),
-                                            [c for c in clients if c.role in ("prefill", "colocated")],
-                                            model.vocab_size)
         infos = [await c.info() for c in clients]
         pre = [PrefillInstance(c, i) for c, i in zip(clients, infos) if c.role in ("prefill", "colocated")]
         dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]

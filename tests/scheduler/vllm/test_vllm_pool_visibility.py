@@ -87,7 +87,7 @@ def test_blocks_the_pool_stores_for_an_instance_are_in_the_routers_index_by_tier
 
     async def run() -> dict:
         router = await connect_vllm(model, (), (), None, topology="colocated", colocated_urls=[server.url],
-                                    kv_events=[",".join(endpoints)], profile=False)   # its events only
+                                    kv_events=[",".join(endpoints)])
         try:
             (engine_id,) = router.prefill
             (bridge,) = router.bridges
@@ -252,47 +252,3 @@ def test_over_a_cluster_the_front_doors_pool_hits_come_from_the_nodes_kv_events_
     assert out["connector"] == ("dram",) * 3, out     # kept, but no hit is taken from it
     assert out["gap"] == (1, ()), out
     assert out["replica_events"] >= 3 + 1, out        # the node's stores and removal, in the front door's metrics
-
-
-def test_the_front_door_seeds_t_prefill_from_a_profiling_pass_of_the_instances(served):
-    """Before the router is made, the instance computes a warm-up prompt and then prompts of
-    128, 512 and 1,024 random tokens under a salt of their own, all of them (nothing reused,
-    a second pass neither), and T_prefill's seed is fitted to their seconds: a seed that is
-    absurd for this instance (100 s + 1 s per token) is replaced by one that predicts the
-    profiled prompts near their measured seconds. An instance that does not answer leaves
-    the seed as it was, and the front door still starts."""
-    from scheduler.policy.conductor import ConductorConfig
-    from scheduler.policy.costing import PrefillModel, PrefillProfile
-    from scheduler.vllm.instances import VLLMClient
-    from scheduler.vllm.profiling import PROFILE_TOKENS, profile_instance, seeded_from_vllm
-    from scheduler.vllm.router import connect_vllm
-    server, model, _, _, _ = served
-    absurd = ConductorConfig(prefill=PrefillProfile(fixed_s=100.0, s_per_token=1.0))
-
-    async def run() -> tuple:
-        client = VLLMClient(server.url, "colocated", model, "c0")
-        dead = VLLMClient(f"http://127.0.0.1:{free_port()}", "colocated", model, "dead", timeout_s=5)
-        try:
-            await client.wait_ready(30)
-            passes = [await profile_instance(client, model.vocab_size) for _ in range(2)]
-            unchanged = await seeded_from_vllm(absurd, [dead], model.vocab_size)
-        finally:
-            await client.close()
-            await dead.close()
-        router = await connect_vllm(model, (), (), None, topology="colocated", colocated_urls=[server.url],
-                                    config=absurd)
-        try:
-            return passes, unchanged, router.policy.config.prefill
-        finally:
-            await router.close()
-
-    passes, unchanged, seeded = asyncio.run(run())
-    for points in passes:
-        assert [n for n, _ in points] == list(PROFILE_TOKENS)       # every prompt token computed
-        assert all(0 < s < 30 for _, s in points)
-    assert unchanged == absurd
-    predict = PrefillModel(seeded).predict
-    measured = dict(passes[1])
-    assert predict(1024) < 30 < PrefillModel(absurd.prefill).predict(1024)
-    for n, s in measured.items():
-        assert s / 5 < predict(n) < s * 5, (n, s, predict(n))
