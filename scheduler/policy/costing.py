@@ -10,7 +10,8 @@ c·(n+p)/2`` (Mooncake's ``flops(n) = l·(a·n²·d + b·n·d²)`` restricted to
     T_prefill(n, p) = k0 + k1·c + k2·c·(n+p)/2      (k0, k1, k2 >= 0)
 
 fitted by :class:`scheduler.policy.fit.OnlineFit`, each observation weighted by ``1 / predicted²``
-(before it is folded in), so that the fit minimises *relative* error. The engines' noise
+(before it is folded in; ``1 / seconds²`` while the fit is not in use yet), so that the fit
+minimises *relative* error. The engines' noise
 is multiplicative (a prefill's seconds vary by a share of themselves), and unweighted least
 squares in seconds lets the few long prefills set the coefficients: on the simulator's
 fig5 preset (seed 0) it left prefills predicted under 0.5 s over-predicted by a median
@@ -27,7 +28,15 @@ engine rarely beats (a residual above the prediction, a straggler's, does not wi
 itself). Until ``min_samples`` prefills were observed
 the profile's coefficients are used; a profile never implies a speed below
 ``floor_tokens_per_s`` (so that a cluster that has measured nothing yet does not reject for
-a guess). Nor is the fit trusted beyond the prompts it has measured: a prompt that computes
+a guess). The fit needs several prefills for its three coefficients, but a profile made for
+another model or machine is wrong mostly in scale, which one prefill shows: the built-in seed,
+fitted to the tiny CPU model, predicted the vLLM demo checkpoint's first prefills about 50
+times too fast (0.05 s for 1,446 tokens that took 2.5 s), so every booked prefill looked
+finished a moment after it was routed, and the first burst of requests went where the
+instances looked idle. So while the fit is not in use, each prediction is the profile's times
+the geometric mean of ``seconds / the profile's prediction`` over the prefills observed so far
+(1 before the first; not with ``learn=False``); σ↓ measures the fit alone.
+Nor is the fit trusted beyond the prompts it has measured: a prompt that computes
 more tokens, or sees more context, than any observed one is predicted at most at the seconds
 per computed token the fit gives the longest prefill observed, or at the floor speed where
 that is slower. Fitted on short prompts only, the attention coefficient ``k2`` is noise
@@ -125,6 +134,7 @@ class PrefillModel:
         self._log_err = [0.0, 0.0]   # Σ ln(seconds / predicted), Σ of its square, over residuals
         self._edge = (0.0, 0.0)      # (computed tokens, attention feature) of the longest prefill observed
         self._max_attn = 0.0         # the largest attention feature observed
+        self._seed_log = [0.0, 0]    # Σ ln(seconds / the profile's prediction), count: while not fitted
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -143,7 +153,14 @@ class PrefillModel:
         if not self.fit.fitted or c > self._edge[0] or attn > self._max_attn:   # a guess: bounded
             anchored = self._anchored(c, attn)
             s = anchored if anchored is not None else min(s, self.profile.fixed_s + c * self._edge_s_per_token())
-        return max(self.profile.min_prefill_s, s)
+        return max(self.profile.min_prefill_s, s * self._seed_scale())
+
+    def _seed_scale(self) -> float:
+        """What the profile's predictions are multiplied by while the fit is not in use: the
+        geometric mean of ``seconds / the profile's prediction`` over the prefills observed
+        (module docstring); 1 once the fit is in use, before any observation, or frozen."""
+        total, n = self._seed_log
+        return math.exp(total / n) if n and self.learn and not self.fit.fitted else 1.0
 
     def _edge_rate(self, rho: float) -> float | None:
         """The fit's seconds for the longest prefill observed, less its fixed part, per
@@ -192,9 +209,10 @@ class PrefillModel:
             return
         r = ratio - 1.0
         a = self.profile.residual_alpha
-        octave = self._fast_sq.setdefault(_octave(predicted), [0.0, 0])
-        octave[1] += 1
-        octave[0] = (1 - a) * octave[0] + a * min(0.0, r) ** 2 if octave[1] > 1 else min(0.0, r) ** 2
+        if self.fit.fitted or not self.learn:   # σ↓ is the fit's error, not the scaled profile's
+            octave = self._fast_sq.setdefault(_octave(predicted), [0.0, 0])
+            octave[1] += 1
+            octave[0] = (1 - a) * octave[0] + a * min(0.0, r) ** 2 if octave[1] > 1 else min(0.0, r) ** 2
         self.residuals += 1
         log_err = math.log(ratio)
         self._log_err[0] += log_err
@@ -204,13 +222,20 @@ class PrefillModel:
             if seconds > cap:
                 self.outliers += 1
                 seconds = cap
+        if self.learn and not self.fit.fitted:
+            self._seed_log[0] += math.log(seconds * self._seed_scale() / predicted)
+            self._seed_log[1] += 1
         if self.learn:
             rows = [self.features(n, p) for n, p in prefills]
             for _, c, attn in rows:
                 self._max_attn = max(self._max_attn, attn)
                 if c >= self._edge[0]:
                     self._edge = (c, attn)
-            weight = 1.0 / predicted ** 2 if predicted < 1e150 else 0.0     # no overflow
+            # relative error: by the prediction once fitted; before, by the seconds themselves, as
+            # a profiling pass is fitted (a prediction of the profile, scaled by what one prefill
+            # showed, would weigh the first prefill hundreds of times more than the next ones)
+            scale = predicted if self.fit.fitted else seconds
+            weight = 1.0 / scale ** 2 if scale < 1e150 else 0.0     # no overflow
             self.fit.observe(tuple(sum(column) for column in zip(*rows)), seconds, weight)
 
     @property

@@ -4,6 +4,7 @@ scheduler/policy/tbt.py)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from itertools import combinations
 
 import numpy as np
@@ -72,3 +73,25 @@ def test_prefill_and_tbt_models_learn_online():
     for b, kv in [(1, 100), (4, 1000), (8, 5000), (16, 20000), (2, 300)]:
         tbt.observe(b, kv, 0.002 + 0.001 * b + 1e-7 * kv)
     assert tbt.predict(10, 8000) == pytest.approx(0.002 + 0.01 + 8e-4, rel=1e-3)
+
+
+def test_before_the_fit_is_in_use_the_profile_is_scaled_to_the_prefills_observed():
+    """The built-in seed has the shape of a prefill's cost but not this engine's speed: one
+    observed prefill sets the scale of every prediction until the fit is in use, the geometric
+    mean of the observed ratios thereafter; a frozen model (``learn=False``) and a model that
+    has observed nothing predict the profile as it is, and once fitted the fit alone rules."""
+    profile = PrefillProfile()
+    raw = PrefillModel(profile).predict
+    model = PrefillModel(profile)
+    assert model.predict(1446, 32) == raw(1446, 32)
+    model.observe(128, 0, 40.0 * raw(128))                      # an engine 40 times slower
+    assert model.predict(1446, 32) == pytest.approx(40.0 * raw(1446, 32), rel=1e-9)
+    model.observe_group([(458, 0), (964, 32)], 10.0 * (raw(458) + raw(964, 32)))   # then 10 times
+    assert model.predict(2000) == pytest.approx(20.0 * raw(2000), rel=1e-9)      # sqrt(40 · 10)
+    frozen = PrefillModel(replace(profile, learn=False))
+    frozen.observe(128, 0, 40.0 * raw(128))
+    assert frozen.predict(1446) == raw(1446)
+    fitted = PrefillModel(replace(profile, min_samples=3))
+    for n in (100, 400, 1000, 2000):
+        fitted.observe(n, 0, 0.01 + 1e-3 * n)
+    assert fitted.predict(1500) == pytest.approx(0.01 + 1.5, rel=1e-3)
