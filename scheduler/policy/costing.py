@@ -35,7 +35,10 @@ times too fast (0.05 s for 1,446 tokens that took 2.5 s), so every booked prefil
 finished a moment after it was routed, and the first burst of requests went where the
 instances looked idle. So while the fit is not in use, each prediction is the profile's times
 the geometric mean of ``seconds / the profile's prediction`` over the prefills observed so far
-(1 before the first; not with ``learn=False``); σ↓ measures the fit alone.
+(1 before the first; each ratio bounded to [1/1000, 1000]; not with ``learn=False``): the floor
+speed above bounds the profile, not what was measured; σ↓ measures the fit alone. A slow
+first prefill (an engine's first request pays one-off costs) makes the next predictions
+pessimistic until the fit is in use, and the TTFT SLO may then reject a request early.
 Nor is the fit trusted beyond the prompts it has measured: a prompt that computes
 more tokens, or sees more context, than any observed one is predicted at most at the seconds
 per computed token the fit gives the longest prefill observed, or at the floor speed where
@@ -72,6 +75,7 @@ from kvstore.tiers import registry
 from scheduler.policy.fit import OnlineFit
 
 HBM = "hbm"
+SEED_LOG_BOUND = math.log(1e3)   # one prefill scales the profile by at most 1000x either way
 
 
 @dataclass(frozen=True)
@@ -146,21 +150,27 @@ class PrefillModel:
     def predict(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill an ``prompt_tokens``-token prompt of which ``cached_tokens`` are
         loaded, not computed; beyond the prompts observed (or before the fit is in use), at
-        most what ``floor_tokens_per_s`` implies."""
+        most what ``floor_tokens_per_s`` implies, times (before the fit is in use) the scale
+        the prefills observed so far gave the profile."""
+        return max(self.profile.min_prefill_s, self._bounded(prompt_tokens, cached_tokens) * self._seed_scale())
+
+    def _bounded(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """The fit's (or the profile's) seconds, bounded beyond the prompts observed; unscaled,
+        unclamped."""
         one, c, attn = self.features(prompt_tokens, cached_tokens)
         k0, k1, k2 = self.fit.coefficients
         s = k0 * one + k1 * c + k2 * attn
         if not self.fit.fitted or c > self._edge[0] or attn > self._max_attn:   # a guess: bounded
             anchored = self._anchored(c, attn)
             s = anchored if anchored is not None else min(s, self.profile.fixed_s + c * self._edge_s_per_token())
-        return max(self.profile.min_prefill_s, s * self._seed_scale())
+        return s
 
     def _seed_scale(self) -> float:
         """What the profile's predictions are multiplied by while the fit is not in use: the
         geometric mean of ``seconds / the profile's prediction`` over the prefills observed
         (module docstring); 1 once the fit is in use, before any observation, or frozen."""
         total, n = self._seed_log
-        return math.exp(total / n) if n and self.learn and not self.fit.fitted else 1.0
+        return math.exp(total / n) if n and self.learn and not self.fit.fitted else 1.0   # in [1e-3, 1e3]
 
     def _edge_rate(self, rho: float) -> float | None:
         """The fit's seconds for the longest prefill observed, less its fixed part, per
@@ -222,8 +232,9 @@ class PrefillModel:
             if seconds > cap:
                 self.outliers += 1
                 seconds = cap
-        if self.learn and not self.fit.fitted:
-            self._seed_log[0] += math.log(seconds * self._seed_scale() / predicted)
+        profile_s = sum(self._bounded(n, p) for n, p in prefills)   # the profile's, unscaled
+        if self.learn and not self.fit.fitted and profile_s > 0:
+            self._seed_log[0] += min(SEED_LOG_BOUND, max(-SEED_LOG_BOUND, math.log(seconds / profile_s)))
             self._seed_log[1] += 1
         if self.learn:
             rows = [self.features(n, p) for n, p in prefills]
@@ -231,11 +242,10 @@ class PrefillModel:
                 self._max_attn = max(self._max_attn, attn)
                 if c >= self._edge[0]:
                     self._edge = (c, attn)
-            # relative error: by the prediction once fitted; before, by the seconds themselves, as
-            # a profiling pass is fitted (a prediction of the profile, scaled by what one prefill
-            # showed, would weigh the first prefill hundreds of times more than the next ones)
-            scale = predicted if self.fit.fitted else seconds
-            weight = 1.0 / scale ** 2 if scale < 1e150 else 0.0     # no overflow
+            # relative error: by the prediction once fitted; before, by the profile's own (a scale
+            # that changes with each prefill would weigh the first one unlike the next ones)
+            base = predicted if self.fit.fitted else max(profile_s, self.profile.min_prefill_s)
+            weight = 1.0 / base ** 2 if base < 1e150 else 0.0     # no overflow
             self.fit.observe(tuple(sum(column) for column in zip(*rows)), seconds, weight)
 
     @property

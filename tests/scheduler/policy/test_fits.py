@@ -91,6 +91,13 @@ def test_before_the_fit_is_in_use_the_profile_is_scaled_to_the_prefills_observed
     frozen = PrefillModel(replace(profile, learn=False))
     frozen.observe(128, 0, 40.0 * raw(128))
     assert frozen.predict(1446) == raw(1446)
+    wild = PrefillModel(profile)
+    wild.observe(128, 0, 1e200)                                  # nonsense: bounded, never inf
+    assert wild.predict(1446) == pytest.approx(1000.0 * raw(1446), rel=1e-9)
+    flat = PrefillModel(PrefillProfile(fixed_s=0.0, s_per_token=0.0, s_per_token_context=0.0, min_prefill_s=0.1))
+    for _ in range(5):
+        flat.observe(100, 0, 0.1)                                # a profile of 0 s: nothing to scale
+    assert flat.predict(100) == 0.1
     fitted = PrefillModel(replace(profile, min_samples=3))
     for n in (100, 400, 1000, 2000):
         fitted.observe(n, 0, 0.01 + 1e-3 * n)
