@@ -28,7 +28,7 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     out, plots = tmp / "demo.json", tmp / "plots"
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp / "cache"))    # the bench checkpoint is written there
     proc = subprocess.run([sys.executable, "-m", "launcher", "up", "--replay", str(TRACE), "--requests", "10",
-                           "--speed", "30", "--port", "0", "--data-dir", str(tmp / "up"), "--json", str(out),
+                           "--speed", "10", "--port", "0", "--data-dir", str(tmp / "up"), "--json", str(out),
                            "--plots", str(plots), "--vllm-kv-cache", "40MiB", "--vllm-max-model-len", "1088",
                            "--dram", "512MiB"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False, env=env)
@@ -37,7 +37,7 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)   # the fixture's six vLLM start-ups and three 6 s replays: 115 s on a quiet 2-core VM
+@pytest.mark.timeout(600)   # the fixture's six vLLM start-ups and three 18-s replays: 2-2.5 min on 2 cores
 def test_kvstore_up_without_engine_runs_vllm_in_three_setups_on_the_same_requests(demo) -> None:
     proc, report, plots = demo
     setups = report["setups"]
