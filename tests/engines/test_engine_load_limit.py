@@ -148,11 +148,12 @@ def test_the_prefill_fit_learns_compute_seconds_not_the_pool_read(stack):
                 router.prefill_finished(plan, result)
                 router.finished(plan)
                 results.append(result)
-            return router.policy.prefill_model.log_error, results
+            model = router.policy.prefill_model
+            return model.log_error, model.predict(len(prompt)), results
         finally:
             await router.close()
 
-    learned, results = asyncio.run(go())
+    learned, predicted, results = asyncio.run(go())
     # the first fetches its prefix (the seeded bandwidths make that cheaper than recompute); the
     # second may recompute when the first's read was slow (a loaded machine): both still feed the fit
     assert results[0].loaded_blocks == 6 and results[0].load_s > 0
@@ -163,7 +164,9 @@ def test_the_prefill_fit_learns_compute_seconds_not_the_pool_read(stack):
     for r in results:
         whole.observe(len(prompt), r.cached_tokens, r.prefill_s)
     assert learned == pytest.approx(reference.log_error, rel=1e-9)
-    assert learned[0] < whole.log_error[0]
+    # what it learnt: the reference's prediction, below what the whole seconds teach
+    assert predicted == pytest.approx(reference.predict(len(prompt)), rel=1e-9)
+    assert predicted < whole.predict(len(prompt))
 
 
 def test_a_streaming_request_s_decode_work_follows_its_pace(stack):
