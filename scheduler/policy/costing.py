@@ -10,8 +10,8 @@ c·(n+p)/2`` (Mooncake's ``flops(n) = l·(a·n²·d + b·n·d²)`` restricted to
     T_prefill(n, p) = k0 + k1·c + k2·c·(n+p)/2      (k0, k1, k2 >= 0)
 
 fitted by :class:`scheduler.policy.fit.OnlineFit`, each observation weighted by ``1 / predicted²``
-(before it is folded in; ``1 / seconds²`` while the fit is not in use yet), so that the fit
-minimises *relative* error. The engines' noise
+(before it is folded in; the profile's own, unscaled, while the fit is not in use yet), so
+that the fit minimises *relative* error. The engines' noise
 is multiplicative (a prefill's seconds vary by a share of themselves), and unweighted least
 squares in seconds lets the few long prefills set the coefficients: on the simulator's
 fig5 preset (seed 0) it left prefills predicted under 0.5 s over-predicted by a median
@@ -139,6 +139,7 @@ class PrefillModel:
         self._edge = (0.0, 0.0)      # (computed tokens, attention feature) of the longest prefill observed
         self._max_attn = 0.0         # the largest attention feature observed
         self._seed_log = [0.0, 0]    # Σ ln(seconds / the profile's prediction), count: while not fitted
+        self._scale = 1.0            # the profile's scale: exp(mean of _seed_log) while not fitted, else 1
 
     @staticmethod
     def features(prompt_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
@@ -152,7 +153,7 @@ class PrefillModel:
         loaded, not computed; beyond the prompts observed (or before the fit is in use), at
         most what ``floor_tokens_per_s`` implies, times (before the fit is in use) the scale
         the prefills observed so far gave the profile."""
-        return max(self.profile.min_prefill_s, self._bounded(prompt_tokens, cached_tokens) * self._seed_scale())
+        return max(self.profile.min_prefill_s, self._bounded(prompt_tokens, cached_tokens) * self._scale)
 
     def _bounded(self, prompt_tokens: int, cached_tokens: int) -> float:
         """The fit's (or the profile's) seconds, bounded beyond the prompts observed; unscaled,
@@ -164,13 +165,6 @@ class PrefillModel:
             anchored = self._anchored(c, attn)
             s = anchored if anchored is not None else min(s, self.profile.fixed_s + c * self._edge_s_per_token())
         return s
-
-    def _seed_scale(self) -> float:
-        """What the profile's predictions are multiplied by while the fit is not in use: the
-        geometric mean of ``seconds / the profile's prediction`` over the prefills observed
-        (module docstring); 1 once the fit is in use, before any observation, or frozen."""
-        total, n = self._seed_log
-        return math.exp(total / n) if n and self.learn and not self.fit.fitted else 1.0   # in [1e-3, 1e3]
 
     def _edge_rate(self, rho: float) -> float | None:
         """The fit's seconds for the longest prefill observed, less its fixed part, per
@@ -213,7 +207,9 @@ class PrefillModel:
             return
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        predicted = max(sum(self.predict(n, p) for n, p in prefills), 1e-9)
+        bounded = [self._bounded(n, p) for n, p in prefills]    # each prefill's, unscaled
+        profile_s = sum(bounded)
+        predicted = max(sum(max(self.profile.min_prefill_s, b * self._scale) for b in bounded), 1e-9)
         ratio = seconds / predicted
         if not (math.isfinite(ratio) and ratio > 0):
             return
@@ -232,7 +228,6 @@ class PrefillModel:
             if seconds > cap:
                 self.outliers += 1
                 seconds = cap
-        profile_s = sum(self._bounded(n, p) for n, p in prefills)   # the profile's, unscaled
         if self.learn and not self.fit.fitted and profile_s > 0:
             self._seed_log[0] += min(SEED_LOG_BOUND, max(-SEED_LOG_BOUND, math.log(seconds / profile_s)))
             self._seed_log[1] += 1
@@ -247,6 +242,8 @@ class PrefillModel:
             base = predicted if self.fit.fitted else max(profile_s, self.profile.min_prefill_s)
             weight = 1.0 / base ** 2 if base < 1e150 else 0.0     # no overflow
             self.fit.observe(tuple(sum(column) for column in zip(*rows)), seconds, weight)
+        total, n = self._seed_log     # the profile's scale, kept for predict (module docstring)
+        self._scale = math.exp(total / n) if n and self.learn and not self.fit.fitted else 1.0   # in [1e-3, 1e3]
 
     @property
     def log_error(self) -> tuple[float, float] | None:
