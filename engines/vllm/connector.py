@@ -104,7 +104,8 @@ class KVStoreConnector(ConnectorObservability, SchedulerSide, WorkerSide, KVConn
         self.async_saves = self.saves and bool(tc.is_kv_consumer) and self.cfg.async_save
         # A failed load must be recomputed, not fail the request (vLLM's default is "fail").
         tc.kv_load_failure_policy = self.cfg.on_load_error
-        self.link = PoolLink(self.cfg)
+        # the scheduler side only looks blocks up: it builds no page tables for the slab
+        self.link = PoolLink(self.cfg, moves_bytes=role != KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:   # one probe per instance: a wrong token stops vLLM here
             dtype = getattr(torch, self.paged.layout.dtype, None)   # an fp8 cache dtype name: 1 byte
             itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1

@@ -71,6 +71,7 @@ class WorkerSide:
         log.info("kvstore connector: rank %d of %d, %d KV blocks of %s bytes on %s (layer slice %s)", self._rank,
                  self.paged.tp_size, num_blocks, "+".join(str(b.block_bytes) for b in self._blocks),
                  self._blocks[0].device, self._blocks[0].layer_shape)
+        self.link.attach()   # the slab's page tables before the first request, not on it
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's blocks (this rank's shard) into the paged tensors before the

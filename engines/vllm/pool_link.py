@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 NO_BLOCKS = LookupResult(0, ())    # a lookup that could not ask the pool
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+ATTACH_WAIT_S = 30.0   # at most this long at start for the slab's page tables (2 GiB: about 0.3 s)
 LOAD_ERROR_POLICIES = ("recompute", "fail")
 
 
@@ -111,8 +112,9 @@ class PoolLink:
     """Lookups, loads and saves against the pool; every failure is a miss, counted and
     logged, and opens a back-off during which the pool is not asked. Thread-safe."""
 
-    def __init__(self, cfg: ConnectorConfig) -> None:
+    def __init__(self, cfg: ConnectorConfig, moves_bytes: bool = True) -> None:
         self.cfg = cfg
+        self.moves_bytes = moves_bytes   # False: lookups only (the scheduler side), no slab page tables
         self._client: Any = None
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -145,8 +147,30 @@ class PoolLink:
                 else:
                     from kvstore.client import StoreClient
                     self._client = StoreClient(self.cfg.store, auth_token=self.cfg.store_token,
-                                               timeout_s=self.cfg.timeout_s)
+                                               timeout_s=self.cfg.timeout_s, prefault=self.moves_bytes)
             return self._client
+
+    def attach(self, wait_s: float = ATTACH_WAIT_S) -> None:
+        """Attach a store node's data path at start and wait up to ``wait_s`` for this
+        process's page tables of its slab, so that building them (about 4 MiB per GiB of slab,
+        on the cores vLLM's threads are bound to) does not slow the first requests. A node
+        that cannot be reached yet attaches on first use instead; a cluster (``redis``) attaches
+        per node on first use."""
+        if self.cfg.redis:
+            return
+        client = self._get_client()
+        t0 = time.monotonic()
+        try:
+            path = client.attach(wait_s)
+        except (KVStoreError, OSError) as exc:
+            log.info("kvstore connector: data path to %s not attached at start (%s: %s); on first use instead",
+                     self.target, type(exc).__name__, exc)
+            return
+        if not path:
+            log.info("kvstore connector: %s not reached at start; its data path attaches on first use", self.target)
+            return
+        log.info("kvstore connector: data path to %s attached in %.2f s (%s)", self.target,
+                 time.monotonic() - t0, path)
 
     def probe(self, block_bytes: int) -> None:
         """One call to a store node at start, so that a misconfiguration stops vLLM there with

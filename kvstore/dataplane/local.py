@@ -73,6 +73,12 @@ class LocalDataPlane(SlabReads, SlabWrites):
         self.spares = SpareStock(control)
         self._hash_pool: ThreadPoolExecutor | None = None
 
+    def wait_prefaulted(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for this process's page tables of the slab; True once
+        they are built (or the kernel refused: its pages then fault in on first use), or when
+        nothing is being pre-faulted."""
+        return self._prefault is None or self._prefault.done.wait(timeout_s)
+
     @property
     def channel(self) -> str:
         """The control channel: ``uds`` or ``grpc``."""

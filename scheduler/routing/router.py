@@ -140,7 +140,7 @@ class Router(Generic[C]):
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)
         elif store_address:
-            store = StoreClient(store_address, auth_token=store_auth_token)
+            store = StoreClient(store_address, auth_token=store_auth_token, prefault=False)  # lookups only
         router = None
         try:
             if seed_from_engines:

@@ -299,7 +299,7 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
             from kvstore.cluster.client import ClusterClient
             store = ClusterClient(store_redis, auth_token=store_auth_token)
         elif store_address:
-            store = StoreClient(store_address, auth_token=store_auth_token)
+            store = StoreClient(store_address, auth_token=store_auth_token, prefault=False)  # lookups only
         router = VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,
                             decode_max_running=decode_max_running,
                             decode_kv_capacity_tokens=decode_kv_capacity_tokens)

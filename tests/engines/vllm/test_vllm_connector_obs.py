@@ -144,3 +144,23 @@ def test_a_pool_that_cannot_be_reached_is_a_load_error_of_its_own_cause_and_down
         assert link.take_unavailable_s() > 0          # still down: its seconds keep counting
     finally:
         link.close()
+
+
+def test_the_worker_side_attaches_the_slab_at_start_and_the_scheduler_side_builds_no_page_tables(
+        slab_node) -> None:
+    """The worker side's link maps a same-host node's slab and builds its page tables when
+    vLLM registers its KV caches (``attach``), not on the first request; the scheduler side's
+    link, which only looks blocks up, builds none."""
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
+    _, address, _ = slab_node(dram_bytes=64 << 20)
+    worker, scheduler = PoolLink(ConnectorConfig(store=address)), PoolLink(ConnectorConfig(store=address),
+                                                                          moves_bytes=False)
+    try:
+        worker.attach()
+        plane = worker._client._plane
+        assert plane is not None and plane._prefault.done.is_set()
+        assert scheduler.lookup(KEYS[:2]) == (0, ())
+        assert scheduler._client._plane is not None and scheduler._client._plane._prefault is None
+    finally:
+        worker.close()
+        scheduler.close()

@@ -165,6 +165,22 @@ def test_a_client_builds_its_slab_mapping_in_the_background(slab_node, client_of
         plain.close()
 
 
+def test_attach_maps_the_slab_at_once_and_waits_for_its_page_tables(slab_node, client_of) -> None:
+    """``attach`` decides the data path before any get or put and returns with this
+    process's page tables of the slab built; a node not reached yet is asked again later."""
+    from launcher.supervisor import free_port
+    _, address, _ = slab_node(dram_bytes=64 * MIB)
+    client = client_of(address)
+    assert client.attach(wait_s=30) == "same-host/uds"
+    plane = client._plane
+    assert plane._prefault.done.is_set() and plane._prefault.populated == plane._slab.nbytes
+    nowhere = StoreClient(f"127.0.0.1:{free_port()}", timeout_s=0.5)
+    try:
+        assert nowhere.attach(wait_s=30) == "" and not nowhere._plane_decided
+    finally:
+        nowhere.close()
+
+
 def test_unusable_buffers_get_invalid_argument(slab_node, client_of) -> None:
     pool, address, _ = slab_node()
     client = client_of(address)
