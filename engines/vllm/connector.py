@@ -64,6 +64,23 @@ __all__ = ["BlockTransfer", "ConnectorStats", "KVStoreConnector", "KVStoreConnec
 log = logging.getLogger(__name__)
 
 
+def _log_through_vllm() -> None:
+    """vLLM gives handlers to its own ``vllm`` logger only, so the connector's INFO lines (the
+    pool it reached, its data path) would be dropped. In a process whose root logger has no
+    handler (vLLM's), give the ``engines`` and ``kvstore`` loggers vLLM's handlers and level;
+    elsewhere (a test run, an application that configured logging) leave logging alone."""
+    ours, theirs = logging.getLogger("engines"), logging.getLogger("vllm")
+    if logging.getLogger().handlers or ours.handlers or not theirs.handlers:
+        return
+    for name in ("engines", "kvstore"):
+        logger = logging.getLogger(name)
+        for handler in theirs.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(theirs.getEffectiveLevel())
+        logger.propagate = False
+
+
+
 @dataclass(slots=True)
 class ConnectorStats:
     """Counters of one connector (blocks and seconds since start). ``load_errors``: blocks
@@ -89,6 +106,7 @@ class KVStoreConnector(ConnectorObservability, SchedulerSide, WorkerSide, KVConn
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         tc = self._kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.paged = PagedLayout.from_vllm(vllm_config)   # rank 0's; each rank keys its own shard

@@ -243,6 +243,9 @@ def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_n
     proc, address = spawn_store_node("node-stop", "--dram", "64MiB", "--ssd", "64MiB", "--transfer-engine", "off")
     engine = Engine(model_dir, tmp_path / "stop.log", kv_transfer_config=connector(address, "kv_both"))
     try:
+        started = engine.log_path.read_text()   # the connector's INFO lines reach vLLM's log
+        assert f"store node node-stop at {address} answers" in started
+        assert f"data path to store node {address} attached" in started
         plain = engines("plain")
         first = prompt_of(7, 3 * BS + 5)
         engine.generate(first)
