@@ -67,6 +67,9 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "the router then sees each instance's own prefix cache, not only the pool's hits. The "
                         "events carry prompt tokens and vLLM's sockets take no credentials: use ipc:// in a "
                         "directory only this user can open, not TCP")
+    p.add_argument("--ready-timeout-s", type=float, default=60.0, metavar="S",
+                   help="wait this long for every engine or vLLM instance to answer before giving up (kvstore up "
+                        "starts the front door beside its instances and gives it their start-up timeout)")
 
 
 def _vllm_problem(args: argparse.Namespace) -> str | None:

@@ -48,6 +48,7 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("recompute", "recompute", False, False, "least_loaded", "no prefix reuse at all, least-loaded routing"),
 )}
 COMPARED = ("vllm", "kvstore", "recompute")     # the order they run in
+START_TIMEOUT_S = 600   # for a set-up's vLLM instances to answer
 
 
 @dataclass
@@ -141,7 +142,7 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
     """Start ``setup``'s services (its store node when it has the pool, its vLLM instances,
     the front door on ``http_port``), printing each as it answers. Raises RuntimeError /
     Unavailable when one does not start; whatever did start is stopped first."""
-    from engines.vllm.launch import start_servers
+    from engines.vllm.launch import launch_servers, wait_servers
     from kvstore.config import parse_bytes
     t0 = time.monotonic()
     running = RunningSetup(setup, Stack(log_dir=log_dir, log_level=getattr(args, "log_level", None)))
@@ -162,8 +163,14 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
                   f"http://{args.host}:{metrics_port}/metrics)", flush=True)
             running.memory.update(pool_dram=parse_bytes(args.dram), pool_ssd=parse_bytes(args.ssd))
         names, roles, specs = _specs(args, setup, model, running.store or "", tokens, take_port)
-        running.servers = start_servers(specs, log_dir, names, timeout_s=600)
+        running.servers = launch_servers(specs, log_dir, names)
         running.memory["instances_kv"] = sum(s.kv_cache_bytes for s in specs)
+        # The front door starts beside the instances (its tokenizer's imports take seconds)
+        # and waits for them as long as this does.
+        running.stack.start("scheduler", "scheduler", *_scheduler_flags(args, setup, roles, specs, running.store,
+                                                                        http_port, model, keys_file),
+                            "--ready-timeout-s", str(START_TIMEOUT_S))
+        wait_servers(running.servers, timeout_s=START_TIMEOUT_S)
         for name, server in zip(names, running.servers):
             # supervised as the other children: a crashed instance is restarted on its port
             # (the front door routes around it meanwhile and takes it back once it answers)
@@ -172,8 +179,6 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
             print(f"vLLM {server.spec.role:<11} {name} {server.url} (pid {server.proc.pid}; cores {cores}; prefix "
                   f"cache {'on' if setup.prefix_caching else 'off'}, kvstore connector "
                   f"{'on' if setup.connector else 'off'})", flush=True)
-        running.stack.start("scheduler", "scheduler", *_scheduler_flags(args, setup, roles, specs, running.store,
-                                                                        http_port, model, keys_file))
         running.url = f"http://{args.host}:{http_port}"
         _wait_http(running.stack, f"{running.url}/health", 120)
         running.startup_s = time.monotonic() - t0

@@ -217,19 +217,40 @@ class VLLMServer:
         self._log.close()
 
 
-def start_servers(specs: list[VLLMServerSpec], log_dir: str | Path, names: list[str] | None = None,
-                  timeout_s: float = 300.0) -> list[VLLMServer]:
-    """Start every server at once (they load in parallel), then wait for each; on a failure
-    stops them all and raises Unavailable."""
+def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,
+                   names: list[str] | None = None) -> list[VLLMServer]:
+    """Start every server at once (they load in parallel) without waiting for any; on a
+    failure to start one, stops those started and raises."""
     names = names or [f"vllm-{s.port}" for s in specs]
     servers: list[VLLMServer] = []
     try:
         for spec, name in zip(specs, names):
             servers.append(VLLMServer(spec, Path(log_dir) / f"{name}.log"))
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def wait_servers(servers: list[VLLMServer], timeout_s: float = 300.0) -> None:
+    """Wait for every server to answer; on a failure stops them all and raises Unavailable."""
+    try:
         for server in servers:
             server.wait_ready(timeout_s)
     except BaseException:
-        for server in servers:
-            server.stop(grace_s=5)
+        stop_servers(servers)
         raise
+
+
+def stop_servers(servers: list[VLLMServer]) -> None:
+    for server in servers:
+        server.stop(grace_s=5)
+
+
+def start_servers(specs: list[VLLMServerSpec], log_dir: str | Path, names: list[str] | None = None,
+                  timeout_s: float = 300.0) -> list[VLLMServer]:
+    """Start every server at once (they load in parallel), then wait for each; on a failure
+    stops them all and raises Unavailable."""
+    servers = launch_servers(specs, log_dir, names)
+    wait_servers(servers, timeout_s)
     return servers

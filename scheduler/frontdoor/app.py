@@ -138,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
     ``--decode-max-running``, ``--balancing-threshold``, ``--max-connections``,
     ``--idle-timeout-s``, ``--head-timeout-s``, ``--store-token``, ``--engine-token``
     — those two else from KVSTORE_STORE_TOKEN / KVSTORE_ENGINE_TOKEN —, ``--api-key``,
-    ``--api-keys-file``, ``--kv-events`` else ``--redis``); a flag not defined keeps its
+    ``--api-keys-file``, ``--kv-events`` else ``--redis``, ``--ready-timeout-s``); a flag not defined keeps its
     default. Raises ValueError / OSError for an API keys file that cannot be read or holds no
     key."""
     admit_tbt = getattr(args, "admit_tbt_s", None)
@@ -161,7 +161,8 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            kv_events=getattr(args, "kv_events", None) or getattr(args, "redis", None),
                            max_connections=getattr(args, "max_connections", None),
                            idle_timeout_s=getattr(args, "idle_timeout_s", None) or DEFAULT_IDLE_TIMEOUT_S,
-                           head_timeout_s=getattr(args, "head_timeout_s", None) or DEFAULT_HEAD_TIMEOUT_S)
+                           head_timeout_s=getattr(args, "head_timeout_s", None) or DEFAULT_HEAD_TIMEOUT_S,
+                           ready_timeout_s=getattr(args, "ready_timeout_s", None) or 60.0)
 
 
 def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:
