@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from engines.vllm.launch import BLOCK_SIZE
 from kvstore.errors import Unavailable
-from launcher.flags import json_object, positive_int
+from launcher.flags import json_object, positive_int, positive_seconds
 from launcher.stack_record import forget_stack, record_stack
 from launcher.supervisor import _serve_until_signal, release_front_door
 from launcher.up import preflight, stack_tokens, write_api_keys
@@ -67,7 +67,7 @@ def add_vllm_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "the router then sees each instance's own prefix cache, not only the pool's hits. The "
                         "events carry prompt tokens and vLLM's sockets take no credentials: use ipc:// in a "
                         "directory only this user can open, not TCP")
-    p.add_argument("--ready-timeout-s", type=float, default=60.0, metavar="S",
+    p.add_argument("--ready-timeout-s", type=positive_seconds, default=60.0, metavar="S",
                    help="wait this long for every engine or vLLM instance to answer before giving up (kvstore up "
                         "starts the front door beside its instances and gives it their start-up timeout)")
 

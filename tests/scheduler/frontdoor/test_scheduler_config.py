@@ -15,9 +15,12 @@ def test_scheduler_flags_reach_the_config():
     args = build_parser().parse_args(["scheduler", "--prefill", "a:1,b:2", "--decode", "c:3",
                                       "--policy", "round_robin", "--admit-ttft-s", "2", "--admit-tbt-s", "0.5",
                                       "--max-inflight", "9", "--decode-max-running", "8",
-                                      "--balancing-threshold", "2.5"])
+                                      "--balancing-threshold", "2.5", "--ready-timeout-s", "600"])
     cfg = config_from_args(args)
-    assert cfg.policy == "round_robin" and cfg.decode_max_running == 8
+    assert cfg.policy == "round_robin" and cfg.decode_max_running == 8 and cfg.ready_timeout_s == 600
+    assert config_from_args(build_parser().parse_args(["scheduler"])).ready_timeout_s == 60
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler", "--ready-timeout-s", "0"])
     assert (cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, cfg.admission.max_inflight) == (2.0, 0.5, 9)
     assert cfg.conductor.balancing_threshold == 2.5
 
