@@ -78,17 +78,18 @@ class StoreClient:
         plane = self._local()
         return "grpc" if plane is None else f"same-host/{plane.channel}"
 
-    def attach(self, wait_s: float = 0.0) -> str:
+    def attach(self, wait_s: float = 0.0) -> tuple[str, bool]:
         """Attach the data path now rather than on the first get or put, and wait up to
         ``wait_s`` for this process's page tables of a mapped slab (``prefault``), so that
-        neither falls on the first requests. Returns :attr:`data_path_in_use`, or "" when
-        the node could not be reached (it is asked again on first use)."""
+        neither falls on the first requests. Returns :attr:`data_path_in_use` ("" when the
+        node could not be reached: it is asked again on first use) and whether the page
+        tables are built (True when there are none to build)."""
         plane = self._local()
         if not self._plane_decided:
-            return ""
-        if plane is not None and wait_s > 0:
-            plane.wait_prefaulted(wait_s)
-        return "grpc" if plane is None else f"same-host/{plane.channel}"
+            return "", False
+        if plane is None:
+            return "grpc", True
+        return f"same-host/{plane.channel}", plane.wait_prefaulted(wait_s) if wait_s > 0 else False
 
     def dataplane_info(self) -> DataPlaneInfo | None:
         """What the node announced of its DRAM slab (None: no slab, a ``grpc`` data path, or

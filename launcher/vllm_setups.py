@@ -165,16 +165,17 @@ def start_setup(args: argparse.Namespace, setup: Setup, model: str, http_port: i
         names, roles, specs = _specs(args, setup, model, running.store or "", tokens, take_port)
         running.servers = launch_servers(specs, log_dir, names)
         running.memory["instances_kv"] = sum(s.kv_cache_bytes for s in specs)
-        # The front door starts beside the instances (its tokenizer's imports take seconds)
-        # and waits for them as long as this does.
-        running.stack.start("scheduler", "scheduler", *_scheduler_flags(args, setup, roles, specs, running.store,
-                                                                        http_port, model, keys_file),
-                            "--ready-timeout-s", str(START_TIMEOUT_S))
-        wait_servers(running.servers, timeout_s=START_TIMEOUT_S)
         for name, server in zip(names, running.servers):
             # supervised as the other children: a crashed instance is restarted on its port
             # (the front door routes around it meanwhile and takes it back once it answers)
             running.stack.adopt(name, server.proc, respawn=server.restart)
+        # The front door starts beside the instances (its tokenizer's imports take seconds) and
+        # waits for them longer than this does; any child that exits meanwhile ends the start.
+        running.stack.start("scheduler", "scheduler", *_scheduler_flags(args, setup, roles, specs, running.store,
+                                                                        http_port, model, keys_file),
+                            "--ready-timeout-s", str(START_TIMEOUT_S + 60))
+        wait_servers(running.servers, timeout_s=START_TIMEOUT_S, check=running.stack.check_alive)
+        for name, server in zip(names, running.servers):
             cores = ",".join(map(str, server.spec.cpus)) or "any"
             print(f"vLLM {server.spec.role:<11} {name} {server.url} (pid {server.proc.pid}; cores {cores}; prefix "
                   f"cache {'on' if setup.prefix_caching else 'off'}, kvstore connector "

@@ -67,13 +67,13 @@ log = logging.getLogger(__name__)
 def _log_through_vllm() -> None:
     """vLLM gives handlers to its own ``vllm`` logger only, so the connector's INFO lines (the
     pool it reached, its data path) would be dropped. In a process whose root logger has no
-    handler (vLLM's), give the ``engines`` and ``kvstore`` loggers vLLM's handlers and level;
-    elsewhere (a test run, an application that configured logging) leave logging alone."""
-    ours, theirs = logging.getLogger("engines"), logging.getLogger("vllm")
-    if logging.getLogger().handlers or ours.handlers or not theirs.handlers:
+    handler (vLLM's), give the ``engines`` and ``kvstore`` loggers vLLM's handlers and level,
+    not passing their records on to the root (as vLLM does with its own); elsewhere (a test
+    run, an application that configured logging or either logger) leave logging alone."""
+    ours, theirs = [logging.getLogger(n) for n in ("engines", "kvstore")], logging.getLogger("vllm")
+    if logging.getLogger().handlers or not theirs.handlers or any(o.handlers or o.level for o in ours):
         return
-    for name in ("engines", "kvstore"):
-        logger = logging.getLogger(name)
+    for logger in ours:
         for handler in theirs.handlers:
             logger.addHandler(handler)
         logger.setLevel(theirs.getEffectiveLevel())

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,11 +177,14 @@ class VLLMServer:
         except OSError:
             return "(no log)"
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0, check: Callable[[], None] | None = None) -> None:
         """Block until ``/health`` answers 200. Raises Unavailable when the process exits or
-        ``timeout_s`` passes first (the message ends with its log)."""
+        ``timeout_s`` passes first (the message ends with its log); ``check``, called at each
+        poll, may raise to stop the wait (another process it depends on exited)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if check is not None:
+                check()
             if self.proc.poll() is not None:
                 raise Unavailable(f"vLLM server on port {self.spec.port} exited with code "
                                   f"{self.proc.returncode}; its log ends:\n{self.log_tail()}")
@@ -232,11 +236,14 @@ def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,
     return servers
 
 
-def wait_servers(servers: list[VLLMServer], timeout_s: float = 300.0) -> None:
-    """Wait for every server to answer; on a failure stops them all and raises Unavailable."""
+def wait_servers(servers: list[VLLMServer], timeout_s: float = 300.0,
+                 check: Callable[[], None] | None = None) -> None:
+    """Wait, ``timeout_s`` in all, for every server to answer (``check``: see
+    :meth:`VLLMServer.wait_ready`); on a failure stops them all and raises."""
+    deadline = time.monotonic() + timeout_s
     try:
         for server in servers:
-            server.wait_ready(timeout_s)
+            server.wait_ready(max(0.0, deadline - time.monotonic()), check)
     except BaseException:
         stop_servers(servers)
         raise

@@ -153,24 +153,30 @@ class PoolLink:
     def attach(self, wait_s: float = ATTACH_WAIT_S) -> None:
         """Attach a store node's data path at start and wait up to ``wait_s`` for this
         process's page tables of its slab, so that building them (about 4 MiB per GiB of slab,
-        on the cores vLLM's threads are bound to) does not slow the first requests. A node
-        that cannot be reached yet attaches on first use instead; a cluster (``redis``) attaches
-        per node on first use."""
+        on the cores vLLM's threads are bound to) does not slow the first requests. Never
+        raises: a node that cannot be reached yet attaches on first use instead. A cluster
+        (``redis``) attaches per node on first use."""
         if self.cfg.redis:
             return
-        client = self._get_client()
         t0 = time.monotonic()
         try:
-            path = client.attach(wait_s)
-        except (KVStoreError, OSError) as exc:
-            log.info("kvstore connector: data path to %s not attached at start (%s: %s); on first use instead",
-                     self.target, type(exc).__name__, exc)
+            client = self._get_client()
+            path, mapped = client.attach(wait_s) if client is not None else ("", False)
+        except Exception as exc:   # a warm-up: whatever fails here fails again, and is handled, on first use
+            log.warning("kvstore connector: data path to %s not attached at start (%s: %s)", self.target,
+                        type(exc).__name__, exc)
             return
+        seconds = time.monotonic() - t0
         if not path:
             log.info("kvstore connector: %s not reached at start; its data path attaches on first use", self.target)
-            return
-        log.info("kvstore connector: data path to %s attached in %.2f s (%s)", self.target,
-                 time.monotonic() - t0, path)
+        elif path == "grpc":
+            log.info("kvstore connector: blocks to and from %s go over the gRPC stream", self.target)
+        elif mapped:
+            log.info("kvstore connector: %s's slab mapped (%s), its page tables built in %.2f s", self.target,
+                     path, seconds)
+        else:
+            log.info("kvstore connector: %s's slab mapped (%s); its page tables still building after %.2f s, "
+                     "on a background thread", self.target, path, seconds)
 
     def probe(self, block_bytes: int) -> None:
         """One call to a store node at start, so that a misconfiguration stops vLLM there with

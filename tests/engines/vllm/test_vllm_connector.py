@@ -245,7 +245,7 @@ def test_requests_complete_when_the_store_stops_mid_run(model_dir, spawn_store_n
     try:
         started = engine.log_path.read_text()   # the connector's INFO lines reach vLLM's log
         assert f"store node node-stop at {address} answers" in started
-        assert f"data path to store node {address} attached" in started
+        assert f"store node {address}'s slab mapped (same-host/uds), its page tables built in" in started
         plain = engines("plain")
         first = prompt_of(7, 3 * BS + 5)
         engine.generate(first)

@@ -164,3 +164,29 @@ def test_the_worker_side_attaches_the_slab_at_start_and_the_scheduler_side_build
     finally:
         worker.close()
         scheduler.close()
+
+
+def test_the_connectors_log_lines_go_through_vllms_handlers_only_where_nothing_else_configured_logging() -> None:
+    """In a process where only vLLM's logger has a handler, the connector's INFO lines reach
+    it (once); where the application configured logging, they are left to it."""
+    import subprocess
+    import sys
+    script = """
+import logging, sys
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("VLLM %(name)s %(message)s"))
+logging.getLogger("vllm").addHandler(handler)
+logging.getLogger("vllm").setLevel(logging.INFO)
+if sys.argv[1] == "app":
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s %(message)s")
+from engines.vllm.connector import _log_through_vllm
+_log_through_vllm()
+_log_through_vllm()
+logging.getLogger("kvstore.client").info("attached")
+logging.getLogger("engines.vllm.pool_link").debug("not shown")
+"""
+    def ours(where: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", script, where], capture_output=True, text=True, timeout=120)
+        return [line for line in done.stdout.splitlines() if " vllm." not in line]   # vLLM's own lines
+    assert ours("vllm") == ["VLLM kvstore.client attached"]
+    assert ours("app") == ["APP kvstore.client attached"]

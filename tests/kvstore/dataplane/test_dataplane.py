@@ -171,12 +171,12 @@ def test_attach_maps_the_slab_at_once_and_waits_for_its_page_tables(slab_node, c
     from launcher.supervisor import free_port
     _, address, _ = slab_node(dram_bytes=64 * MIB)
     client = client_of(address)
-    assert client.attach(wait_s=30) == "same-host/uds"
+    assert client.attach(wait_s=30) == ("same-host/uds", True)
     plane = client._plane
     assert plane._prefault.done.is_set() and plane._prefault.populated == plane._slab.nbytes
     nowhere = StoreClient(f"127.0.0.1:{free_port()}", timeout_s=0.5)
     try:
-        assert nowhere.attach(wait_s=30) == "" and not nowhere._plane_decided
+        assert nowhere.attach(wait_s=30) == ("", False) and not nowhere._plane_decided
     finally:
         nowhere.close()
 
