@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 NO_BLOCKS = LookupResult(0, ())    # a lookup that could not ask the pool
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+QUOTA_LOG_EVERY_S = 60.0   # a tenant's refused saves: one log line a minute at most
 ATTACH_WAIT_S = 30.0   # at most this long at start for the slab's page tables (2 GiB: about 0.3 s)
 LOAD_ERROR_POLICIES = ("recompute", "fail")
 
@@ -126,6 +127,7 @@ class PoolLink:
         self.last_load_error = ""       # why the last load fell short: "" (it did not), or a cause
         self._down_since: float | None = None
         self._unavailable_s = 0.0
+        self._quota_log: dict[str | None, tuple[float, int]] = {}   # namespace -> (last line, blocks since)
 
     @property
     def target(self) -> str:
@@ -287,6 +289,19 @@ class PoolLink:
         self.last_load_error = "miss" if n < len(keys) else ""
         return n
 
+    def _quota_refused(self, namespace: str | None, blocks: int, exc: Exception) -> None:
+        """Log a tenant's refused saves at most once a minute per namespace (a tenant over its
+        quota is refused on every save), with the blocks refused since the last line."""
+        now = time.monotonic()
+        last, refused = self._quota_log.get(namespace, (-math.inf, 0))
+        refused += blocks
+        if now - last < QUOTA_LOG_EVERY_S:
+            self._quota_log[namespace] = (last, refused)
+            return
+        self._quota_log[namespace] = (now, 0)
+        log.info("kvstore connector: namespace %r over its pool quota, %d blocks not saved since the last such "
+                 "line: %s", namespace, refused, exc)
+
     def save(self, blocks: Sequence[tuple[bytes, Segments]], parent: bytes | None,
              namespace: str | None = None) -> int:
         """Put ``blocks`` (one prefix chain, head first, extending ``parent``) for tenant
@@ -303,8 +318,7 @@ class PoolLink:
             else:
                 results = client.put_blocks(list(blocks), chain=True, parent=parent, namespace=namespace)
         except QuotaExceeded as exc:   # the tenant is over, not the pool: no back-off
-            log.info("kvstore connector: namespace %r over its pool quota, %d blocks not saved: %s",
-                     namespace, len(blocks), exc)
+            self._quota_refused(namespace, len(blocks), exc)
             return 0
         except (KVStoreError, OSError) as exc:
             self._failed(f"save of {len(blocks)} blocks to the {self.target}", exc)

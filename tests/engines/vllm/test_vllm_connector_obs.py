@@ -190,3 +190,24 @@ logging.getLogger("engines.vllm.pool_link").debug("not shown")
         return [line for line in done.stdout.splitlines() if " vllm." not in line]   # vLLM's own lines
     assert ours("vllm") == ["VLLM kvstore.client attached"]
     assert ours("app") == ["APP kvstore.client attached"]
+
+
+def test_a_tenant_over_its_quota_is_logged_once_a_minute_with_the_blocks_refused(caplog, monkeypatch) -> None:
+    import logging
+
+    from engines.vllm import pool_link
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
+    from kvstore.errors import QuotaExceeded
+    link = PoolLink(ConnectorConfig(store="127.0.0.1:1"))
+    clock = [1000.0]
+    monkeypatch.setattr(pool_link.time, "monotonic", lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger="engines.vllm.pool_link"):
+        for blocks in (3, 4, 5):                       # the first is logged, the next two held back
+            link._quota_refused("tenant-a", blocks, QuotaExceeded("over"))
+        link._quota_refused("tenant-b", 2, QuotaExceeded("over"))   # another tenant: its own line
+        clock[0] += 61
+        link._quota_refused("tenant-a", 1, QuotaExceeded("over"))   # a minute on: 4 + 5 + 1 refused since
+    lines = [r.getMessage() for r in caplog.records if "over its pool quota" in r.getMessage()]
+    assert len(lines) == 3
+    assert "'tenant-a' over its pool quota, 3 blocks" in lines[0] and "'tenant-b'" in lines[1]
+    assert "'tenant-a' over its pool quota, 10 blocks" in lines[2]
