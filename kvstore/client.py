@@ -89,7 +89,7 @@ class StoreClient:
             return "", False
         if plane is None:
             return "grpc", True
-        return f"same-host/{plane.channel}", plane.wait_prefaulted(wait_s) if wait_s > 0 else False
+        return f"same-host/{plane.channel}", plane.wait_prefaulted(max(0.0, wait_s))
 
     def dataplane_info(self) -> DataPlaneInfo | None:
         """What the node announced of its DRAM slab (None: no slab, a ``grpc`` data path, or

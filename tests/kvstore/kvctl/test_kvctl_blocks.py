@@ -176,9 +176,10 @@ def test_evicting_a_promoted_block_keeps_its_lower_copy_and_says_so(node):
     'demoted' (still served), not 'dropped from the node' as the demotion counter said."""
     address, env, client = node
     key = block(7)
-    client.put_blocks([(key, os.urandom(BLOCK))])
-    assert kvctl(env, "--store", address, "demote", key.hex())[0] == 0
-    assert kvctl(env, "--store", address, "promote", key.hex())[0] == 0
+    assert all(r.ok for r in client.put_blocks([(key, os.urandom(BLOCK))]))
+    for verb in ("demote", "promote"):
+        rc, doc, err = kvctl(env, "--store", address, verb, key.hex())
+        assert rc == 0, (verb, doc, err)
     assert kvctl(env, "--store", address, "inspect", key.hex())[1]["copies"][0]["tiers"] == ["dram", "ssd"]
     rc, doc, err = kvctl(env, "--store", address, "evict", "--tier", "dram", "--bytes", "256KiB")
     assert rc == 0, err
