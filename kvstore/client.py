@@ -87,9 +87,7 @@ class StoreClient:
         plane = self._local()
         if not self._plane_decided:
             return "", False
-        if plane is None:
-            return "grpc", True
-        return f"same-host/{plane.channel}", plane.wait_prefaulted(max(0.0, wait_s))
+        return self.data_path_in_use, plane is None or plane.wait_prefaulted(max(0.0, wait_s))
 
     def dataplane_info(self) -> DataPlaneInfo | None:
         """What the node announced of its DRAM slab (None: no slab, a ``grpc`` data path, or

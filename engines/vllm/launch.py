@@ -146,7 +146,6 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.proc = self._spawn()
-        self._stopped: subprocess.Popen | None = None   # the process stop() ended, if it did
 
     def _spawn(self) -> subprocess.Popen:
         argv, env = self.spec.argv(), self.spec.env()
@@ -213,7 +212,7 @@ class VLLMServer:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the group, SIGKILL what is left after ``grace_s``; once stopped, a second
         call does nothing (its group id may name another process group by then)."""
-        if self._stopped is self.proc:
+        if self._log.closed:   # stopped, and not restarted since (restart opens the log again)
             return
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
@@ -224,7 +223,6 @@ class VLLMServer:
         self._signal_group(signal.SIGKILL)   # whatever of the group is left (its engine core)
         self.proc.wait()
         self._log.close()
-        self._stopped = self.proc
 
 
 def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,
