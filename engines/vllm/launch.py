@@ -138,7 +138,10 @@ class VLLMServer:
     :meth:`stop` (SIGTERM, then SIGKILL after ``grace_s``), :meth:`kill` (SIGKILL), :meth:`restart`
     (after it died: ``kvstore up --engine vllm`` restarts a crashed instance). The server
     runs in a process group of its own and both signal the whole group: the API server
-    spawns an engine-core process that would outlive a killed parent (1.3 GB each)."""
+    spawns an engine-core process that would outlive a killed parent (1.3 GB each). The
+    server gets SIGTERM when the process that started it dies; Linux sends it when the
+    *thread* that started it ends, so start and restart servers from a thread that outlives
+    them (the main thread, as ``kvstore up``, the benchmarks and the tests do)."""
 
     def __init__(self, spec: VLLMServerSpec, log_path: str | Path) -> None:
         self.spec = spec
@@ -149,8 +152,10 @@ class VLLMServer:
 
     def _spawn(self) -> subprocess.Popen:
         argv, env = self.spec.argv(), self.spec.env()
-        if self.spec.cpus:      # bound by the exec shim: a preexec_fn would fork (kvstore/child_process.py)
-            argv = guarded_argv(argv, die_with_parent=False, cpus=self.spec.cpus, env=env)
+        # Through the exec shim (a preexec_fn would fork: kvstore/child_process.py): bound to
+        # its cores, and SIGTERM when this process dies, even by SIGKILL — vLLM's API server then
+        # stops its engine core, and no instance outlives a killed ``kvstore up``.
+        argv = guarded_argv(argv, cpus=self.spec.cpus, env=env)
         return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
 
