@@ -145,7 +145,7 @@ class PoolLink:
                 if self.cfg.redis:
                     from kvstore.cluster.client import ClusterClient
                     self._client = ClusterClient(self.cfg.redis, auth_token=self.cfg.store_token,
-                                                 timeout_s=self.cfg.timeout_s)
+                                                 timeout_s=self.cfg.timeout_s, prefault=self.moves_bytes)
                 else:
                     from kvstore.client import StoreClient
                     self._client = StoreClient(self.cfg.store, auth_token=self.cfg.store_token,
@@ -153,32 +153,37 @@ class PoolLink:
             return self._client
 
     def attach(self, wait_s: float = ATTACH_WAIT_S) -> None:
-        """Attach a store node's data path at start and wait up to ``wait_s`` for this
-        process's page tables of its slab, so that building them (about 4 MiB per GiB of slab,
-        on the cores vLLM's threads are bound to) does not slow the first requests. Never
-        raises: a node that cannot be reached yet attaches on first use instead. A cluster
-        (``redis``) attaches per node on first use."""
-        if self.cfg.redis:
-            return
+        """Attach the store nodes' data paths at start (a cluster's: each live node's) and wait
+        up to ``wait_s`` for this process's page tables of a same-host slab, so that building
+        them (about 4 MiB per GiB of slab, on the cores vLLM's threads are bound to) does not
+        slow the first requests. Never raises: a node that cannot be reached yet attaches on
+        first use instead."""
         t0 = time.monotonic()
         try:
             client = self._get_client()
-            path, mapped = client.attach(wait_s) if client is not None else ("", False)
+            if client is None:
+                attached = {}
+            elif self.cfg.redis:
+                attached = client.attach(wait_s)
+            else:
+                path, built = client.attach(wait_s)
+                attached = {self.target: (path, built)} if path else {}
         except Exception as exc:   # a warm-up: whatever fails here fails again, and is handled, on first use
             log.warning("kvstore connector: data path to %s not attached at start (%s: %s)", self.target,
                         type(exc).__name__, exc)
             return
         seconds = time.monotonic() - t0
-        if not path:
+        if not attached:
             log.info("kvstore connector: %s not reached at start; its data path attaches on first use", self.target)
-        elif path == "grpc":
-            log.info("kvstore connector: blocks to and from %s go over the gRPC stream", self.target)
-        elif mapped:
-            log.info("kvstore connector: %s's slab mapped (%s), its page tables built in %.2f s", self.target,
-                     path, seconds)
-        else:
-            log.info("kvstore connector: %s's slab mapped (%s); its page tables still building after %.2f s, "
-                     "on a background thread", self.target, path, seconds)
+        for node, (path, built) in attached.items():
+            if path == "grpc":
+                log.info("kvstore connector: blocks to and from %s go over the gRPC stream", node)
+            elif built:
+                log.info("kvstore connector: %s's slab mapped (%s), its page tables built in %.2f s", node,
+                         path, seconds)
+            else:
+                log.info("kvstore connector: %s's slab mapped (%s); its page tables still building after "
+                         "%.2f s, on a background thread", node, path, seconds)
 
     def probe(self, block_bytes: int) -> None:
         """One call to a store node at start, so that a misconfiguration stops vLLM there with

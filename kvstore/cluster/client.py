@@ -47,16 +47,21 @@ class ClusterClient:
         refresh_s: how long a listing of live nodes is reused (while the registry cannot be
             read, the last one is kept, for :data:`STALE_LISTING_S` at most).
         suspect_s: how long a node that failed a call is skipped.
+        prefault: build this process's page tables of each same-host node's slab it maps
+            (:class:`~kvstore.client.StoreClient`'s ``prefault``); False for a client that only
+            looks blocks up.
     """
 
     def __init__(self, redis_url: str | None = None, *, registry: Registry | None = None,
                  auth_token: str | None = None, transport: str = "auto", replicas: int = 1,
-                 refresh_s: float = 0.5, suspect_s: float = 5.0, timeout_s: float = 30.0) -> None:
+                 refresh_s: float = 0.5, suspect_s: float = 5.0, timeout_s: float = 30.0,
+                 prefault: bool = True) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.registry = registry or registry_for(redis_url, auth_token)
         self.auth_token, self.transport, self.replicas = auth_token, transport, replicas
         self.refresh_s, self.suspect_s, self.timeout_s = refresh_s, suspect_s, timeout_s
+        self.prefault = prefault
         self._lock = threading.Lock()
         self._listed: list[NodeInfo] = []
         self._listed_at = self._listed_ok_at = 0.0   # when last asked / last read (monotonic s)
@@ -160,8 +165,20 @@ class ClusterClient:
         with self._lock:
             key = (node.node_id, node.epoch)
             if key not in self._clients:
-                self._clients[key] = StoreClient(node.address, self.auth_token, self.timeout_s)
+                self._clients[key] = StoreClient(node.address, self.auth_token, self.timeout_s,
+                                                 prefault=self.prefault)
             return self._clients[key]
+
+    def attach(self, wait_s: float = 0.0) -> dict[str, tuple[str, bool]]:
+        """:meth:`StoreClient.attach` of every live node, ``wait_s`` in all: node id -> (data
+        path, page tables built); a node not reached is left out (it attaches on first use)."""
+        deadline = time.monotonic() + wait_s
+        attached = {}
+        for node in self.nodes():
+            path, built = self._client(node).attach(max(0.0, deadline - time.monotonic()))
+            if path:
+                attached[node.node_id] = (path, built)
+        return attached
 
     def _transport(self, node: NodeInfo) -> BlockTransport:
         key = (node.node_id, node.epoch)

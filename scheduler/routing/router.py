@@ -138,7 +138,7 @@ class Router(Generic[C]):
         store: BlockStore | None = None
         if store_redis:
             from kvstore.cluster.client import ClusterClient
-            store = ClusterClient(store_redis, auth_token=store_auth_token)
+            store = ClusterClient(store_redis, auth_token=store_auth_token, prefault=False)  # lookups only
         elif store_address:
             store = StoreClient(store_address, auth_token=store_auth_token, prefault=False)  # lookups only
         router = None

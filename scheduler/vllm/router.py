@@ -297,7 +297,7 @@ async def connect_vllm(model: VLLMModel, prefill_urls: Sequence[str], decode_url
         dec = [DecodeInstance(c, i) for c, i in zip(clients, infos) if c.role in ("decode", "colocated")]
         if store_redis:
             from kvstore.cluster.client import ClusterClient
-            store = ClusterClient(store_redis, auth_token=store_auth_token)
+            store = ClusterClient(store_redis, auth_token=store_auth_token, prefault=False)  # lookups only
         elif store_address:
             store = StoreClient(store_address, auth_token=store_auth_token, prefault=False)  # lookups only
         router = VLLMRouter(pre, dec, store, model, topology, policy=policy, config=config,

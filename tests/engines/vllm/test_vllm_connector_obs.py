@@ -166,6 +166,36 @@ def test_the_worker_side_attaches_the_slab_at_start_and_the_scheduler_side_build
         scheduler.close()
 
 
+def test_over_a_cluster_the_worker_side_attaches_each_same_host_slab_at_start(redis_url, spawn_store_node,
+                                                                             caplog) -> None:
+    """With ``kvstore.redis``, the worker side's link attaches every live node's slab at start
+    and builds its page tables; the scheduler side's builds none for the nodes it asks."""
+    import logging
+
+    from engines.vllm.pool_link import ConnectorConfig, PoolLink
+    from kvstore.cluster.client import ClusterClient
+    for i in range(2):
+        spawn_store_node(f"attach-n{i}", "--dram", "8MiB", "--ssd", "0", "--redis", redis_url,
+                         "--transfer-engine", "off")
+    with ClusterClient(redis_url) as probe:
+        probe.wait_for_nodes(2, timeout_s=30)
+    worker, scheduler = PoolLink(ConnectorConfig(redis=redis_url)), PoolLink(ConnectorConfig(redis=redis_url),
+                                                                             moves_bytes=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="engines.vllm.pool_link"):
+            worker.attach()
+        planes = [c._plane for c in worker._client._clients.values()]
+        assert len(planes) == 2 and all(p is not None and p._prefault.done.is_set() for p in planes)
+        built = [r.getMessage() for r in caplog.records if "page tables built" in r.getMessage()]
+        assert sorted(m.split("'")[0] for m in built) == [f"kvstore connector: attach-n{i}" for i in range(2)]
+        assert scheduler.lookup(KEYS[:2]) == (0, ())
+        asked = [c._plane for c in scheduler._client._clients.values()]
+        assert len(asked) == 2 and all(p is not None and p._prefault is None for p in asked)
+    finally:
+        worker.close()
+        scheduler.close()
+
+
 def test_the_connectors_log_lines_go_through_vllms_handlers_only_where_nothing_else_configured_logging() -> None:
     """In a process where only vLLM's logger has a handler, the connector's INFO lines reach
     it (once); where the application configured logging, they are left to it."""
