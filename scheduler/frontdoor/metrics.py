@@ -28,7 +28,8 @@ class FrontdoorMetrics:
         self._prompt = self._cached = 0
         self._by_source: dict[str, int] = {}
         p, r = "kvstore_scheduler_", self.registry
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first token, request arrival to first token sent",
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token, request arrival to first token sent "
+                              "(a streamed request's; over vLLM a whole response's tokens are not timed)",
                               buckets=TTFT_BUCKETS, registry=r)
         self.tbt = Histogram(p + "tbt_seconds", "Time between tokens sent to a client",
                              buckets=TBT_BUCKETS, registry=r)
@@ -38,6 +39,9 @@ class FrontdoorMetrics:
                                 ["reason"], registry=r)
         self.finished = Counter(p + "requests_finished", "Admitted requests by outcome",
                                 ["outcome"], registry=r)
+        self.request_seconds = Histogram(p + "request_seconds", "Admitted requests' time, arrival to the "
+                                         "response's end (whole or streamed), by outcome",
+                                         ["outcome"], buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter(p + "cached_prompt_tokens",
                                      "Prompt tokens a request's prefill did not compute because they were cached "
@@ -94,6 +98,11 @@ class FrontdoorMetrics:
                                     "replica of the store's index over KV events gives the pool's hits",
                                     ["outcome"], registry=r)
         self._lookups_seen: dict[str, int] = {}
+
+    def request_finished(self, outcome: str, seconds: float) -> None:
+        """One admitted request ended (``ok``, ``error``, ``cancelled``) ``seconds`` after it arrived."""
+        self.finished.labels(outcome=outcome).inc()
+        self.request_seconds.labels(outcome=outcome).observe(seconds)
 
     def set_up(self, parts: Iterable[tuple[str, str, bool]]) -> None:
         """``kvstore_scheduler_up`` from (role, instance, up) of every part; a part no longer

@@ -200,7 +200,7 @@ class Frontdoor:
             raise
         finally:
             self.router.finished(plan)
-            self.metrics.finished.labels(outcome=outcome).inc()
+            self.metrics.request_finished(outcome, time.perf_counter() - t0)
 
     async def _admit(self, request: web.Request, req: GenerationRequest, sequences: int = 1) -> RoutePlan:
         """The request's plan (``sequences``: OpenAI's ``n``, each admitted as a sequence);

@@ -119,7 +119,7 @@ class VLLMFrontdoor(Frontdoor):
         finally:
             self._prefilled.pop(plan.request_id, None)
             self.router.finished(plan)
-            self.metrics.finished.labels(outcome=outcome).inc()
+            self.metrics.request_finished(outcome, time.perf_counter() - t0)
 
     def _failed(self, engine_id: str, stage: str, exc: KVStoreError) -> APIError:
         if isinstance(exc, InvalidArgument):

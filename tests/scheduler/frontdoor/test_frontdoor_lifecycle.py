@@ -46,6 +46,7 @@ def test_client_disconnect_cancels_the_decode(cluster, url):
     assert cluster.loop.run(decode_running()) == 0
     _, _, metrics = call(url, "/metrics")
     assert 'kvstore_scheduler_requests_finished_total{outcome="cancelled"} 1.0' in metrics.decode()
+    assert 'kvstore_scheduler_request_seconds_count{outcome="cancelled"} 1.0' in metrics.decode()
     assert "kvstore_scheduler_inflight_requests 0.0" in metrics.decode()
 
 

@@ -118,7 +118,7 @@ def test_cached_tokens_are_the_prefills_in_every_topology(model_dir, store, serv
                       if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"]
             return events[-1]["usage"]
 
-    async def run() -> tuple[list[dict], tuple[float, float, float, float]]:
+    async def run() -> tuple[list[dict], tuple[float, float, float, float], tuple[float, float]]:
         async with frontdoor(model_dir, store, servers, "decode0", topology=topology) as door:
             get = door.frontdoor.metrics.registry.get_sample_value
             async with aiohttp.ClientSession() as s:
@@ -134,9 +134,12 @@ def test_cached_tokens_are_the_prefills_in_every_topology(model_dir, store, serv
             ratio = float(next(line.split()[1] for line in text.splitlines()
                                if line.startswith("kvstore_scheduler_prefix_hit_ratio ")))
             return told, (get("kvstore_scheduler_prompt_tokens_total"),
-                          get("kvstore_scheduler_cached_prompt_tokens_total"), ratio, handoff_tokens(door))
+                          get("kvstore_scheduler_cached_prompt_tokens_total"), ratio, handoff_tokens(door)), \
+                (get("kvstore_scheduler_request_seconds_count", {"outcome": "ok"}),
+                 get("kvstore_scheduler_ttft_seconds_count"))
 
-    told, (prompt_tokens, cached, ratio, handoff) = asyncio.run(run())
+    told, (prompt_tokens, cached, ratio, handoff), (timed, first_tokens) = asyncio.run(run())
+    assert (timed, first_tokens) == (6, 3)      # every request timed whole; a streamed one's first token too
     full = [(u["prompt_tokens"] - 1) // BS * BS for u in told]
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in told] == [0, full[1], 0, full[3], 0, full[5]]
     assert full[1] == 3 * BS and full[5] > 0
