@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from kvstore.auth import METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
 from kvstore.child_process import guarded_argv
+from kvstore.config import MAX_SOCKET_PATH, private_socket_dir
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.port_hold import HELD_ENV
 
@@ -141,7 +144,8 @@ class VLLMServer:
     spawns an engine-core process that would outlive a killed parent (1.3 GB each). The
     server gets SIGTERM when the process that started it dies; Linux sends it when the
     *thread* that started it ends, so start and restart servers from a thread that outlives
-    them (the main thread, as ``kvstore up``, the benchmarks and the tests do)."""
+    them (the main thread, as ``kvstore up``, the benchmarks and the tests do). Its temporary
+    files go in :attr:`tmp_dir` (:func:`_private_tmp`), removed when it stops."""
 
     def __init__(self, spec: VLLMServerSpec, log_path: str | Path) -> None:
         self.spec = spec
@@ -152,6 +156,8 @@ class VLLMServer:
 
     def _spawn(self) -> subprocess.Popen:
         argv, env = self.spec.argv(), self.spec.env()
+        self.tmp_dir = _private_tmp(self.spec.port)
+        env["TMPDIR"] = self.tmp_dir     # vLLM's ZeroMQ sockets and rendezvous file: this user's alone
         # Through the exec shim (a preexec_fn would fork: kvstore/child_process.py): bound to
         # its cores, and SIGTERM when this process dies, even by SIGKILL — vLLM's API server then
         # stops its engine core, and no instance outlives a killed ``kvstore up``.
@@ -167,6 +173,7 @@ class VLLMServer:
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._log.close()
         self._log = open(self.log_path, "ab")
         self.proc = self._spawn()
@@ -227,7 +234,20 @@ class VLLMServer:
                 pass
         self._signal_group(signal.SIGKILL)   # whatever of the group is left (its engine core)
         self.proc.wait()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._log.close()
+
+
+def _private_tmp(port: int) -> str:
+    """A new directory of this user's alone (0700) for one vLLM server's temporary files, in
+    kvstore's private socket directory (:func:`kvstore.config.private_socket_dir`), short
+    enough for the ZeroMQ sockets vLLM names ``<dir>/<uuid4>`` in it. vLLM puts them, and its
+    ``torch.distributed`` rendezvous file (mode 0644), in the shared ``/tmp`` otherwise, and
+    leaves them there when it stops."""
+    name = f"vllm-{port}-{secrets.token_hex(4)}"
+    path = os.path.join(private_socket_dir(MAX_SOCKET_PATH - len(name) - 1 - 37), name)
+    os.mkdir(path, 0o700)
+    return path
 
 
 def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,

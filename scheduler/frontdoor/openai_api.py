@@ -225,6 +225,9 @@ NEVER_APPLIED: dict[str, Callable[[Any], bool]] = {
     "best_of": _neutral(None, 1), "tools": _neutral(None, []),
     "functions": _neutral(None, []), "tool_choice": _neutral(None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    # vLLM's own fields: the front door sets a request's namespace (vLLM's cache_salt) from
+    # the caller's API key, and its own transfer parameters; a caller's are refused.
+    "cache_salt": _neutral(None), "kv_transfer_params": _neutral(None),
 }
 # Fields the vLLM engines apply (scheduler/vllm/frontdoor.py passes them on) and the built-in
 # engines do not: refused by the built-in front door.

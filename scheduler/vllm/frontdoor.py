@@ -87,7 +87,8 @@ class VLLMFrontdoor(Frontdoor):
             if isinstance(body, dict):
                 n = body.get("n", 1)
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
-                    raise APIError(400, f"'n' must be an integer in [1, {MAX_N}], got {n!r}", code="invalid_value")
+                    raise APIError(400, f"'n' must be an integer in [1, {MAX_N}], got {n!r}", code="invalid_value",
+                                   param="n")
                 body_n = {k: v for k, v in body.items() if k != "n"}
                 if n is None:       # OpenAI's default; vLLM refuses null, after the prefill ran
                     n, body = 1, body_n

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -51,8 +52,12 @@ def test_only_the_key_holder_reaches_a_keyed_vllm_server(same_host_store, tmp_pa
         assert _call(server.url + "/metrics", None, SCRAPE) == 200                # the read-only token: metrics
         for path in ("/invocations", "/v1/completions", "/tokenize"):            # and nothing else
             assert _call(server.url + path, body, SCRAPE) == 401, path
+        # vLLM's temporary files (ZeroMQ sockets, rendezvous file) in a directory of this user's alone
+        tmp = Path(server.tmp_dir)
+        assert tmp.stat().st_mode & 0o777 == 0o700 and any(p.is_socket() for p in tmp.iterdir())
     finally:
         server.stop(grace_s=10)
+    assert not tmp.exists()                                                # removed at the stop
 
 
 @pytest.mark.parametrize("setup", ["vllm", "kvstore", "recompute"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,8 +31,8 @@ spec = VLLMServerSpec(sys.argv[1], free_port(), "kv_both", kv_cache_bytes=32 << 
 server = VLLMServer(spec, sys.argv[2])
 server.wait_ready(300)
 top = psutil.Process(server.proc.pid)
-print(json.dumps({"port": spec.port, "pids": [top.pid] + [c.pid for c in top.children(recursive=True)]}),
-      flush=True)
+print(json.dumps({"port": spec.port, "pids": [top.pid] + [c.pid for c in top.children(recursive=True)],
+                  "tmp": server.tmp_dir}), flush=True)
 time.sleep(600)
 """
 
@@ -45,6 +46,7 @@ def test_a_server_dies_with_the_process_that_started_it_even_by_sigkill(tmp_path
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     procs: list = []
+    started: dict = {}
     try:
         seen = []
         for line in starter.stdout:          # the starter's own lines (warnings) before its JSON
@@ -69,3 +71,5 @@ def test_a_server_dies_with_the_process_that_started_it_even_by_sigkill(tmp_path
         if starter.poll() is None:
             starter.kill()
             starter.wait()
+        if started.get("tmp"):
+            shutil.rmtree(started["tmp"], ignore_errors=True)   # its starter, killed, could not

@@ -83,6 +83,8 @@ def test_chat_ids_and_objects_whole_and_streamed(url):
     ({"prompt": "hi", "repetition_penalty": True}, "repetition_penalty"),
     ({"prompt": "hi", "min_tokens": False}, "min_tokens"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
+    ({"prompt": "hi", "cache_salt": "key-0123456789abcdef"}, "cache_salt"),   # the namespace is the API key's
+    ({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),

@@ -201,7 +201,7 @@ def test_a_bad_sampling_value_is_refused_before_any_prompt_token_is_computed(mod
                 before = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
                 decoded = await asyncio.to_thread(vllm_counter, servers["decode0"], "vllm:prompt_tokens_total")
                 out = [await stream(s, door.url, {"prompt": prompt, "max_tokens": 4, **bad})
-                       for bad in ({"repetition_penalty": 0}, {"min_p": 2.0})]
+                       for bad in ({"repetition_penalty": 0}, {"min_p": 2.0}, {"n": 0})]
                 after = await asyncio.to_thread(vllm_counter, servers["prefill"], "vllm:prompt_tokens_total")
                 assert await asyncio.to_thread(vllm_counter, servers["decode0"], "vllm:prompt_tokens_total") == decoded
                 good = await stream(s, door.url, {"prompt": prompt, "max_tokens": 4, "repetition_penalty": 1.1,
@@ -213,7 +213,8 @@ def test_a_bad_sampling_value_is_refused_before_any_prompt_token_is_computed(mod
                     whole = (r.status, await r.json())
                 return [*out, good], before, after, listed, whole
 
-    (rp, mp, good), before, after, listed, (status, whole) = asyncio.run(run())
+    (rp, mp, n0, good), before, after, listed, (status, whole) = asyncio.run(run())
+    assert n0["status"] == 400 and n0["error"]["param"] == "n", n0
     for r, field in ((rp, "repetition_penalty"), (mp, "min_p")):
         assert r["status"] == 400 and r["error"]["code"] == "invalid_value" and field in r["error"]["message"], r
     assert after == before                           # no prompt token computed for either
