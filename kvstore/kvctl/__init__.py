@@ -27,9 +27,9 @@ import json
 import os
 import sys
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.kvctl import blocks, cluster, lookup, quota, tiers, watch
-from kvstore.kvctl.common import EXIT_ERROR, positive, resolve_target, up_dir
+from kvstore.kvctl.common import EXIT_ERROR, no_stack_hint, positive, resolve_target, up_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.json_first:          # `kvctl --json inspect KEY` as `kvctl inspect KEY --json`
         args.json = True
+    target = None
     try:
         target = resolve_target(args)
         return int(args.func(target, args))
     except (KVStoreError, ValueError) as exc:
-        print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if isinstance(exc, Unavailable) and target is not None and target.source == "default":
+            message += no_stack_hint()
+        print(f"kvctl {args.command}: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):      # a script reading stdout gets the failure as JSON too
-            print(json.dumps({"success": False, "error": str(exc)}))
+            print(json.dumps({"success": False, "error": message}))
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. `kvctl ls | head -1`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -81,6 +81,16 @@ def running_stacks() -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: d["pid"])
 
 
+def no_stack_hint() -> str:
+    """Why kvctl asked the default address: no ``kvstore up`` of this user is running (and
+    which recorded ones have exited), no ``--store`` was given."""
+    exited = sorted(os.path.basename(p) for p in glob.glob(os.path.join(up_dir(), "up-*.json"))
+                    if not os.environ.get(UP_FILE_ENV))
+    stale = f"; {', '.join(exited)} in {up_dir()} name stacks that have exited" if exited else ""
+    return (f" (no kvstore up of this user is running{stale}, and no --store was given: "
+            f"{DEFAULT_STORE} is only the default)")
+
+
 def read_up_file(stack: int | None = None, store: str | None = None) -> dict[str, Any] | None:
     """The record of the running stack kvctl talks to: the one whose ``kvstore up`` has pid
     ``stack`` when given; else the one holding node ``store`` when given (``localhost``,
