@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -84,6 +85,10 @@ class HFTokenizer:
         from engines.model import check_checkpoint_dir
         check_checkpoint_dir(model_dir)
         self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # The served context length is checked where it is known (the front door: 400 past
+        # --max-model-len); the checkpoint's own figure would only log a warning, and a wrong
+        # one, for every prompt longer than it.
+        self._tok.model_max_length = sys.maxsize
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
 
