@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -36,6 +37,7 @@ from kvstore.port_hold import HELD_ENV
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SERVED_MODEL_NAME = "kvstore-vllm"
+log = logging.getLogger(__name__)
 BLOCK_SIZE = 32        # tokens per block: the default of every instance here (vLLM-CPU needs a multiple of 32)
 
 
@@ -157,13 +159,22 @@ class VLLMServer:
     def _spawn(self) -> subprocess.Popen:
         argv, env = self.spec.argv(), self.spec.env()
         self.tmp_dir = _private_tmp(self.spec.port)
-        env["TMPDIR"] = self.tmp_dir     # vLLM's ZeroMQ sockets and rendezvous file: this user's alone
-        # Through the exec shim (a preexec_fn would fork: kvstore/child_process.py): bound to
-        # its cores, and SIGTERM when this process dies, even by SIGKILL — vLLM's API server then
-        # stops its engine core, and no instance outlives a killed ``kvstore up``.
-        argv = guarded_argv(argv, cpus=self.spec.cpus, env=env)
-        return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
+        if self.tmp_dir:
+            env["TMPDIR"] = self.tmp_dir     # vLLM's ZeroMQ sockets and rendezvous file: this user's alone
+        try:
+            # Through the exec shim (a preexec_fn would fork: kvstore/child_process.py): bound to
+            # its cores, and SIGTERM when this process dies, even by SIGKILL — vLLM's API server
+            # then stops its engine core, and no instance outlives a killed ``kvstore up``.
+            argv = guarded_argv(argv, cpus=self.spec.cpus, env=env)
+            return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
+        except BaseException:
+            self._remove_tmp()
+            raise
+
+    def _remove_tmp(self) -> None:
+        if self.tmp_dir:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def restart(self) -> subprocess.Popen:
         """Start the server again from its spec (same port, same role), its log appended to:
@@ -173,7 +184,7 @@ class VLLMServer:
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self._remove_tmp()
         self._log.close()
         self._log = open(self.log_path, "ab")
         self.proc = self._spawn()
@@ -234,20 +245,42 @@ class VLLMServer:
                 pass
         self._signal_group(signal.SIGKILL)   # whatever of the group is left (its engine core)
         self.proc.wait()
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self._remove_tmp()
         self._log.close()
 
 
-def _private_tmp(port: int) -> str:
+def _private_tmp(port: int) -> str | None:
     """A new directory of this user's alone (0700) for one vLLM server's temporary files, in
     kvstore's private socket directory (:func:`kvstore.config.private_socket_dir`), short
-    enough for the ZeroMQ sockets vLLM names ``<dir>/<uuid4>`` in it. vLLM puts them, and its
-    ``torch.distributed`` rendezvous file (mode 0644), in the shared ``/tmp`` otherwise, and
-    leaves them there when it stops."""
-    name = f"vllm-{port}-{secrets.token_hex(4)}"
-    path = os.path.join(private_socket_dir(MAX_SOCKET_PATH - len(name) - 1 - 37), name)
+    enough for the ZeroMQ sockets vLLM names ``<dir>/<uuid4>`` in it; None when that directory
+    leaves no room for them (vLLM then uses the shared temporary directory). vLLM puts them,
+    and its ``torch.distributed`` rendezvous file (mode 0644), in the shared ``/tmp``
+    otherwise, and leaves them there when it stops. Those of servers whose starter has died
+    (a ``kill -9`` of ``kvstore up``) are removed here."""
+    name = f"vllm-{os.getpid()}-{port}-{secrets.token_hex(4)}"
+    room = MAX_SOCKET_PATH - len(name) - 1 - 37
+    base = private_socket_dir(room)
+    if len(os.fsencode(base)) >= room:
+        log.info("vLLM's temporary files stay in the shared temporary directory: %s leaves no room for "
+                 "its sockets", base)
+        return None
+    for stale in Path(base).glob("vllm-*-*-*"):
+        starter = stale.name.split("-")[1]
+        if starter.isdigit() and not _alive(int(starter)):
+            shutil.rmtree(stale, ignore_errors=True)
+    path = os.path.join(base, name)
     os.mkdir(path, 0o700)
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,

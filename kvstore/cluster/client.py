@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.client import StoreClient
-from kvstore.cluster.health import ClusterHealth, NodeProblem
+from kvstore.cluster.health import ClusterHealth, NodeProblem, raise_unless_serving
 from kvstore.cluster.membership import NodeInfo, Registry, registry_for
 from kvstore.cluster.placement import plan_chain
 from kvstore.errors import KVStoreError, QuotaExceeded, Unavailable
@@ -36,10 +36,9 @@ class ClusterClient:
     Placement: a chain goes to the node holding its parent, else to the node with the most
     free bytes, spilling to the next only when full (:func:`plan_chain`); ``replicas`` > 1
     also copies each block to that many nodes in all, and :meth:`replicate` copies a hot
-    chain already stored. Lookups ask every live node in
-    parallel and follow the chain from node to node. Reads go to the node holding each run
-    of blocks by ``transport`` (``auto``: the transfer engine where the node runs one, else
-    the gRPC stream; ``paths`` reports what each node got).
+    chain already stored. Lookups ask every live node in parallel and follow the chain from
+    node to node. Reads go to the node holding each run of blocks by ``transport`` (``auto``:
+    the transfer engine where the node runs one, else the gRPC stream; see ``paths``).
 
     Args:
         redis_url: membership registry (None: this process's embedded registry).
@@ -47,9 +46,7 @@ class ClusterClient:
         refresh_s: how long a listing of live nodes is reused (while the registry cannot be
             read, the last one is kept, for :data:`STALE_LISTING_S` at most).
         suspect_s: how long a node that failed a call is skipped.
-        prefault: build this process's page tables of each same-host node's slab it maps
-            (:class:`~kvstore.client.StoreClient`'s ``prefault``); False for a client that only
-            looks blocks up.
+        prefault: :class:`~kvstore.client.StoreClient`'s, for each node (False: lookups only).
     """
 
     def __init__(self, redis_url: str | None = None, *, registry: Registry | None = None,
@@ -135,13 +132,7 @@ class ClusterClient:
             except Exception as exc:  # noqa: BLE001 - redis-py raises its own error types
                 raise Unavailable(f"membership registry unreadable: {exc}") from None
             self.problems = problems
-        if problems:
-            raise Unavailable("; ".join(map(str, problems)) + f" ({serving} {'node' if serving == 1 else 'nodes'} "
-                              "serving)")
-        if not serving:
-            unverified = getattr(self.registry, "unverified", 0)
-            raise Unavailable(f"no store node is registered under this store token ({unverified} records are "
-                              "sealed under another: a wrong token?)" if unverified else "no store node is registered")
+        raise_unless_serving(serving, problems, self.registry)
         return "SERVING"
 
     def wait_for_nodes(self, count: int, timeout_s: float = 30.0) -> list[NodeInfo]:
@@ -170,14 +161,22 @@ class ClusterClient:
             return self._clients[key]
 
     def attach(self, wait_s: float = 0.0) -> dict[str, tuple[str, bool]]:
-        """:meth:`StoreClient.attach` of every live node, ``wait_s`` in all: node id -> (data
-        path, page tables built); a node not reached is left out (it attaches on first use)."""
-        deadline = time.monotonic() + wait_s
-        attached = {}
-        for node in self.nodes():
-            path, built = self._client(node).attach(max(0.0, deadline - time.monotonic()))
-            if path:
-                attached[node.node_id] = (path, built)
+        """:meth:`StoreClient.attach` of every live node, all mapped first, then ``wait_s`` in all for
+        their page tables: node id -> (data path, page tables built); one not reached or failing is
+        left out (it attaches on first use)."""
+        deadline, attached = time.monotonic() + wait_s, {}
+        clients = {node.node_id: self._client(node) for node in self.nodes()}
+        for wait in (False, True):      # every slab mapped first, so that their page tables build at once
+            for node_id, client in list(clients.items()):
+                try:
+                    path, built = client.attach(max(0.0, deadline - time.monotonic()) if wait else 0.0)
+                except (KVStoreError, OSError) as exc:
+                    log.warning("store node %s: data path not attached at start (%s)", node_id, exc)
+                    path = ""
+                if path:
+                    attached[node_id] = (path, built)
+                else:
+                    del clients[node_id]
         return attached
 
     def _transport(self, node: NodeInfo) -> BlockTransport:

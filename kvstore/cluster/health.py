@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvstore.client import StoreClient
 from kvstore.cluster.membership import NodeInfo, Registry
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 
 LOST_NODE_S = 600.0      # a node gone without a clean stop is reported down this long (or until it is back)
 PROBE_TIMEOUT_S = 0.5    # a node's health check (the front door gives the whole check 1 s)
@@ -94,3 +94,16 @@ class ClusterHealth:
             client.close()
         self._clients.clear()
         self._pool.shutdown(wait=False)
+
+
+
+def raise_unless_serving(serving: int, problems: list[NodeProblem], registry: Registry) -> None:
+    """After :meth:`ClusterHealth.check`: raises Unavailable naming each node that is down and
+    how, or saying that no node is registered (under this token, where the registry tells)."""
+    if problems:
+        raise Unavailable("; ".join(map(str, problems)) + f" ({serving} {'node' if serving == 1 else 'nodes'} "
+                          "serving)")
+    if not serving:
+        unverified = getattr(registry, "unverified", 0)
+        raise Unavailable(f"no store node is registered under this store token ({unverified} records are "
+                          "sealed under another: a wrong token?)" if unverified else "no store node is registered")

@@ -29,7 +29,7 @@ import sys
 
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.kvctl import blocks, cluster, lookup, quota, tiers, watch
-from kvstore.kvctl.common import EXIT_ERROR, no_stack_hint, positive, resolve_target, up_dir
+from kvstore.kvctl.common import DEFAULT_STORE, EXIT_ERROR, no_stack_hint, positive, resolve_target, up_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(target, args))
     except (KVStoreError, ValueError) as exc:
         message = str(exc)
-        if isinstance(exc, Unavailable) and target is not None and target.source == "default":
+        if isinstance(exc, Unavailable) and target is not None and target.source == "default" \
+                and DEFAULT_STORE in message:
             message += no_stack_hint()
         print(f"kvctl {args.command}: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):      # a script reading stdout gets the failure as JSON too

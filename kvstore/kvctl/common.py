@@ -84,9 +84,10 @@ def running_stacks() -> list[dict[str, Any]]:
 def no_stack_hint() -> str:
     """Why kvctl asked the default address: no ``kvstore up`` of this user is running (and
     which recorded ones have exited), no ``--store`` was given."""
-    exited = sorted(os.path.basename(p) for p in glob.glob(os.path.join(up_dir(), "up-*.json"))
-                    if not os.environ.get(UP_FILE_ENV))
-    stale = f"; {', '.join(exited)} in {up_dir()} name stacks that have exited" if exited else ""
+    explicit = os.environ.get(UP_FILE_ENV)
+    exited = [explicit] if explicit else sorted(glob.glob(os.path.join(up_dir(), "up-*.json")))
+    said = "names a stack that has exited" if len(exited) == 1 else "name stacks that have exited"
+    stale = f"; {', '.join(exited)} {said}" if exited and os.path.exists(exited[0]) else ""
     return (f" (no kvstore up of this user is running{stale}, and no --store was given: "
             f"{DEFAULT_STORE} is only the default)")
 

@@ -41,7 +41,7 @@ class FrontdoorMetrics:
                                 ["outcome"], registry=r)
         self.request_seconds = Histogram(p + "request_seconds", "Admitted requests' time, arrival to the "
                                          "response's end (whole or streamed), by outcome",
-                                         ["outcome"], buckets=TTFT_BUCKETS, registry=r)
+                                         ["outcome"], buckets=(*TTFT_BUCKETS, 300, 600), registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter(p + "cached_prompt_tokens",
                                      "Prompt tokens a request's prefill did not compute because they were cached "

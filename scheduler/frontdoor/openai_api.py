@@ -9,7 +9,8 @@ Checked as OpenAI defines them: ``model`` (the served model, else 404 ``model_no
 it and ``finish_reason`` is ``"stop"``, scheduler/frontdoor/text_stream.py), ``stream_options``
 (``include_usage``, only with ``stream``), chat ``content`` as a string or a list of text
 parts. Fields that would change the answer and that neither front door applies
-(:data:`NEVER_APPLIED`) are a 400, never ignored.
+(:data:`NEVER_APPLIED`; vLLM's ``cache_salt``, the namespace, which the front door sets from
+the caller's API key, and ``kv_transfer_params``, the hand-off it controls) are a 400.
 
 A prompt whose tokens plus ``max_tokens`` exceed the model's limit (``max_model_len``) is a
 400 with code ``context_length_exceeded``, as OpenAI's API and vLLM answer it.
@@ -31,8 +32,7 @@ from engines.tokenizer import Tokenizer
 from kvstore.errors import InvalidArgument
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI's "developer" messages are what "system" ones were (its reasoning models took the
-# new name); a chat template knows "system", so a developer message is rendered as one.
+# OpenAI's "developer" messages are its reasoning models' "system" ones, which a chat template knows.
 TEMPLATE_ROLE = {"developer": "system"}
 MAX_STOP_STRINGS = 4          # as OpenAI's API
 MAX_STOP_CHARS = 256          # per stop string
@@ -53,7 +53,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +224,7 @@ NEVER_APPLIED: dict[str, Callable[[Any], bool]] = {
     "best_of": _neutral(None, 1), "tools": _neutral(None, []),
     "functions": _neutral(None, []), "tool_choice": _neutral(None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    # vLLM's own fields: the front door sets a request's namespace (vLLM's cache_salt) from
-    # the caller's API key, and its own transfer parameters; a caller's are refused.
-    "cache_salt": _neutral(None), "kv_transfer_params": _neutral(None),
+    "cache_salt": _neutral(None), "kv_transfer_params": _neutral(None),   # vLLM's: the front door's own
 }
 # Fields the vLLM engines apply (scheduler/vllm/frontdoor.py passes them on) and the built-in
 # engines do not: refused by the built-in front door.

@@ -26,5 +26,6 @@ def test_with_no_stack_running_a_refused_default_address_is_explained(tmp_path) 
     env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
     rc, out, err = kvctl(env, "--timeout", "5", "tiers")
     assert rc == 1 and out["success"] is False, (out, err)
-    assert "127.0.0.1:50051" in err and "no kvstore up of this user is running" in err, err
-    assert f"up-{exited.pid}.json" in err and "exited" in err, err
+    assert "store node at 127.0.0.1:50051: UNAVAILABLE" in err, err
+    assert "no kvstore up of this user is running" in err and "127.0.0.1:50051 is only the default" in err, err
+    assert f"up-{exited.pid}.json names a stack that has exited" in err, err
