@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -96,12 +97,16 @@ def test_tenant_b_never_hits_tenant_a_blocks(stack: Stack) -> None:
 
     # B, same tokens: a miss; also with A's namespace (or anything else) in the body. Each
     # variant is a fresh tenant B_i: B's own second request would hit B's own blocks.
-    for i, body_extra in enumerate(({}, {"namespace": ns_a}, {"user": ns_a, "tenant": ns_a, "cache_salt": ns_a},
+    for i, body_extra in enumerate(({}, {"namespace": ns_a}, {"user": ns_a, "tenant": ns_a},
                                     {"extra_body": {"namespace": ns_a}})):
         b_i = {"Authorization": f"{B['Authorization']}-{i}"}
         answer = complete(stack, {"prompt": prompt, "max_tokens": 2, **body_extra}, b_i)
         assert cached(answer) == 0, body_extra
         assert answer["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    # vLLM's namespace field, A's namespace in it: refused, nothing served
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        complete(stack, {"prompt": prompt, "max_tokens": 2, "cache_salt": ns_a}, {"Authorization": "Bearer b-salt"})
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == "cache_salt"
     # No credentials at all, A's namespace in the body: the public tenant, a miss.
     assert cached(complete(stack, {"prompt": prompt, "max_tokens": 2, "namespace": ns_a}, {})) == 0
     # B's own blocks were stored under B's keys, never A's; B's repeat hits B's own.
