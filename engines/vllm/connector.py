@@ -55,6 +55,7 @@ from engines.vllm.connector_obs import ConnectorObservability
 from engines.vllm.connector_scheduler import BlockTransfer, KVStoreConnectorMetadata, SchedulerSide, _Tracked
 from engines.vllm.connector_worker import WorkerSide
 from engines.vllm.layout import PagedBlocks, PagedLayout, kv_groups
+from engines.vllm.log_setup import log_through_vllm
 from engines.vllm.pool_link import ConnectorConfig, PoolLink
 from kvstore.identity import TAG_BYTES, IdentityCheck
 from kvstore.index.keys import block_bytes
@@ -62,23 +63,6 @@ from kvstore.index.keys import block_bytes
 __all__ = ["BlockTransfer", "ConnectorStats", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
 log = logging.getLogger(__name__)
-
-
-def _log_through_vllm() -> None:
-    """vLLM gives handlers to its own ``vllm`` logger only, so the connector's INFO lines (the
-    pool it reached, its data path) would be dropped. In a process whose root logger has no
-    handler (vLLM's), give the ``engines`` and ``kvstore`` loggers vLLM's handlers and level,
-    not passing their records on to the root (as vLLM does with its own); elsewhere (a test
-    run, an application that configured logging or either logger) leave logging alone."""
-    ours, theirs = [logging.getLogger(n) for n in ("engines", "kvstore")], logging.getLogger("vllm")
-    if logging.getLogger().handlers or not theirs.handlers or any(o.handlers or o.level for o in ours):
-        return
-    for logger in ours:
-        for handler in theirs.handlers:
-            logger.addHandler(handler)
-        logger.setLevel(theirs.getEffectiveLevel())
-        logger.propagate = False
-
 
 
 @dataclass(slots=True)
@@ -106,7 +90,7 @@ class KVStoreConnector(ConnectorObservability, SchedulerSide, WorkerSide, KVConn
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _log_through_vllm()
+        log_through_vllm()
         tc = self._kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.paged = PagedLayout.from_vllm(vllm_config)   # rank 0's; each rank keys its own shard

@@ -209,9 +209,9 @@ logging.getLogger("vllm").addHandler(handler)
 logging.getLogger("vllm").setLevel(logging.INFO)
 if sys.argv[1] == "app":
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s %(message)s")
-from engines.vllm.connector import _log_through_vllm
-_log_through_vllm()
-_log_through_vllm()
+from engines.vllm.log_setup import log_through_vllm
+log_through_vllm()
+log_through_vllm()
 logging.getLogger("kvstore.client").info("attached")
 logging.getLogger("engines.vllm.pool_link").debug("not shown")
 """
