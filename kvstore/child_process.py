@@ -1,4 +1,5 @@
-"""Starting a child process safely from a process that runs gRPC: :func:`guarded_argv`.
+"""Child processes: starting one safely from a process that runs gRPC (:func:`guarded_argv`), and
+whether one still runs (:func:`pid_alive`).
 
 What a child must do before its program runs — take a death signal (``PR_SET_PDEATHSIG``:
 SIGTERM when the process that started it dies, even by SIGKILL), or bind to some CPUs — is
@@ -61,3 +62,14 @@ def guarded_argv(argv: Sequence[str], die_with_parent: bool = True, cpus: Iterab
     cpu_list = ",".join(str(int(c)) for c in cpus)
     keep = "1" if "LC_CTYPE" in env else "0"
     return [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()), str(sig), cpu_list, keep, *argv]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

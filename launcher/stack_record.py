@@ -19,7 +19,8 @@ def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
     import glob
     import json
 
-    from kvstore.kvctl.common import pid_alive, up_file
+    from kvstore.child_process import pid_alive
+    from kvstore.kvctl.common import up_file
     for stale in glob.glob(os.path.join(os.path.dirname(up_file()), "up-*.json")):
         pid = os.path.basename(stale)[3:-5]
         if pid.isdigit() and not pid_alive(int(pid)):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.auth import METRICS_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
-from kvstore.child_process import guarded_argv
+from kvstore.child_process import guarded_argv, pid_alive
 from kvstore.config import MAX_SOCKET_PATH, private_socket_dir
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.port_hold import HELD_ENV
@@ -266,21 +266,11 @@ def _private_tmp(port: int) -> str | None:
         return None
     for stale in Path(base).glob("vllm-*-*-*"):
         starter = stale.name.split("-")[1]
-        if starter.isdigit() and not _alive(int(starter)):
+        if starter.isdigit() and not pid_alive(int(starter)):
             shutil.rmtree(stale, ignore_errors=True)
     path = os.path.join(base, name)
     os.mkdir(path, 0o700)
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def launch_servers(specs: list[VLLMServerSpec], log_dir: str | Path,

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvstore.admin.client import AdminClient
 from kvstore.auth import ENGINE_TOKEN_ENV, REDIS_URL_ENV, STORE_TOKEN_ENV
+from kvstore.child_process import pid_alive
 from kvstore.client import StoreClient
 from kvstore.config import parse_bytes
 from kvstore.errors import InvalidArgument
@@ -49,17 +50,6 @@ def up_file(pid: int | None = None) -> str:
     if explicit:
         return explicit
     return os.path.join(up_dir(), f"up-{os.getpid() if pid is None else pid}.json")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def running_stacks() -> list[dict[str, Any]]:
