@@ -259,7 +259,11 @@ def _private_tmp(port: int) -> str | None:
     (a ``kill -9`` of ``kvstore up``) are removed here."""
     name = f"vllm-{os.getpid()}-{port}-{secrets.token_hex(4)}"
     room = MAX_SOCKET_PATH - len(name) - 1 - 37
-    base = private_socket_dir(room)
+    try:
+        base = private_socket_dir(room)
+    except OSError as exc:
+        log.warning("vLLM's temporary files stay in the shared temporary directory: %s", exc)
+        return None
     if len(os.fsencode(base)) >= room:
         log.info("vLLM's temporary files stay in the shared temporary directory: %s leaves no room for "
                  "its sockets", base)
