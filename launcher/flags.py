@@ -177,7 +177,9 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "HTTP 429, so that no tenant takes every slot (default: half of --max-inflight when "
                         "the front door has API keys, none without; 0: none)")
     p.add_argument("--admit-ttft-s", type=float, default=30.0,
-                   help="admission bound: reject (429) when the predicted TTFT exceeds this")
+                   help="admission bound: reject (429), before any prefill, a request whose predicted TTFT "
+                        "exceeds this many seconds (default %(default)s; your TTFT SLO turns away what would miss "
+                        "it: docs/benchmarks.md, 'Admission at the demo's SLO')")
     p.add_argument("--admit-tbt-s", type=float, default=0.0,
                    help="admission bound: reject (429) when the predicted TBT exceeds this (0: no TBT SLO)")
     # The registry itself, not a copy: a policy registered later is accepted too.
