@@ -16,16 +16,12 @@ def record_stack(stores: list[str], engines: list[str], url: str, data_dir: str,
     ``auth.env`` (which gets the Redis URL too, since a private Redis's holds its password)
     and over vLLM what its keys are made of (``vllm``: model, block_size, ...). Records of a
     ``kvstore up`` that died without removing its own are removed. Returns the file's path."""
-    import glob
     import json
 
-    from kvstore.child_process import pid_alive
-    from kvstore.kvctl.common import up_file
-    for stale in glob.glob(os.path.join(os.path.dirname(up_file()), "up-*.json")):
-        pid = os.path.basename(stale)[3:-5]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            with contextlib.suppress(OSError):
-                os.remove(stale)
+    from kvstore.kvctl.common import stale_records, up_file
+    for stale in stale_records(os.path.dirname(up_file())):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
     auth_env = os.path.abspath(os.path.join(data_dir, "auth.env"))
     if redis_url:
         with open(auth_env, "a") as f:

@@ -34,10 +34,10 @@ from kvstore.config import MAX_SOCKET_PATH, private_socket_dir
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.port_hold import HELD_ENV
 
+log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SERVED_MODEL_NAME = "kvstore-vllm"
-log = logging.getLogger(__name__)
 BLOCK_SIZE = 32        # tokens per block: the default of every instance here (vLLM-CPU needs a multiple of 32)
 
 

@@ -176,11 +176,9 @@ class PoolLink:
         if not attached:
             log.info("kvstore connector: %s not reached at start; its data path attaches on first use", self.target)
         for node, (path, built) in attached.items():
-            if path == "grpc" and self.cfg.redis:
-                log.info("kvstore connector: store node %s maps no slab here: its blocks go over the transfer "
-                         "engine or the gRPC stream", node)
-            elif path == "grpc":
-                log.info("kvstore connector: blocks to and from %s go over the gRPC stream", node)
+            if path == "grpc":
+                log.info("kvstore connector: blocks to and from %s go over %s", node,
+                         "its transfer engine or the gRPC stream" if self.cfg.redis else "the gRPC stream")
             elif built:
                 log.info("kvstore connector: %s's slab mapped (%s), its page tables built in %.2f s%s", node,
                          path, seconds, " (every node's)" if self.cfg.redis else "")

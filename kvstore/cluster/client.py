@@ -164,20 +164,15 @@ class ClusterClient:
         """:meth:`StoreClient.attach` of every live node, all mapped first, then ``wait_s`` in all for
         their page tables: node id -> (data path, page tables built); one not reached or failing is
         left out (it attaches on first use)."""
-        deadline, attached = time.monotonic() + wait_s, {}
-        clients = {node.node_id: self._client(node) for node in self.nodes()}
-        for wait in (False, True):      # every slab mapped first, so that their page tables build at once
-            for node_id, client in list(clients.items()):
-                try:
-                    path, built = client.attach(max(0.0, deadline - time.monotonic()) if wait else 0.0)
-                except (KVStoreError, OSError) as exc:
-                    log.warning("store node %s: data path not attached at start (%s)", node_id, exc)
-                    path = ""
-                if path:
-                    attached[node_id] = (path, built)
-                else:
-                    del clients[node_id]
-        return attached
+        deadline, reached = time.monotonic() + wait_s, {}
+        for node in self.nodes():       # every slab mapped first, so that their page tables build at once
+            client = self._client(node)
+            try:
+                if client.attach(0.0)[0]:
+                    reached[node.node_id] = client
+            except (KVStoreError, OSError) as exc:
+                log.warning("store node %s: data path not attached at start (%s)", node.node_id, exc)
+        return {node_id: client.attach(max(0.0, deadline - time.monotonic())) for node_id, client in reached.items()}
 
     def _transport(self, node: NodeInfo) -> BlockTransport:
         key = (node.node_id, node.epoch)

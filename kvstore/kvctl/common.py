@@ -71,13 +71,24 @@ def running_stacks() -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: d["pid"])
 
 
+def stale_records(directory: str | None = None) -> list[str]:
+    """The ``up-<pid>.json`` records in ``directory`` (default :func:`up_dir`) whose ``kvstore
+    up`` has exited without removing its own (a ``kill -9``)."""
+    stale = []
+    for path in sorted(glob.glob(os.path.join(directory or up_dir(), "up-*.json"))):
+        pid = os.path.basename(path)[3:-5]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            stale.append(path)
+    return stale
+
+
 def no_stack_hint() -> str:
     """Why kvctl asked the default address: no ``kvstore up`` of this user is running (and
     which recorded ones have exited), no ``--store`` was given."""
     explicit = os.environ.get(UP_FILE_ENV)
-    exited = [explicit] if explicit else sorted(glob.glob(os.path.join(up_dir(), "up-*.json")))
+    exited = ([explicit] if os.path.exists(explicit) else []) if explicit else stale_records()
     said = "names a stack that has exited" if len(exited) == 1 else "name stacks that have exited"
-    stale = f"; {', '.join(exited)} {said}" if exited and os.path.exists(exited[0]) else ""
+    stale = f"; {', '.join(exited)} {said}" if exited else ""
     return (f" (no kvstore up of this user is running{stale}, and no --store was given: "
             f"{DEFAULT_STORE} is only the default)")
 

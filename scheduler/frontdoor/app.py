@@ -162,7 +162,7 @@ def config_from_args(args: argparse.Namespace) -> FrontdoorConfig:
                            max_connections=getattr(args, "max_connections", None),
                            idle_timeout_s=getattr(args, "idle_timeout_s", None) or DEFAULT_IDLE_TIMEOUT_S,
                            head_timeout_s=getattr(args, "head_timeout_s", None) or DEFAULT_HEAD_TIMEOUT_S,
-                           ready_timeout_s=getattr(args, "ready_timeout_s", None) or 60.0)
+                           ready_timeout_s=getattr(args, "ready_timeout_s", None) or FrontdoorConfig.ready_timeout_s)
 
 
 def serve_until_signal(start: Callable[[], Awaitable[Any]], label: str = "") -> int:
